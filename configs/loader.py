@@ -1,0 +1,152 @@
+"""Load a RunConfig from YAML plus dotted command-line overrides, and report errors in one line."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from configs.run import RunConfig
+
+_TAGS = ("backend", "kind")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be loaded; the message names the file or field and what was expected."""
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Split `a.b.c=value` into a path and a YAML-typed value (`8` -> int, `[1,2]` -> list, `x` -> str)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. actor.optim.lr=1e-6")
+    key, raw = text.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise ConfigError(f"override {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return path, value
+
+
+def apply_override(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    """Set `value` at `path` in a nested dict/list tree, creating dicts on the way."""
+    node: Any = tree
+    for i, key in enumerate(path[:-1]):
+        if isinstance(node, list):
+            node = node[_index(path, i, node)]
+            continue
+        nxt = node.get(key)
+        if not isinstance(nxt, dict | list):
+            nxt = {}
+            node[key] = nxt
+        node = nxt
+    last = path[-1]
+    if isinstance(node, list):
+        node[_index(path, len(path) - 1, node)] = value
+    else:
+        node[last] = value
+
+
+def _index(path: list[str], i: int, node: list[Any]) -> int:
+    key = path[i]
+    if not key.isdigit() or int(key) >= len(node):
+        raise ConfigError(f"override {'.'.join(path)}: {key!r} is not an index of a list of {len(node)}")
+    return int(key)
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """Read a YAML mapping, with a one-line error naming the file when it is missing or malformed."""
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such config file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}:{where} is not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top, got {type(data).__name__}")
+    return data
+
+
+def build_config(data: dict[str, Any], source: str = "config") -> RunConfig:
+    """Validate a raw dict as a RunConfig, turning the first pydantic error into a one-line ConfigError."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: {format_validation_error(exc, data)}") from None
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load YAML, apply `a.b=value` overrides (typed by the schema), validate everything once."""
+    path = Path(path)
+    data = read_yaml(path)
+    for text in overrides:
+        apply_override(data, *parse_override(text))
+    return build_config(data, str(path))
+
+
+def format_validation_error(exc: ValidationError, data: dict[str, Any]) -> str:
+    """One line: the dotted field path (union tags removed) and what was expected."""
+    err = exc.errors()[0]
+    loc = _strip_tags(list(err["loc"]), data)
+    field = ".".join(str(p) for p in loc)
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key (not in the schema)"
+    elif err["type"] == "missing":
+        msg = "required field is missing"
+    elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
+        msg = f"{msg} (got {err['input']!r})"
+    msg = msg.removeprefix("Value error, ")
+    extra = f" (+{len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    return f"{field}: {msg}{extra}" if field else f"{msg}{extra}"
+
+
+def _strip_tags(loc: list[Any], data: Any) -> list[Any]:
+    out: list[Any] = []
+    node = data
+    for part in loc:
+        if isinstance(node, dict) and part not in node and any(node.get(t) == part for t in _TAGS):
+            continue
+        if isinstance(part, str) and part.startswith("function-") or part in ("tagged-union",):
+            continue
+        out.append(part)
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            node = node[part]
+        else:
+            node = None
+    return out
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, str]:
+    """Flatten a config dump to `a.b.c -> str(value)` (MLflow params)."""
+    out: dict[str, str] = {}
+    if isinstance(tree, dict):
+        for key, val in tree.items():
+            out.update(flatten(val, f"{prefix}{key}."))
+    elif isinstance(tree, list | tuple) and tree and all(isinstance(v, dict) for v in tree):
+        for i, val in enumerate(tree):
+            out.update(flatten(val, f"{prefix}{i}."))
+    else:
+        out[prefix.rstrip(".")] = json.dumps(tree) if isinstance(tree, list | tuple) else str(tree)
+    return out
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """A short, stable digest of the resolved config (canonical JSON)."""
+    blob = json.dumps(cfg.model_dump(mode="json"), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    """The resolved config as YAML (what `config show` prints and MLflow stores)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

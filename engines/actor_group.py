@@ -1,0 +1,278 @@
+"""Ray actor groups: plain engine classes become named Ray actors with resources from config.
+
+Engines know nothing of Ray. A group places `num_workers` actors (ranks) of one engine class, each with a
+rank in a (dp, pp, tp) mesh (tp fastest), calls methods *by attribute* through a dispatch proxy:
+
+    group.all().load(path)                 # ONE_TO_ALL: same arguments to every rank
+    group.one(0).save(path)                # rank 0 only
+    group.dp().logprobs(batch)             # DP_COMPUTE: split batch by dp rank, collect from tp 0 / last pp
+    group.pp_as_dp().logprobs(batch)       # PP_AS_DP: pp ranks act as more dp ranks (hybrid resharding)
+
+Named actors let a retried Prefect task find them again (`get_if_exists`); `alive()` detects a dead
+actor and `rebuild()` replaces the group. `in_process=True` runs the same engines without Ray (unit tests).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tensordict import TensorDict
+
+from engines.types import chunk_for_ranks, concat
+
+
+def import_object(path: str) -> Any:
+    """Import `package.module:Name`."""
+    module, _, name = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ImportError(f"cannot import {path!r}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a group's ranks go: a named placement group and its bundle per rank (None = anywhere)."""
+
+    group_name: str | None = None
+    bundle_indices: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Everything needed to (re)build a group: engine class path, constructor kwargs, resources, mesh."""
+
+    name: str
+    engine: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    num_workers: int = 1
+    tp: int = 1
+    pp: int = 1
+    num_cpus: float = 0.0
+    num_gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)
+    threads: int = 1
+    env: dict[str, str] = field(default_factory=dict)
+    extra_options: dict[str, Any] = field(default_factory=dict)
+    placement: Placement = Placement()
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: ranks / (tp x pp)."""
+        return self.num_workers // (self.tp * self.pp)
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(dp, pp, tp) coordinates of a rank; tp varies fastest."""
+        return rank // (self.tp * self.pp), (rank // self.tp) % self.pp, rank % self.tp
+
+
+def worker_env(threads: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment that keeps a worker's torch from spinning: N threads, passive OpenMP waits."""
+    env = {
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    env.update(extra or {})
+    return env
+
+
+class ActorGroup:
+    """A set of ranks of one engine class, as named Ray actors or in-process objects."""
+
+    def __init__(self, spec: GroupSpec, namespace: str = "rlstages", in_process: bool = False) -> None:
+        if spec.num_workers % (spec.tp * spec.pp):
+            raise ValueError(f"group {spec.name}: {spec.num_workers} workers is not a multiple of tp x pp")
+        self.spec, self.namespace, self.in_process = spec, namespace, in_process
+        self.handles: list[Any] = []
+        self._build()
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------
+    def _actor_name(self, rank: int) -> str:
+        return f"{self.spec.name}:{rank}"
+
+    def _build(self) -> None:
+        cls = import_object(self.spec.engine)
+        if self.in_process:
+            import torch
+
+            torch.set_num_threads(self.spec.threads)
+            self.handles = [cls(**self.spec.kwargs) for _ in range(self.spec.num_workers)]
+            return
+        import ray
+
+        remote_cls = ray.remote(cls)
+        self.handles = [
+            remote_cls.options(**self._options(rank)).remote(**self.spec.kwargs)
+            for rank in range(self.spec.num_workers)
+        ]
+
+    def _options(self, rank: int) -> dict[str, Any]:
+        spec = self.spec
+        env = worker_env(spec.threads, spec.env)
+        options: dict[str, Any] = {
+            "name": self._actor_name(rank),
+            "namespace": self.namespace,
+            "get_if_exists": True,
+            "num_cpus": spec.num_cpus,
+            "num_gpus": spec.num_gpus,
+            "resources": dict(spec.resources) or None,
+            "max_concurrency": 1,
+        }
+        extra = dict(spec.extra_options)
+        runtime_env = dict(extra.pop("runtime_env", {}) or {})
+        runtime_env["env_vars"] = {**env, **runtime_env.get("env_vars", {})}
+        options["runtime_env"] = runtime_env
+        options.update(extra)
+        if spec.placement.group_name is not None:
+            import ray
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            pg = ray.util.get_placement_group(spec.placement.group_name)
+            index = spec.placement.bundle_indices[rank] if spec.placement.bundle_indices else -1
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=index
+            )
+        return {k: v for k, v in options.items() if v is not None}
+
+    def alive(self, timeout: float = 30.0) -> bool:
+        """True when every rank answers; False when any actor died."""
+        if self.in_process:
+            return True
+        import ray
+
+        try:
+            ray.get([h.__ray_ready__.remote() for h in self.handles], timeout=timeout)
+            return True
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorDiedError):
+            return False
+
+    def kill(self) -> None:
+        """Kill every rank (named actors are freed so a rebuild can reuse the names)."""
+        if self.in_process:
+            self.handles = []
+            return
+        import ray
+
+        for handle in self.handles:
+            try:
+                ray.kill(handle, no_restart=True)
+            except ValueError:
+                pass
+        self.handles = []
+
+    def rebuild(self) -> None:
+        """Replace every rank with a fresh actor (after a death); state must be reloaded by the caller."""
+        self.kill()
+        if not self.in_process:
+            import time
+
+            import ray
+
+            for rank in range(self.spec.num_workers):  # wait until the GCS forgets the dead names
+                for _ in range(50):
+                    try:
+                        ray.get_actor(self._actor_name(rank), namespace=self.namespace)
+                        time.sleep(0.1)
+                    except ValueError:
+                        break
+        self._build()
+
+    # ---- dispatch -------------------------------------------------------------------------------------------
+    def all(self, timeout: float | None = None) -> _Dispatch:
+        """ONE_TO_ALL: call the method on every rank with the same arguments; returns a list."""
+        return _Dispatch(self, "all", timeout)
+
+    def one(self, rank: int = 0, timeout: float | None = None) -> _Dispatch:
+        """Call the method on one rank; returns its result."""
+        return _Dispatch(self, "one", timeout, rank)
+
+    def dp(self, timeout: float | None = None) -> _Dispatch:
+        """DP_COMPUTE: split the first argument (a batch) by dp rank; gather from tp rank 0 of the last pp stage."""
+        return _Dispatch(self, "dp", timeout)
+
+    def pp_as_dp(self, timeout: float | None = None) -> _Dispatch:
+        """PP_AS_DP: split across dp x pp ranks (pipeline stages act as extra data ranks); gather from tp 0."""
+        return _Dispatch(self, "pp_as_dp", timeout)
+
+    def collect_ranks(self, pp_as_dp: bool = False) -> list[int]:
+        """Ranks whose outputs are gathered: tp rank 0 and (unless pp-as-dp) the last pipeline stage."""
+        last = self.spec.pp - 1
+        return [
+            r
+            for r in range(self.spec.num_workers)
+            if self.spec.coords(r)[2] == 0 and (pp_as_dp or self.spec.coords(r)[1] == last)
+        ]
+
+    def _chunk_of(self, rank: int, pp_as_dp: bool) -> int:
+        dp, pp, _ = self.spec.coords(rank)
+        return dp * self.spec.pp + pp if pp_as_dp else dp
+
+    def submit(self, method: str, ranks: Sequence[int], args_for: Callable[[int], tuple[tuple, dict]]) -> list[Any]:
+        """Start `method` on `ranks`; returns Ray ObjectRefs (or results in-process)."""
+        out = []
+        for rank in ranks:
+            args, kwargs = args_for(rank)
+            target = getattr(self.handles[rank], method)
+            out.append(target(*args, **kwargs) if self.in_process else target.remote(*args, **kwargs))
+        return out
+
+    def wait(self, refs: list[Any], timeout: float | None) -> list[Any]:
+        """Block for results; a blocking ray.get gets its own timeout (a Prefect thread cannot be interrupted)."""
+        if self.in_process:
+            return refs
+        import ray
+
+        return ray.get(refs, timeout=timeout)
+
+
+class _Dispatch:
+    """Attribute proxy: `group.dp().logprobs(batch)` dispatches `logprobs` by the chosen mode."""
+
+    def __init__(self, group: ActorGroup, mode: str, timeout: float | None, rank: int = 0) -> None:
+        self.group, self.mode, self.timeout, self.rank = group, mode, timeout, rank
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            g = self.group
+            every = range(g.spec.num_workers)
+            if self.mode == "all":
+                return g.wait(g.submit(method, every, lambda r: (args, kwargs)), self.timeout)
+            if self.mode == "one":
+                return g.wait(g.submit(method, [self.rank], lambda r: (args, kwargs)), self.timeout)[0]
+            pp_as_dp = self.mode == "pp_as_dp"
+            batch, rest = args[0], args[1:]
+            parts = g.spec.dp * (g.spec.pp if pp_as_dp else 1)
+            chunks = chunk_for_ranks(batch, parts) if isinstance(batch, TensorDict) else _split_list(batch, parts)
+            refs = g.submit(method, every, lambda r: ((chunks[g._chunk_of(r, pp_as_dp)], *rest), kwargs))
+            results = g.wait(refs, self.timeout)
+            keep = [results[r] for r in g.collect_ranks(pp_as_dp)]
+            return _gather(keep)
+
+        return call
+
+
+def _split_list(items: Sequence[Any], parts: int) -> list[list[Any]]:
+    bounds = [len(items) * r // parts for r in range(parts + 1)]
+    return [list(items[bounds[r] : bounds[r + 1]]) for r in range(parts)]
+
+
+def _gather(results: list[Any]) -> Any:
+    import torch
+
+    if len(results) == 1:
+        return results[0]
+    first = results[0]
+    if isinstance(first, TensorDict):
+        return concat(results)
+    if isinstance(first, torch.Tensor):
+        return torch.cat(results)
+    if isinstance(first, list):
+        return [x for r in results for x in r]
+    return results

@@ -1,0 +1,68 @@
+"""megatron-core's own `dist_checkpointing` format, written from our rank files (needs megatron-core).
+
+Each of the TP x PP workers builds its model chunk(s), loads its rank file, and takes part in one collective
+`dist_checkpointing.save` of the sharded state dict. The result is parallelism-agnostic: megatron-core can
+load it under another TP/PP (`load_dist_checkpoint`). Virtual-pipeline chunks are saved under "model<v>".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from engines.convert.gloo_world import run_world
+from engines.convert.spec import ConversionSpec
+
+
+def save_dist_checkpoint(mcore_dir: str | Path, out_dir: str | Path, timeout: float = 1800.0) -> Path:
+    """Write the converted checkpoint in `mcore_dir` as a megatron-core dist checkpoint into `out_dir`."""
+    spec = ConversionSpec.load(mcore_dir)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    run_world(
+        "engines.convert.dist_ckpt:save_worker",
+        spec.tp * spec.pp,
+        {"mcore_dir": str(mcore_dir), "out_dir": str(out_dir)},
+        timeout=timeout,
+    )
+    return Path(out_dir)
+
+
+def sharded_state_dict(chunks: list[Any]) -> dict[str, Any]:
+    """The sharded state dict of a rank's model chunks (one chunk: its own; several: "model<v>" keys)."""
+    if len(chunks) == 1:
+        return chunks[0].sharded_state_dict()
+    return {f"model{v}": chunk.sharded_state_dict() for v, chunk in enumerate(chunks)}
+
+
+def load_dist_checkpoint(chunks: list[Any], ckpt_dir: str | Path) -> None:
+    """Load a dist checkpoint into this rank's already built model chunks (any TP/PP layout)."""
+    from megatron.core import dist_checkpointing
+
+    state = dist_checkpointing.load(sharded_state_dict(chunks), str(ckpt_dir))
+    if len(chunks) == 1:
+        chunks[0].load_state_dict(state, strict=True)
+    else:
+        for v, chunk in enumerate(chunks):
+            chunk.load_state_dict(state[f"model{v}"], strict=True)
+
+
+def save_worker(rank: int, world_size: int, port: int, mcore_dir: str, out_dir: str) -> None:
+    """One rank of `save_dist_checkpoint`."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    from engines import megatron_cpu
+    from engines.convert.parity import load_rank_chunk
+
+    spec = ConversionSpec.load(mcore_dir)
+    megatron_cpu.init_model_parallel(rank, world_size, port, spec.tp, spec.pp, spec.vpp)
+    try:
+        tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        chunks = []
+        for v in range(spec.vpp):
+            model = megatron_cpu.build_gpt_model(spec, vp_stage=v)
+            model.load_state_dict(load_rank_chunk(Path(mcore_dir), spec, tp_rank, pp_rank, v), strict=True)
+            chunks.append(model)
+        dist_checkpointing.save(sharded_state_dict(chunks), out_dir)
+    finally:
+        megatron_cpu.destroy_model_parallel()

@@ -1,0 +1,184 @@
+"""HF safetensors directory -> Megatron-Core checkpoint: one safetensors file per (tp, pp) rank.
+
+The conversion runs twice over the same generator: first on meta tensors (headers only) to plan every
+rank file and to find leftovers, missing tensors and shape errors before a byte is written; then on real
+tensors, read shard by shard in file order and written as soon as an op has its inputs. Peak memory is
+about one layer plus the tensors in flight, never the whole model. Output layout:
+
+    OUT/mp_rank_<tp>[_<pp>]/model.safetensors   Megatron names, chunk-local layer indices
+    OUT/mcore_config.json                       template, parallel sizes, flat Megatron config, HF config
+    OUT/hf/                                     config.json, tokenizer and other side files of the input
+    OUT/dist_ckpt/                              megatron-core dist_checkpointing copy (optional)
+    OUT/manifest.json                           sha256 of every file; written last
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engines.convert.manifest import HF_FILES_DIR, WEIGHT_INDEX, atomic_directory, copy_hf_side_files, write_manifest
+from engines.convert.ops import Converted
+from engines.convert.safetensors_io import Planned, PlannedWriter, Reader
+from engines.convert.sharding import chunk_prefix, pad_vocab, split_tp, tp_kind
+from engines.convert.spec import SPEC_FILE, ConversionSpec, TransformerImpl
+from engines.convert.stream import ConversionError, HfToMcore
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+RankTensor = tuple[int, int, str, torch.Tensor]  # (tp_rank, pp_rank, name in the rank file, shard)
+
+
+def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
+    """Megatron's rank directory name: mp_rank_TT when pp == 1, else mp_rank_TT_PPP."""
+    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def rank_file(tp_rank: int, pp_rank: int, pp: int) -> str:
+    """Relative path of one rank's safetensors file."""
+    return f"{rank_dir(tp_rank, pp_rank, pp)}/model.safetensors"
+
+
+def read_hf_config(hf_dir: Path) -> dict[str, Any]:
+    """config.json of an HF model directory, with a clear error when absent or not JSON."""
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found; expected an HF model directory (config.json + *.safetensors)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def hf_weight_files(hf_dir: Path) -> list[Path]:
+    """The safetensors shards of an HF directory (index order when an index exists)."""
+    hf_dir = Path(hf_dir)
+    index = hf_dir / WEIGHT_INDEX
+    if index.is_file():
+        shards = list(dict.fromkeys(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (hf_dir / s).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index}: lists shard(s) that do not exist: {missing}")
+        return [hf_dir / s for s in shards]
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        other = sorted(p.name for p in hf_dir.glob("*.bin"))
+        hint = f" (found {other}: re-save with save_pretrained(safe_serialization=True))" if other else ""
+        raise FileNotFoundError(f"{hf_dir}: no *.safetensors weights{hint}")
+    return files
+
+
+def shard_global(spec: ConversionSpec, name: str, tensor: Converted) -> Iterator[RankTensor]:
+    """Place one global Megatron tensor: pad vocab, split over TP, locate its pipeline stage and chunk."""
+    try:
+        kind = tp_kind(name, spec.template.tp_rules)
+    except KeyError:
+        if spec.tp > 1:
+            raise
+        kind = "replicated"
+    if kind == "vocab":
+        tensor = pad_vocab(tensor, spec.mcore["padded_vocab_size"])
+    place = spec.layer_map.place(name)
+    local = chunk_prefix(place.vp_stage, spec.vpp) + place.local_name
+    for tp_rank, shard in enumerate(split_tp(name, tensor, kind, spec.tp)):
+        yield tp_rank, place.pp_rank, local, shard
+
+
+def stream_rank_tensors(
+    spec: ConversionSpec, readers: Sequence[Reader], meta: bool = False, progress: Progress | None = None
+) -> Iterator[RankTensor]:
+    """Every rank tensor of the conversion, in a deterministic order; raises on incompleteness at the end."""
+    stream = HfToMcore(spec)
+    seen: dict[str, Path] = {}
+    total = sum(e.end - e.start for r in readers for e in r.entries.values())
+    done = 0
+    for reader in readers:
+        for name, entry in reader.entries.items():
+            if name in seen:
+                raise ConversionError(f"{name}: present in both {seen[name].name} and {reader.path.name}")
+            seen[name] = reader.path
+            tensor = reader.meta(name) if meta else reader.get(name)
+            for mcore_name, converted in stream.add(name, tensor):
+                yield from shard_global(spec, mcore_name, converted)
+            done += entry.end - entry.start
+            if progress is not None:
+                progress(done, total)
+    stream.finish()
+
+
+def convert_hf_to_mcore(
+    hf_path: str | Path,
+    out_path: str | Path,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
+    *,
+    transformer_impl: TransformerImpl = "local",
+    vocab_divisible_by: int = 1,
+    dist_checkpoint: bool = False,
+    overwrite: bool = False,
+    fsync: bool = True,
+    input_digests: dict[str, str] | None = None,
+    progress: Progress | None = None,
+) -> Path:
+    """Convert an HF model directory to Megatron-Core rank files under `out_path`; returns `out_path`.
+
+    `dist_checkpoint=True` also writes megatron-core's `dist_checkpointing` format (needs megatron-core).
+    Nothing is left at `out_path` when the conversion fails.
+    """
+    hf_dir, out = Path(hf_path), Path(out_path)
+    spec = ConversionSpec.from_hf_config(read_hf_config(hf_dir), tp, pp, vpp, transformer_impl, vocab_divisible_by)
+    readers = [Reader(f) for f in hf_weight_files(hf_dir)]
+    plans: dict[tuple[int, int], list[Planned]] = {(t, p): [] for t in range(spec.tp) for p in range(spec.pp)}
+    for t, p, name, shard in stream_rank_tensors(spec, readers, meta=True):
+        plans[(t, p)].append(Planned(name, shard.dtype, tuple(shard.shape)))
+    with atomic_directory(out, overwrite) as tmp:
+        checksums = _write_ranks(spec, readers, plans, tmp, fsync, progress)
+        (tmp / SPEC_FILE).write_text(json.dumps(spec.to_json(), indent=2, sort_keys=True))
+        copy_hf_side_files(hf_dir, tmp / HF_FILES_DIR)
+        if dist_checkpoint:
+            from engines.convert.dist_ckpt import save_dist_checkpoint
+
+            save_dist_checkpoint(tmp, tmp / "dist_ckpt")
+        info = {
+            "direction": "hf_to_mcore",
+            "template": spec.template.hf_model_type,
+            "tp": spec.tp,
+            "pp": spec.pp,
+            "vpp": spec.vpp,
+            "transformer_impl": spec.transformer_impl,
+            "dist_checkpoint": "dist_ckpt" if dist_checkpoint else None,
+            "inputs": {r.path.name: (input_digests or {}).get(r.path.name) for r in readers},
+        }
+        write_manifest(tmp, info, checksums)
+    return out
+
+
+def _write_ranks(
+    spec: ConversionSpec,
+    readers: Sequence[Reader],
+    plans: dict[tuple[int, int], list[Planned]],
+    tmp: Path,
+    fsync: bool,
+    progress: Progress | None,
+) -> dict[str, str]:
+    writers: dict[tuple[int, int], PlannedWriter] = {}
+    try:
+        for (t, p), plan in plans.items():
+            (tmp / rank_dir(t, p, spec.pp)).mkdir()
+            writers[(t, p)] = PlannedWriter(
+                tmp / rank_file(t, p, spec.pp), plan, {"tp_rank": str(t), "pp_rank": str(p)}
+            )
+        for t, p, name, shard in stream_rank_tensors(spec, readers, progress=progress):
+            writers[(t, p)].write(name, shard)
+        return {rank_file(t, p, spec.pp): w.close(fsync) for (t, p), w in writers.items()}
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    finally:
+        for r in readers:
+            r.close()

@@ -1,0 +1,181 @@
+"""Megatron-Core (any TP/PP/VPP) -> HF names and layouts, streamed: export and weight sync.
+
+Three entry points share one path (gather TP shards -> global name -> template ops in reverse):
+
+* `mcore_to_hf(source)`: a converted directory, or in-memory rank state dicts `{(tp_rank, pp_rank): {name:
+  tensor}}`, to `(hf_name, tensor)` pairs, one tensor at a time.
+* `rank_mcore_to_hf(named_tensors, spec, ...)`: what one Megatron training rank calls on its own local
+  parameters. Every rank of a TP group must call it with the same names in the same order (the TP
+  all-gather is a collective); each rank then yields the same full HF tensors. Each pipeline stage yields
+  the HF tensors of its own layers (the first stage also the embedding, the last the final norm and lm_head),
+  which is what a rollout engine's partial `load_weights` accepts; call once per virtual-pipeline chunk.
+* `convert_mcore_to_hf(dir, out)`: a converted directory to an HF model directory (sharded safetensors).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from engines.convert.hf_to_mcore import Progress, rank_file
+from engines.convert.manifest import HF_FILES_DIR, WEIGHT_INDEX, atomic_directory, write_manifest
+from engines.convert.safetensors_io import Planned, PlannedWriter, Reader
+from engines.convert.sharding import chunk_prefix, merge_tp, tp_kind
+from engines.convert.spec import ConversionSpec
+from engines.convert.stream import McoreToHf
+
+RankStateDicts = Mapping[tuple[int, int], Mapping[str, torch.Tensor]]
+HfTensors = Iterator[tuple[str, torch.Tensor]]
+
+
+def _kind(spec: ConversionSpec, name: str) -> str:
+    try:
+        return tp_kind(name, spec.template.tp_rules)
+    except KeyError:
+        if spec.tp > 1:
+            raise
+        return "replicated"
+
+
+def _to_global(stream: McoreToHf, spec: ConversionSpec, name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    kind = _kind(spec, name)
+    tensor = merge_tp(name, shards, kind, stream.stacked_parts(name))
+    return tensor[: spec.hf_vocab_size] if kind == "vocab" else tensor
+
+
+def mcore_to_hf(
+    source: str | Path | RankStateDicts, spec: ConversionSpec | None = None, *, meta: bool = False
+) -> HfTensors:
+    """HF-named full tensors from a converted directory or from per-rank state dicts (spec required then)."""
+    if isinstance(source, (str, Path)):
+        spec = spec or ConversionSpec.load(source)
+        readers = {
+            (t, p): Reader(Path(source) / rank_file(t, p, spec.pp)) for t in range(spec.tp) for p in range(spec.pp)
+        }
+        try:
+            yield from _from_ranks(
+                spec,
+                {k: r.entries for k, r in readers.items()},
+                lambda k, n: readers[k].meta(n) if meta else readers[k].get(n),
+            )
+        finally:
+            for r in readers.values():
+                r.close()
+        return
+    if spec is None:
+        raise ValueError("mcore_to_hf(state dicts) needs the ConversionSpec of the model")
+    yield from _from_ranks(spec, source, lambda k, n: source[k][n])
+
+
+def _from_ranks(
+    spec: ConversionSpec,
+    names: Mapping[tuple[int, int], Iterable[str]],
+    load: Callable[[tuple[int, int], str], torch.Tensor],
+) -> HfTensors:
+    missing = [k for k in ((t, p) for t in range(spec.tp) for p in range(spec.pp)) if k not in names]
+    if missing:
+        raise ValueError(f"rank state dicts missing for (tp_rank, pp_rank) {missing}")
+    stream = McoreToHf(spec)
+    for pp_rank, vp_stage in spec.layer_map.chunks():
+        prefix = chunk_prefix(vp_stage, spec.vpp)
+        local_names = [n for n in names[(0, pp_rank)] if n.startswith(prefix)]
+        for local in local_names:
+            shards = [load((t, pp_rank), local) for t in range(spec.tp)]
+            name = spec.layer_map.global_name(local[len(prefix) :], pp_rank, vp_stage)
+            yield from stream.add(name, _to_global(stream, spec, name, shards))
+    stream.finish()
+
+
+def rank_mcore_to_hf(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    spec: ConversionSpec,
+    *,
+    pp_rank: int = 0,
+    vp_stage: int = 0,
+    tp_group: object | None = None,
+) -> HfTensors:
+    """HF tensors from one Megatron rank's local parameters, TP shards all-gathered over `tp_group`.
+
+    Names are the model chunk's own (`decoder.layers.<local>...`; a leading "module." is stripped).
+    With PP/VPP > 1 only this chunk's tensors are produced, so only leftovers are checked, not completeness.
+    """
+    stream = McoreToHf(spec)
+    for raw, tensor in named_tensors:
+        local = raw
+        while local.startswith("module."):
+            local = local[len("module.") :]
+        if local.endswith("._extra_state"):
+            continue
+        name = spec.layer_map.global_name(local, pp_rank, vp_stage)
+        shards = [tensor.detach()]
+        if spec.tp > 1 and _kind(spec, name) != "replicated":
+            shards = _all_gather(tensor.detach(), spec.tp, tp_group)
+        yield from stream.add(name, _to_global(stream, spec, name, shards))
+    stream.finish(check_expected=spec.pp == 1)
+
+
+def _all_gather(tensor: torch.Tensor, tp: int, group: object | None) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    tensor = tensor.contiguous()
+    out = [torch.empty_like(tensor) for _ in range(tp)]
+    dist.all_gather(out, tensor, group=group)
+    return out
+
+
+def convert_mcore_to_hf(
+    mcore_path: str | Path,
+    out_path: str | Path,
+    *,
+    max_shard_bytes: int = 5 * 2**30,
+    overwrite: bool = False,
+    fsync: bool = True,
+    progress: Progress | None = None,
+) -> Path:
+    """Export a converted directory (any TP/PP) to an HF model directory with sharded safetensors."""
+    src, out = Path(mcore_path), Path(out_path)
+    spec = ConversionSpec.load(src)
+    shards: list[list[Planned]] = [[]]
+    size = 0
+    for name, t in mcore_to_hf(src, spec, meta=True):
+        p = Planned(name, t.dtype, tuple(t.shape))
+        if shards[-1] and size + p.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(p)
+        size += p.nbytes
+    total = sum(p.nbytes for s in shards for p in s)
+    files = [
+        "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        for i in range(len(shards))
+    ]
+    where = {p.name: i for i, s in enumerate(shards) for p in s}
+    with atomic_directory(out, overwrite) as tmp:
+        writers = [PlannedWriter(tmp / f, s) for f, s in zip(files, shards, strict=True)]
+        try:
+            done = 0
+            for name, t in mcore_to_hf(src, spec):
+                writers[where[name]].write(name, t)
+                done += t.numel() * t.element_size()
+                if progress is not None:
+                    progress(done, total)
+            checksums = {f: w.close(fsync) for f, w in zip(files, writers, strict=True)}
+        except BaseException:
+            for w in writers:
+                w.abort()
+            raise
+        if len(files) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": {n: files[i] for n, i in where.items()}}
+            (tmp / WEIGHT_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+        side = src / HF_FILES_DIR
+        if side.is_dir():
+            for f in side.iterdir():
+                shutil.copy2(f, tmp / f.name)
+        else:
+            (tmp / "config.json").write_text(json.dumps(spec.hf_config, indent=2))
+        write_manifest(tmp, {"direction": "mcore_to_hf", "template": spec.template.hf_model_type}, checksums)
+    return out

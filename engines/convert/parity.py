@@ -1,0 +1,227 @@
+"""Parity gate: the Megatron-Core GPTModel built from a converted checkpoint must give the HF model's logits.
+
+`verify_parity` starts TP x PP worker processes (gloo, local layer spec, CPU shim of `engines.megatron_cpu`),
+each loads its own rank file into its model chunk(s) with `load_state_dict(strict=True)`, runs the same
+tokens through the pipeline stage by stage, and the last stage gathers the vocab-parallel logits. The parent
+compares them with the HF model's logits: max |diff| <= `atol` (fp32) and equal argmax.
+Needs megatron-core (imported only in the workers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from engines.convert.gloo_world import run_world
+from engines.convert.hf_to_mcore import rank_file
+from engines.convert.manifest import HF_FILES_DIR
+from engines.convert.safetensors_io import Reader
+from engines.convert.sharding import chunk_prefix
+from engines.convert.spec import ConversionSpec
+
+
+@dataclass(frozen=True)
+class ParityReport:
+    """Outcome of one parity check."""
+
+    max_abs_diff: float
+    argmax_agreement: float
+    atol: float
+    tp: int
+    pp: int
+    vpp: int
+
+    @property
+    def passed(self) -> bool:
+        """Within tolerance and every argmax equal."""
+        return self.max_abs_diff <= self.atol and self.argmax_agreement == 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (for logs and Prefect artifacts)."""
+        return {**asdict(self), "passed": self.passed}
+
+
+class ParityError(AssertionError):
+    """The converted model's logits differ from the HF model's."""
+
+
+def verify_parity(
+    mcore_path: str | Path,
+    hf_path: str | Path | None = None,
+    *,
+    atol: float = 1e-5,
+    raise_on_fail: bool = True,
+    **kwargs: Any,
+) -> ParityReport:
+    """Compare HF and Megatron-Core logits on random tokens (HF weights from `hf_path`, else exported)."""
+    (report,) = verify_parity_many([(mcore_path, hf_path)], atol=atol, raise_on_fail=raise_on_fail, **kwargs)
+    return report
+
+
+def verify_parity_many(
+    cases: Sequence[tuple[str | Path, str | Path | None]],
+    *,
+    source: Literal["ranks", "dist_ckpt"] = "ranks",
+    layout: tuple[int, int, int] | None = None,
+    batch: int = 2,
+    seq_len: int = 16,
+    seed: int = 0,
+    atol: float = 1e-5,
+    hf_model_loader: Callable[[Path], torch.nn.Module] | None = None,
+    raise_on_fail: bool = True,
+    timeout: float = 600.0,
+) -> list[ParityReport]:
+    """Parity of several converted checkpoints in one worker world (they must share one TP/PP/VPP layout).
+
+    `source="dist_ckpt"` loads each checkpoint's `dist_ckpt/` instead of the rank files, under `layout`
+    (tp, pp, vpp), which may differ from the layout it was converted for (megatron-core reshards on load).
+    """
+    specs = [ConversionSpec.load(path) for path, _ in cases]
+    layouts = {layout or (s.tp, s.pp, s.vpp) for s in specs}
+    if len(layouts) != 1:
+        raise ValueError(f"verify_parity_many: cases have different parallel layouts {sorted(layouts)}; group them")
+    tp, pp, vpp = layouts.pop()
+    for spec in specs:
+        spec.with_layout(tp, pp, vpp)  # clear error before any process starts
+    gen = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(0, s.hf_vocab_size, (batch, seq_len), generator=gen) for s in specs]
+    references = [
+        _hf_logits(spec, Path(path), hf, t, hf_model_loader)
+        for spec, (path, hf), t in zip(specs, cases, tokens, strict=True)
+    ]
+    jobs = [{"mcore_dir": str(path), "tokens": t.tolist()} for (path, _), t in zip(cases, tokens, strict=True)]
+    results = run_world(
+        "engines.convert.parity:parity_worker",
+        tp * pp,
+        {"cases": jobs, "source": source, "layout": [tp, pp, vpp]},
+        timeout=timeout,
+    )
+    gathered = next(r for r in results if r is not None)
+    reports = []
+    for (path, _), ref, logits in zip(cases, references, gathered, strict=True):
+        logits = torch.tensor(logits, dtype=torch.float32)
+        report = ParityReport(
+            max_abs_diff=float((logits - ref).abs().max()),
+            argmax_agreement=float((logits.argmax(-1) == ref.argmax(-1)).float().mean()),
+            atol=atol,
+            tp=tp,
+            pp=pp,
+            vpp=vpp,
+        )
+        if raise_on_fail and not report.passed:
+            raise ParityError(f"{path}: Megatron logits differ from HF: {report.to_dict()}")
+        reports.append(report)
+    return reports
+
+
+def _hf_logits(
+    spec: ConversionSpec,
+    mcore_dir: Path,
+    hf_path: str | Path | None,
+    tokens: torch.Tensor,
+    loader: Callable[[Path], torch.nn.Module] | None,
+) -> torch.Tensor:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if hf_path is not None:
+        model = (loader or _default_loader)(Path(hf_path))
+    else:  # rebuild the HF model from the converted checkpoint itself (export path)
+        from engines.convert.mcore_to_hf import mcore_to_hf
+
+        config = AutoConfig.from_pretrained(mcore_dir / HF_FILES_DIR)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        missing, unexpected = model.load_state_dict(dict(mcore_to_hf(mcore_dir, spec)), strict=False)
+        if unexpected or [m for m in missing if "lm_head" not in m]:
+            raise ValueError(f"exported weights do not fit the HF model: missing {missing}, unexpected {unexpected}")
+        model.tie_weights()
+    model = model.float().eval()
+    with torch.no_grad():
+        return model(input_ids=tokens).logits.float()
+
+
+def _default_loader(path: Path) -> torch.nn.Module:
+    """The model registry's loader (custom registered models too), else AutoModelForCausalLM."""
+    try:
+        from engines.models import load_causal_lm
+    except ImportError:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return load_causal_lm(path, "float32")
+
+
+def load_rank_chunk(
+    mcore_dir: Path, spec: ConversionSpec, tp_rank: int, pp_rank: int, vp_stage: int
+) -> dict[str, torch.Tensor]:
+    """The state dict of one model chunk of one rank, as GPTModel names it."""
+    reader = Reader(mcore_dir / rank_file(tp_rank, pp_rank, spec.pp))
+    prefix = chunk_prefix(vp_stage, spec.vpp)
+    try:
+        return {n[len(prefix) :]: reader.get(n) for n in reader if n.startswith(prefix)}
+    finally:
+        reader.close()
+
+
+def parity_worker(
+    rank: int, world_size: int, port: int, cases: list[dict[str, Any]], source: str, layout: list[int]
+) -> Any:
+    """One rank: per case build and load its chunks, run the pipeline by hand; the logits from the last stage."""
+    from megatron.core import parallel_state as ps
+
+    from engines import megatron_cpu
+
+    tp, pp, vpp = layout
+    megatron_cpu.init_model_parallel(rank, world_size, port, tp, pp, vpp)
+    try:
+        tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        outputs = []
+        for case in cases:
+            mcore_dir = Path(case["mcore_dir"])
+            spec = ConversionSpec.load(mcore_dir).with_layout(tp, pp, vpp)
+            chunks = [megatron_cpu.build_gpt_model(spec, vp_stage=v).eval() for v in range(vpp)]
+            if source == "dist_ckpt":
+                from engines.convert.dist_ckpt import load_dist_checkpoint
+
+                load_dist_checkpoint(chunks, mcore_dir / "dist_ckpt")
+            else:
+                for v, chunk in enumerate(chunks):
+                    chunk.load_state_dict(load_rank_chunk(mcore_dir, spec, tp_rank, pp_rank, v), strict=True)
+            outputs.append(_pipeline_forward(spec, dict(enumerate(chunks)), torch.tensor(case["tokens"]), pp_rank))
+        return outputs if outputs and outputs[0] is not None else None
+    finally:
+        megatron_cpu.destroy_model_parallel()
+
+
+def _pipeline_forward(spec: ConversionSpec, chunks: dict[int, Any], ids: torch.Tensor, pp_rank: int) -> Any:
+    from megatron.core import parallel_state as ps
+
+    from engines.megatron_cpu import causal_mask
+
+    batch, seq = ids.shape
+    positions = torch.arange(seq).expand(batch, seq)
+    mask = causal_mask(seq, batch)
+    order = spec.layer_map.chunks()
+    hidden = None
+    out = None
+    with torch.no_grad():
+        for c, (owner, v) in enumerate(order):
+            if owner != pp_rank:
+                continue
+            model = chunks[v]
+            if c > 0:
+                hidden = torch.empty(seq, batch, spec.mcore["hidden_size"])
+                torch.distributed.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+                model.set_input_tensor(hidden)
+            out = model(input_ids=ids, position_ids=positions, attention_mask=mask)
+            if c < len(order) - 1:
+                torch.distributed.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+    if not ps.is_pipeline_last_stage() or out is None:
+        return None
+    shards = [torch.empty_like(out) for _ in range(spec.tp)]
+    torch.distributed.all_gather(shards, out.contiguous(), group=ps.get_tensor_model_parallel_group())
+    logits = torch.cat(shards, dim=-1)[..., : spec.hf_vocab_size]
+    return logits.tolist() if ps.get_tensor_model_parallel_rank() == 0 else None

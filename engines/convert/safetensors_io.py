@@ -1,0 +1,207 @@
+"""Safetensors files read one tensor at a time and written from a plan, with a checksum taken in-stream.
+
+Reading parses the header and `readinto`s each tensor straight into its torch buffer, in file order.
+Writing needs the header first, so the caller plans every (name, dtype, shape) up front (conversions do this
+on meta tensors); the writer then streams the data in that order and hashes the file as it goes.
+Non-goal: names, layouts, ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_CHUNK = 1 << 24
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a safetensors file: dtype, shape and byte range within the data section."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def read_entries(path: Path) -> tuple[int, list[Entry], dict[str, str]]:
+    """(data section offset, entries in file order, __metadata__) of a safetensors file."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+        (n,) = struct.unpack("<Q", raw)
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not a safetensors file (header is not JSON: {e})") from None
+    meta = header.pop("__metadata__", None) or {}
+    entries = []
+    for name, info in header.items():
+        if info["dtype"] not in DTYPES:
+            raise ValueError(f"{path}: tensor {name} has dtype {info['dtype']}, expected one of {sorted(DTYPES)}")
+        start, end = info["data_offsets"]
+        entries.append(Entry(name, DTYPES[info["dtype"]], tuple(info["shape"]), start, end))
+    entries.sort(key=lambda e: e.start)
+    return 8 + n, entries, meta
+
+
+class Reader:
+    """Random access to the tensors of one safetensors file (meta or real)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.data_start, entries, self.metadata = read_entries(self.path)
+        self.entries = {e.name: e for e in entries}
+        self._file: BinaryIO | None = None
+
+    def meta(self, name: str) -> torch.Tensor:
+        """A meta tensor with the dtype and shape of `name`."""
+        e = self.entries[name]
+        return torch.empty(e.shape, dtype=e.dtype, device="meta")
+
+    def get(self, name: str) -> torch.Tensor:
+        """Read tensor `name` into a fresh CPU tensor."""
+        e = self.entries[name]
+        out = torch.empty(e.shape, dtype=e.dtype)
+        if out.numel():
+            if self._file is None:
+                self._file = open(self.path, "rb")  # noqa: SIM115  (kept open across calls; closed in close())
+            self._file.seek(self.data_start + e.start)
+            view = _bytes(out)
+            if self._file.readinto(view) != e.end - e.start:
+                raise ValueError(f"{self.path}: truncated file while reading {name}")
+        return out
+
+    def close(self) -> None:
+        """Close the underlying file."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One tensor a writer expects: name, dtype, shape."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor's data."""
+        numel = 1
+        for s in self.shape:
+            numel *= s
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+class PlannedWriter:
+    """Writes a safetensors file whose tensors are known up front; data streamed in plan order."""
+
+    def __init__(self, path: Path, plan: Sequence[Planned], metadata: dict[str, str] | None = None) -> None:
+        self.path = Path(path)
+        header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+        self._offsets: dict[str, tuple[int, int, Planned]] = {}
+        pos = 0
+        for p in plan:
+            if p.name in self._offsets:
+                raise ValueError(f"{path}: tensor {p.name} planned twice")
+            header[p.name] = {
+                "dtype": DTYPE_NAMES[p.dtype],
+                "shape": list(p.shape),
+                "data_offsets": [pos, pos + p.nbytes],
+            }
+            self._offsets[p.name] = (pos, pos + p.nbytes, p)
+            pos += p.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        head = struct.pack("<Q", len(raw)) + raw
+        self.data_start = len(head)
+        self.size = self.data_start + pos
+        self._written: set[str] = set()
+        self._next = 0
+        self._hash = hashlib.sha256(head)
+        self._in_order = True
+        self._file = open(self.path, "wb")  # noqa: SIM115  (closed in close())
+        self._file.write(head)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write tensor `name` (must match the planned dtype and shape)."""
+        if name not in self._offsets:
+            raise ValueError(f"{self.path}: tensor {name} was not planned for this file")
+        start, end, p = self._offsets[name]
+        if tensor.dtype != p.dtype or tuple(tensor.shape) != p.shape:
+            raise ValueError(
+                f"{self.path}: {name} planned as {p.dtype} {p.shape}, got {tensor.dtype} {tuple(tensor.shape)}"
+            )
+        if name in self._written:
+            raise ValueError(f"{self.path}: tensor {name} written twice")
+        self._written.add(name)
+        if start == end:
+            return
+        data = _bytes(tensor.contiguous())
+        if start != self._next:
+            self._in_order = False
+            self._file.seek(self.data_start + start)
+        self._file.write(data)
+        self._next = end
+        if self._in_order:
+            self._hash.update(data)
+
+    def close(self, fsync: bool = False) -> str:
+        """Finish the file and return its sha256; every planned tensor must have been written."""
+        missing = set(self._offsets) - self._written
+        if missing:
+            self._file.close()
+            raise ValueError(f"{self.path}: {len(missing)} planned tensor(s) never written, e.g. {sorted(missing)[:3]}")
+        if fsync:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        self._file.close()
+        return self._hash.hexdigest() if self._in_order else sha256_file(self.path)
+
+    def abort(self) -> None:
+        """Close without checks (the caller removes the temporary directory)."""
+        self._file.close()
+
+
+def sha256_file(path: Path) -> str:
+    """sha256 of a whole file, read in 16 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()

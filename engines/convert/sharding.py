@@ -1,0 +1,179 @@
+"""Where each Megatron tensor lives: tensor-parallel split/merge, pipeline (and virtual pipeline) layer maps.
+
+TP rules (reference C.4): column-parallel tensors are split on dim 0 (fused QKV is group-major, so a
+contiguous chunk is whole query groups; SwiGLU fc1 is split per half), row-parallel on dim 1, vocab tensors
+are padded then split on dim 0, everything else (norms, row-parallel biases) is replicated.
+PP rules (C.5): stage p owns an even, contiguous range of layers, stored under local indices; with virtual
+pipelines model chunk c = v * pp + p. Embedding on the first chunk, final norm and output layer on the last.
+Non-goal: knowing any HF name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engines.convert.ops import Converted, StackedParts
+
+LAYER_PREFIX = "decoder.layers."
+EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT_LAYER = "output_layer.weight"
+
+# Local-spec suffix -> Transformer Engine spec suffix (TE fuses the pre-norms into the next linear).
+TE_NAMES = {
+    ".input_layernorm.weight": ".self_attention.linear_qkv.layer_norm_weight",
+    ".input_layernorm.bias": ".self_attention.linear_qkv.layer_norm_bias",
+    ".pre_mlp_layernorm.weight": ".mlp.linear_fc1.layer_norm_weight",
+    ".pre_mlp_layernorm.bias": ".mlp.linear_fc1.layer_norm_bias",
+}
+LOCAL_NAMES = {te: local for local, te in TE_NAMES.items()}
+
+_DEFAULT_TP_RULES = {
+    EMBEDDING: "vocab",
+    OUTPUT_LAYER: "vocab",
+    "layer_norm_weight": "replicated",
+    "layer_norm_bias": "replicated",
+    "linear_qkv.weight": "column",
+    "linear_qkv.bias": "column",
+    "linear_fc1.weight": "column",
+    "linear_fc1.bias": "column",
+    "linear_proj.weight": "row",
+    "linear_fc2.weight": "row",
+    "linear_proj.bias": "replicated",
+    "linear_fc2.bias": "replicated",
+}
+
+
+def to_te_name(name: str) -> str:
+    """Local-spec Megatron name -> Transformer Engine spec name (unchanged when not a fused norm)."""
+    for local, te in TE_NAMES.items():
+        if name.endswith(local):
+            return name[: -len(local)] + te
+    return name
+
+
+def to_local_name(name: str) -> str:
+    """Transformer Engine spec name -> local-spec name (unchanged when not a fused norm)."""
+    for te, local in LOCAL_NAMES.items():
+        if name.endswith(te):
+            return name[: -len(te)] + local
+    return name
+
+
+def tp_kind(name: str, rules: Mapping[str, str] | None = None) -> str:
+    """TP class of a Megatron tensor name: column, row, vocab or replicated (template rules first)."""
+    for table in (rules or {}, _DEFAULT_TP_RULES):
+        for suffix, kind in table.items():
+            if name.endswith(suffix):
+                return kind
+    if "norm" in name.rsplit(".", 2)[-2]:
+        return "replicated"
+    raise KeyError(f"{name}: no tensor-parallel rule; add tp_rules={{'<suffix>': 'column'|'row'|...}} to its template")
+
+
+def pad_vocab(tensor: Converted, padded_rows: int) -> torch.Tensor:
+    """Append zero rows so dim 0 has `padded_rows` rows (Megatron needs the vocab divisible by TP)."""
+    assert isinstance(tensor, torch.Tensor)
+    extra = padded_rows - tensor.shape[0]
+    if extra < 0:
+        raise ValueError(f"vocab tensor has {tensor.shape[0]} rows, more than padded_vocab_size={padded_rows}")
+    if extra == 0:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros((extra, *tensor.shape[1:]))])
+
+
+def split_tp(name: str, tensor: Converted, kind: str, tp: int) -> list[torch.Tensor]:
+    """One global Megatron tensor -> its `tp` rank shards (views where possible)."""
+    if isinstance(tensor, StackedParts):
+        if tp == 1 or kind == "replicated":
+            return [tensor.merged()] * tp
+        if kind != "column":
+            raise ValueError(f"{name}: stacked (per-part) tensors must be column-parallel, the rule says {kind!r}")
+        per_part = [_chunk(name, p, 0, tp) for p in tensor.parts]
+        return [torch.cat([chunks[r] for chunks in per_part], dim=tensor.dim) for r in range(tp)]
+    if tp == 1 or kind == "replicated":
+        return [tensor] * tp
+    return _chunk(name, tensor, 1 if kind == "row" else 0, tp)
+
+
+def _chunk(name: str, tensor: torch.Tensor, dim: int, tp: int) -> list[torch.Tensor]:
+    if tensor.shape[dim] % tp:
+        raise ValueError(
+            f"{name}: dim {dim} of shape {tuple(tensor.shape)} is not divisible by tensor parallel size {tp}"
+        )
+    return list(tensor.chunk(tp, dim=dim))
+
+
+def merge_tp(name: str, shards: Sequence[torch.Tensor], kind: str, stacked_parts: int | None = None) -> torch.Tensor:
+    """TP rank shards -> the global Megatron tensor (inverse of `split_tp`; replicated takes rank 0)."""
+    if len(shards) == 1 or kind == "replicated":
+        return shards[0]
+    if kind == "row":
+        return torch.cat(list(shards), dim=1)
+    if stacked_parts:
+        parts = [shard.chunk(stacked_parts, dim=0) for shard in shards]
+        return torch.cat([parts[r][p] for p in range(stacked_parts) for r in range(len(shards))], dim=0)
+    return torch.cat(list(shards), dim=0)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a Megatron tensor lives: pipeline stage, virtual-pipeline chunk and its local name there."""
+
+    pp_rank: int
+    vp_stage: int
+    local_name: str
+
+
+@dataclass(frozen=True)
+class LayerMap:
+    """Even split of `num_layers` over `pp` stages x `vpp` virtual chunks (reference C.5)."""
+
+    num_layers: int
+    pp: int = 1
+    vpp: int = 1
+
+    def __post_init__(self) -> None:
+        chunks = self.pp * self.vpp
+        if self.num_layers % chunks:
+            raise ValueError(
+                f"num_layers={self.num_layers} is not divisible by pipeline stages x virtual chunks = "
+                f"{self.pp} x {self.vpp}; choose pp/vpp that divide the layer count"
+            )
+
+    @property
+    def layers_per_chunk(self) -> int:
+        """Layers in each model chunk."""
+        return self.num_layers // (self.pp * self.vpp)
+
+    def chunks(self) -> list[tuple[int, int]]:
+        """All (pp_rank, vp_stage) pairs in model order."""
+        return [(c % self.pp, c // self.pp) for c in range(self.pp * self.vpp)]
+
+    def place(self, name: str, *, first_stage_default: bool = True) -> Placement:
+        """Placement of a global Megatron name (layer names get their chunk-local index)."""
+        if name.startswith(LAYER_PREFIX):
+            index, _, rest = name[len(LAYER_PREFIX) :].partition(".")
+            layer = int(index)
+            if not 0 <= layer < self.num_layers:
+                raise ValueError(f"{name}: layer {layer} is outside 0..{self.num_layers - 1}")
+            chunk, local = divmod(layer, self.layers_per_chunk)
+            return Placement(chunk % self.pp, chunk // self.pp, f"{LAYER_PREFIX}{local}.{rest}")
+        if name.startswith("decoder.final_layernorm") or name.startswith("output_layer"):
+            return Placement(self.pp - 1, self.vpp - 1, name)
+        return Placement(0, 0, name)
+
+    def global_name(self, local_name: str, pp_rank: int, vp_stage: int = 0) -> str:
+        """Global Megatron name of a chunk-local name (inverse of `place`)."""
+        if not local_name.startswith(LAYER_PREFIX):
+            return local_name
+        index, _, rest = local_name[len(LAYER_PREFIX) :].partition(".")
+        chunk = vp_stage * self.pp + pp_rank
+        return f"{LAYER_PREFIX}{chunk * self.layers_per_chunk + int(index)}.{rest}"
+
+
+def chunk_prefix(vp_stage: int, vpp: int) -> str:
+    """Name prefix of a virtual-pipeline chunk inside a rank file ("model<v>." as Megatron's legacy keys)."""
+    return f"model{vp_stage}." if vpp > 1 else ""

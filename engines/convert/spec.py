@@ -1,0 +1,212 @@
+"""ConversionSpec: one model's template, its flat Megatron config and the parallel layout, checked once.
+
+The flat Megatron config holds TransformerConfig fields plus the GPTModel arguments in `GPT_MODEL_KEYS`
+(`padded_vocab_size` is GPTModel's `vocab_size`). It is what `mcore_config.json` stores and what the
+Megatron builders in `engines.megatron_cpu` read. Non-goal: tensors and files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from engines.convert.ops import AttentionDims
+from engines.convert.sharding import LayerMap
+from engines.convert.template import Template, get_template, lookup
+
+TransformerImpl = Literal["local", "transformer_engine"]
+GPT_MODEL_KEYS = {
+    "padded_vocab_size": "vocab_size",
+    "max_sequence_length": "max_sequence_length",
+    "share_embeddings_and_output_weights": "share_embeddings_and_output_weights",
+    "position_embedding_type": "position_embedding_type",
+    "rotary_percent": "rotary_percent",
+    "rotary_base": "rotary_base",
+    "rope_scaling": "rope_scaling",
+    "rope_scaling_factor": "rope_scaling_factor",
+}
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "padded_vocab_size")
+SPEC_FILE = "mcore_config.json"
+# Megatron hard-codes Llama-3 rope scaling's other parameters; other values cannot be expressed.
+_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@dataclass(frozen=True)
+class ConversionSpec:
+    """Template + flat Megatron config + parallel sizes of one conversion."""
+
+    template: Template
+    hf_config: dict[str, Any]
+    mcore: dict[str, Any]
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    transformer_impl: TransformerImpl = "local"
+    hf_vocab_size: int = 0
+    layer_map: LayerMap = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_map", LayerMap(self.mcore["num_layers"], self.pp, self.vpp))
+
+    @classmethod
+    def from_hf_config(
+        cls,
+        hf_config: Mapping[str, Any],
+        tp: int = 1,
+        pp: int = 1,
+        vpp: int | None = None,
+        transformer_impl: TransformerImpl = "local",
+        vocab_divisible_by: int = 1,
+    ) -> ConversionSpec:
+        """Build and check a spec from an HF config dict (config.json's contents)."""
+        model_type = hf_config.get("model_type")
+        if not model_type:
+            raise ValueError("HF config has no 'model_type'; expected config.json of a transformers model")
+        template = get_template(model_type)
+        resolved = _with_hf_defaults(dict(hf_config))
+        mcore = template.mcore_config(resolved)
+        missing = [f"{template.hf_key_for(k)!r} (Megatron {k})" for k in REQUIRED if k not in mcore]
+        if missing:
+            raise ValueError(f"HF config ({model_type}) is missing {', '.join(missing)}")
+        mcore.update(_rope_settings(resolved, mcore))
+        mcore.setdefault("num_query_groups", mcore["num_attention_heads"])
+        mcore.setdefault("kv_channels", mcore["hidden_size"] // mcore["num_attention_heads"])
+        mcore.setdefault("share_embeddings_and_output_weights", False)
+        hf_vocab = int(mcore["padded_vocab_size"])
+        multiple = max(1, vocab_divisible_by) * tp
+        mcore["padded_vocab_size"] = math.ceil(hf_vocab / multiple) * multiple
+        _check_layout(mcore, tp, pp, vpp or 1, transformer_impl)
+        return cls(template, dict(hf_config), mcore, tp, pp, vpp or 1, transformer_impl, hf_vocab)
+
+    @property
+    def dims(self) -> AttentionDims:
+        """Head counts for the fused QKV layout."""
+        m = self.mcore
+        return AttentionDims(m["num_attention_heads"], m["num_query_groups"], m["kv_channels"])
+
+    @property
+    def tied(self) -> bool:
+        """Input embedding and output layer share weights."""
+        return bool(self.mcore.get("share_embeddings_and_output_weights"))
+
+    def with_layout(self, tp: int, pp: int, vpp: int | None = None) -> ConversionSpec:
+        """The same model (same padded vocab) under another parallel layout, re-checked."""
+        if self.mcore["padded_vocab_size"] % tp:
+            raise ValueError(f"padded_vocab_size={self.mcore['padded_vocab_size']} is not divisible by tp={tp}")
+        _check_layout(self.mcore, tp, pp, vpp or 1, self.transformer_impl)
+        return replace(self, tp=tp, pp=pp, vpp=vpp or 1)
+
+    def transformer_kwargs(self, resolve_callables: bool = True) -> dict[str, Any]:
+        """TransformerConfig keyword arguments (without the GPTModel ones); activation names -> functions."""
+        out = {k: v for k, v in self.mcore.items() if k not in GPT_MODEL_KEYS}
+        if resolve_callables and isinstance(out.get("activation_func"), str):
+            out["activation_func"] = activation(out["activation_func"])
+        return out
+
+    def gpt_model_kwargs(self) -> dict[str, Any]:
+        """GPTModel keyword arguments (vocab_size, max_sequence_length, rotary settings, tying)."""
+        return {GPT_MODEL_KEYS[k]: v for k, v in self.mcore.items() if k in GPT_MODEL_KEYS}
+
+    def to_json(self) -> dict[str, Any]:
+        """What `mcore_config.json` holds."""
+        return {
+            "template": self.template.hf_model_type,
+            "tp": self.tp,
+            "pp": self.pp,
+            "vpp": self.vpp,
+            "transformer_impl": self.transformer_impl,
+            "hf_vocab_size": self.hf_vocab_size,
+            "model_cls": self.template.mcore_model_cls,
+            "mcore": self.mcore,
+            "hf_config": self.hf_config,
+        }
+
+    @classmethod
+    def load(cls, directory: str | Path) -> ConversionSpec:
+        """Read `mcore_config.json` of a converted directory."""
+        path = Path(directory) / SPEC_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: not found; expected a directory written by convert_hf_to_mcore")
+        data = json.loads(path.read_text())
+        template = get_template(data["template"])
+        return cls(
+            template, data["hf_config"], data["mcore"], data["tp"], data["pp"], data["vpp"],
+            data["transformer_impl"], data["hf_vocab_size"],
+        )  # fmt: skip
+
+
+def transformer_config_kwargs(hf_config: Mapping[str, Any], tp: int = 1, pp: int = 1) -> dict[str, Any]:
+    """Megatron TransformerConfig kwargs for an HF config dict, through its template (for the trainer)."""
+    return ConversionSpec.from_hf_config(hf_config, tp, pp).transformer_kwargs()
+
+
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu"}
+
+
+def activation(name: str) -> Callable[..., Any]:
+    """torch.nn.functional activation for an HF `hidden_act` name."""
+    import torch.nn.functional as F
+
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"hidden_act {name!r} has no Megatron equivalent here; known: {sorted(_ACTIVATIONS)}")
+    return getattr(F, _ACTIVATIONS[name])
+
+
+def _with_hf_defaults(raw: dict[str, Any]) -> dict[str, Any]:
+    """Fill keys config.json left out with transformers' defaults for its model_type (raw keys win)."""
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
+        defaults = config.to_dict()
+    except (ValueError, KeyError, TypeError):  # model_type unknown to transformers: take config.json as is
+        return raw
+    return {**defaults, **raw}
+
+
+def _rope_settings(hf: Mapping[str, Any], mcore: Mapping[str, Any]) -> dict[str, Any]:
+    if mcore.get("position_embedding_type") != "rope":
+        return {}
+    params = lookup(hf, "rope_parameters")
+    params = params if isinstance(params, Mapping) else (hf.get("rope_scaling") or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in (None, "default"):
+        return {}
+    if rope_type == "llama3":
+        for key, expected in _LLAMA3_ROPE.items():
+            if float(params.get(key, expected)) != expected:
+                raise ValueError(
+                    f"rope_parameters.{key}={params[key]}: Megatron's llama3 rope scaling fixes it at {expected}"
+                )
+        return {"rope_scaling": True, "rope_scaling_factor": float(params.get("factor", 8.0))}
+    raise ValueError(f"rope_parameters.rope_type={rope_type!r} is not supported by the converter (default, llama3)")
+
+
+def _check_layout(m: Mapping[str, Any], tp: int, pp: int, vpp: int, impl: str) -> None:
+    for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if vpp > 1 and pp < 2:
+        raise ValueError(f"vpp={vpp} needs pp >= 2 (virtual pipeline chunks interleave pipeline stages)")
+    if impl not in ("local", "transformer_engine"):
+        raise ValueError(f"transformer_impl must be 'local' or 'transformer_engine', got {impl!r}")
+    heads, groups = m["num_attention_heads"], m["num_query_groups"]
+    if heads % groups:
+        raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}")
+    for field_name, hf_name in (
+        ("num_attention_heads", "num_attention_heads"),
+        ("num_query_groups", "num_key_value_heads"),
+        ("ffn_hidden_size", "intermediate_size"),
+    ):
+        if m[field_name] % tp:
+            raise ValueError(f"{hf_name}={m[field_name]} is not divisible by tensor parallel size tp={tp}")
+    if m.get("add_bias_linear") and not m.get("add_qkv_bias"):
+        raise ValueError(
+            "add_bias_linear without add_qkv_bias: Megatron would give linear_qkv a bias the HF model lacks "
+            "(Llama mlp_bias=True needs attention_bias=True)"
+        )
+    LayerMap(m["num_layers"], pp, vpp)

@@ -1,0 +1,162 @@
+"""Megatron-Core on this machine: the CPU shim, process-group setup and a GPTModel built from a ConversionSpec.
+
+megatron-core assumes CUDA in three places on the forward path (reference C.8, feasibility §6): RoPE and
+the local attention allocate on `torch.cuda.current_device()`, `dist_checkpointing.save` calls
+`torch.cuda.synchronize()`, and the model-parallel RNG tracker reads CUDA RNG state. `apply_cpu_shim`
+patches the first two (only when CUDA is absent); `init_model_parallel` seeds with the inference RNG
+tracker (its `fork()` is a null context; dropout draws from the CPU RNG). Everything else here is general
+(any TP/PP/VPP) so the conversion parity gate and the Megatron training backend share it.
+megatron-core is imported inside the functions: importing this module never needs it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from engines.convert.spec import ConversionSpec
+
+_SHIM_APPLIED = False
+
+# Fusions that need CUDA kernels (apex / TE / torch.compile'd CUDA code); off on CPU.
+CPU_SAFE_CONFIG: dict[str, Any] = {
+    "bias_activation_fusion": False,
+    "bias_dropout_fusion": False,
+    "apply_rope_fusion": False,
+    "masked_softmax_fusion": False,
+    "persist_layer_norm": False,
+    "gradient_accumulation_fusion": False,
+    "use_cpu_initialization": True,
+}
+
+
+def apply_cpu_shim() -> bool:
+    """Point megatron-core's CUDA device lookups at the CPU; idempotent, a no-op when CUDA is available.
+
+    Returns True when the shim is (now) active.
+    """
+    global _SHIM_APPLIED
+    if torch.cuda.is_available():
+        return False
+    if not _SHIM_APPLIED:
+        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]  # RoPE, attention buffers
+        torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]  # dist_checkpointing.save
+        _SHIM_APPLIED = True
+    return True
+
+
+def init_model_parallel(
+    rank: int,
+    world_size: int,
+    master_port: int,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
+    *,
+    master_addr: str = "127.0.0.1",
+    seed: int = 1234,
+    backend: str | None = None,
+) -> None:
+    """Join a process group (gloo on CPU, nccl on GPU) and set up megatron-core's TP x PP groups."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    cpu = apply_cpu_shim()
+    os.environ.setdefault("MASTER_ADDR", master_addr)
+    os.environ.setdefault("MASTER_PORT", str(master_port))
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            backend or ("gloo" if cpu else "nccl"),
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+        )
+    parallel_state.initialize_model_parallel(tp, pp, vpp if vpp and vpp > 1 else None)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=cpu)
+
+
+def destroy_model_parallel() -> None:
+    """Tear down megatron-core's groups and the default process group."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def make_transformer_config(spec: ConversionSpec, dtype: torch.dtype = torch.float32, **overrides: Any) -> Any:
+    """A megatron-core TransformerConfig from the spec (CPU-safe flags when CUDA is absent) plus overrides."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = spec.transformer_kwargs()
+    kwargs.update(
+        tensor_model_parallel_size=spec.tp,
+        pipeline_model_parallel_size=spec.pp,
+        virtual_pipeline_model_parallel_size=spec.vpp if spec.vpp > 1 else None,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+    )
+    if not torch.cuda.is_available():
+        kwargs.update(CPU_SAFE_CONFIG)
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(spec: ConversionSpec) -> Any:
+    """The GPT layer spec the converted names were written for (local, or Transformer Engine)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    args = {"qk_layernorm": bool(spec.mcore.get("qk_layernorm")), "normalization": spec.mcore.get("normalization")}
+    if spec.transformer_impl == "transformer_engine":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args["qk_layernorm"])
+    return gpt_layer_specs.get_gpt_layer_local_spec(**args)
+
+
+def build_gpt_model(
+    spec: ConversionSpec,
+    *,
+    dtype: torch.dtype = torch.float32,
+    vp_stage: int | None = None,
+    config_overrides: dict[str, Any] | None = None,
+) -> Any:
+    """The GPTModel (or the template's registered subclass) of this rank's pipeline stage / chunk.
+
+    Call after `init_model_parallel(..., tp=spec.tp, pp=spec.pp, vpp=spec.vpp)`.
+    """
+    from megatron.core import parallel_state
+
+    config = make_transformer_config(spec, dtype, **(config_overrides or {}))
+    vpp = spec.vpp if spec.vpp > 1 else None
+    stage = vp_stage if vpp else None
+    pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+    post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+    return model_class(spec)(
+        config=config,
+        transformer_layer_spec=layer_spec(spec),
+        pre_process=pre,
+        post_process=post,
+        vp_stage=stage,
+        **spec.gpt_model_kwargs(),
+    )
+
+
+def model_class(spec: ConversionSpec) -> type:
+    """GPTModel, or the "module:Class" subclass named by the template's `mcore_model_cls`."""
+    name = spec.template.mcore_model_cls
+    if not name:
+        from megatron.core.models.gpt import GPTModel
+
+        return GPTModel
+    import importlib
+
+    module, _, attr = name.partition(":")
+    if not attr:
+        raise ValueError(f"mcore_model_cls {name!r}: expected 'package.module:ClassName'")
+    return getattr(importlib.import_module(module), attr)
+
+
+def causal_mask(seq_len: int, batch: int = 1) -> torch.Tensor:
+    """Boolean attention mask [batch, 1, S, S], True where attention is masked (future positions)."""
+    mask = torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)
+    return mask.expand(batch, 1, seq_len, seq_len)

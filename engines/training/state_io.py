@@ -1,0 +1,119 @@
+"""Checkpoint I/O without pickle: model weights, optimizer, scheduler and RNG states as safetensors + JSON.
+
+Every file is written to a temporary name and renamed, so a crash never leaves a half-written file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+MODEL_FILE = "model.safetensors"
+OPTIM_FILE = "optimizer.safetensors"
+EXTRA_FILE = "trainer_state.json"
+RNG_FILE = "rng.safetensors"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write text via a temp file, fsync and rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors save via a temp file; shared storage is cloned so tied weights save cleanly."""
+    tmp = path.with_name(path.name + ".tmp")
+    clean = {
+        k: v.detach().contiguous().clone() if _shares(v, tensors) else v.detach().contiguous()
+        for k, v in tensors.items()
+    }
+    save_file(clean, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+def _shares(t: torch.Tensor, all_tensors: dict[str, torch.Tensor]) -> bool:
+    ptr = t.untyped_storage().data_ptr()
+    return sum(1 for v in all_tensors.values() if v.untyped_storage().data_ptr() == ptr) > 1
+
+
+def save_optimizer(optim: torch.optim.Optimizer, path: Path) -> None:
+    """Flatten an optimizer state dict into tensors (safetensors) and param groups (JSON metadata)."""
+    state = optim.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, Any] = {}
+    for idx, entry in state["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{idx}.{key}"] = value
+            else:
+                scalars[f"{idx}.{key}"] = value
+    meta = {"param_groups": json.dumps(state["param_groups"]), "scalars": json.dumps(scalars)}
+    if not tensors:
+        tensors["__empty__"] = torch.zeros(0)
+    save_tensors(tensors, path, meta)
+
+
+def load_optimizer(optim: torch.optim.Optimizer, path: Path) -> None:
+    """Inverse of `save_optimizer`."""
+    from safetensors import safe_open
+
+    tensors = load_file(str(path))
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        if key == "__empty__":
+            continue
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = value
+    for key, value in json.loads(meta.get("scalars", "{}")).items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = value
+    groups = json.loads(meta["param_groups"])
+    for g in groups:
+        if "betas" in g:
+            g["betas"] = tuple(g["betas"])
+    optim.load_state_dict({"state": state, "param_groups": groups})
+
+
+def save_rng(path: Path) -> None:
+    """torch, numpy and Python RNG states."""
+    np_state = np.random.get_state()
+    meta = {
+        "python": json.dumps(_jsonable(random.getstate())),
+        "numpy": json.dumps([np_state[0], int(np_state[2]), int(np_state[3]), float(np_state[4])]),
+    }
+    save_tensors(
+        {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64))}, path, meta
+    )
+
+
+def load_rng(path: Path) -> None:
+    """Inverse of `save_rng`."""
+    from safetensors import safe_open
+
+    tensors = load_file(str(path))
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    torch.set_rng_state(tensors["torch"])
+    name, pos, has_gauss, cached = json.loads(meta["numpy"])
+    np.random.set_state((name, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))
+    version, internal, gauss = json.loads(meta["python"])
+    random.setstate((version, tuple(internal), gauss))
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, tuple | list):
+        return [_jsonable(o) for o in obj]
+    return obj

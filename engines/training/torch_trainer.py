@@ -1,0 +1,323 @@
+"""Plain-torch training engine: actor, critic (value head) or frozen reference, the CPU default.
+
+One process holds the model. `train_step` runs PPO epochs x mini-batches x micro-batches with gradient
+accumulation normalised by the mini-batch's global token/sequence counts, so the accumulated gradient
+equals the mini-batch loss's gradient exactly. State saves without pickle (`state_io`).
+
+Non-goal: sharding (that is the DeepSpeed and Megatron backends).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors.torch import load_file
+from tensordict import TensorDict
+
+from engines import algorithms as A
+from engines import types as T
+from engines.models import load_causal_lm, torch_dtype
+from engines.training import state_io
+from engines.training.microbatch import micro_batches, mini_batches
+from engines.weight_sync import Bucket, bucketize
+
+Role = Literal["actor", "critic", "reference"]
+_SUMMED = {"pg_loss", "entropy", "kl_loss", "vf_loss"}
+_MAXED = {"logprob_diff_max", "kl_coef"}
+
+
+@dataclass(frozen=True)
+class OptimParams:
+    """AdamW and the LR schedule, in optimizer steps."""
+
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    min_lr_ratio: float = 0.0
+    total_steps: int = 1
+
+
+@dataclass(frozen=True)
+class BatchingParams:
+    """How a training batch is cut: epochs, mini-batches per step, micro-batch size or token budget."""
+
+    ppo_epochs: int = 1
+    num_mini_batches: int = 1
+    micro_batch_size: int = 8
+    dynamic_batching: bool = False
+    max_tokens_per_micro_batch: int = 4096
+    bf16_autocast: bool = False
+    gradient_checkpointing: bool = False
+
+
+def lr_lambda(params: OptimParams) -> Any:
+    """Linear warm-up, then constant or cosine decay to `min_lr_ratio`."""
+
+    def factor(step: int) -> float:
+        if params.warmup_steps and step < params.warmup_steps:
+            return (step + 1) / params.warmup_steps
+        if params.schedule == "constant":
+            return 1.0
+        span = max(1, params.total_steps - params.warmup_steps)
+        progress = min(1.0, (step - params.warmup_steps) / span)
+        return params.min_lr_ratio + (1 - params.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class TorchTrainingEngine:
+    """A model and its optimizer in one process; implements `engines.base.TrainingEngine`."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        role: Role = "actor",
+        optim: OptimParams = OptimParams(),
+        batching: BatchingParams = BatchingParams(),
+        loss: A.PolicyLossParams = A.PolicyLossParams(),
+        cliprange_value: float = 0.5,
+        temperature: float = 1.0,
+        dtype: str = "float32",
+        model_type: str | None = None,
+        seed: int = 0,
+    ) -> None:
+        torch.manual_seed(seed)
+        self.role, self.batching, self.loss, self.temperature = role, batching, loss, temperature
+        self.cliprange_value = cliprange_value
+        self.model = self._build(model_path, role, dtype, model_type)
+        if batching.gradient_checkpointing and role != "reference":
+            self.model.gradient_checkpointing_enable()
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        if role == "reference":
+            self.model.requires_grad_(False).eval()
+        else:
+            self.model.train()
+            self.optimizer = torch.optim.AdamW(
+                self.model.parameters(),
+                lr=optim.lr,
+                betas=optim.betas,
+                eps=optim.eps,
+                weight_decay=optim.weight_decay,
+            )
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim))
+        self.optim = optim
+        self.steps_done = 0
+
+    @staticmethod
+    def _build(model_path: str | Path, role: Role, dtype: str, model_type: str | None) -> Any:
+        if role != "critic":
+            return load_causal_lm(model_path, dtype, model_type)
+        from transformers import AutoModelForTokenClassification
+
+        torch.manual_seed(0)
+        return AutoModelForTokenClassification.from_pretrained(
+            str(model_path), num_labels=1, dtype=torch_dtype(dtype), local_files_only=True, use_safetensors=True
+        )
+
+    # ---- forward passes -------------------------------------------------------------------------------------
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.batching.bf16_autocast)
+
+    def _forward(self, mb: TensorDict, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs of the response tokens and their entropy (with a graph only when `entropy_grad`)."""
+        prompt, response = mb[T.PROMPT_IDS], mb[T.RESPONSE_IDS]
+        ids = torch.cat([prompt, response], dim=1)
+        width = response.shape[1]
+        with self._autocast():
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mb[T.ATTENTION_MASK],
+                position_ids=mb[T.POSITION_IDS],
+                logits_to_keep=width + 1,
+                use_cache=False,
+            )
+        logits = out.logits[:, :-1].float() / self.temperature
+        logp = A.logprobs_from_logits(logits, response)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = A.entropy_from_logits(logits)
+        return logp, entropy
+
+    def _values(self, mb: TensorDict) -> torch.Tensor:
+        prompt, response = mb[T.PROMPT_IDS], mb[T.RESPONSE_IDS]
+        ids = torch.cat([prompt, response], dim=1)
+        with self._autocast():
+            out = self.model(input_ids=ids, attention_mask=mb[T.ATTENTION_MASK], position_ids=mb[T.POSITION_IDS])
+        # the value of response token t is read at the position that predicts it (as log-probs are)
+        return out.logits[:, prompt.shape[1] - 1 : -1, 0].float()
+
+    def _micro(self, batch: TensorDict, size: int) -> list[TensorDict]:
+        b = self.batching
+        return micro_batches(batch, size, b.dynamic_batching, b.max_tokens_per_micro_batch)
+
+    @torch.no_grad()
+    def logprobs(self, batch: TensorDict, temperature: float | None = None) -> TensorDict:
+        """Teacher-forced log-probs and entropy of the response tokens, [B, T] each (padded to the batch)."""
+        if temperature is not None:
+            self.temperature = temperature
+        width = batch[T.RESPONSE_IDS].shape[1]
+        logps, ents = [], []
+        for mb in self._micro(batch, self.batching.micro_batch_size):
+            lp, ent = self._forward(mb)
+            logps.append(_pad_cols(lp, width))
+            ents.append(_pad_cols(ent, width))
+        return TensorDict({"logprobs": torch.cat(logps), "entropy": torch.cat(ents)}, batch_size=batch.batch_size)
+
+    @torch.no_grad()
+    def values(self, batch: TensorDict) -> torch.Tensor:
+        """Critic values of the response tokens, [B, T]."""
+        width = batch[T.RESPONSE_IDS].shape[1]
+        return torch.cat(
+            [_pad_cols(self._values(mb), width) for mb in self._micro(batch, self.batching.micro_batch_size)]
+        )
+
+    # ---- training -------------------------------------------------------------------------------------------
+    def train_step(self, batch: TensorDict) -> dict[str, float]:
+        """PPO epochs x mini-batches x micro-batches; returns averaged metrics (actor/* or critic/* names)."""
+        if self.optimizer is None or self.scheduler is None:
+            raise RuntimeError("the reference engine is frozen: train_step is not available")
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        first = True
+        for _ in range(self.batching.ppo_epochs):
+            for mini in mini_batches(batch, self.batching.num_mini_batches):
+                metrics = self._mini_step(mini, check_sync=first)
+                first = False
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                    counts[k] = counts.get(k, 0) + 1
+        self.steps_done += 1
+        out = {k: sums[k] / counts[k] for k in sums}
+        out["lr"] = self.scheduler.get_last_lr()[0]
+        return out
+
+    def _mini_step(self, mini: TensorDict, check_sync: bool) -> dict[str, float]:
+        assert self.optimizer is not None and self.scheduler is not None
+        mask = mini[T.RESPONSE_MASK]
+        global_tokens = mask.sum().clamp(min=1.0)
+        global_seqs = (mask.sum(-1) > 0).sum().clamp(min=1).float()
+        self.optimizer.zero_grad(set_to_none=True)
+        acc: dict[str, float] = {}
+        for mb in self._micro(mini, self.batching.micro_batch_size):
+            loss, metrics = self._loss(mb, global_tokens, global_seqs, check_sync)
+            loss.backward()
+            weight = float(mb[T.RESPONSE_MASK].sum() / global_tokens)
+            for k, v in metrics.items():
+                if k in _MAXED:
+                    acc[k] = max(acc.get(k, v), v)
+                else:  # losses are partial sums under the global normaliser; rates are token-weighted
+                    acc[k] = acc.get(k, 0.0) + (v if k in _SUMMED else v * weight)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip)
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        self.scheduler.step()
+        acc["grad_norm"] = float(grad_norm)
+        return acc
+
+    def _loss(
+        self, mb: TensorDict, global_tokens: torch.Tensor, global_seqs: torch.Tensor, check_sync: bool
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        mask = mb[T.RESPONSE_MASK]
+        norm = {"global_tokens": global_tokens, "global_seqs": global_seqs}
+        if self.role == "critic":
+            vpreds = self._values(mb)
+            loss, clipfrac = A.value_loss(
+                vpreds, mb[T.RETURNS], mb[T.VALUES], mask, self.cliprange_value, self.loss.loss_agg_mode, **norm
+            )
+            return loss, {
+                "vf_loss": float(loss),
+                "vf_clipfrac": float(clipfrac),
+                "vpred_mean": float(A.masked_mean(vpreds.detach(), mask)),
+            }
+        p = self.loss
+        logp, entropy = self._forward(mb, entropy_grad=bool(p.entropy_coeff))
+        old = mb[T.OLD_LOGPROBS] if T.OLD_LOGPROBS in mb.keys() else logp.detach()
+        ref = mb[T.REF_LOGPROBS] if p.use_kl_loss else None
+        loss, pg_metrics = A.policy_loss(
+            old,
+            logp,
+            mb[T.ADVANTAGES],
+            mask,
+            p,
+            **norm,
+            entropy=entropy if p.entropy_coeff else None,
+            ref_logprobs=ref,
+        )
+        metrics = {k: float(v) for k, v in pg_metrics.items()}
+        metrics["entropy"] = float(A.agg_loss(entropy.detach(), mask, p.loss_agg_mode, p.loss_scale_factor, **norm))
+        if check_sync and T.ROLLOUT_LOGPROBS in mb.keys():
+            diff = (logp.detach() - mb[T.ROLLOUT_LOGPROBS]).abs()
+            metrics["logprob_diff"] = float(A.masked_mean(diff, mask))
+            metrics["logprob_diff_max"] = float((diff * mask).max()) if mask.any() else 0.0
+        return loss, metrics
+
+    # ---- weights and state ----------------------------------------------------------------------------------
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named tensors of the model, one at a time (tied weights under every name HF uses)."""
+        for name, tensor in self.model.state_dict().items():
+            yield name, tensor.detach()
+
+    def weight_buckets(self, bucket_bytes: int, dtype: str) -> Iterator[Bucket]:
+        """`named_weights` in encoded buckets for streaming to rollout engines (a generator for Ray)."""
+        yield from bucketize(self.named_weights(), bucket_bytes, dtype)
+
+    def save_pretrained(self, path: Path, tokenizer_from: Path | None = None) -> None:
+        """An HF directory (config, safetensors, tokenizer) of the current weights, for export."""
+        self.model.save_pretrained(str(path), safe_serialization=True)
+        if tokenizer_from is not None:
+            from engines.models import load_tokenizer
+
+            load_tokenizer(tokenizer_from).save_pretrained(str(path))
+
+    def save(self, path: Path) -> None:
+        """Model, optimizer, scheduler and RNG states (safetensors + JSON), so `load` continues bitwise."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state_io.save_tensors(dict(self.model.state_dict()), path / state_io.MODEL_FILE)
+        if self.optimizer is not None and self.scheduler is not None:
+            state_io.save_optimizer(self.optimizer, path / state_io.OPTIM_FILE)
+            extra = {
+                "scheduler": self.scheduler.state_dict(),
+                "steps_done": self.steps_done,
+                "optim": asdict(self.optim),
+            }
+            state_io.atomic_write_text(path / state_io.EXTRA_FILE, json.dumps(extra, default=_no_callables))
+        state_io.save_rng(path / state_io.RNG_FILE)
+
+    def load(self, path: Path) -> None:
+        """Restore what `save` wrote."""
+        path = Path(path)
+        weights = load_file(str(path / state_io.MODEL_FILE))
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        tied = {k for k in missing if k.endswith("lm_head.weight")}
+        if set(missing) - tied or unexpected:
+            raise ValueError(
+                f"{path}: checkpoint does not match the model (missing {missing}, unexpected {unexpected})"
+            )
+        if self.optimizer is not None and self.scheduler is not None:
+            state_io.load_optimizer(self.optimizer, path / state_io.OPTIM_FILE)
+            extra = json.loads((path / state_io.EXTRA_FILE).read_text())
+            self.scheduler.load_state_dict(extra["scheduler"])
+            self.steps_done = int(extra["steps_done"])
+        state_io.load_rng(path / state_io.RNG_FILE)
+
+
+def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
+    if x.shape[1] == width:
+        return x
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]))
+
+
+def _no_callables(obj: Any) -> Any:
+    return None if callable(obj) else str(obj)

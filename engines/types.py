@@ -1,0 +1,175 @@
+"""The batch contract between stages: field names, shapes, and helpers on `tensordict.TensorDict`.
+
+A batch is a TensorDict with batch size [B] (B = prompts x n samples). Shapes, P = prompt length
+(left-padded), T = response length (right-padded):
+
+    prompt_ids        [B, P]    int64, left-padded with the pad id
+    response_ids      [B, T]    int64, right-padded with the pad id
+    attention_mask    [B, P+T]  int64, 1 on real prompt and response tokens
+    position_ids      [B, P+T]  int64, cumsum(attention_mask) - 1, clamped at 0
+    response_mask     [B, T]    float32, 1 on generated tokens up to and including EOS
+    rollout_logprobs  [B, T]    float32, log-prob of each sampled token under the rollout engine
+    old_logprobs      [B, T]    float32, trainer log-probs before the update
+    ref_logprobs      [B, T]    float32, reference-policy log-probs
+    values            [B, T]    float32, critic values
+    token_rewards     [B, T]    float32, outcome score at the last response token (minus KL if in reward)
+    advantages        [B, T]    float32
+    returns           [B, T]    float32
+    scores            [B]       float32, the reward of each sample
+
+Per-row non-tensor fields (lists of str, travel with split/cat/index): uid (group id of the prompt),
+prompt, response, ground_truth.
+
+Non-goal: knowing about models or tokenizers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tensordict import NonTensorStack, TensorDict
+
+PROMPT_IDS = "prompt_ids"
+RESPONSE_IDS = "response_ids"
+ATTENTION_MASK = "attention_mask"
+POSITION_IDS = "position_ids"
+RESPONSE_MASK = "response_mask"
+ROLLOUT_LOGPROBS = "rollout_logprobs"
+OLD_LOGPROBS = "old_logprobs"
+REF_LOGPROBS = "ref_logprobs"
+VALUES = "values"
+TOKEN_REWARDS = "token_rewards"
+ADVANTAGES = "advantages"
+RETURNS = "returns"
+SCORES = "scores"
+ROW_FIELDS = ("uid", "prompt", "response", "ground_truth")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt row as it leaves the data stage: its group id, text, and the answer to check against."""
+
+    uid: str
+    text: str
+    ground_truth: str
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What a rollout engine needs to sample; `temperature == 0` means greedy."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling degenerates to argmax decoding."""
+        return self.temperature == 0.0
+
+
+def make_batch(tensors: dict[str, torch.Tensor], rows: dict[str, Sequence[str]]) -> TensorDict:
+    """Build a batch from [B, ...] tensors and per-row string lists of length B."""
+    size = next(iter(tensors.values())).shape[0]
+    td = TensorDict(dict(tensors), batch_size=[size])
+    for key, values in rows.items():
+        set_rows(td, key, values)
+    return td
+
+
+def set_rows(td: TensorDict, key: str, values: Sequence[str]) -> None:
+    """Attach a per-row list of strings to a batch."""
+    if len(values) != td.batch_size[0]:
+        raise ValueError(f"row field {key!r} has {len(values)} values for a batch of {td.batch_size[0]}")
+    td[key] = NonTensorStack.from_list([str(v) for v in values])
+
+
+def get_rows(td: TensorDict, key: str) -> list[str]:
+    """A per-row string field as a plain list."""
+    value = td.get(key)
+    return list(value.tolist()) if hasattr(value, "tolist") else list(value)
+
+
+def row_keys(td: TensorDict) -> list[str]:
+    """Names of the per-row (non-tensor) fields present."""
+    return [k for k in td.keys() if not isinstance(td.get(k), torch.Tensor)]
+
+
+def tensor_keys(td: TensorDict) -> list[str]:
+    """Names of the tensor fields present."""
+    return [k for k in td.keys() if isinstance(td.get(k), torch.Tensor)]
+
+
+def concat(batches: Sequence[TensorDict]) -> TensorDict:
+    """Concatenate batches along rows (tensor and per-row fields alike)."""
+    return torch.cat(list(batches), dim=0)
+
+
+def chunk_for_ranks(td: TensorDict, ranks: int) -> list[TensorDict]:
+    """Split rows into `ranks` contiguous, near-equal parts (data-parallel dispatch); order is kept."""
+    size = td.batch_size[0]
+    bounds = [size * r // ranks for r in range(ranks + 1)]
+    return [td[bounds[r] : bounds[r + 1]] for r in range(ranks)]
+
+
+def pad_right(seqs: Sequence[Sequence[int]], pad: int, length: int | None = None) -> torch.Tensor:
+    """Right-pad integer sequences into an int64 [B, L] tensor."""
+    width = length if length is not None else max((len(s) for s in seqs), default=0)
+    out = torch.full((len(seqs), width), pad, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.as_tensor(list(s)[:width], dtype=torch.long)
+    return out
+
+
+def pad_left(seqs: Sequence[Sequence[int]], pad: int) -> torch.Tensor:
+    """Left-pad integer sequences into an int64 [B, L] tensor (prompts for decoder-only generation)."""
+    width = max((len(s) for s in seqs), default=0)
+    out = torch.full((len(seqs), width), pad, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s):
+            out[i, width - len(s) :] = torch.as_tensor(list(s), dtype=torch.long)
+    return out
+
+
+def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that skip left padding: cumsum(mask) - 1, clamped at 0."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def save_batch(td: TensorDict, path: str | Path) -> Path:
+    """Write a batch atomically as one safetensors file (per-row strings in its metadata)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: td.get(k).contiguous() for k in tensor_keys(td)}
+    meta = {"rows": json.dumps({k: get_rows(td, k) for k in row_keys(td)}), "size": str(td.batch_size[0])}
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+    return path
+
+
+def load_batch(path: str | Path) -> TensorDict:
+    """Read a batch written by `save_batch`."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no batch file (was the producing stage run?)")
+    tensors = load_file(str(path))
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    rows = json.loads(meta.get("rows", "{}"))
+    size = int(meta.get("size", "0"))
+    td = TensorDict(tensors, batch_size=[size])
+    for key, values in rows.items():
+        set_rows(td, key, values)
+    return td

@@ -1,0 +1,15 @@
+"""Prefect flows (training, evaluation, conversion, deployments) and the `rlstages` command line."""
+
+import os
+
+# Defaults for a machine with no hub and no Prefect Cloud; the user's environment wins.
+for _key, _value in {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_DEDUP_LOGS": "0",
+}.items():
+    os.environ.setdefault(_key, _value)

@@ -1,0 +1,137 @@
+"""The `rlstages` command line: run, resume, eval, config show, convert and export.
+
+Bad input is a one-line error naming the file or field and a non-zero exit; `--debug` shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from configs import ConfigError, RunConfig, load_config, to_yaml
+
+app = typer.Typer(help="RL post-training of LLMs as a Prefect workflow over Ray, recorded in MLflow.",
+                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+config_app = typer.Typer(help="Inspect configs.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+err = Console(stderr=True)
+out = Console()
+
+ConfigArg = Annotated[Path, typer.Argument(help="YAML config (e.g. configs/demo.yaml).")]
+Overrides = Annotated[list[str] | None, typer.Argument(help="Dotted overrides: actor.optim.lr=1e-6 rollout.n=8")]
+Debug = Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")]
+
+
+def _quiet_prefect(debug: bool) -> None:
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if debug else "WARNING")
+    if not debug:
+        logging.getLogger("ray").setLevel(logging.WARNING)
+
+
+def fail(message: str, code: int = 1) -> None:
+    """Print a one-line error and exit non-zero."""
+    err.print(f"[bold red]error:[/] {message}", soft_wrap=True, highlight=False)
+    raise typer.Exit(code)
+
+
+def _load(path: Path, overrides: list[str] | None) -> RunConfig:
+    try:
+        return load_config(path, overrides or [])
+    except ConfigError as exc:
+        fail(str(exc), 2)
+        raise
+
+
+def _guard(debug: bool, action) -> object:  # type: ignore[no-untyped-def]
+    try:
+        return action()
+    except typer.Exit:
+        raise
+    except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as exc:
+        if debug:
+            raise
+        fail(f"{exc}", 2)
+    except Exception as exc:  # noqa: BLE001 - the CLI reports any failure in one line
+        if debug:
+            raise
+        fail(f"{type(exc).__name__}: {exc}", 1)
+    return None
+
+
+@app.command()
+def run(config: ConfigArg, overrides: Overrides = None, debug: Debug = False) -> None:
+    """Run (or continue) the training flow of CONFIG on the configured cluster."""
+    cfg = _load(config, overrides)
+    _quiet_prefect(debug)
+    from flows.train import rl_post_train
+
+    policy = _guard(debug, lambda: rl_post_train(cfg))
+    out.print(f"[green]done[/]: final policy in {policy}")
+
+
+@app.command()
+def resume(run_dir: Annotated[Path, typer.Argument(help="A run directory (runs/<name>).")], debug: Debug = False) -> None:
+    """Continue a run from its last committed checkpoint, into the same MLflow run."""
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        fail(f"{run_dir}: not a run directory (no config.yaml)", 2)
+    cfg = _load(saved, [f"trainer.output_dir={run_dir.resolve().parent}", f"trainer.run_name={run_dir.name}",
+                        "checkpoint.resume=auto"])
+    _quiet_prefect(debug)
+    from flows.train import rl_post_train
+
+    policy = _guard(debug, lambda: rl_post_train(cfg))
+    out.print(f"[green]done[/]: final policy in {policy}")
+
+
+@app.command("eval")
+def eval_command(run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
+                 checkpoint: Annotated[Path | None, typer.Option(help="A checkpoint dir; default the newest.")] = None,
+                 sample: Annotated[bool, typer.Option(help="Sample as in training instead of greedy.")] = False,
+                 debug: Debug = False) -> None:
+    """Greedy pass@1 on the held-out prompts of a run's checkpoint."""
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        fail(f"{run_dir}: not a run directory (no config.yaml)", 2)
+    cfg = _load(saved, [f"trainer.output_dir={run_dir.resolve().parent}", f"trainer.run_name={run_dir.name}"])
+    _quiet_prefect(debug)
+    from flows.evaluate import evaluate_checkpoint
+
+    metrics = _guard(debug, lambda: evaluate_checkpoint(cfg, str(checkpoint) if checkpoint else None, not sample))
+    assert isinstance(metrics, dict)
+    from rich.table import Table
+
+    table = Table("metric", "value", title=f"{run_dir.name} (step {int(metrics['step'])})")
+    for key, value in metrics.items():
+        table.add_row(key, f"{value:.4f}")
+    out.print(table)
+
+
+@config_app.command("show")
+def config_show(config: ConfigArg, overrides: Overrides = None) -> None:
+    """Print the resolved config (defaults filled in, overrides applied)."""
+    cfg = _load(config, overrides)
+    sys.stdout.write(to_yaml(cfg))
+
+
+@config_app.command("schema")
+def config_schema() -> None:
+    """Print the JSON schema of the config."""
+    import json
+
+    sys.stdout.write(json.dumps(RunConfig.model_json_schema(), indent=2) + "\n")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""Evaluate a run's checkpoint (or its final policy's checkpoint): greedy pass@1 on the held-out prompts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow
+
+from configs import RunConfig
+from tasks.checkpoint import latest_checkpoint, restore_engines
+from tasks.evaluate import run_eval
+from tasks.rollout import sync_weights
+from tasks.run import run_dir
+from tasks.context import RunHandle
+from tasks.workers import build_workers, forget_workers
+
+
+@flow(name="rl-evaluate", validate_parameters=True)
+def evaluate_checkpoint(cfg: RunConfig, checkpoint: str | None = None, greedy: bool = True) -> dict[str, float]:
+    """Load a committed checkpoint (default: the run's newest) into fresh workers and score held-out prompts."""
+    path = run_dir(cfg)
+    run = RunHandle(name=path.name, run_dir=str(path.resolve()))
+    if checkpoint is None:
+        found = latest_checkpoint(run, verify=True)
+        if found is None:
+            raise FileNotFoundError(f"{path}: no committed checkpoint to evaluate")
+        step, ckpt = found
+    else:
+        ckpt = Path(checkpoint)
+        step = int(ckpt.name.rsplit("_", 1)[-1]) if ckpt.name.startswith("step_") else 0
+    build_workers(cfg, run)
+    try:
+        restore_engines(cfg, run, ckpt)
+        sync_weights.fn(cfg, run, step)
+        metrics, _ = run_eval(cfg, run, step, greedy=greedy)
+    finally:
+        forget_workers(run, kill=True)
+    return {"step": float(step), **metrics}

@@ -1,0 +1,54 @@
+"""The stage tasks of the training flow, each carrying its configured retry and timeout policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from configs import RunConfig
+from tasks import advantage, checkpoint, evaluate, logprobs, reward, rollout, run, update
+from tasks.policies import with_policy
+
+
+@dataclass(frozen=True)
+class Stages:
+    """Prefect tasks by stage name (the same names as in `prefect.stages` of the config)."""
+
+    prepare_run: Any
+    start_tracking: Any
+    start_workers: Any
+    recover_workers: Any
+    generate: Any
+    sleep_rollout: Any
+    score_rewards: Any
+    actor_logprobs: Any
+    ref_logprobs: Any
+    critic_values: Any
+    advantages: Any
+    update_critic: Any
+    update_actor: Any
+    sync_weights: Any
+    evaluate: Any
+    checkpoint: Any
+    export_policy: Any
+
+    @classmethod
+    def configured(cls, cfg: RunConfig) -> Stages:
+        """Every stage task with `cfg.prefect`'s policy for it."""
+
+        def p(t: Any, name: str) -> Any:
+            return with_policy(t, cfg.prefect.policy(name))
+
+        return cls(
+            prepare_run=run.prepare_run, start_tracking=p(run.start_tracking, "start_tracking"),
+            start_workers=p(run.start_workers, "start_workers"), recover_workers=run.recover_workers,
+            generate=p(rollout.generate, "generate"), sleep_rollout=p(rollout.sleep_rollout, "generate"),
+            score_rewards=p(reward.score_rewards, "score_rewards"),
+            actor_logprobs=p(logprobs.actor_logprobs, "actor_logprobs"),
+            ref_logprobs=p(logprobs.ref_logprobs, "ref_logprobs"),
+            critic_values=p(logprobs.critic_values, "critic_values"),
+            advantages=p(advantage.advantages, "advantages"), update_critic=p(update.update_critic, "update_critic"),
+            update_actor=p(update.update_actor, "update_actor"), sync_weights=p(rollout.sync_weights, "sync_weights"),
+            evaluate=p(evaluate.evaluate, "evaluate"), checkpoint=p(checkpoint.save_checkpoint, "checkpoint"),
+            export_policy=p(run.export_policy, "export_policy"),
+        )

@@ -1,0 +1,102 @@
+"""The RL post-training flow. Read this first: one iteration is the DAG of design §2.
+
+    sample prompts -> generate -+-> score_rewards ----+
+                                +-> actor_logprobs ---+-> advantages -> update_critic -> update_actor -> sync_weights
+                                +-> ref_logprobs -----+        every m steps: evaluate, every k steps: checkpoint
+                                +-> critic_values ----+
+
+Each stage is a Prefect task with its own retries and timeout, dispatching to Ray actors; tasks pass the
+run handle and step, never actor handles or tensors. A dead worker makes the flow reload the last committed
+checkpoint and replay from there. No backend appears here: the registries chose them.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+from prefect.runtime import flow_run
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from configs import RunConfig
+from flows.progress import RunProgress, run_progress
+from flows.stages import Stages
+from tasks.context import RunHandle
+from tasks.policies import WorkerLost, failed_stage
+from tasks.run import close_run, convert_for_training, driver_snapshot
+from tasks.tracking import log_step
+
+
+def rl_step(s: Stages, cfg: RunConfig, run: RunHandle, step: int, kl_state: dict, ui: RunProgress) -> tuple[dict, dict]:
+    """One iteration; returns (metrics, KL-controller state after the step)."""
+    ui.stage("generate")
+    metrics = s.generate(cfg, run, step)
+    if cfg.cluster.colocate:
+        s.sleep_rollout(cfg, run)
+    ui.stage("rewards / log-probs")
+    futures = [s.score_rewards.submit(cfg, run, step)]
+    if cfg.needs_old_logprobs or cfg.algorithm.use_kl_in_reward:
+        futures.append(s.actor_logprobs.submit(cfg, run, step))
+    if cfg.uses_reference:
+        futures.append(s.ref_logprobs.submit(cfg, run, step))
+    if cfg.critic is not None:
+        futures.append(s.critic_values.submit(cfg, run, step))
+    for future in futures:
+        metrics.update(future.result())
+    ui.stage("advantages")
+    adv = s.advantages(cfg, run, step, kl_state)
+    metrics.update(adv["metrics"])
+    if cfg.critic is not None:
+        ui.stage("update critic")
+        metrics.update(s.update_critic(cfg, run, step))
+    if step > cfg.algorithm.critic_warmup_steps:
+        ui.stage("update actor")
+        metrics.update(s.update_actor(cfg, run, step))
+    ui.stage("sync weights")
+    metrics.update(s.sync_weights(cfg, run, step))
+    timing = sum(v for k, v in metrics.items() if k.startswith("timing/"))
+    metrics["timing/step_s"] = timing
+    metrics["throughput/tokens_per_s"] = metrics.get("rollout/tokens", 0.0) / max(timing, 1e-9)
+    return metrics, adv["kl_state"]
+
+
+def _due(step: int, every: int, last: int) -> bool:
+    return step == last or (every > 0 and step % every == 0)
+
+
+@flow(name="rl-post-train", task_runner=ThreadPoolTaskRunner(max_workers=4), validate_parameters=True)
+def rl_post_train(cfg: RunConfig) -> str:
+    """Train a policy with RL as configured; resumes its run directory's last checkpoint. Returns the policy dir."""
+    s = Stages.configured(cfg)
+    run = s.prepare_run(cfg)
+    mlflow_run = s.start_tracking(cfg, run)
+    total = cfg.trainer.total_steps
+    try:
+        convert_for_training(cfg, run)  # HF -> Megatron-Core, cached; a no-op for other backends
+        start = s.start_workers(cfg, run)
+        if start.step == 0 and cfg.trainer.eval_at_start:
+            s.evaluate(cfg, run, 0, mlflow_run)
+        step, kl_state = start.step + 1, start.kl_state
+        with run_progress(run.name, total, start.step) as ui:
+            while step <= total:
+                try:
+                    metrics, kl_state = rl_step(s, cfg, run, step, kl_state, ui)
+                except WorkerLost:
+                    start = s.recover_workers(cfg, run)  # replay from the last committed checkpoint
+                    step, kl_state = start.step + 1, start.kl_state
+                    continue
+                log_step(cfg, mlflow_run, step, metrics)
+                ui.step_done(step, metrics)
+                if _due(step, cfg.trainer.eval_every, total):
+                    ui.stage("evaluate")
+                    s.evaluate(cfg, run, step, mlflow_run)
+                if _due(step, cfg.checkpoint.every, total):
+                    ui.stage("checkpoint")
+                    s.checkpoint(cfg, run, step, driver_snapshot(cfg, step, kl_state, mlflow_run))
+                step += 1
+        policy = s.export_policy(cfg, run, mlflow_run)
+    except BaseException as exc:
+        stage = failed_stage(flow_run.id)
+        close_run(cfg, run, mlflow_run, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED",
+                  f"{type(exc).__name__}: {exc}", stage)
+        raise
+    close_run(cfg, run, mlflow_run, "FINISHED")
+    return policy

@@ -1,0 +1,82 @@
+"""Advantage stage (on the driver, CPU): token rewards (with KL-in-reward if on), the configured
+estimator, DAPO group filtering; merges every field into the step's training batch.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from configs import RunConfig
+from engines import algorithms as A
+from engines import types as T
+from tasks.context import RunHandle
+
+_FIELDS = {"actor_logprobs": T.OLD_LOGPROBS, "ref_logprobs": T.REF_LOGPROBS, "critic_values": T.VALUES}
+
+
+def initial_kl_state(cfg: RunConfig) -> dict[str, float]:
+    """The KL controller's state before step 1."""
+    return A.make_kl_controller(
+        cfg.algorithm.kl_ctrl.type,
+        cfg.algorithm.kl_ctrl.kl_coef,
+        cfg.algorithm.kl_ctrl.target_kl,
+        cfg.algorithm.kl_ctrl.horizon,
+    ).state_dict()
+
+
+@task(name="advantages", cache_policy=NO_CACHE)
+def advantages(cfg: RunConfig, run: RunHandle, step: int, kl_state: dict[str, float]) -> dict[str, Any]:
+    """Build the training batch; returns {"metrics": ..., "kl_state": ...} (the controller after this step)."""
+    start = time.perf_counter()
+    algo = cfg.algorithm
+    batch = T.load_batch(run.batch(step, "rollout"))
+    scores = T.load_batch(run.batch(step, "scores"))[T.SCORES]
+    for stage, key in _FIELDS.items():
+        path = run.batch(step, stage)
+        if path.is_file():
+            batch[key] = T.load_batch(path)[key]
+    mask = batch[T.RESPONSE_MASK]
+    token_scores = A.outcome_to_token_rewards(scores, mask)
+    metrics: dict[str, float] = {}
+    ctrl = A.make_kl_controller(algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon)
+    ctrl.load_state_dict(kl_state)
+    if algo.use_kl_in_reward:
+        old = batch[T.OLD_LOGPROBS] if T.OLD_LOGPROBS in batch.keys() else batch[T.ROLLOUT_LOGPROBS]
+        token_rewards, kl_metrics = A.apply_kl_in_reward(
+            token_scores, old, batch[T.REF_LOGPROBS], mask, ctrl.value, algo.kl_penalty
+        )
+        ctrl.update(kl_metrics["kl_in_reward"], n_steps=batch.batch_size[0])
+        metrics.update({f"actor/reward_{k}": float(v) for k, v in kl_metrics.items()})
+    else:
+        token_rewards = token_scores
+    uids = T.get_rows(batch, "uid")
+    adv, returns = A.compute_advantages(
+        algo.adv_estimator,
+        token_rewards,
+        mask,
+        uids,
+        values=batch.get(T.VALUES, None),
+        gamma=algo.gamma,
+        lam=algo.lam,
+        norm_by_std=algo.norm_adv_by_std,
+    )
+    batch[T.TOKEN_REWARDS], batch[T.ADVANTAGES], batch[T.RETURNS] = token_rewards, adv, returns
+    batch[T.SCORES] = scores
+    keep = A.filter_groups(scores, uids) if algo.filter_groups else torch.ones(len(uids), dtype=torch.bool)
+    metrics["batch/kept_fraction"] = float(keep.float().mean())
+    batch = batch[keep]
+    T.save_batch(batch, run.batch(step, "train"))
+    metrics.update(
+        {
+            "critic/advantages/mean": float(A.masked_mean(adv, mask)),
+            "critic/advantages/max": float(adv.max()) if adv.numel() else 0.0,
+            "critic/returns/mean": float(A.masked_mean(returns, mask)),
+            "timing/advantages_s": time.perf_counter() - start,
+        }
+    )
+    return {"metrics": metrics, "kl_state": ctrl.state_dict()}

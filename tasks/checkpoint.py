@@ -1,0 +1,132 @@
+"""Checkpoints that are either committed or invisible.
+
+Commit order: every engine writes into `checkpoints/.step_N.tmp`, the driver state (step, data cursor,
+KL controller, MLflow run id) follows, files are fsynced, the directory is renamed to `step_N`, and the
+manifest (with SHA-256 of every file) is written last. A checkpoint without a valid manifest does not
+exist for `latest_checkpoint`, so a crash at any point leaves the previous one loadable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from configs import RunConfig
+from engines.training.state_io import atomic_write_text
+from tasks import tracking
+from tasks.context import RunHandle
+from tasks.policies import guard_workers
+from tasks.workers import get_workers
+
+MANIFEST = "manifest.json"
+DRIVER_STATE = "driver_state.json"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def checkpoint_dir(run: RunHandle, step: int) -> Path:
+    """The committed location of step `step`."""
+    return run.checkpoints / f"step_{step:06d}"
+
+
+def read_manifest(path: Path, verify: bool = False) -> dict[str, Any] | None:
+    """The manifest of a checkpoint directory, or None when it is not committed (or, with verify, corrupt)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if verify:
+        for rel, digest in manifest.get("files", {}).items():
+            f = path / rel
+            if not f.is_file() or _sha256(f) != digest:
+                return None
+    return manifest
+
+
+def latest_checkpoint(run: RunHandle, verify: bool = False) -> tuple[int, Path] | None:
+    """The newest committed checkpoint as (step, dir), or None."""
+    if not run.checkpoints.is_dir():
+        return None
+    for path in sorted(run.checkpoints.glob("step_*"), reverse=True):
+        manifest = read_manifest(path, verify)
+        if manifest is not None:
+            return int(manifest["step"]), path
+    return None
+
+
+@task(name="checkpoint", cache_policy=NO_CACHE)
+def save_checkpoint(cfg: RunConfig, run: RunHandle, step: int, driver_state: dict[str, Any]) -> str:
+    """Commit a checkpoint of every trainable engine plus the driver state; returns the manifest path."""
+    final = checkpoint_dir(run, step)
+    if read_manifest(final) is not None:
+        return str(final / MANIFEST)  # idempotent: a retried task finds its work done
+    tmp = run.checkpoints / f".step_{step:06d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    workers = get_workers(cfg, run)
+    timeout = cfg.prefect.policy("checkpoint").timeout_seconds
+    guard_workers(lambda: workers.actor.all(timeout).save(str(tmp / "actor")))
+    if workers.critic is not None:
+        critic = workers.critic
+        guard_workers(lambda: critic.all(timeout).save(str(tmp / "critic")))
+    atomic_write_text(tmp / DRIVER_STATE, json.dumps({**driver_state, "step": step}, indent=2))
+    _fsync_tree(tmp)
+    shutil.rmtree(final, ignore_errors=True)  # an uncommitted leftover of a crashed attempt
+    os.replace(tmp, final)
+    files = {str(p.relative_to(final)): _sha256(p) for p in sorted(final.rglob("*")) if p.is_file()}
+    manifest = {"step": step, "created": time.time(), "files": files, **driver_state}
+    atomic_write_text(final / MANIFEST, json.dumps(manifest, indent=2))
+    if driver_state.get("mlflow_run_id"):
+        tracking.log_file(cfg, driver_state["mlflow_run_id"], final / MANIFEST, f"checkpoints/step_{step:06d}")
+    prune(run, cfg.checkpoint.keep)
+    return str(final / MANIFEST)
+
+
+def prune(run: RunHandle, keep: int) -> None:
+    """Delete all but the newest `keep` committed checkpoints, and stale temporary directories."""
+    committed = [p for p in sorted(run.checkpoints.glob("step_*")) if read_manifest(p) is not None]
+    for path in committed[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+    for path in run.checkpoints.glob(".step_*.tmp"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def driver_state(path: Path) -> dict[str, Any]:
+    """The driver state saved with a checkpoint."""
+    return json.loads((path / DRIVER_STATE).read_text())
+
+
+def restore_engines(cfg: RunConfig, run: RunHandle, path: Path) -> None:
+    """Load a committed checkpoint into the trainable engines (not the rollout: sync does that)."""
+    workers = get_workers(cfg, run)
+    timeout = cfg.prefect.policy("checkpoint").timeout_seconds
+    guard_workers(lambda: workers.actor.all(timeout).load(str(path / "actor")))
+    if workers.critic is not None:
+        critic = workers.critic
+        guard_workers(lambda: critic.all(timeout).load(str(path / "critic")))

@@ -1,0 +1,59 @@
+"""Reward stage: score every rollout with the configured functions (and reward model), never crashing
+on one bad sample: failures and timeouts get the fallback score and are counted.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from tensordict import TensorDict
+
+from configs import RunConfig
+from engines import types as T
+from engines.algorithms import overlong_penalty
+from tasks.context import RunHandle
+from tasks.policies import guard_workers
+from tasks.workers import Workers, get_workers
+
+
+def score_batch(
+    cfg: RunConfig, workers: Workers, batch: TensorDict, timeout: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Scores [B] of a rollout batch and the reward metrics (functions + reward model + overlong penalty)."""
+    prompts, responses = T.get_rows(batch, "prompt"), T.get_rows(batch, "response")
+    truths = T.get_rows(batch, "ground_truth")
+    result = guard_workers(lambda: workers.reward.one(0, timeout).score(prompts, responses, truths))
+    scores = torch.tensor(result.scores, dtype=torch.float32)
+    metrics = dict(result.metrics)
+    metrics["reward/accuracy"] = float((scores > 0).float().mean())
+    if workers.reward_model is not None and cfg.reward.reward_model is not None:
+        rm, weight = workers.reward_model, cfg.reward.reward_model.weight
+        rm_scores = torch.tensor(guard_workers(lambda: rm.dp(timeout).score(prompts, responses)), dtype=torch.float32)
+        scores = scores + weight * rm_scores
+        metrics["reward/model_mean"] = float(rm_scores.mean())
+    overlong = cfg.algorithm.overlong
+    if overlong.enable:
+        penalty = overlong_penalty(
+            batch[T.RESPONSE_MASK].sum(-1), cfg.rollout.max_new_tokens, overlong.buffer_len, overlong.penalty_factor
+        )
+        scores = scores + penalty
+        metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
+    metrics.update(
+        {"reward/mean": float(scores.mean()), "reward/max": float(scores.max()), "reward/min": float(scores.min())}
+    )
+    return scores, metrics
+
+
+@task(name="score_rewards", cache_policy=NO_CACHE)
+def score_rewards(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
+    """Score the step's rollouts; writes the `scores` batch."""
+    start = time.perf_counter()
+    batch = T.load_batch(run.batch(step, "rollout"))
+    workers = get_workers(cfg, run)
+    scores, metrics = score_batch(cfg, workers, batch, cfg.prefect.policy("score_rewards").timeout_seconds)
+    T.save_batch(TensorDict({T.SCORES: scores}, batch_size=[len(scores)]), run.batch(step, "scores"))
+    metrics["timing/score_rewards_s"] = time.perf_counter() - start
+    return metrics

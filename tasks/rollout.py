@@ -1,0 +1,78 @@
+"""Generation stages: sample a step's rollouts, and push the trainer's weights to the rollout engines."""
+
+from __future__ import annotations
+
+import time
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from configs import RunConfig
+from engines import types as T
+from engines.types import SamplingParams
+from engines.weight_sync import sync_weights_local, sync_weights_ray
+from tasks.context import RunHandle, derive_seed
+from tasks.data import prompts_for_step
+from tasks.policies import guard_workers
+from tasks.workers import get_workers
+
+BUCKET_BYTES = 256 << 20
+
+
+def sampling(cfg: RunConfig, evaluation: bool = False) -> SamplingParams:
+    """Training (n per prompt) or evaluation (one per prompt) sampling parameters."""
+    r = cfg.rollout
+    temperature = r.eval_temperature if evaluation and r.eval_temperature is not None else r.temperature
+    return SamplingParams(
+        n=1 if evaluation else r.n,
+        temperature=temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_new_tokens=r.max_new_tokens,
+        stop=tuple(r.stop),
+    )
+
+
+@task(name="generate", cache_policy=NO_CACHE)
+def generate(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
+    """Sample `rollout.n` responses for the step's prompts (seeded by run seed, step); writes rollout batch."""
+    start = time.perf_counter()
+    prompts = prompts_for_step(cfg.data, step, cfg.trainer.seed)
+    workers = get_workers(cfg, run)
+    timeout = cfg.prefect.policy("generate").timeout_seconds
+    seed = derive_seed(cfg.trainer.seed, step, "generate")
+    batch = guard_workers(lambda: workers.rollout.dp(timeout).generate(prompts, sampling(cfg), seed))
+    T.save_batch(batch, run.batch(step, "rollout"))
+    elapsed = time.perf_counter() - start
+    lengths = batch[T.RESPONSE_MASK].sum(-1)
+    tokens = float(lengths.sum())
+    return {
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/min": float(lengths.min()),
+        "response_length/clip_ratio": float((lengths >= cfg.rollout.max_new_tokens).float().mean()),
+        "throughput/rollout_tokens_per_s": tokens / max(elapsed, 1e-9),
+        "rollout/tokens": tokens,
+        "timing/generate_s": elapsed,
+    }
+
+
+@task(name="sync_weights", cache_policy=NO_CACHE)
+def sync_weights(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
+    """Trainer -> rollout engines, streamed by HF name in buckets (woken first if they sleep)."""
+    workers = get_workers(cfg, run)
+    timeout = cfg.prefect.policy("sync_weights").timeout_seconds
+    guard_workers(lambda: workers.rollout.all(timeout).wake())
+    if workers.rollout.in_process:
+        return sync_weights_local(workers.actor.handles[0], workers.rollout.handles, BUCKET_BYTES, cfg.rollout.dtype)
+    source = workers.actor.handles[workers.actor.collect_ranks()[0]]
+    return guard_workers(
+        lambda: sync_weights_ray(source, workers.rollout.handles, BUCKET_BYTES, cfg.rollout.dtype, timeout)
+    )
+
+
+@task(name="sleep_rollout", cache_policy=NO_CACHE)
+def sleep_rollout(cfg: RunConfig, run: RunHandle) -> None:
+    """Free the rollout engines' memory while the trainers work (colocated mode)."""
+    workers = get_workers(cfg, run)
+    guard_workers(lambda: workers.rollout.all(cfg.prefect.policy("generate").timeout_seconds).sleep())

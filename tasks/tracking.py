@@ -1,0 +1,188 @@
+"""MLflow, and only here: one MLflow run per training run, resumed by id, metrics logged once per step.
+
+MLflow is append-only, so a resumed or replayed run skips steps MLflow already has (tracked through the
+`progress/step` metric). Everything goes through `MlflowClient` with an explicit run id, so stage tasks
+on worker threads never depend on a thread's "active run".
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag
+
+from configs import RunConfig, config_hash, flatten, to_yaml
+
+STEP_KEY = "progress/step"
+_LAST_STEP: dict[str, int] = {}
+
+
+def client(cfg: RunConfig) -> MlflowClient:
+    """A client for the configured tracking URI."""
+    return MlflowClient(tracking_uri=cfg.tracking.tracking_uri)
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def run_tags(cfg: RunConfig, flow_run_id: str | None) -> dict[str, str]:
+    """The tags experiments are compared by."""
+    return {
+        "rlstages.config_hash": config_hash(cfg),
+        "rlstages.git_commit": _git_commit(),
+        "rlstages.model": str(cfg.model.path.name),
+        "rlstages.algorithm": cfg.algorithm.adv_estimator,
+        "rlstages.rollout_backend": cfg.rollout.backend,
+        "rlstages.actor_backend": cfg.actor.backend,
+        "rlstages.prefect_flow_run_id": flow_run_id or "none",
+    }
+
+
+def start_or_resume(cfg: RunConfig, run_name: str, run_id: str | None, flow_run_id: str | None) -> str:
+    """Reattach to `run_id` (status back to RUNNING), or create the run with params, tags and the config."""
+    c = client(cfg)
+    if run_id is not None:
+        c.update_run(run_id, status="RUNNING")
+        c.set_tag(run_id, "rlstages.prefect_flow_run_id", flow_run_id or "none")
+        _LAST_STEP[run_id] = last_logged_step(cfg, run_id)
+        return run_id
+    exp = c.get_experiment_by_name(cfg.tracking.experiment)
+    exp_id = exp.experiment_id if exp is not None else c.create_experiment(cfg.tracking.experiment)
+    run = c.create_run(exp_id, run_name=run_name, tags=run_tags(cfg, flow_run_id))
+    rid = run.info.run_id
+    params = [Param(k, v[:6000]) for k, v in flatten(cfg.model_dump(mode="json")).items()]
+    for i in range(0, len(params), 100):
+        c.log_batch(rid, params=params[i : i + 100])
+    c.log_text(rid, to_yaml(cfg), "config/resolved.yaml")
+    _LAST_STEP[rid] = 0
+    return rid
+
+
+def last_logged_step(cfg: RunConfig, run_id: str) -> int:
+    """The newest step MLflow already holds for this run (0 if none)."""
+    history = client(cfg).get_metric_history(run_id, STEP_KEY)
+    return max((int(m.step) for m in history), default=0)
+
+
+def log_step(cfg: RunConfig, run_id: str, step: int, metrics: dict[str, float]) -> bool:
+    """Log one step's metrics in one batch; a step MLflow already has is skipped (returns False)."""
+    if step <= _LAST_STEP.setdefault(run_id, last_logged_step(cfg, run_id)):
+        return False
+    now = int(time.time() * 1000)
+    rows = [Metric(k, float(v), now, step) for k, v in sorted(metrics.items()) if _finite(v)]
+    rows.append(Metric(STEP_KEY, float(step), now, step))
+    c = client(cfg)
+    for i in range(0, len(rows), 1000):
+        c.log_batch(run_id, metrics=rows[i : i + 1000])
+    _LAST_STEP[run_id] = step
+    return True
+
+
+def log_eval_metrics(cfg: RunConfig, run_id: str, step: int, metrics: dict[str, float]) -> None:
+    """Evaluation metrics at `step` (kept separate: evaluation at step 0 precedes training)."""
+    history = client(cfg).get_metric_history(run_id, "eval/reward_mean")
+    if any(int(m.step) == step for m in history):
+        return
+    now = int(time.time() * 1000)
+    client(cfg).log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items() if _finite(v)])
+
+
+def _finite(v: Any) -> bool:
+    try:
+        return float(v) == float(v) and abs(float(v)) != float("inf")
+    except (TypeError, ValueError):
+        return False
+
+
+def log_samples(cfg: RunConfig, run_id: str, step: int, rows: dict[str, list[Any]]) -> None:
+    """Evaluation samples as an MLflow table (one file per evaluation, so nothing is re-uploaded)."""
+    client(cfg).log_table(run_id, data=rows, artifact_file=f"eval/samples_step_{step:06d}.json")
+
+
+def metric_history(cfg: RunConfig, run_id: str, key: str) -> list[tuple[int, float]]:
+    """(step, value) pairs of a metric, first value per step."""
+    seen: dict[int, float] = {}
+    for m in client(cfg).get_metric_history(run_id, key):
+        seen.setdefault(int(m.step), float(m.value))
+    return sorted(seen.items())
+
+
+def log_reward_curve(cfg: RunConfig, run_id: str, out_png: Path) -> Path:
+    """Plot train and held-out reward against step, save it beside the run and log it (replaced each time)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
+    for key, label in (("reward/mean", "train reward (mean)"), ("eval/reward_mean", "held-out reward")):
+        points = metric_history(cfg, run_id, key)
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", ms=3, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(f"{cfg.trainer.run_name or 'run'}: {cfg.algorithm.adv_estimator}")
+    fig.tight_layout()
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png)
+    plt.close(fig)
+    client(cfg).log_artifact(run_id, str(out_png), "plots")
+    return out_png
+
+
+def log_file(cfg: RunConfig, run_id: str, path: Path, artifact_dir: str) -> None:
+    """Log a small file (a checkpoint manifest, a summary)."""
+    client(cfg).log_artifact(run_id, str(path), artifact_dir)
+
+
+def log_policy(cfg: RunConfig, run_id: str, hf_dir: Path) -> None:
+    """The final policy as an MLflow transformers model, from its local HF directory."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+    mlflow.set_tracking_uri(cfg.tracking.tracking_uri)
+    with mlflow.start_run(run_id=run_id):
+        mlflow.transformers.log_model(
+            transformers_model={"model": model, "tokenizer": tokenizer},
+            name="policy",
+            task="text-generation",
+            registered_model_name=cfg.tracking.registered_model_name,
+            pip_requirements=[f"transformers=={transformers.__version__}", "torch", "safetensors"],
+        )
+
+
+def set_tags(cfg: RunConfig, run_id: str, tags: dict[str, str]) -> None:
+    """Set run tags (e.g. the failing stage)."""
+    client(cfg).log_batch(run_id, tags=[RunTag(k, v[:8000]) for k, v in tags.items()])
+
+
+def end(cfg: RunConfig, run_id: str, status: str) -> None:
+    """End the run as FINISHED, FAILED or KILLED (MLflow never does it for a dead process)."""
+    client(cfg).set_terminated(run_id, status=status)
+
+
+def run_link(cfg: RunConfig, run_id: str) -> str:
+    """A URL of the run in the MLflow UI (`mlflow ui` on 127.0.0.1:5000 for a SQLite store)."""
+    run = client(cfg).get_run(run_id)
+    base = cfg.tracking.tracking_uri if cfg.tracking.tracking_uri.startswith("http") else "http://127.0.0.1:5000"
+    return f"{base.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
+
+
+def dump_json(path: Path, data: dict[str, Any]) -> None:
+    """Small helper for run-state files kept beside MLflow."""
+    path.write_text(json.dumps(data, indent=2))
