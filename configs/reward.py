@@ -13,7 +13,7 @@ from configs.base import StrictModel
 class RewardFnConfig(StrictModel):
     """One reward function, by registered name or `package.module:function`; scores are weighted and summed.
 
-    Registered: `math_verify`, `exact_match`, `boxed_format`, `last_integer`.
+    Registered: `math_verify`, `exact_match`, `boxed_format`, `last_integer`, `digit_ratio`.
     """
 
     name: str

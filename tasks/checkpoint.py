@@ -23,6 +23,7 @@ from configs import RunConfig
 from engines.training.state_io import atomic_write_text
 from tasks import tracking
 from tasks.context import RunHandle
+from tasks.faults import maybe_fail
 from tasks.policies import guard_workers
 from tasks.workers import get_workers
 
@@ -83,6 +84,7 @@ def latest_checkpoint(run: RunHandle, verify: bool = False) -> tuple[int, Path] 
 @task(name="checkpoint", cache_policy=NO_CACHE)
 def save_checkpoint(cfg: RunConfig, run: RunHandle, step: int, driver_state: dict[str, Any]) -> str:
     """Commit a checkpoint of every trainable engine plus the driver state; returns the manifest path."""
+    maybe_fail(run, "checkpoint", step)
     final = checkpoint_dir(run, step)
     if read_manifest(final) is not None:
         return str(final / MANIFEST)  # idempotent: a retried task finds its work done

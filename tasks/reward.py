@@ -15,6 +15,7 @@ from configs import RunConfig
 from engines import types as T
 from engines.algorithms import overlong_penalty
 from tasks.context import RunHandle
+from tasks.faults import maybe_fail
 from tasks.policies import guard_workers
 from tasks.workers import Workers, get_workers
 
@@ -53,6 +54,7 @@ def score_rewards(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]
     start = time.perf_counter()
     batch = T.load_batch(run.batch(step, "rollout"))
     workers = get_workers(cfg, run)
+    maybe_fail(run, "score_rewards", step, workers)
     scores, metrics = score_batch(cfg, workers, batch, cfg.prefect.policy("score_rewards").timeout_seconds)
     T.save_batch(TensorDict({T.SCORES: scores}, batch_size=[len(scores)]), run.batch(step, "scores"))
     metrics["timing/score_rewards_s"] = time.perf_counter() - start

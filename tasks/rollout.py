@@ -13,6 +13,7 @@ from engines.types import SamplingParams
 from engines.weight_sync import sync_weights_local, sync_weights_ray
 from tasks.context import RunHandle, derive_seed
 from tasks.data import prompts_for_step
+from tasks.faults import maybe_fail
 from tasks.policies import guard_workers
 from tasks.workers import get_workers
 
@@ -39,6 +40,7 @@ def generate(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
     start = time.perf_counter()
     prompts = prompts_for_step(cfg.data, step, cfg.trainer.seed)
     workers = get_workers(cfg, run)
+    maybe_fail(run, "generate", step, workers)
     timeout = cfg.prefect.policy("generate").timeout_seconds
     seed = derive_seed(cfg.trainer.seed, step, "generate")
     batch = guard_workers(lambda: workers.rollout.dp(timeout).generate(prompts, sampling(cfg), seed))

@@ -11,12 +11,14 @@ from configs import RunConfig
 from engines import types as T
 from engines.actor_group import ActorGroup
 from tasks.context import RunHandle
+from tasks.faults import maybe_fail
 from tasks.policies import guard_workers
 from tasks.workers import get_workers
 
 
 def _train(cfg: RunConfig, run: RunHandle, step: int, group: ActorGroup, stage: str, prefix: str) -> dict[str, float]:
     start = time.perf_counter()
+    maybe_fail(run, stage, step, get_workers(cfg, run))
     batch = T.load_batch(run.batch(step, "train"))
     if batch.batch_size[0] == 0:
         return {f"{prefix}/skipped": 1.0}

@@ -63,6 +63,7 @@ class ConversionSpec:
         vocab_divisible_by: int = 1,
     ) -> ConversionSpec:
         """Build and check a spec from an HF config dict (config.json's contents)."""
+        _check_sizes(tp, pp, vpp or 1, transformer_impl)
         model_type = hf_config.get("model_type")
         if not model_type:
             raise ValueError("HF config has no 'model_type'; expected config.json of a transformers model")
@@ -186,7 +187,7 @@ def _rope_settings(hf: Mapping[str, Any], mcore: Mapping[str, Any]) -> dict[str,
     raise ValueError(f"rope_parameters.rope_type={rope_type!r} is not supported by the converter (default, llama3)")
 
 
-def _check_layout(m: Mapping[str, Any], tp: int, pp: int, vpp: int, impl: str) -> None:
+def _check_sizes(tp: int, pp: int, vpp: int, impl: str) -> None:
     for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -194,6 +195,10 @@ def _check_layout(m: Mapping[str, Any], tp: int, pp: int, vpp: int, impl: str) -
         raise ValueError(f"vpp={vpp} needs pp >= 2 (virtual pipeline chunks interleave pipeline stages)")
     if impl not in ("local", "transformer_engine"):
         raise ValueError(f"transformer_impl must be 'local' or 'transformer_engine', got {impl!r}")
+
+
+def _check_layout(m: Mapping[str, Any], tp: int, pp: int, vpp: int, impl: str) -> None:
+    _check_sizes(tp, pp, vpp, impl)
     heads, groups = m["num_attention_heads"], m["num_query_groups"]
     if heads % groups:
         raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}")

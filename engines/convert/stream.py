@@ -100,7 +100,13 @@ class _Stream:
         if any(t is None for t in inputs):
             return []
         del self._pending[(layer, op_index, wild)]
-        outputs = op.to_mcore(inputs, self.spec.dims) if self.dst == "mcore" else op.to_hf(inputs, self.spec.dims)
+        try:
+            outputs = op.to_mcore(inputs, self.spec.dims) if self.dst == "mcore" else op.to_hf(inputs, self.spec.dims)
+        except (ValueError, RuntimeError) as e:  # op messages start with the (layer-local) tensor name
+            where = "" if layer is None else f"{self._prefix(self.src)}{layer}"
+            raise ConversionError(
+                f"{where}{e}" if str(e).startswith(".") else f"{op!r} at {where or 'top'}: {e}"
+            ) from e
         names = [self._out_name(layer, fill(n, wild)) for n in self._names(op, self.dst)]
         self._produced.update(names)
         return self._post(list(zip(names, outputs, strict=True)))

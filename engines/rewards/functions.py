@@ -107,3 +107,9 @@ def boxed_format(prompt: str, response: str, ground_truth: str, require_number: 
         if content.strip() and (not require_number or _is_number(content)):
             return 1.0
     return 0.0
+
+
+def digit_ratio(prompt: str, response: str, ground_truth: str, **extra: Any) -> float:
+    """Fraction of the response's characters that are digits: a dense toy reward for smoke runs on tiny
+    random models (verl's digit-completion idea), where an exact checker would always score 0."""
+    return sum(ch.isdigit() for ch in response) / len(response) if response else 0.0

@@ -19,6 +19,7 @@ REWARD_FUNCTIONS: dict[str, str] = {
     "math_verify": "engines.rewards.functions:math_verify",
     "exact_match": "engines.rewards.functions:exact_match",
     "boxed_format": "engines.rewards.functions:boxed_format",
+    "digit_ratio": "engines.rewards.functions:digit_ratio",
 }
 
 

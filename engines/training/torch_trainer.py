@@ -236,7 +236,7 @@ class TorchTrainingEngine:
                 vpreds, mb[T.RETURNS], mb[T.VALUES], mask, self.cliprange_value, self.loss.loss_agg_mode, **norm
             )
             return loss, {
-                "vf_loss": float(loss),
+                "vf_loss": float(loss.detach()),
                 "vf_clipfrac": float(clipfrac),
                 "vpred_mean": float(A.masked_mean(vpreds.detach(), mask)),
             }

@@ -1,0 +1,144 @@
+"""SGLang rollout engine: `sglang.Engine` sampling from token ids, `update_weights_from_tensor`, memory release.
+
+GPU only: SGLang ships no CPU build, so this backend cannot run on a CPU machine; it is written against the
+`sglang.Engine` API of sglang 0.5.23 (keyword names are checked by tests/engines/test_sglang_rollout.py
+wherever sglang imports). sglang is imported lazily, so this module imports without it.
+
+Sleep releases the KV cache, weights and CUDA graphs (`release_memory_occupation`), with the weights backed
+up in host memory (`enable_weights_cpu_backup`), so `wake` alone restores a working engine (vLLM's level 1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tensordict import TensorDict
+
+from engines.base import NamedTensors
+from engines.rollout import ipc
+from engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
+from engines.types import Prompt, SamplingParams
+
+WEIGHTS, KV_CACHE = "weights", "kv_cache"
+
+
+class SGLangRolloutEngine:
+    """`RolloutEngine` on `sglang.Engine`: n samples per prompt with the sampled tokens' log-probs."""
+
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "bfloat16",
+        tp_size: int = 1,
+        mem_fraction_static: float = 0.5,
+        enable_memory_saver: bool = True,
+        max_model_len: int = 1024,
+        apply_chat_template: bool = True,
+        system_prompt: str | None = None,
+        seed: int = 0,
+    ) -> None:
+        import sglang
+        from transformers import AutoTokenizer
+
+        self.apply_chat_template = apply_chat_template
+        self.system_prompt = system_prompt
+        self.memory_saver = enable_memory_saver
+        self.bucket_bytes = ipc.DEFAULT_BUCKET_BYTES
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        eos = self.tokenizer.eos_token_id
+        self.eos_ids = {int(eos)} if eos is not None else set()
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad) if pad is not None else min(self.eos_ids, default=0)
+        self.engine = sglang.Engine(
+            **engine_kwargs(model_path, dtype, tp_size, mem_fraction_static, enable_memory_saver, max_model_len, seed)
+        )
+        self._released: set[str] = set()
+
+    def generate(self, prompts: list[Prompt], sampling: SamplingParams, seed: int) -> TensorDict:
+        """Sample `sampling.n` responses per prompt (rows prompt-major).
+
+        Each row is its own request with its own `sampling_seed`; SGLang honours per-request seeds only
+        when the engine runs with `enable_deterministic_inference`, otherwise samples vary run to run.
+        """
+        self.wake()
+        prompt_ids = format_prompts(self.tokenizer, prompts, self.apply_chat_template, self.system_prompt)
+        n = sampling.n
+        rows = [prompt_ids[i // n] for i in range(len(prompts) * n)]
+        params = [request_params(sampling, (seed * 1_000_003 + r) % 2**63) for r in range(len(rows))]
+        outputs = self.engine.generate(input_ids=rows, sampling_params=params, return_logprob=True)
+        responses: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        for out in outputs:
+            # Each entry: (log-prob, token id, token text or None).
+            entries = out["meta_info"]["output_token_logprobs"]
+            ids, lps = truncate_response(
+                [int(e[1]) for e in entries], [float(e[0]) for e in entries], self.eos_ids, sampling.max_new_tokens
+            )
+            responses.append(ids)
+            logprobs.append(lps)
+        texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in responses]
+        return build_rollout_batch(prompts, prompt_ids, responses, logprobs, texts, n, self.pad_id)
+
+    def update_weights(self, named_tensors: NamedTensors) -> None:
+        """Load HF-named tensors in place, bucket by bucket, then flush the radix (prefix) cache."""
+        if WEIGHTS in self._released:
+            self.engine.resume_memory_occupation(tags=[WEIGHTS])
+            self._released.discard(WEIGHTS)
+        stream = ((name, t.detach()) for name, t in named_tensors)
+        try:
+            for bucket in ipc.iter_buckets(stream, self.bucket_bytes):
+                self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False)
+        finally:
+            self.engine.flush_cache()
+
+    def sleep(self) -> None:
+        """Release GPU memory (no-op without `enable_memory_saver`)."""
+        if self.memory_saver and not self._released:
+            self.engine.release_memory_occupation(tags=None)
+            self._released = {WEIGHTS, KV_CACHE, "cuda_graph"}
+
+    def wake(self) -> None:
+        """Resume what `sleep` released."""
+        if self._released:
+            self.engine.resume_memory_occupation(tags=sorted(self._released))
+            self._released = set()
+
+    def shutdown(self) -> None:
+        """Stop SGLang's scheduler and detokenizer processes."""
+        self.engine.shutdown()
+
+
+def engine_kwargs(
+    model_path: str,
+    dtype: str,
+    tp_size: int,
+    mem_fraction_static: float,
+    enable_memory_saver: bool,
+    max_model_len: int,
+    seed: int,
+) -> dict[str, Any]:
+    """Keyword arguments of `sglang.Engine` (fields of SGLang's `ServerArgs`)."""
+    return {
+        "model_path": model_path,
+        "dtype": dtype,
+        "tp_size": tp_size,
+        "mem_fraction_static": mem_fraction_static,
+        "enable_memory_saver": enable_memory_saver,
+        "enable_weights_cpu_backup": enable_memory_saver,  # weights survive a release: wake alone suffices
+        "context_length": max_model_len,
+        "random_seed": seed,
+        "log_level": "error",
+    }
+
+
+def request_params(sampling: SamplingParams, seed: int) -> dict[str, Any]:
+    """One request's `sampling_params` dict for `sglang.Engine.generate` (one sample per request)."""
+    return {
+        "n": 1,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1,  # SGLang: -1 disables
+        "max_new_tokens": sampling.max_new_tokens,
+        "stop": list(sampling.stop) or None,
+        "sampling_seed": seed,
+    }

@@ -1,0 +1,144 @@
+"""Config schema, presets, overrides and cross-field checks. CPU only: `pytest tests/configs`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from configs import ConfigError, RunConfig, config_hash, flatten, load_config
+from configs.loader import build_config, read_yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def tiny() -> dict:
+    return read_yaml(ROOT / "configs" / "tiny.yaml")
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
+def test_every_preset_loads(preset: Path) -> None:
+    cfg = load_config(preset)
+    assert isinstance(cfg, RunConfig)
+    assert cfg.trainer.total_steps >= 1
+
+
+def test_presets_cover_the_seeds_layouts() -> None:
+    names = {p.stem for p in PRESETS}
+    assert {"demo", "tiny", "qwen2_7b_grpo_megatron", "deepspeed_vllm"} <= names
+    mega = load_config(ROOT / "configs" / "qwen2_7b_grpo_megatron.yaml")
+    assert mega.actor.backend == "megatron" and mega.actor.data_parallel_size == 2
+    assert mega.actor.param_offload and mega.rollout.backend == "vllm"
+    ds = load_config(ROOT / "configs" / "deepspeed_vllm.yaml")
+    assert ds.actor.backend == "deepspeed" and ds.actor.zero_stage == 3 and ds.critic is not None
+
+
+def test_overrides_are_typed_by_the_schema() -> None:
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", ["actor.optim.lr=1e-6", "rollout.n=8", "rollout.stop=[x, y]"])
+    assert cfg.actor.optim.lr == pytest.approx(1e-6) and isinstance(cfg.actor.optim.lr, float)
+    assert cfg.rollout.n == 8 and cfg.rollout.stop == ("x", "y")
+
+
+def test_override_switches_backend_with_its_own_options() -> None:
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", ["actor.backend=deepspeed", "actor.zero_stage=3"])
+    assert cfg.actor.backend == "deepspeed" and cfg.actor.zero_stage == 3
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("actor.optim.lrr=1", "actor.optim.lrr: unknown key"),
+        ("actor.optim.lr=abc", "actor.optim.lr: Input should be a valid number"),
+        ("actor.zero_stage=3", "actor.zero_stage: unknown key"),  # torch backend has no zero_stage
+        ("rollout.backend=trt", "rollout"),
+        ("reward.functions.5.name=x", "not an index"),
+    ],
+)
+def test_bad_override_names_the_field(override: str, needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(ROOT / "configs" / "tiny.yaml", [override])
+    message = str(info.value)
+    assert needle in message and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"rollout": {"n": 1}}, "needs rollout.n > 1"),
+        ({"algorithm": {"adv_estimator": "gae"}}, "add a `critic:` section"),
+        ({"actor": {"mini_batch_size": 3}}, "must divide data.prompts_per_step"),
+        ({"actor": {"micro_batch_size": 5}}, "must divide a mini-batch of 16 sequences"),
+        ({"algorithm": {"use_kl_in_reward": True, "use_kl_loss": True}}, "penalises KL twice"),
+        ({"actor": {"backend": "megatron", "tensor_model_parallel_size": 3, "num_workers": 3}},
+         "must divide the model's attention heads (4) and KV groups (2)"),
+        ({"actor": {"backend": "megatron", "pipeline_model_parallel_size": 3, "num_workers": 3}},
+         "must divide the model's 2 layers"),
+        ({"actor": {"backend": "megatron", "tensor_model_parallel_size": 2, "num_workers": 3}},
+         "not a multiple of TP x PP x CP"),
+        ({"actor": {"backend": "deepspeed", "zero_stage": 2, "offload_param": True}}, "needs zero_stage 3"),
+        ({"cluster": {"num_gpus": 2, "colocate": False}, "actor": {"num_workers": 2}}, "asks for 3 GPUs"),
+        ({"rollout": {"backend": "sglang"}}, "SGLang has no CPU build"),
+    ],
+)
+def test_cross_field_checks_say_what_and_how(changes: dict, needle: str) -> None:
+    data = tiny()
+    for section, values in changes.items():
+        data[section] = {**data.get(section, {}), **values}
+    with pytest.raises(ConfigError) as info:
+        build_config(data)
+    assert needle in str(info.value)
+
+
+def test_kl_in_reward_and_loss_allowed_when_asked() -> None:
+    data = tiny()
+    data["algorithm"] = {**data["algorithm"], "use_kl_in_reward": True, "use_kl_loss": True,
+                         "allow_kl_in_reward_and_loss": True}
+    cfg = build_config(data)
+    assert cfg.uses_reference
+
+
+def test_colocated_gpus_fit() -> None:
+    data = tiny()
+    data["cluster"] = {"num_gpus": 2, "colocate": True}
+    data["actor"] = {**data["actor"], "num_workers": 2}
+    assert build_config(data).cluster.num_gpus == 2
+
+
+def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="bad.yaml: line .* is not valid YAML"):
+        load_config(bad)
+
+
+def test_frozen_and_hash_stable() -> None:
+    a = load_config(ROOT / "configs" / "tiny.yaml")
+    b = load_config(ROOT / "configs" / "tiny.yaml")
+    assert config_hash(a) == config_hash(b)
+    assert config_hash(a) != config_hash(load_config(ROOT / "configs" / "tiny.yaml", ["trainer.seed=1"]))
+    with pytest.raises(Exception):
+        a.trainer.total_steps = 5  # type: ignore[misc]
+    flat = flatten(a.model_dump(mode="json"))
+    assert flat["actor.optim.lr"] == "0.001" and flat["reward.functions.0.name"] == "digit_ratio"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+
+
+def test_cli_config_show_and_errors() -> None:
+    ok = _cli("config", "show", "configs/demo.yaml", "actor.optim.lr=1e-5")
+    assert ok.returncode == 0 and "lr: 1.0e-05" in ok.stdout
+    bad = _cli("config", "show", "configs/demo.yaml", "actor.optim.lrr=1")
+    assert bad.returncode == 2
+    lines = [line for line in bad.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "actor.optim.lrr" in lines[0]
+    helped = _cli("--help")
+    for command in ("run", "resume", "eval", "config"):
+        assert command in helped.stdout

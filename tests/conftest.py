@@ -1,0 +1,67 @@
+"""Shared fixtures: an isolated environment, a tiny model built from a config, one local Ray and one
+Prefect test harness per session. Runs on a CPU; `make test` runs everything CI runs."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_SESSION_TMP = Path(tempfile.mkdtemp(prefix="rlstages-tests-"))
+os.environ.setdefault("PREFECT_HOME", str(_SESSION_TMP / "prefect"))
+for key, value in {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_LOGGING_LEVEL": "WARNING",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "OMP_NUM_THREADS": "1",
+    "OMP_WAIT_POLICY": "PASSIVE",
+    "MLFLOW_ENABLE_ASYNC_LOGGING": "false",
+}.items():
+    os.environ.setdefault(key, value)
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def session_tmp() -> Path:
+    """A temporary directory shared by the whole session."""
+    return _SESSION_TMP
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(session_tmp: Path) -> Path:
+    """A random-init Qwen2 (hidden 64, 2 layers, GQA 4/2, QKV bias) with a char tokenizer, saved once."""
+    from engines.models import build_tiny_model
+
+    path = session_tmp / "tiny-qwen2"
+    if not (path / "config.json").is_file():
+        build_tiny_model(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the session (2 CPUs, no dashboard)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, namespace="rlstages-tests", log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """Real Prefect with no server: one temporary SQLite-backed API for the session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

@@ -1,0 +1,60 @@
+"""Streaming: converting a model several shards large never holds the whole model (peak RSS, measured).
+
+Run: .venv/bin/python -m pytest tests/engines/convert/test_convert_memory.py -q   (CPU only, ~10 s, ~0.5 GB RAM)
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from convert_fixtures import make_hf_model
+
+MEASURE = """
+import json, sys, torch
+torch.set_num_threads(1)
+from engines.convert import convert_hf_to_mcore, convert_mcore_to_hf
+from engines.convert.spec import _with_hf_defaults
+_with_hf_defaults({"model_type": "llama"})  # the one-off cost of importing transformers is not model memory
+hf, out, direction = sys.argv[1], sys.argv[2], sys.argv[3]
+def status_kb(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key))
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the peak (VmHWM) to the current RSS
+before = status_kb("VmRSS")
+if direction == "to_mcore":
+    convert_hf_to_mcore(hf, out, tp=2, pp=2, fsync=False)
+else:
+    convert_mcore_to_hf(hf, out, fsync=False, max_shard_bytes=8_000_000)
+print(json.dumps({"before_kb": before, "peak_kb": status_kb("VmHWM")}))
+"""
+
+
+def _peak_delta_mb(src: Path, out: Path, direction: str) -> float:
+    done = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(src), str(out), direction],
+        capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[3],
+    )  # fmt: skip
+    numbers = json.loads(done.stdout.strip().splitlines()[-1])
+    return (numbers["peak_kb"] - numbers["before_kb"]) / 1024
+
+
+def test_peak_memory_is_about_one_layer_plus_one_shard(tmp_path: Path) -> None:
+    hf = make_hf_model(
+        tmp_path / "hf", "llama", hidden=256, intermediate=1024, heads=8, kv_heads=4, layers=16, vocab=8192,
+        max_shard_size="8MB",
+    )  # fmt: skip
+    shards = sorted(hf.glob("*.safetensors"))
+    model_mb = sum(p.stat().st_size for p in shards) / 2**20
+    shard_mb = max(p.stat().st_size for p in shards) / 2**20
+    layer_mb = 4 * (256 * 256 + 2 * 256 * 128 + 256 * 256 + 3 * 256 * 1024) / 2**20
+    assert len(shards) >= 8 and model_mb > 70
+    bound = 2 * shard_mb + 2 * layer_mb + 16  # in-flight tensors, TP copies, allocator slack
+    to_mcore = _peak_delta_mb(hf, tmp_path / "mcore", "to_mcore")
+    print(f"peak over baseline: to_mcore {to_mcore:.1f} MB, bound {bound:.1f} MB, model {model_mb:.1f} MB")
+    assert to_mcore < min(bound, model_mb / 2), (to_mcore, bound, model_mb)
+    to_hf = _peak_delta_mb(tmp_path / "mcore", tmp_path / "back", "to_hf")
+    assert to_hf < min(bound, model_mb / 2), (to_hf, bound, model_mb)

@@ -1,0 +1,114 @@
+"""HF rollout engine on a tiny random model: the batch contract, log-probs vs a teacher-forced recompute,
+seeding, greedy, stop strings, weight updates and sleep/wake. CPU only: `pytest tests/engines/test_hf_rollout.py`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engines import types as T
+from engines.models import load_causal_lm
+from engines.rollout.hf_rollout import HFRolloutEngine
+from engines.types import Prompt, SamplingParams
+
+PROMPTS = [Prompt(f"u{i}", f"What is {i} + {i + 1}?", str(2 * i + 1)) for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> HFRolloutEngine:
+    return HFRolloutEngine(tiny_model_dir, dtype="float32", batch_size=5, apply_chat_template=False)
+
+
+def recompute(model_dir: Path, batch) -> torch.Tensor:
+    model = load_causal_lm(model_dir)
+    ids = torch.cat([batch[T.PROMPT_IDS], batch[T.RESPONSE_IDS]], 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=batch[T.ATTENTION_MASK], position_ids=batch[T.POSITION_IDS]).logits
+    p, t = batch[T.PROMPT_IDS].shape[1], batch[T.RESPONSE_IDS].shape[1]
+    return torch.log_softmax(logits[:, p - 1 : p + t - 1].float(), -1).gather(-1, batch[T.RESPONSE_IDS][..., None])[..., 0]
+
+
+def test_contract_shapes_masks_and_groups(engine: HFRolloutEngine) -> None:
+    batch = engine.generate(PROMPTS, SamplingParams(n=4, max_new_tokens=12), seed=3)
+    assert batch.batch_size[0] == 12
+    assert T.get_rows(batch, "uid") == [p.uid for p in PROMPTS for _ in range(4)]
+    assert T.get_rows(batch, "ground_truth")[4] == PROMPTS[1].ground_truth
+    pids, rids, mask = batch[T.PROMPT_IDS], batch[T.RESPONSE_IDS], batch[T.RESPONSE_MASK]
+    assert batch[T.ATTENTION_MASK].shape == (12, pids.shape[1] + rids.shape[1])
+    assert (batch[T.ATTENTION_MASK][:, pids.shape[1] :] == mask.long()).all()
+    lengths = mask.sum(-1).long()
+    for row in range(12):  # right padding: ones then zeros; padding holds the pad id
+        n = int(lengths[row])
+        assert mask[row, :n].all() and not mask[row, n:].any()
+        assert (rids[row, n:] == engine.pad_id).all()
+    first = batch[T.ATTENTION_MASK][:, : pids.shape[1]]  # left padding: zeros then ones
+    assert (first.cummax(-1).values == first).all()
+    assert (batch[T.ROLLOUT_LOGPROBS] <= 0).all() and (batch[T.ROLLOUT_LOGPROBS][mask == 0] == 0).all()
+
+
+def test_logprobs_match_teacher_forced_recompute(engine: HFRolloutEngine, tiny_model_dir: Path) -> None:
+    batch = engine.generate(PROMPTS, SamplingParams(n=3, temperature=1.0, max_new_tokens=10), seed=1)
+    diff = (recompute(tiny_model_dir, batch) - batch[T.ROLLOUT_LOGPROBS]).abs() * batch[T.RESPONSE_MASK]
+    assert diff.max() < 1e-4
+
+
+def test_temperature_and_top_k_logprobs(engine: HFRolloutEngine, tiny_model_dir: Path) -> None:
+    batch = engine.generate(PROMPTS, SamplingParams(n=2, temperature=0.5, top_k=5, max_new_tokens=6), seed=2)
+    model = load_causal_lm(tiny_model_dir)
+    ids = torch.cat([batch[T.PROMPT_IDS], batch[T.RESPONSE_IDS]], 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=batch[T.ATTENTION_MASK], position_ids=batch[T.POSITION_IDS]).logits
+    p, t = batch[T.PROMPT_IDS].shape[1], batch[T.RESPONSE_IDS].shape[1]
+    step_logits = logits[:, p - 1 : p + t - 1].float()
+    expected = torch.log_softmax(step_logits / 0.5, -1).gather(-1, batch[T.RESPONSE_IDS][..., None])[..., 0]
+    mask = batch[T.RESPONSE_MASK]
+    assert ((expected - batch[T.ROLLOUT_LOGPROBS]).abs() * mask).max() < 1e-4
+    rank = (step_logits > step_logits.gather(-1, batch[T.RESPONSE_IDS][..., None])).sum(-1)
+    assert (rank[mask.bool()] < 5).all()  # every sampled token is in the top 5
+
+
+def test_seeded_and_greedy(engine: HFRolloutEngine) -> None:
+    params = SamplingParams(n=2, max_new_tokens=8)
+    a, b = engine.generate(PROMPTS, params, seed=7), engine.generate(PROMPTS, params, seed=7)
+    c = engine.generate(PROMPTS, params, seed=8)
+    assert torch.equal(a[T.RESPONSE_IDS], b[T.RESPONSE_IDS])
+    assert not torch.equal(a[T.RESPONSE_IDS], c[T.RESPONSE_IDS])
+    greedy = SamplingParams(n=2, temperature=0.0, max_new_tokens=8)
+    g1, g2 = engine.generate(PROMPTS, greedy, seed=1), engine.generate(PROMPTS, greedy, seed=99)
+    assert torch.equal(g1[T.RESPONSE_IDS], g2[T.RESPONSE_IDS])
+    assert torch.equal(g1[T.RESPONSE_IDS][0], g1[T.RESPONSE_IDS][1])
+
+
+def test_stop_strings_cut_the_response(engine: HFRolloutEngine) -> None:
+    free = engine.generate(PROMPTS, SamplingParams(n=4, max_new_tokens=16), seed=5)
+    texts = T.get_rows(free, "response")
+    stop = next(ch for text in texts for ch in text[1:] if ch.strip())  # a char that occurs mid-response
+    cut = engine.generate(PROMPTS, SamplingParams(n=4, max_new_tokens=16, stop=(stop,)), seed=5)
+    for before, after, n in zip(texts, T.get_rows(cut, "response"), cut[T.RESPONSE_MASK].sum(-1), strict=True):
+        if stop in before:
+            assert after.endswith(stop) and stop not in after[:-1] and before.startswith(after)
+        assert int(n) <= 16
+
+
+def test_update_weights_takes_effect_and_sleep_wake(tiny_model_dir: Path) -> None:
+    engine = HFRolloutEngine(tiny_model_dir, dtype="float32", apply_chat_template=False)
+    params = SamplingParams(n=1, max_new_tokens=6)
+    before = engine.generate(PROMPTS, params, seed=0)
+    model = load_causal_lm(tiny_model_dir)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)
+    engine.update_weights([("lm_head.weight", model.lm_head.weight)])
+    after = engine.generate(PROMPTS, params, seed=0)
+    assert not torch.equal(before[T.ROLLOUT_LOGPROBS], after[T.ROLLOUT_LOGPROBS])
+    with pytest.raises(KeyError, match="not a weight"):
+        engine.update_weights([("nope.weight", torch.zeros(1))])
+    engine.sleep()
+    assert sum(p.numel() for p in engine.model.parameters()) == 0
+    engine.wake()
+    with pytest.raises(RuntimeError, match="without new weights"):
+        engine.generate(PROMPTS, params, seed=0)
+    engine.update_weights(model.state_dict().items())
+    again = engine.generate(PROMPTS, params, seed=0)
+    assert torch.equal(again[T.RESPONSE_IDS], after[T.RESPONSE_IDS])

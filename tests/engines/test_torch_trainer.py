@@ -1,0 +1,135 @@
+"""Torch training engine: log-probs, GRPO update, gradient accumulation exactness, dynamic batching, critic,
+frozen reference, LR schedule, and save/load that continues bitwise. CPU only."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from engines import algorithms as A
+from engines import types as T
+from engines.rollout.hf_rollout import HFRolloutEngine
+from engines.training.torch_trainer import BatchingParams, OptimParams, TorchTrainingEngine, lr_lambda
+from engines.types import Prompt, SamplingParams
+
+PROMPTS = [Prompt(f"u{i}", f"{i}+{i}=", str(2 * i)) for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_model_dir: Path):
+    rollout = HFRolloutEngine(tiny_model_dir, dtype="float32", apply_chat_template=False)
+    b = rollout.generate(PROMPTS, SamplingParams(n=4, max_new_tokens=8), seed=0)
+    scores = (torch.arange(16) % 3 == 0).float()
+    token = A.outcome_to_token_rewards(scores, b[T.RESPONSE_MASK])
+    adv, ret = A.compute_advantages("grpo", token, b[T.RESPONSE_MASK], T.get_rows(b, "uid"))
+    b[T.ADVANTAGES], b[T.RETURNS] = adv, ret
+    b[T.VALUES] = torch.zeros_like(adv)
+    return b
+
+
+def trainer(path: Path, **kw) -> TorchTrainingEngine:
+    batching = kw.pop("batching", BatchingParams(micro_batch_size=4))
+    return TorchTrainingEngine(path, optim=OptimParams(lr=1e-2, total_steps=10), batching=batching, **kw)
+
+
+def snapshot(engine: TorchTrainingEngine) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in engine.named_weights()}
+
+
+def test_logprobs_agree_with_rollout(tiny_model_dir: Path, batch) -> None:
+    out = trainer(tiny_model_dir).logprobs(batch)
+    diff = (out["logprobs"] - batch[T.ROLLOUT_LOGPROBS]).abs() * batch[T.RESPONSE_MASK]
+    assert diff.max() < 1e-4 and out["entropy"].shape == batch[T.RESPONSE_IDS].shape
+
+
+def test_grpo_step_moves_parameters_and_reports(tiny_model_dir: Path, batch) -> None:
+    engine = trainer(tiny_model_dir)
+    before = snapshot(engine)
+    metrics = engine.train_step(batch)
+    after = dict(engine.named_weights())
+    assert sum(not torch.equal(before[k], after[k]) for k in before) == len(before)
+    for key in ("pg_loss", "pg_clipfrac", "entropy", "grad_norm", "lr", "logprob_diff"):
+        assert key in metrics and math.isfinite(metrics[key])
+    assert metrics["grad_norm"] > 0 and metrics["logprob_diff"] < 1e-4
+
+
+def test_accumulation_equals_one_big_batch(tiny_model_dir: Path, batch) -> None:
+    small = trainer(tiny_model_dir, batching=BatchingParams(micro_batch_size=2))
+    big = trainer(tiny_model_dir, batching=BatchingParams(micro_batch_size=16))
+    m_small, m_big = small.train_step(batch), big.train_step(batch)
+    assert m_small["grad_norm"] == pytest.approx(m_big["grad_norm"], rel=1e-4)
+    assert m_small["pg_loss"] == pytest.approx(m_big["pg_loss"], abs=1e-6)
+    assert small.optimizer is not None and big.optimizer is not None
+    for p_small, p_big in zip(small.model.parameters(), big.model.parameters(), strict=True):
+        grad_small = small.optimizer.state[p_small]["exp_avg"]  # (1 - beta1) x the accumulated gradient
+        grad_big = big.optimizer.state[p_big]["exp_avg"]
+        assert torch.allclose(grad_small, grad_big, atol=1e-7, rtol=1e-4)
+
+
+def test_dynamic_batching_same_update(tiny_model_dir: Path, batch) -> None:
+    dyn = trainer(tiny_model_dir, batching=BatchingParams(micro_batch_size=16, dynamic_batching=True,
+                                                          max_tokens_per_micro_batch=64))
+    fixed = trainer(tiny_model_dir, batching=BatchingParams(micro_batch_size=16))
+    assert dyn.train_step(batch)["grad_norm"] == pytest.approx(fixed.train_step(batch)["grad_norm"], rel=1e-4)
+
+
+def test_mini_batches_and_epochs_take_several_optimizer_steps(tiny_model_dir: Path, batch) -> None:
+    engine = trainer(tiny_model_dir, batching=BatchingParams(micro_batch_size=4, num_mini_batches=2, ppo_epochs=2))
+    old = engine.logprobs(batch)["logprobs"]
+    b = batch.clone()
+    b[T.OLD_LOGPROBS] = old
+    metrics = engine.train_step(b)
+    assert engine.scheduler is not None and engine.scheduler.last_epoch == 4
+    assert metrics["ppo_kl"] != 0.0  # later mini-batches see a moved policy
+
+
+def test_save_load_continues_bitwise(tiny_model_dir: Path, batch, tmp_path: Path) -> None:
+    engine = trainer(tiny_model_dir)
+    engine.train_step(batch)
+    engine.save(tmp_path / "ckpt")
+    assert not list((tmp_path / "ckpt").glob("*.pt")) and (tmp_path / "ckpt" / "model.safetensors").is_file()
+    m1 = engine.train_step(batch)
+    w1 = snapshot(engine)
+    restored = trainer(tiny_model_dir)
+    restored.load(tmp_path / "ckpt")
+    m2 = restored.train_step(batch)
+    assert m1 == m2
+    assert all(torch.equal(w1[k], v) for k, v in restored.named_weights())
+
+
+def test_critic_values_and_update(tiny_model_dir: Path, batch) -> None:
+    critic = trainer(tiny_model_dir, role="critic")
+    values = critic.values(batch)
+    assert values.shape == batch[T.RESPONSE_IDS].shape
+    b = batch.clone()
+    b[T.VALUES] = values
+    b[T.RETURNS] = torch.ones_like(values)
+    first = critic.train_step(b)["vf_loss"]
+    for _ in range(5):
+        last = critic.train_step(b)["vf_loss"]
+    assert last < first
+
+
+def test_reference_is_frozen(tiny_model_dir: Path, batch) -> None:
+    ref = trainer(tiny_model_dir, role="reference")
+    assert not any(p.requires_grad for p in ref.model.parameters())
+    with pytest.raises(RuntimeError, match="frozen"):
+        ref.train_step(batch)
+
+
+def test_kl_loss_and_entropy_terms(tiny_model_dir: Path, batch) -> None:
+    loss = A.PolicyLossParams(use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01)
+    engine = trainer(tiny_model_dir, loss=loss)
+    b = batch.clone()
+    b[T.REF_LOGPROBS] = batch[T.ROLLOUT_LOGPROBS] - 0.5
+    metrics = engine.train_step(b)
+    assert metrics["kl_loss"] > 0 and metrics["entropy"] > 0
+
+
+def test_lr_schedule_warmup_then_cosine() -> None:
+    f = lr_lambda(OptimParams(warmup_steps=2, schedule="cosine", total_steps=10, min_lr_ratio=0.1))
+    assert [round(f(s), 3) for s in (0, 1)] == [0.5, 1.0]
+    assert f(2) == pytest.approx(1.0) and f(10) == pytest.approx(0.1) and f(6) == pytest.approx(0.55)

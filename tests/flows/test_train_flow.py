@@ -1,0 +1,130 @@
+"""The training flow end to end on a tiny random model with real Prefect (no server), real Ray and a
+real MLflow SQLite store: 2 steps learn and are recorded; a transient stage fault is retried; a crash is
+resumed bitwise into the same MLflow run; a killed worker is recovered from the last checkpoint.
+CPU only, ~3 minutes: `pytest tests/flows/test_train_flow.py`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+from safetensors.torch import load_file
+
+from configs import RunConfig, load_config
+from flows.train import rl_post_train
+from tasks.checkpoint import latest_checkpoint
+from tasks.context import RunHandle
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tiny_cfg(tmp: Path, model_dir: Path, name: str, *extra: str) -> RunConfig:
+    return load_config(ROOT / "configs" / "tiny.yaml", [
+        f"model.path={model_dir}", "model.provider=local", f"trainer.output_dir={tmp / 'runs'}",
+        f"trainer.run_name={name}", f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
+        "tracking.log_model=false", "prefect.default.retry_delay_seconds=0", *extra,
+    ])
+
+
+def final_weights(cfg: RunConfig) -> dict[str, torch.Tensor]:
+    return load_file(str(cfg.trainer.output_dir / str(cfg.trainer.run_name) / "final" / "model.safetensors"))
+
+
+def mlflow_run(cfg: RunConfig):
+    c = MlflowClient(cfg.tracking.tracking_uri)
+    exp = c.get_experiment_by_name(cfg.tracking.experiment)
+    runs = c.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{cfg.trainer.run_name}'")
+    assert len(runs) == 1, f"expected one MLflow run for {cfg.trainer.run_name}, got {len(runs)}"
+    return c, runs[0]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, tiny_model_dir: Path, ray_session, prefect_harness):
+    """An uninterrupted 2-step run every other test compares against."""
+    tmp = tmp_path_factory.mktemp("flow")
+    cfg = tiny_cfg(tmp, tiny_model_dir, "base")
+    policy = rl_post_train(cfg)
+    return tmp, cfg, Path(policy)
+
+
+@pytest.fixture
+def faults(monkeypatch):
+    def set_faults(spec: str) -> None:
+        monkeypatch.setenv("RLSTAGES_FAULTS", spec)
+
+    return set_faults
+
+
+def test_two_steps_learn_and_are_recorded(base, tiny_model_dir: Path) -> None:
+    tmp, cfg, policy = base
+    initial = load_file(str(tiny_model_dir / "model.safetensors"))
+    final = final_weights(cfg)
+    assert sum(not torch.equal(initial[k], final[k]) for k in initial) == len(initial)  # parameters changed
+    client, run = mlflow_run(cfg)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["actor.optim.lr"] == "0.001" and run.data.params["rollout.n"] == "4"
+    assert run.data.tags["rlstages.algorithm"] == "grpo" and run.data.tags["rlstages.config_hash"]
+    for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "timing/generate_s", "rollout/logprob_diff",
+                "throughput/tokens_per_s"):
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
+        assert steps == [1, 2], key
+    assert max(m.value for m in client.get_metric_history(run.info.run_id, "rollout/logprob_diff")) < 1e-4
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/reward_mean")] == [0, 1, 2]
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")}
+    assert {"checkpoints/step_000001", "checkpoints/step_000002"} <= artifacts
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "plots")} == {"plots/reward_curve.png"}
+    found = latest_checkpoint(RunHandle("base", str(policy.parent)), verify=True)
+    assert found is not None and found[0] == 2
+    assert (policy / "config.json").is_file() and (policy / "tokenizer.json").is_file()
+
+
+def test_transient_fault_is_retried(base, tiny_model_dir: Path, faults) -> None:
+    tmp, ref_cfg, _ = base
+    cfg = tiny_cfg(tmp, tiny_model_dir, "retried")
+    faults("generate@1:transient,score_rewards@2:transient")
+    rl_post_train(cfg)
+    run_dir = cfg.trainer.output_dir / "retried"
+    assert (run_dir / ".faults" / "generate@1-transient").exists()
+    assert all(torch.equal(a, b) for a, b in zip(final_weights(cfg).values(), final_weights(ref_cfg).values()))
+    _, run = mlflow_run(cfg)
+    assert run.info.status == "FINISHED"
+
+
+def test_crash_then_resume_is_bitwise_and_logs_each_step_once(base, tiny_model_dir: Path, faults) -> None:
+    tmp, ref_cfg, _ = base
+    cfg = tiny_cfg(tmp, tiny_model_dir, "crashed")
+    faults("checkpoint@2:fatal")  # step 2's metrics are logged, then the run dies before committing it
+    with pytest.raises(RuntimeError, match="injected fatal fault"):
+        rl_post_train(cfg)
+    client, run = mlflow_run(cfg)
+    assert run.info.status == "FAILED" and run.data.tags["rlstages.failed_stage"] == "checkpoint"
+    found = latest_checkpoint(RunHandle("crashed", str(cfg.trainer.output_dir / "crashed")))
+    assert found is not None and found[0] == 1
+    rl_post_train(cfg)  # the same config again: resumes from step 1 into the same MLflow run
+    client, run = mlflow_run(cfg)
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")] == [1, 2]
+    reference, resumed = final_weights(ref_cfg), final_weights(cfg)
+    assert all(torch.equal(reference[k], resumed[k]) for k in reference)
+
+
+def test_killed_worker_is_rebuilt_and_replayed(base, tiny_model_dir: Path, faults) -> None:
+    tmp, ref_cfg, _ = base
+    cfg = tiny_cfg(tmp, tiny_model_dir, "killed")
+    faults("update_actor@2:kill-actor")
+    rl_post_train(cfg)
+    reference, recovered = final_weights(ref_cfg), final_weights(cfg)
+    assert all(torch.equal(reference[k], recovered[k]) for k in reference)
+    client, run = mlflow_run(cfg)
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")] == [1, 2]
+
+
+def test_a_different_config_for_an_existing_run_is_refused(base, tiny_model_dir: Path) -> None:
+    tmp, _, _ = base
+    cfg = tiny_cfg(tmp, tiny_model_dir, "base", "trainer.seed=7")
+    with pytest.raises(ValueError, match="holds a run of another config"):
+        rl_post_train(cfg)
+    assert os.path.isdir(tmp / "runs" / "base" / "final")  # nothing overwritten
