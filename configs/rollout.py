@@ -61,9 +61,7 @@ class SGLangRolloutConfig(_RolloutCommon):
     enable_memory_saver: bool = True
 
 
-RolloutConfig = Annotated[
-    HFRolloutConfig | VLLMRolloutConfig | SGLangRolloutConfig, Field(discriminator="backend")
-]
+RolloutConfig = Annotated[HFRolloutConfig | VLLMRolloutConfig | SGLangRolloutConfig, Field(discriminator="backend")]
 
 
 def rollout_tp(cfg: HFRolloutConfig | VLLMRolloutConfig | SGLangRolloutConfig) -> int:

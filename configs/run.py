@@ -18,8 +18,21 @@ from configs.training import MegatronTrainingConfig, ReferenceConfig, TrainingCo
 
 GROUP_ESTIMATORS = {"grpo", "rloo", "reinforce_pp_baseline"}
 StageName = Literal[
-    "start_tracking", "start_workers", "export_policy", "convert", "generate", "score_rewards", "actor_logprobs", "ref_logprobs", "critic_values",
-    "advantages", "update_critic", "update_actor", "sync_weights", "evaluate", "checkpoint",
+    "start_tracking",
+    "start_workers",
+    "export_policy",
+    "convert",
+    "generate",
+    "score_rewards",
+    "actor_logprobs",
+    "ref_logprobs",
+    "critic_values",
+    "advantages",
+    "update_critic",
+    "update_actor",
+    "sync_weights",
+    "evaluate",
+    "checkpoint",
 ]
 
 
@@ -40,8 +53,11 @@ class CheckpointConfig(StrictModel):
     every: int = Field(default=0, ge=0, description="0 = only at the end.")
     keep: int = Field(default=2, ge=1)
     save_optimizer: bool = True
-    resume: Literal["auto", "never"] = Field(
-        default="auto", description="auto: a run directory with a committed checkpoint is continued."
+    resume: Literal["auto", "fresh", "never"] = Field(
+        default="auto",
+        description="auto: an existing run directory continues from its last checkpoint; fresh: every flow run "
+        "gets its own directory `<run_name>-<flow run id>` (a retry of that flow run resumes it); never: an "
+        "existing run directory is an error.",
     )
 
 
@@ -66,6 +82,11 @@ class ClusterConfig(StrictModel):
     num_gpus: int = Field(default=0, ge=0, description="GPUs available to this run.")
     gpus_per_worker: float = Field(default=1.0, ge=0.0)
     colocate: bool = Field(default=True, description="Trainer, reference and rollout share placement bundles.")
+    hybrid_engine: bool = Field(
+        default=False,
+        description="Actor trainer and rollout engine live in the same worker process; weight sync is an "
+        "in-process copy (needs colocate and as many rollout as actor workers).",
+    )
     threads_per_worker: int = Field(default=1, ge=1, description="torch threads per worker (no spinning).")
     namespace: str = "rlstages"
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
@@ -208,14 +229,19 @@ def _check_layout(cfg: RunConfig) -> None:
         vpp = train.virtual_pipeline_model_parallel_size or 1
         if layers % (pp * vpp):
             raise ValueError(
-                f"{role}.pipeline_model_parallel_size={pp} (x virtual {vpp}) must divide the model's "
-                f"{layers} layers"
+                f"{role}.pipeline_model_parallel_size={pp} (x virtual {vpp}) must divide the model's {layers} layers"
             )
     _check_gpus(cfg)
 
 
 def _check_gpus(cfg: RunConfig) -> None:
     cluster = cfg.cluster
+    if cluster.hybrid_engine and (not cluster.colocate or cfg.rollout.num_workers != cfg.actor.num_workers):
+        raise ValueError(
+            "cluster.hybrid_engine puts each actor rank and a rollout engine in one process, so it needs "
+            f"cluster.colocate: true and rollout.num_workers == actor.num_workers (got {cfg.rollout.num_workers} "
+            f"and {cfg.actor.num_workers})"
+        )
     rollout_workers = cfg.rollout.num_workers * rollout_tp(cfg.rollout)
     roles = {"actor": cfg.actor.num_workers, "rollout": rollout_workers}
     if cfg.critic is not None:

@@ -115,7 +115,7 @@ class ActorGroup:
 
     def _options(self, rank: int) -> dict[str, Any]:
         spec = self.spec
-        env = worker_env(spec.threads, spec.env)
+        env = worker_env(spec.threads, {**self._dist_env(rank), **spec.env})
         options: dict[str, Any] = {
             "name": self._actor_name(rank),
             "namespace": self.namespace,
@@ -140,6 +140,19 @@ class ActorGroup:
                 placement_group=pg, placement_group_bundle_index=index
             )
         return {k: v for k, v in options.items() if v is not None}
+
+    def _dist_env(self, rank: int) -> dict[str, str]:
+        """torch.distributed wiring of a rank: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT (rank 0 listens)."""
+        if not hasattr(self, "_master"):
+            self._master = (_node_ip(), _free_port())
+        addr, port = self._master
+        return {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(self.spec.num_workers),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": addr,
+            "MASTER_PORT": str(port),
+        }
 
     def alive(self, timeout: float = 30.0) -> bool:
         """True when every rank answers; False when any actor died."""
@@ -170,6 +183,8 @@ class ActorGroup:
     def rebuild(self) -> None:
         """Replace every rank with a fresh actor (after a death); state must be reloaded by the caller."""
         self.kill()
+        if hasattr(self, "_master"):
+            del self._master  # a fresh rendezvous port for the new process group
         if not self.in_process:
             import time
 
@@ -256,6 +271,24 @@ class _Dispatch:
             return _gather(keep)
 
         return call
+
+
+def _node_ip() -> str:
+    """This node's address for torch.distributed rendezvous (loopback when Ray is not running)."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    except Exception:  # noqa: BLE001
+        return "127.0.0.1"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _split_list(items: Sequence[Any], parts: int) -> list[list[Any]]:

@@ -1,11 +1,13 @@
 """Megatron-Core on this machine: the CPU shim, process-group setup and a GPTModel built from a ConversionSpec.
 
-megatron-core assumes CUDA in three places on the forward path (reference C.8, feasibility §6): RoPE and
-the local attention allocate on `torch.cuda.current_device()`, `dist_checkpointing.save` calls
-`torch.cuda.synchronize()`, and the model-parallel RNG tracker reads CUDA RNG state. `apply_cpu_shim`
-patches the first two (only when CUDA is absent); `init_model_parallel` seeds with the inference RNG
-tracker (its `fork()` is a null context; dropout draws from the CPU RNG). Everything else here is general
-(any TP/PP/VPP) so the conversion parity gate and the Megatron training backend share it.
+megatron-core assumes CUDA in four places on our path (reference C.8, feasibility §6): RoPE and the local
+attention allocate on `torch.cuda.current_device()`, `dist_checkpointing.save` calls
+`torch.cuda.synchronize()`, a tied output layer on the last pipeline stage is moved with `.cuda()` before
+its all-reduce, and the model-parallel RNG tracker reads CUDA RNG state. `apply_cpu_shim` patches the
+first three, only when CUDA is absent (where each of them could only raise); `init_model_parallel` seeds
+with the inference RNG tracker (its `fork()` is a null context; dropout draws from the CPU RNG).
+Everything else here is general (any TP/PP/VPP), so the conversion parity gate and the Megatron training
+backend share it.
 megatron-core is imported inside the functions: importing this module never needs it.
 """
 
@@ -43,6 +45,7 @@ def apply_cpu_shim() -> bool:
     if not _SHIM_APPLIED:
         torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]  # RoPE, attention buffers
         torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]  # dist_checkpointing.save
+        torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]  # tied output, PP>1
         _SHIM_APPLIED = True
     return True
 

@@ -16,8 +16,12 @@ from rich.console import Console
 
 from configs import ConfigError, RunConfig, load_config, to_yaml
 
-app = typer.Typer(help="RL post-training of LLMs as a Prefect workflow over Ray, recorded in MLflow.",
-                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+app = typer.Typer(
+    help="RL post-training of LLMs as a Prefect workflow over Ray, recorded in MLflow.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
 config_app = typer.Typer(help="Inspect configs.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 err = Console(stderr=True)
@@ -76,13 +80,21 @@ def run(config: ConfigArg, overrides: Overrides = None, debug: Debug = False) ->
 
 
 @app.command()
-def resume(run_dir: Annotated[Path, typer.Argument(help="A run directory (runs/<name>).")], debug: Debug = False) -> None:
+def resume(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (runs/<name>).")], debug: Debug = False
+) -> None:
     """Continue a run from its last committed checkpoint, into the same MLflow run."""
     saved = run_dir / "config.yaml"
     if not saved.is_file():
         fail(f"{run_dir}: not a run directory (no config.yaml)", 2)
-    cfg = _load(saved, [f"trainer.output_dir={run_dir.resolve().parent}", f"trainer.run_name={run_dir.name}",
-                        "checkpoint.resume=auto"])
+    cfg = _load(
+        saved,
+        [
+            f"trainer.output_dir={run_dir.resolve().parent}",
+            f"trainer.run_name={run_dir.name}",
+            "checkpoint.resume=auto",
+        ],
+    )
     _quiet_prefect(debug)
     from flows.train import rl_post_train
 
@@ -91,10 +103,12 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="A run directory (runs/<
 
 
 @app.command("eval")
-def eval_command(run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
-                 checkpoint: Annotated[Path | None, typer.Option(help="A checkpoint dir; default the newest.")] = None,
-                 sample: Annotated[bool, typer.Option(help="Sample as in training instead of greedy.")] = False,
-                 debug: Debug = False) -> None:
+def eval_command(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
+    checkpoint: Annotated[Path | None, typer.Option(help="A checkpoint dir; default the newest.")] = None,
+    sample: Annotated[bool, typer.Option(help="Sample as in training instead of greedy.")] = False,
+    debug: Debug = False,
+) -> None:
     """Greedy pass@1 on the held-out prompts of a run's checkpoint."""
     saved = run_dir / "config.yaml"
     if not saved.is_file():
@@ -126,6 +140,18 @@ def config_schema() -> None:
     import json
 
     sys.stdout.write(json.dumps(RunConfig.model_json_schema(), indent=2) + "\n")
+
+
+def _register_conversion() -> None:
+    from flows.convert import convert_command, export_command
+
+    app.command("convert", help="Convert an HF directory to Megatron-Core (TP/PP shards, optional parity gate).")(
+        convert_command
+    )
+    app.command("export", help="Export a Megatron-Core conversion back to an HF directory.")(export_command)
+
+
+_register_conversion()
 
 
 def main() -> None:

@@ -8,10 +8,10 @@ from prefect import flow
 
 from configs import RunConfig
 from tasks.checkpoint import latest_checkpoint, restore_engines
+from tasks.context import RunHandle
 from tasks.evaluate import run_eval
 from tasks.rollout import sync_weights
 from tasks.run import run_dir
-from tasks.context import RunHandle
 from tasks.workers import build_workers, forget_workers
 
 

@@ -35,11 +35,18 @@ class RunProgress:
 @contextlib.contextmanager
 def run_progress(name: str, total: int, start: int) -> Iterator[RunProgress]:
     """A live progress display for `total` steps starting after `start`."""
-    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.fields[stage]}"), TextColumn("{task.fields[info]}"), TimeElapsedColumn()]
+    columns = [
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[stage]}"),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+    ]
     try:
-        artifact_id = create_progress_artifact(progress=100.0 * start / total, key=f"progress-{_key(name)}",
-                                               description=f"training steps of {name}")
+        artifact_id = create_progress_artifact(
+            progress=100.0 * start / total, key=f"progress-{_key(name)}", description=f"training steps of {name}"
+        )
     except Exception:  # noqa: BLE001 - progress reporting must never fail a run
         artifact_id = None
     with Progress(*columns, console=Console(stderr=True), transient=False) as progress:

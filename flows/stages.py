@@ -40,15 +40,21 @@ class Stages:
             return with_policy(t, cfg.prefect.policy(name))
 
         return cls(
-            prepare_run=run.prepare_run, start_tracking=p(run.start_tracking, "start_tracking"),
-            start_workers=p(run.start_workers, "start_workers"), recover_workers=run.recover_workers,
-            generate=p(rollout.generate, "generate"), sleep_rollout=p(rollout.sleep_rollout, "generate"),
+            prepare_run=run.prepare_run,
+            start_tracking=p(run.start_tracking, "start_tracking"),
+            start_workers=p(run.start_workers, "start_workers"),
+            recover_workers=run.recover_workers,
+            generate=p(rollout.generate, "generate"),
+            sleep_rollout=p(rollout.sleep_rollout, "generate"),
             score_rewards=p(reward.score_rewards, "score_rewards"),
             actor_logprobs=p(logprobs.actor_logprobs, "actor_logprobs"),
             ref_logprobs=p(logprobs.ref_logprobs, "ref_logprobs"),
             critic_values=p(logprobs.critic_values, "critic_values"),
-            advantages=p(advantage.advantages, "advantages"), update_critic=p(update.update_critic, "update_critic"),
-            update_actor=p(update.update_actor, "update_actor"), sync_weights=p(rollout.sync_weights, "sync_weights"),
-            evaluate=p(evaluate.evaluate, "evaluate"), checkpoint=p(checkpoint.save_checkpoint, "checkpoint"),
+            advantages=p(advantage.advantages, "advantages"),
+            update_critic=p(update.update_critic, "update_critic"),
+            update_actor=p(update.update_actor, "update_actor"),
+            sync_weights=p(rollout.sync_weights, "sync_weights"),
+            evaluate=p(evaluate.evaluate, "evaluate"),
+            checkpoint=p(checkpoint.save_checkpoint, "checkpoint"),
             export_policy=p(run.export_policy, "export_policy"),
         )

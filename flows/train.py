@@ -95,8 +95,14 @@ def rl_post_train(cfg: RunConfig) -> str:
         policy = s.export_policy(cfg, run, mlflow_run)
     except BaseException as exc:
         stage = failed_stage(flow_run.id)
-        close_run(cfg, run, mlflow_run, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED",
-                  f"{type(exc).__name__}: {exc}", stage)
+        close_run(
+            cfg,
+            run,
+            mlflow_run,
+            "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED",
+            f"{type(exc).__name__}: {exc}",
+            stage,
+        )
         raise
     close_run(cfg, run, mlflow_run, "FINISHED")
     return policy

@@ -1,8 +1,9 @@
 """Fault injection for chaos tests and drills: make a stage fail once, the way production fails.
 
 `RLSTAGES_FAULTS="generate@2:transient,update_actor@3:kill-actor"` makes `generate` raise a transient
-ConnectionError at step 2 (Prefect retries it), `fatal` fails the flow run (a crash to resume from), and kills the actor's Ray worker at the start of
-`update_actor` at step 3 (the flow recovers from the last checkpoint). Each fault fires once per run
+ConnectionError at step 2 (Prefect retries it) and kills the actor's Ray worker at the start of
+`update_actor` at step 3 (the flow recovers from the last checkpoint); `fatal` fails the flow run
+(a crash to resume from). Each fault fires once per run
 directory (a marker file records it), so the retry or the replay goes through.
 """
 

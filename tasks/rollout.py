@@ -64,6 +64,9 @@ def sync_weights(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
     """Trainer -> rollout engines, streamed by HF name in buckets (woken first if they sleep)."""
     workers = get_workers(cfg, run)
     timeout = cfg.prefect.policy("sync_weights").timeout_seconds
+    if workers.hybrid:
+        per_rank = guard_workers(lambda: workers.actor.all(timeout).sync_local())
+        return per_rank[0]
     guard_workers(lambda: workers.rollout.all(timeout).wake())
     if workers.rollout.in_process:
         return sync_weights_local(workers.actor.handles[0], workers.rollout.handles, BUCKET_BYTES, cfg.rollout.dtype)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,11 @@ def write_state(run: RunHandle, **updates: Any) -> None:
 def prepare_run(cfg: RunConfig) -> RunHandle:
     """Create or reopen the run directory (a different config for an existing run is refused); build the model."""
     path = run_dir(cfg)
+    if cfg.checkpoint.resume == "fresh":  # one directory per flow run: a retry of that flow run resumes it
+        from prefect.runtime import flow_run
+
+        suffix = str(flow_run.id)[:8] if flow_run.id else time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        path = path.with_name(f"{path.name}-{suffix}")
     run = RunHandle(name=path.name, run_dir=str(path.resolve()))
     saved = path / "config.yaml"
     if saved.is_file():
@@ -141,8 +147,15 @@ def convert_for_training(cfg: RunConfig, run: RunHandle) -> str | None:
 
     a = cfg.actor
     assert isinstance(a, MegatronTrainingConfig)
-    return str(convert_checkpoint(str(cfg.model.path.resolve()), str(out), a.tensor_model_parallel_size,
-                                  a.pipeline_model_parallel_size, a.virtual_pipeline_model_parallel_size))
+    return str(
+        convert_checkpoint(
+            str(cfg.model.path.resolve()),
+            str(out),
+            a.tensor_model_parallel_size,
+            a.pipeline_model_parallel_size,
+            a.virtual_pipeline_model_parallel_size,
+        )
+    )
 
 
 def driver_snapshot(cfg: RunConfig, step: int, kl_state: dict[str, float], mlflow_run_id: str) -> dict[str, Any]:

@@ -8,7 +8,7 @@ rebuild inside the same Ray cluster find the living ones.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +36,13 @@ class Workers:
     reward_model: ActorGroup | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def hybrid(self) -> bool:
+        """True when the actor group also hosts the rollout engines."""
+        return self.rollout is self.actor
+
     def groups(self) -> dict[str, ActorGroup]:
-        """Every group by role."""
+        """Every distinct group by role (a hybrid group is listed once, as the actor)."""
         named = {
             "rollout": self.rollout,
             "actor": self.actor,
@@ -231,6 +236,25 @@ def reward_model_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec | None:
     )
 
 
+def hybrid_spec(trainer: GroupSpec, rollout: GroupSpec) -> GroupSpec:
+    """One group whose ranks hold both the trainer and a rollout engine (`engines.hybrid.HybridEngine`)."""
+    kwargs = {
+        "trainer": trainer.engine,
+        "trainer_kwargs": trainer.kwargs,
+        "rollout": rollout.engine,
+        "rollout_kwargs": rollout.kwargs,
+    }
+    options = {**rollout.extra_options, **trainer.extra_options}
+    return replace(
+        trainer,
+        name=trainer.name.replace("-actor", "-hybrid"),
+        engine="engines.hybrid:HybridEngine",
+        kwargs=kwargs,
+        resources={**rollout.resources, **trainer.resources},
+        extra_options=options,
+    )
+
+
 def build_workers(cfg: RunConfig, run: RunHandle) -> Workers:
     """Create (or find, by name) every group of the run and remember them in the registry."""
     start_ray(cfg)
@@ -240,9 +264,13 @@ def build_workers(cfg: RunConfig, run: RunHandle) -> Workers:
     def group(spec: GroupSpec | None) -> ActorGroup | None:
         return ActorGroup(spec, ns, in_process) if spec is not None else None
 
+    actor_spec, rollout = training_spec(cfg, run, "actor"), rollout_spec(cfg, run)
+    if cfg.cluster.hybrid_engine:
+        actor_spec = hybrid_spec(actor_spec, rollout)
+    actor = ActorGroup(actor_spec, ns, in_process)
     workers = Workers(
-        rollout=ActorGroup(rollout_spec(cfg, run), ns, in_process),
-        actor=ActorGroup(training_spec(cfg, run, "actor"), ns, in_process),
+        rollout=actor if cfg.cluster.hybrid_engine else ActorGroup(rollout, ns, in_process),
+        actor=actor,
         reward=ActorGroup(reward_spec(cfg, run), ns, in_process),
         reference=group(training_spec(cfg, run, "reference")) if cfg.uses_reference else None,
         critic=group(training_spec(cfg, run, "critic")) if cfg.critic is not None else None,

@@ -42,8 +42,9 @@ def test_layering(package: str) -> None:
 
 
 def test_only_tracking_imports_mlflow() -> None:
-    users = [str(f.relative_to(ROOT)) for pkg in RULES for f in (ROOT / pkg).rglob("*.py")
-             if "mlflow" in imported_roots(f)]
+    users = [
+        str(f.relative_to(ROOT)) for pkg in RULES for f in (ROOT / pkg).rglob("*.py") if "mlflow" in imported_roots(f)
+    ]
     assert users == ["tasks/tracking.py"]
 
 

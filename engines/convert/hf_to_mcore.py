@@ -122,12 +122,14 @@ def convert_hf_to_mcore(
     overwrite: bool = False,
     fsync: bool = True,
     input_digests: dict[str, str] | None = None,
+    manifest_extra: dict[str, Any] | None = None,
     progress: Progress | None = None,
 ) -> Path:
     """Convert an HF model directory to Megatron-Core rank files under `out_path`; returns `out_path`.
 
-    `dist_checkpoint=True` also writes megatron-core's `dist_checkpointing` format (needs megatron-core).
-    Nothing is left at `out_path` when the conversion fails.
+    `dist_checkpoint=True` also writes megatron-core's `dist_checkpointing` format (needs megatron-core);
+    `input_digests` and `manifest_extra` are recorded in the manifest. Nothing is left at `out_path` when
+    the conversion fails.
     """
     hf_dir, out = Path(hf_path), Path(out_path)
     spec = ConversionSpec.from_hf_config(read_hf_config(hf_dir), tp, pp, vpp, transformer_impl, vocab_divisible_by)
@@ -152,6 +154,7 @@ def convert_hf_to_mcore(
             "transformer_impl": spec.transformer_impl,
             "dist_checkpoint": "dist_ckpt" if dist_checkpoint else None,
             "inputs": {r.path.name: (input_digests or {}).get(r.path.name) for r in readers},
+            **(manifest_extra or {}),
         }
         write_manifest(tmp, info, checksums)
     return out

@@ -44,6 +44,7 @@ class SGLangRolloutEngine:
         self.system_prompt = system_prompt
         self.memory_saver = enable_memory_saver
         self.bucket_bytes = ipc.DEFAULT_BUCKET_BYTES
+        model_path = str(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         eos = self.tokenizer.eos_token_id
         self.eos_ids = {int(eos)} if eos is not None else set()

@@ -90,6 +90,7 @@ class VLLMRolloutEngine:
         self.apply_chat_template = apply_chat_template
         self.system_prompt = system_prompt
         self.bucket_bytes = ipc.DEFAULT_BUCKET_BYTES
+        model_path = str(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.eos_ids = _eos_ids(self.tokenizer, model_path)
         pad = self.tokenizer.pad_token_id

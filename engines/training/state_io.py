@@ -32,7 +32,7 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    """safetensors save via a temp file; shared storage is cloned so tied weights save cleanly."""
+    """Safetensors save via a temp file; shared storage is cloned so tied weights save cleanly."""
     tmp = path.with_name(path.name + ".tmp")
     clean = {
         k: v.detach().contiguous().clone() if _shares(v, tensors) else v.detach().contiguous()

@@ -9,7 +9,6 @@ Non-goal: sharding (that is the DeepSpeed and Megatron backends).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 from collections.abc import Iterator
@@ -24,13 +23,12 @@ from tensordict import TensorDict
 from engines import algorithms as A
 from engines import types as T
 from engines.models import load_causal_lm, torch_dtype
+from engines.training import ppo_step as P
 from engines.training import state_io
-from engines.training.microbatch import micro_batches, mini_batches
+from engines.training.microbatch import micro_batches
 from engines.weight_sync import Bucket, bucketize
 
 Role = Literal["actor", "critic", "reference"]
-_SUMMED = {"pg_loss", "entropy", "kl_loss", "vf_loss"}
-_MAXED = {"logprob_diff_max", "kl_coef"}
 
 
 @dataclass(frozen=True)
@@ -127,35 +125,11 @@ class TorchTrainingEngine:
         )
 
     # ---- forward passes -------------------------------------------------------------------------------------
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.batching.bf16_autocast)
-
     def _forward(self, mb: TensorDict, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs of the response tokens and their entropy (with a graph only when `entropy_grad`)."""
-        prompt, response = mb[T.PROMPT_IDS], mb[T.RESPONSE_IDS]
-        ids = torch.cat([prompt, response], dim=1)
-        width = response.shape[1]
-        with self._autocast():
-            out = self.model(
-                input_ids=ids,
-                attention_mask=mb[T.ATTENTION_MASK],
-                position_ids=mb[T.POSITION_IDS],
-                logits_to_keep=width + 1,
-                use_cache=False,
-            )
-        logits = out.logits[:, :-1].float() / self.temperature
-        logp = A.logprobs_from_logits(logits, response)
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = A.entropy_from_logits(logits)
-        return logp, entropy
+        return P.causal_lm_forward(self.model, mb, self.temperature, self.batching.bf16_autocast, entropy_grad)
 
     def _values(self, mb: TensorDict) -> torch.Tensor:
-        prompt, response = mb[T.PROMPT_IDS], mb[T.RESPONSE_IDS]
-        ids = torch.cat([prompt, response], dim=1)
-        with self._autocast():
-            out = self.model(input_ids=ids, attention_mask=mb[T.ATTENTION_MASK], position_ids=mb[T.POSITION_IDS])
-        # the value of response token t is read at the position that predicts it (as log-probs are)
-        return out.logits[:, prompt.shape[1] - 1 : -1, 0].float()
+        return P.value_forward(self.model, mb, self.batching.bf16_autocast)
 
     def _micro(self, batch: TensorDict, size: int) -> list[TensorDict]:
         b = self.batching
@@ -170,8 +144,8 @@ class TorchTrainingEngine:
         logps, ents = [], []
         for mb in self._micro(batch, self.batching.micro_batch_size):
             lp, ent = self._forward(mb)
-            logps.append(_pad_cols(lp, width))
-            ents.append(_pad_cols(ent, width))
+            logps.append(P.pad_cols(lp, width))
+            ents.append(P.pad_cols(ent, width))
         return TensorDict({"logprobs": torch.cat(logps), "entropy": torch.cat(ents)}, batch_size=batch.batch_size)
 
     @torch.no_grad()
@@ -179,88 +153,38 @@ class TorchTrainingEngine:
         """Critic values of the response tokens, [B, T]."""
         width = batch[T.RESPONSE_IDS].shape[1]
         return torch.cat(
-            [_pad_cols(self._values(mb), width) for mb in self._micro(batch, self.batching.micro_batch_size)]
+            [P.pad_cols(self._values(mb), width) for mb in self._micro(batch, self.batching.micro_batch_size)]
         )
 
     # ---- training -------------------------------------------------------------------------------------------
     def train_step(self, batch: TensorDict) -> dict[str, float]:
-        """PPO epochs x mini-batches x micro-batches; returns averaged metrics (actor/* or critic/* names)."""
+        """PPO epochs x mini-batches x micro-batches; returns averaged metrics (actor or critic names)."""
         if self.optimizer is None or self.scheduler is None:
             raise RuntimeError("the reference engine is frozen: train_step is not available")
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
-        first = True
-        for _ in range(self.batching.ppo_epochs):
-            for mini in mini_batches(batch, self.batching.num_mini_batches):
-                metrics = self._mini_step(mini, check_sync=first)
-                first = False
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                    counts[k] = counts.get(k, 0) + 1
+        out = P.epochs_loop(batch, self.batching.ppo_epochs, self.batching.num_mini_batches, self._mini_step)
         self.steps_done += 1
-        out = {k: sums[k] / counts[k] for k in sums}
         out["lr"] = self.scheduler.get_last_lr()[0]
         return out
 
     def _mini_step(self, mini: TensorDict, check_sync: bool) -> dict[str, float]:
         assert self.optimizer is not None and self.scheduler is not None
-        mask = mini[T.RESPONSE_MASK]
-        global_tokens = mask.sum().clamp(min=1.0)
-        global_seqs = (mask.sum(-1) > 0).sum().clamp(min=1).float()
+        norm = P.global_counts(mini)
         self.optimizer.zero_grad(set_to_none=True)
         acc: dict[str, float] = {}
         for mb in self._micro(mini, self.batching.micro_batch_size):
-            loss, metrics = self._loss(mb, global_tokens, global_seqs, check_sync)
+            if self.role == "critic":
+                loss, metrics = P.critic_loss(self._values(mb), mb, self.cliprange_value, self.loss.loss_agg_mode, norm)
+            else:
+                logp, entropy = self._forward(mb, entropy_grad=bool(self.loss.entropy_coeff))
+                loss, metrics = P.actor_loss(logp, entropy, mb, self.loss, norm, check_sync)
             loss.backward()
-            weight = float(mb[T.RESPONSE_MASK].sum() / global_tokens)
-            for k, v in metrics.items():
-                if k in _MAXED:
-                    acc[k] = max(acc.get(k, v), v)
-                else:  # losses are partial sums under the global normaliser; rates are token-weighted
-                    acc[k] = acc.get(k, 0.0) + (v if k in _SUMMED else v * weight)
+            P.accumulate(acc, metrics, float(mb[T.RESPONSE_MASK].sum() / norm["global_tokens"]))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip)
         if torch.isfinite(grad_norm):
             self.optimizer.step()
         self.scheduler.step()
         acc["grad_norm"] = float(grad_norm)
         return acc
-
-    def _loss(
-        self, mb: TensorDict, global_tokens: torch.Tensor, global_seqs: torch.Tensor, check_sync: bool
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        mask = mb[T.RESPONSE_MASK]
-        norm = {"global_tokens": global_tokens, "global_seqs": global_seqs}
-        if self.role == "critic":
-            vpreds = self._values(mb)
-            loss, clipfrac = A.value_loss(
-                vpreds, mb[T.RETURNS], mb[T.VALUES], mask, self.cliprange_value, self.loss.loss_agg_mode, **norm
-            )
-            return loss, {
-                "vf_loss": float(loss.detach()),
-                "vf_clipfrac": float(clipfrac),
-                "vpred_mean": float(A.masked_mean(vpreds.detach(), mask)),
-            }
-        p = self.loss
-        logp, entropy = self._forward(mb, entropy_grad=bool(p.entropy_coeff))
-        old = mb[T.OLD_LOGPROBS] if T.OLD_LOGPROBS in mb.keys() else logp.detach()
-        ref = mb[T.REF_LOGPROBS] if p.use_kl_loss else None
-        loss, pg_metrics = A.policy_loss(
-            old,
-            logp,
-            mb[T.ADVANTAGES],
-            mask,
-            p,
-            **norm,
-            entropy=entropy if p.entropy_coeff else None,
-            ref_logprobs=ref,
-        )
-        metrics = {k: float(v) for k, v in pg_metrics.items()}
-        metrics["entropy"] = float(A.agg_loss(entropy.detach(), mask, p.loss_agg_mode, p.loss_scale_factor, **norm))
-        if check_sync and T.ROLLOUT_LOGPROBS in mb.keys():
-            diff = (logp.detach() - mb[T.ROLLOUT_LOGPROBS]).abs()
-            metrics["logprob_diff"] = float(A.masked_mean(diff, mask))
-            metrics["logprob_diff_max"] = float((diff * mask).max()) if mask.any() else 0.0
-        return loss, metrics
 
     # ---- weights and state ----------------------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -311,12 +235,6 @@ class TorchTrainingEngine:
             self.scheduler.load_state_dict(extra["scheduler"])
             self.steps_done = int(extra["steps_done"])
         state_io.load_rng(path / state_io.RNG_FILE)
-
-
-def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
-    if x.shape[1] == width:
-        return x
-    return torch.nn.functional.pad(x, (0, width - x.shape[1]))
 
 
 def _no_callables(obj: Any) -> Any:

@@ -42,13 +42,17 @@ class Echo:
 
 
 def rollout_spec(path: Path, name: str) -> GroupSpec:
-    return GroupSpec(name=name, engine="engines.rollout.hf_rollout:HFRolloutEngine",
-                     kwargs={"model_path": str(path), "dtype": "float32", "apply_chat_template": False})
+    return GroupSpec(
+        name=name,
+        engine="engines.rollout.hf_rollout:HFRolloutEngine",
+        kwargs={"model_path": str(path), "dtype": "float32", "apply_chat_template": False},
+    )
 
 
 def trainer_spec(path: Path, name: str) -> GroupSpec:
-    return GroupSpec(name=name, engine="engines.training.torch_trainer:TorchTrainingEngine",
-                     kwargs={"model_path": str(path)})
+    return GroupSpec(
+        name=name, engine="engines.training.torch_trainer:TorchTrainingEngine", kwargs={"model_path": str(path)}
+    )
 
 
 def test_dispatch_modes_and_mesh(ray_session) -> None:
@@ -98,12 +102,13 @@ def test_weight_sync_over_ray_keeps_logprobs_in_step(ray_session, tiny_model_dir
     batch[T.ADVANTAGES] = torch.randn(batch[T.RESPONSE_MASK].shape) * batch[T.RESPONSE_MASK]
     trainer.dp(60).train_step(batch)  # the trainer moves: the rollout engine is now stale
     stale = rollout.dp(60).generate(PROMPTS, params, 1)
-    diff_stale = ((trainer.dp(60).logprobs(stale)["logprobs"] - stale[T.ROLLOUT_LOGPROBS]).abs()
-                  * stale[T.RESPONSE_MASK]).max()
+    diff_stale = (
+        (trainer.dp(60).logprobs(stale)["logprobs"] - stale[T.ROLLOUT_LOGPROBS]).abs() * stale[T.RESPONSE_MASK]
+    ).max()
     metrics = sync_weights_ray(trainer.handles[0], rollout.handles, bucket_bytes=1 << 16, dtype="float32", timeout=60)
     assert metrics["sync/buckets"] > 1 and metrics["sync/tensors"] > 0
     fresh = rollout.dp(60).generate(PROMPTS, params, 1)
-    diff = ((trainer.dp(60).logprobs(fresh)["logprobs"] - fresh[T.ROLLOUT_LOGPROBS]).abs() * fresh[T.RESPONSE_MASK])
+    diff = (trainer.dp(60).logprobs(fresh)["logprobs"] - fresh[T.ROLLOUT_LOGPROBS]).abs() * fresh[T.RESPONSE_MASK]
     assert diff.max() < 1e-4 < diff_stale
     rollout.kill()
     trainer.kill()

@@ -27,7 +27,9 @@ def recompute(model_dir: Path, batch) -> torch.Tensor:
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=batch[T.ATTENTION_MASK], position_ids=batch[T.POSITION_IDS]).logits
     p, t = batch[T.PROMPT_IDS].shape[1], batch[T.RESPONSE_IDS].shape[1]
-    return torch.log_softmax(logits[:, p - 1 : p + t - 1].float(), -1).gather(-1, batch[T.RESPONSE_IDS][..., None])[..., 0]
+    return torch.log_softmax(logits[:, p - 1 : p + t - 1].float(), -1).gather(-1, batch[T.RESPONSE_IDS][..., None])[
+        ..., 0
+    ]
 
 
 def test_contract_shapes_masks_and_groups(engine: HFRolloutEngine) -> None:

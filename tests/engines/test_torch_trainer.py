@@ -70,8 +70,10 @@ def test_accumulation_equals_one_big_batch(tiny_model_dir: Path, batch) -> None:
 
 
 def test_dynamic_batching_same_update(tiny_model_dir: Path, batch) -> None:
-    dyn = trainer(tiny_model_dir, batching=BatchingParams(micro_batch_size=16, dynamic_batching=True,
-                                                          max_tokens_per_micro_batch=64))
+    dyn = trainer(
+        tiny_model_dir,
+        batching=BatchingParams(micro_batch_size=16, dynamic_batching=True, max_tokens_per_micro_batch=64),
+    )
     fixed = trainer(tiny_model_dir, batching=BatchingParams(micro_batch_size=16))
     assert dyn.train_step(batch)["grad_norm"] == pytest.approx(fixed.train_step(batch)["grad_norm"], rel=1e-4)
 

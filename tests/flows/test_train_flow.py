@@ -22,11 +22,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def tiny_cfg(tmp: Path, model_dir: Path, name: str, *extra: str) -> RunConfig:
-    return load_config(ROOT / "configs" / "tiny.yaml", [
-        f"model.path={model_dir}", "model.provider=local", f"trainer.output_dir={tmp / 'runs'}",
-        f"trainer.run_name={name}", f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
-        "tracking.log_model=false", "prefect.default.retry_delay_seconds=0", *extra,
-    ])
+    return load_config(
+        ROOT / "configs" / "tiny.yaml",
+        [
+            f"model.path={model_dir}",
+            "model.provider=local",
+            f"trainer.output_dir={tmp / 'runs'}",
+            f"trainer.run_name={name}",
+            f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
+            "tracking.log_model=false",
+            "prefect.default.retry_delay_seconds=0",
+            *extra,
+        ],
+    )
 
 
 def final_weights(cfg: RunConfig) -> dict[str, torch.Tensor]:
@@ -67,8 +75,14 @@ def test_two_steps_learn_and_are_recorded(base, tiny_model_dir: Path) -> None:
     assert run.info.status == "FINISHED"
     assert run.data.params["actor.optim.lr"] == "0.001" and run.data.params["rollout.n"] == "4"
     assert run.data.tags["rlstages.algorithm"] == "grpo" and run.data.tags["rlstages.config_hash"]
-    for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "timing/generate_s", "rollout/logprob_diff",
-                "throughput/tokens_per_s"):
+    for key in (
+        "reward/mean",
+        "actor/pg_loss",
+        "actor/grad_norm",
+        "timing/generate_s",
+        "rollout/logprob_diff",
+        "throughput/tokens_per_s",
+    ):
         steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
         assert steps == [1, 2], key
     assert max(m.value for m in client.get_metric_history(run.info.run_id, "rollout/logprob_diff")) < 1e-4
@@ -88,7 +102,8 @@ def test_transient_fault_is_retried(base, tiny_model_dir: Path, faults) -> None:
     rl_post_train(cfg)
     run_dir = cfg.trainer.output_dir / "retried"
     assert (run_dir / ".faults" / "generate@1-transient").exists()
-    assert all(torch.equal(a, b) for a, b in zip(final_weights(cfg).values(), final_weights(ref_cfg).values()))
+    reference, retried = final_weights(ref_cfg), final_weights(cfg)
+    assert all(torch.equal(reference[k], retried[k]) for k in reference)
     _, run = mlflow_run(cfg)
     assert run.info.status == "FINISHED"
 
@@ -128,3 +143,14 @@ def test_a_different_config_for_an_existing_run_is_refused(base, tiny_model_dir:
     with pytest.raises(ValueError, match="holds a run of another config"):
         rl_post_train(cfg)
     assert os.path.isdir(tmp / "runs" / "base" / "final")  # nothing overwritten
+
+
+def test_hybrid_engine_gives_the_same_run(base, tiny_model_dir: Path) -> None:
+    tmp, ref_cfg, _ = base
+    cfg = tiny_cfg(tmp, tiny_model_dir, "hybrid", "cluster.hybrid_engine=true")
+    rl_post_train(cfg)
+    reference, hybrid = final_weights(ref_cfg), final_weights(cfg)
+    assert all(torch.equal(reference[k], hybrid[k]) for k in reference)
+    client, run = mlflow_run(cfg)
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "sync/buckets")] == [1, 2]
+    assert max(m.value for m in client.get_metric_history(run.info.run_id, "rollout/logprob_diff")) < 1e-4

@@ -87,9 +87,12 @@ def edit_config(hf_dir: Path, **changes: Any) -> None:
 
 
 def rank_export_worker(
-    rank: int, world_size: int, port: int, mcore_dir: str, tp: int, pp: int, out_dir: str
-) -> list[str]:
-    """Gloo worker: one training rank exports its own shard with `rank_mcore_to_hf` (TP all-gather inside)."""
+    rank: int, world_size: int, port: int, cases: list[list[str]], tp: int, pp: int
+) -> list[list[str]]:
+    """Gloo worker: one training rank exports its own shard with `rank_mcore_to_hf` (TP all-gather inside).
+
+    For each (mcore_dir, out_dir) case it writes `out_dir/rank<r>.safetensors` and returns the HF names.
+    """
     import torch.distributed as dist
 
     from engines.convert import ConversionSpec, rank_mcore_to_hf
@@ -98,17 +101,20 @@ def rank_export_worker(
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        spec = ConversionSpec.load(mcore_dir)
         tp_rank, pp_rank = rank % tp, rank // tp  # megatron's default order: tp fastest
         tp_group = None
         for p in range(pp):  # every rank creates every group, in the same order
             group = dist.new_group([p * tp + t for t in range(tp)])
             if p == pp_rank:
                 tp_group = group
-        reader = Reader(Path(mcore_dir) / rank_file(tp_rank, pp_rank, pp))
-        local = ((name, reader.get(name)) for name in reader)
-        out = dict(rank_mcore_to_hf(local, spec, pp_rank=pp_rank, tp_group=tp_group))
-        save_file(out, str(Path(out_dir) / f"rank{rank}.safetensors"))
-        return sorted(out)
+        names = []
+        for mcore_dir, out_dir in cases:
+            spec = ConversionSpec.load(mcore_dir)
+            reader = Reader(Path(mcore_dir) / rank_file(tp_rank, pp_rank, pp))
+            local = ((name, reader.get(name)) for name in reader)
+            out = dict(rank_mcore_to_hf(local, spec, pp_rank=pp_rank, tp_group=tp_group))
+            save_file(out, str(Path(out_dir) / f"rank{rank}.safetensors"))
+            names.append(sorted(out))
+        return names
     finally:
         dist.destroy_process_group()

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from convert_fixtures import make_hf_model
+import torch
 
 MEASURE = """
 import json, sys, torch
@@ -42,10 +42,34 @@ def _peak_delta_mb(src: Path, out: Path, direction: str) -> float:
     return (numbers["peak_kb"] - numbers["before_kb"]) / 1024
 
 
+def write_random_llama(out: Path, shard_bytes: int = 8_000_000, **sizes: int) -> Path:
+    """A Llama directory of random weights in ~`shard_bytes` shards, without running transformers' init."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", **sizes)
+    with torch.device("meta"):
+        shapes = {n: t.shape for n, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    out.mkdir()
+    config.save_pretrained(out)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    for name, shape in shapes.items():
+        if sum(t.numel() * 4 for t in shards[-1].values()) > shard_bytes:
+            shards.append({})
+        shards[-1][name] = torch.randn(shape)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, out / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out
+
+
 def test_peak_memory_is_about_one_layer_plus_one_shard(tmp_path: Path) -> None:
-    hf = make_hf_model(
-        tmp_path / "hf", "llama", hidden=256, intermediate=1024, heads=8, kv_heads=4, layers=16, vocab=8192,
-        max_shard_size="8MB",
+    hf = write_random_llama(
+        tmp_path / "hf", hidden_size=256, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=32, num_hidden_layers=16, vocab_size=8192,
     )  # fmt: skip
     shards = sorted(hf.glob("*.safetensors"))
     model_mb = sum(p.stat().st_size for p in shards) / 2**20

@@ -18,25 +18,26 @@ from engines.convert import convert_hf_to_mcore
 from engines.convert.gloo_world import run_world
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_each_rank_exports_its_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tie: bool) -> None:
-    hf = make_hf_model(tmp_path / "hf", "qwen2", tie=tie, layers=2)
-    mcore = convert_hf_to_mcore(hf, tmp_path / "mcore", tp=2, pp=2)
+def test_each_rank_exports_its_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cases, hf_dirs = [], []
+    for tie in (False, True):
+        case = tmp_path / f"tie{tie}"
+        hf_dirs.append(make_hf_model(case / "hf", "qwen2", tie=tie, layers=2))
+        cases.append([str(convert_hf_to_mcore(hf_dirs[-1], case / "mcore", tp=2, pp=2)), str(case)])
     here = str(Path(__file__).parent)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
-    names = run_world(
-        "convert_fixtures:rank_export_worker", 4, {"mcore_dir": str(mcore), "tp": 2, "pp": 2, "out_dir": str(tmp_path)}
-    )
-    assert names[0] == names[1] and names[2] == names[3]  # both TP ranks of a stage yield the same tensors
-    assert "model.embed_tokens.weight" in names[0] and "model.layers.0.mlp.down_proj.weight" in names[0]
-    assert "model.norm.weight" in names[2] and "model.layers.1.mlp.down_proj.weight" in names[2]
-    assert ("lm_head.weight" in names[2]) == (not tie)
-    exported: dict[str, torch.Tensor] = {}
-    for rank in range(4):
-        part = load_file(tmp_path / f"rank{rank}.safetensors")
-        for name, tensor in part.items():
-            assert name not in exported or torch.equal(exported[name], tensor)
-            exported[name] = tensor
-    expected = hf_tensors(hf)
-    assert sorted(exported) == sorted(expected)
-    assert all(torch.equal(exported[n], expected[n]) for n in expected)
+    by_rank = run_world("convert_fixtures:rank_export_worker", 4, {"cases": cases, "tp": 2, "pp": 2})
+    for i, (tie, hf) in enumerate(zip((False, True), hf_dirs, strict=True)):
+        names = [by_rank[rank][i] for rank in range(4)]
+        assert names[0] == names[1] and names[2] == names[3]  # both TP ranks of a stage yield the same tensors
+        assert "model.embed_tokens.weight" in names[0] and "model.layers.0.mlp.down_proj.weight" in names[0]
+        assert "model.norm.weight" in names[2] and "model.layers.1.mlp.down_proj.weight" in names[2]
+        assert ("lm_head.weight" in names[2]) == (not tie)
+        exported: dict[str, torch.Tensor] = {}
+        for rank in range(4):
+            for name, tensor in load_file(Path(cases[i][1]) / f"rank{rank}.safetensors").items():
+                assert name not in exported or torch.equal(exported[name], tensor)
+                exported[name] = tensor
+        expected = hf_tensors(hf)
+        assert sorted(exported) == sorted(expected)
+        assert all(torch.equal(exported[n], expected[n]) for n in expected)

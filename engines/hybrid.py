@@ -1,0 +1,97 @@
+"""The hybrid engine: a trainer and a rollout engine in one process (verl's colocated hybrid engine).
+
+Both keep their own model in their own dtype; weight sync is an in-process, tensor-by-tensor copy from
+the trainer's HF-named weights into the rollout model (cast on the fly), with no serialisation. The
+rollout sleeps (frees its weights) while the trainer works. Methods delegate explicitly, so Ray sees
+every one of them on the actor handle.
+
+Non-goal: resharding between different parallel layouts (one rank holds whole models here).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from engines.actor_group import import_object
+from engines.base import NamedTensors
+from engines.types import Prompt, SamplingParams
+from engines.weight_sync import Bucket
+
+
+class HybridEngine:
+    """Rollout + trainer on the same worker; `sync_local` moves the weights without leaving the process."""
+
+    def __init__(self, trainer: str, trainer_kwargs: dict[str, Any], rollout: str, rollout_kwargs: dict[str, Any]):
+        self.trainer = import_object(trainer)(**trainer_kwargs)
+        self.rollout = import_object(rollout)(**rollout_kwargs)
+
+    # ---- rollout side -----------------------------------------------------------------------------------------
+    def generate(self, prompts: list[Prompt], sampling: SamplingParams, seed: int) -> TensorDict:
+        """Sample with the rollout engine."""
+        return self.rollout.generate(prompts, sampling, seed)
+
+    def update_weights(self, named_tensors: NamedTensors) -> None:
+        """Load named tensors into the rollout engine."""
+        self.rollout.update_weights(named_tensors)
+
+    def sleep(self) -> None:
+        """Free the rollout engine's weights while the trainer works."""
+        self.rollout.sleep()
+
+    def wake(self) -> None:
+        """Re-allocate the rollout engine's weights (filled by the next sync)."""
+        self.rollout.wake()
+
+    def sync_local(self) -> dict[str, float]:
+        """Trainer -> rollout inside this process, one tensor at a time."""
+        start = time.perf_counter()
+        self.rollout.wake()
+        count = 0
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal count
+            for item in self.trainer.named_weights():
+                count += 1
+                yield item
+
+        self.rollout.update_weights(counted())
+        return {"sync/buckets": 0.0, "sync/tensors": float(count), "timing/sync_weights_s": time.perf_counter() - start}
+
+    # ---- trainer side -----------------------------------------------------------------------------------------
+    def logprobs(self, batch: TensorDict, temperature: float | None = None) -> TensorDict:
+        """Teacher-forced log-probs with the trainer."""
+        return self.trainer.logprobs(batch, temperature)
+
+    def values(self, batch: TensorDict) -> torch.Tensor:
+        """Critic values with the trainer."""
+        return self.trainer.values(batch)
+
+    def train_step(self, batch: TensorDict) -> dict[str, float]:
+        """One training step of the trainer."""
+        return self.trainer.train_step(batch)
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The trainer's HF-named weights."""
+        return self.trainer.named_weights()
+
+    def weight_buckets(self, bucket_bytes: int, dtype: str) -> Iterator[Bucket]:
+        """The trainer's weights in encoded buckets (to sync other rollout workers)."""
+        yield from self.trainer.weight_buckets(bucket_bytes, dtype)
+
+    def save(self, path: Path) -> None:
+        """Checkpoint the trainer (the rollout is rebuilt from it by a sync)."""
+        self.trainer.save(path)
+
+    def load(self, path: Path) -> None:
+        """Restore the trainer."""
+        self.trainer.load(path)
+
+    def save_pretrained(self, path: Path, tokenizer_from: Path | None = None) -> None:
+        """Export the trainer's weights as an HF directory."""
+        self.trainer.save_pretrained(path, tokenizer_from)

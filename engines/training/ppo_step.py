@@ -1,0 +1,156 @@
+"""The backend-independent pieces of a PPO/GRPO training step, shared by every training engine.
+
+Forward passes (log-probs, entropy, values of the response tokens), the per-micro-batch actor and critic
+losses (normalised by the mini-batch's global token/sequence counts so gradient accumulation is exact),
+the epochs x mini-batches loop, and metric aggregation. Engines supply the model, backward and step.
+
+Non-goal: owning a model or optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from engines import algorithms as A
+from engines import types as T
+from engines.training.microbatch import mini_batches
+
+SUMMED = {"pg_loss", "entropy", "kl_loss", "vf_loss"}  # partial sums under the global normaliser
+MAXED = {"logprob_diff_max", "kl_coef"}
+
+
+def autocast(enabled: bool, device: str = "cpu") -> contextlib.AbstractContextManager[Any]:
+    """bf16 autocast on `device` (a no-op context when disabled)."""
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=enabled)
+
+
+def causal_lm_forward(
+    model: Any, mb: TensorDict, temperature: float, bf16: bool, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs [B, T] of `response_ids` (logits / temperature) and entropy (graph only if `entropy_grad`)."""
+    prompt, response = mb[T.PROMPT_IDS], mb[T.RESPONSE_IDS]
+    ids = torch.cat([prompt, response], dim=1).to(_device(model))
+    width = response.shape[1]
+    with autocast(bf16, _device(model).type):
+        out = model(
+            input_ids=ids,
+            attention_mask=mb[T.ATTENTION_MASK].to(ids.device),
+            position_ids=mb[T.POSITION_IDS].to(ids.device),
+            logits_to_keep=width + 1,
+            use_cache=False,
+        )
+    logits = out.logits[:, :-1].float() / temperature
+    logp = A.logprobs_from_logits(logits, response.to(ids.device))
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = A.entropy_from_logits(logits)
+    return logp, entropy
+
+
+def value_forward(model: Any, mb: TensorDict, bf16: bool) -> torch.Tensor:
+    """Values [B, T] of the response tokens, read at the positions that predict them."""
+    prompt, response = mb[T.PROMPT_IDS], mb[T.RESPONSE_IDS]
+    ids = torch.cat([prompt, response], dim=1).to(_device(model))
+    with autocast(bf16, _device(model).type):
+        out = model(
+            input_ids=ids,
+            attention_mask=mb[T.ATTENTION_MASK].to(ids.device),
+            position_ids=mb[T.POSITION_IDS].to(ids.device),
+        )
+    return out.logits[:, prompt.shape[1] - 1 : -1, 0].float()
+
+
+def _device(model: Any) -> torch.device:
+    return next(model.parameters()).device
+
+
+def global_counts(mini: TensorDict) -> dict[str, torch.Tensor]:
+    """The mini-batch normalisers: response tokens and non-empty sequences."""
+    mask = mini[T.RESPONSE_MASK]
+    return {"global_tokens": mask.sum().clamp(min=1.0), "global_seqs": (mask.sum(-1) > 0).sum().clamp(min=1).float()}
+
+
+def actor_loss(
+    logp: torch.Tensor,
+    entropy: torch.Tensor,
+    mb: TensorDict,
+    params: A.PolicyLossParams,
+    norm: dict[str, torch.Tensor],
+    check_sync: bool,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO-clip loss of one micro-batch (+ entropy / KL terms) and its metrics; `logprob_diff` when checking
+    the trainer against the rollout engine (before the first optimizer step of a train step).
+    """
+    logp_dev = logp.device
+    mask = mb[T.RESPONSE_MASK].to(logp_dev)
+    old = mb[T.OLD_LOGPROBS].to(logp_dev) if T.OLD_LOGPROBS in mb.keys() else logp.detach()
+    ref = mb[T.REF_LOGPROBS].to(logp_dev) if params.use_kl_loss else None
+    loss, pg = A.policy_loss(
+        old,
+        logp,
+        mb[T.ADVANTAGES].to(logp_dev),
+        mask,
+        params,
+        **norm,
+        entropy=entropy if params.entropy_coeff else None,
+        ref_logprobs=ref,
+    )
+    metrics = {k: float(v) for k, v in pg.items()}
+    metrics["entropy"] = float(
+        A.agg_loss(entropy.detach(), mask, params.loss_agg_mode, params.loss_scale_factor, **norm)
+    )
+    if check_sync and T.ROLLOUT_LOGPROBS in mb.keys():
+        diff = (logp.detach() - mb[T.ROLLOUT_LOGPROBS].to(logp_dev)).abs()
+        metrics["logprob_diff"] = float(A.masked_mean(diff, mask))
+        metrics["logprob_diff_max"] = float((diff * mask).max()) if mask.any() else 0.0
+    return loss, metrics
+
+
+def critic_loss(
+    vpreds: torch.Tensor, mb: TensorDict, cliprange_value: float, agg_mode: str, norm: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped value loss of one micro-batch and its metrics."""
+    dev = vpreds.device
+    mask = mb[T.RESPONSE_MASK].to(dev)
+    loss, clipfrac = A.value_loss(
+        vpreds, mb[T.RETURNS].to(dev), mb[T.VALUES].to(dev), mask, cliprange_value, agg_mode, **norm
+    )
+    return loss, {
+        "vf_loss": float(loss.detach()),
+        "vf_clipfrac": float(clipfrac),
+        "vpred_mean": float(A.masked_mean(vpreds.detach(), mask)),
+    }
+
+
+def accumulate(acc: dict[str, float], metrics: dict[str, float], weight: float) -> None:
+    """Fold one micro-batch's metrics into the mini-batch's: losses add, rates are token-weighted, maxima max."""
+    for k, v in metrics.items():
+        if k in MAXED:
+            acc[k] = max(acc.get(k, v), v)
+        else:
+            acc[k] = acc.get(k, 0.0) + (v if k in SUMMED else v * weight)
+
+
+def epochs_loop(
+    batch: TensorDict, ppo_epochs: int, num_mini_batches: int, mini_step: Callable[[TensorDict, bool], dict[str, float]]
+) -> dict[str, float]:
+    """Run `mini_step(mini, check_sync)` over epochs x mini-batches; average the metrics over optimizer steps."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    first = True
+    for _ in range(ppo_epochs):
+        for mini in mini_batches(batch, num_mini_batches):
+            for k, v in mini_step(mini, first).items():
+                sums[k] = sums.get(k, 0.0) + v
+                counts[k] = counts.get(k, 0) + 1
+            first = False
+    return {k: sums[k] / counts[k] for k in sums}
+
+
+def pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Right-pad [B, t] to [B, width] with zeros (micro-batches are trimmed to their own length)."""
+    return x if x.shape[1] == width else torch.nn.functional.pad(x, (0, width - x.shape[1]))

@@ -1,0 +1,136 @@
+"""Checkpoint conversion as Prefect flows, their Python API, and the `rlstages convert` / `export` commands.
+
+    rlstages convert HF_DIR OUT_DIR --tp 2 --pp 2 [--vpp 2] [--verify] [--dist-checkpoint]
+    rlstages export MCORE_DIR OUT_DIR [--overwrite]
+
+The conversion task is cached (see `tasks.convert`): converting the same inputs to the same layout again,
+even from a new flow run, does no work. `--verify` adds the parity gate (needs megatron-core).
+`convert_command` / `export_command` are registered on the `rlstages` app by `flows/cli.py`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import typer
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+from rich.console import Console
+
+from tasks.convert import (
+    check_conversion_inputs,
+    check_export_inputs,
+    convert_checkpoint,
+    export_checkpoint,
+    verify_conversion,
+)
+
+err = Console(stderr=True)
+
+
+@flow(name="convert-hf-to-mcore")
+def convert_flow(
+    hf_dir: str,
+    out_dir: str,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
+    verify: bool = False,
+    transformer_impl: Literal["local", "transformer_engine"] = "local",
+    dist_checkpoint: bool = False,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Convert (cached) and optionally check logits parity; returns the output path and the parity report."""
+    out = convert_checkpoint(
+        hf_dir, out_dir, tp, pp, vpp, transformer_impl=transformer_impl, dist_checkpoint=dist_checkpoint,
+        progress=progress,
+    )  # fmt: skip
+    parity = verify_conversion(hf_dir, out) if verify else None
+    lines = [f"**{Path(hf_dir).name}** -> `{out}` with TP={tp} PP={pp} VPP={vpp or 1} ({transformer_impl})"]
+    if parity is not None:
+        lines.append(
+            f"parity: max |diff| {parity['max_abs_diff']:.2e}, argmax agreement {parity['argmax_agreement']:.0%}"
+        )
+    _artifact("conversion", "\n\n".join(lines))
+    return {"out_dir": out, "parity": parity}
+
+
+@flow(name="export-mcore-to-hf")
+def export_flow(mcore_dir: str, out_dir: str, overwrite: bool = False, progress: bool = False) -> str:
+    """Export a converted (or Megatron-trained) checkpoint back to an HF model directory."""
+    out = export_checkpoint(mcore_dir, out_dir, overwrite=overwrite, progress=progress)
+    _artifact("export", f"`{mcore_dir}` -> HF `{out}`")
+    return out
+
+
+def _artifact(key: str, markdown: str) -> None:
+    try:
+        create_markdown_artifact(markdown=markdown, key=key, description=f"checkpoint {key}")
+    except Exception:  # noqa: BLE001 - a report must never fail a conversion
+        pass
+
+
+def convert_hf_to_mcore(
+    hf_path: str | Path, out_path: str | Path, tp: int = 1, pp: int = 1, vpp: int | None = None, **kwargs: Any
+) -> str:
+    """Python API: run the conversion flow (cached; `verify=True` for the parity gate); returns the output dir."""
+    return str(convert_flow(str(hf_path), str(out_path), tp, pp, vpp, **kwargs)["out_dir"])
+
+
+def convert_mcore_to_hf(mcore_path: str | Path, out_path: str | Path, overwrite: bool = False) -> str:
+    """Python API: run the export flow; returns the HF directory."""
+    return str(export_flow(str(mcore_path), str(out_path), overwrite))
+
+
+HfDir = Annotated[Path, typer.Argument(help="HF model directory (config.json + *.safetensors).")]
+OutDir = Annotated[Path, typer.Argument(help="Output directory (written atomically).")]
+Debug = Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")]
+
+
+def convert_command(
+    hf_dir: HfDir,
+    out_dir: OutDir,
+    tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel size.")] = 1,
+    pp: Annotated[int, typer.Option("--pp", min=1, help="Pipeline-parallel size.")] = 1,
+    vpp: Annotated[int | None, typer.Option("--vpp", min=1, help="Virtual pipeline chunks per stage.")] = None,
+    verify: Annotated[bool, typer.Option("--verify", help="Check logits against HF (needs megatron-core).")] = False,
+    transformer_impl: Annotated[str, typer.Option(help="Layer-spec names: local or transformer_engine.")] = "local",
+    dist_checkpoint: Annotated[
+        bool, typer.Option("--dist-checkpoint", help="Also write megatron-core dist_checkpointing.")
+    ] = False,
+    debug: Debug = False,
+) -> None:
+    """Convert an HF checkpoint to Megatron-Core rank files (cached: a re-run on the same inputs is free)."""
+    _run(debug, lambda: check_conversion_inputs(hf_dir, out_dir, tp, pp, vpp, transformer_impl))
+    result = _run(debug, lambda: convert_flow(
+        str(hf_dir), str(out_dir), tp, pp, vpp, verify, transformer_impl, dist_checkpoint, progress=True))  # fmt: skip
+    err.print(f"[green]converted[/]: {result['out_dir']}")
+    if result["parity"]:
+        p = result["parity"]
+        err.print(f"[green]parity ok[/]: max |diff| {p['max_abs_diff']:.2e}, argmax {p['argmax_agreement']:.0%}")
+
+
+def export_command(
+    mcore_dir: Annotated[Path, typer.Argument(help="A directory written by `rlstages convert`.")],
+    out_dir: OutDir,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")] = False,
+    debug: Debug = False,
+) -> None:
+    """Export a Megatron-Core checkpoint (any TP/PP) to an HF model directory."""
+    _run(debug, lambda: check_export_inputs(mcore_dir, out_dir, overwrite))
+    out = _run(debug, lambda: export_flow(str(mcore_dir), str(out_dir), overwrite, progress=True))
+    err.print(f"[green]exported[/]: {out}")
+
+
+def _run(debug: bool, action: Any) -> Any:
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if debug else "WARNING")
+    try:
+        return action()
+    except (OSError, ValueError, KeyError, AssertionError) as exc:
+        if debug:
+            raise
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+        err.print(f"[bold red]error:[/] {message}", soft_wrap=True, highlight=False)
+        raise typer.Exit(2) from None

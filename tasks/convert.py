@@ -1,0 +1,190 @@
+"""Prefect tasks of checkpoint conversion: HF -> Megatron-Core (cached), its parity check, and the export back.
+
+`convert_checkpoint` is cached on the sha256 of every input file + the template + the parallel layout (and
+the output path): a second run on the same inputs, even in a new flow run, is a cache hit that does no
+work. The result is persisted (only the output path string), and the key is dropped when the output
+directory it points to is gone or no longer holds that conversion, so a cache hit never returns a stale path.
+The heavy lifting is `engines.convert`; megatron-core is only reached through it (parity, dist checkpoint).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.context import TaskRunContext
+
+from engines.convert import (
+    ConversionSpec,
+    convert_hf_to_mcore,
+    convert_mcore_to_hf,
+    get_template,
+    hf_weight_files,
+    read_hf_config,
+    read_manifest,
+)
+from engines.convert.manifest import MANIFEST
+from tasks.policies import retry_condition
+
+KEY_VERSION = "rlstages-convert/1"
+_DIGESTS: dict[tuple[str, int, int], str] = {}
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file, memoised on (path, size, mtime) so a key and its task body hash each file once."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _DIGESTS:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+        _DIGESTS[key] = h.hexdigest()
+    return _DIGESTS[key]
+
+
+def input_digests(hf_dir: str | Path) -> dict[str, str]:
+    """sha256 of every top-level file of an HF directory (weights, config, tokenizer...)."""
+    hf = Path(hf_dir)
+    if not hf.is_dir():
+        raise FileNotFoundError(f"{hf}: HF model directory not found")
+    return {p.name: file_digest(p) for p in sorted(hf.iterdir()) if p.is_file()}
+
+
+def template_fingerprint(model_type: str) -> str:
+    """A digest of a template's declaration: editing a template invalidates cached conversions."""
+    t = get_template(model_type)
+    text = json.dumps(
+        [t.config_hf_to_mcore, t.constant_mcore_config, [repr(op) + str(op.when) for op in t.weight_ops],
+         t.hf_layer_prefix, t.hf_invalid_keys, t.mcore_model_cls, t.tp_rules],
+        sort_keys=True, default=str,
+    )  # fmt: skip
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def conversion_key(hf_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None, **options: Any) -> str:
+    """The cache key: input digests + template + parallel sizes + options + output path."""
+    model_type = read_hf_config(Path(hf_dir)).get("model_type", "")
+    payload = {
+        "version": KEY_VERSION,
+        "inputs": input_digests(hf_dir),
+        "template": [model_type, template_fingerprint(model_type)],
+        "layout": [tp, pp, vpp or 1],
+        "options": options,
+        "out": str(Path(out_dir).resolve()),
+    }
+    return "convert-" + hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def holds_conversion(out_dir: str | Path, key: str) -> bool:
+    """True when `out_dir` is a complete conversion made for `key`."""
+    try:
+        return read_manifest(out_dir).get("cache_key") == key
+    except (FileNotFoundError, ValueError):
+        return False
+
+
+def check_conversion_inputs(
+    hf_dir: str | Path, out_dir: str | Path, tp: int, pp: int, vpp: int | None, transformer_impl: str = "local"
+) -> None:
+    """Fail fast, before any flow run, on a bad HF directory, config or parallel layout (one-line errors)."""
+    hf = Path(hf_dir)
+    if not hf.is_dir():
+        raise FileNotFoundError(f"{hf}: HF model directory not found")
+    ConversionSpec.from_hf_config(read_hf_config(hf), tp, pp, vpp, transformer_impl)  # type: ignore[arg-type]
+    hf_weight_files(hf)
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not (out / MANIFEST).is_file():
+        raise FileExistsError(f"{out}: exists and is not a conversion output; refusing to replace it")
+
+
+def check_export_inputs(mcore_dir: str | Path, out_dir: str | Path, overwrite: bool) -> None:
+    """Fail fast on a directory that is not a complete conversion, or an output that exists."""
+    read_manifest(mcore_dir)
+    ConversionSpec.load(mcore_dir)
+    if Path(out_dir).exists() and not overwrite:
+        raise FileExistsError(f"{out_dir}: already exists; pass --overwrite to replace it")
+
+
+def _cache_key(context: TaskRunContext, params: dict[str, Any]) -> str:
+    options = {k: params.get(k) for k in ("transformer_impl", "dist_checkpoint")}
+    key = conversion_key(params["hf_dir"], params["out_dir"], params["tp"], params["pp"], params.get("vpp"), **options)
+    store = getattr(context, "result_store", None)
+    if not holds_conversion(params["out_dir"], key) and store is not None and store.exists(key):
+        # the cached path is stale (output deleted or replaced): run again under a one-off key
+        return f"{key}-rebuild-{uuid.uuid4().hex}"
+    return key
+
+
+@task(
+    name="convert_checkpoint",
+    cache_key_fn=_cache_key,
+    persist_result=True,
+    retries=2,
+    retry_delay_seconds=[2, 10],
+    retry_condition_fn=retry_condition,
+)
+def convert_checkpoint(
+    hf_dir: str,
+    out_dir: str,
+    tp: int,
+    pp: int,
+    vpp: int | None = None,
+    *,
+    transformer_impl: str = "local",
+    dist_checkpoint: bool = False,
+    progress: bool = False,
+) -> str:
+    """HF directory -> Megatron-Core rank files in `out_dir` (replacing an older conversion there)."""
+    options = {"transformer_impl": transformer_impl, "dist_checkpoint": dist_checkpoint}
+    key = conversion_key(hf_dir, out_dir, tp, pp, vpp, **options)
+    out = Path(out_dir)
+    if holds_conversion(out, key):
+        return str(out)  # made by an earlier run whose Prefect record is gone: nothing to do
+    if out.exists() and any(out.iterdir()) and not (out / MANIFEST).is_file():
+        raise FileExistsError(f"{out}: exists and is not a conversion output; refusing to replace it")
+    with _progress_bar(progress, f"convert {Path(hf_dir).name} -> tp{tp} pp{pp}") as report:
+        convert_hf_to_mcore(
+            hf_dir, out, tp, pp, vpp, transformer_impl=transformer_impl,  # type: ignore[arg-type]
+            dist_checkpoint=dist_checkpoint, overwrite=True, input_digests=input_digests(hf_dir),
+            manifest_extra={"cache_key": key}, progress=report,
+        )  # fmt: skip
+    return str(out)
+
+
+@task(name="verify_conversion", cache_policy=NO_CACHE)
+def verify_conversion(hf_dir: str, out_dir: str) -> dict[str, Any]:
+    """Parity gate: Megatron-Core logits of the converted checkpoint vs the HF model's (needs megatron-core)."""
+    from engines.convert import verify_parity
+
+    return verify_parity(out_dir, hf_dir).to_dict()
+
+
+@task(name="export_checkpoint", cache_policy=NO_CACHE, retries=2, retry_condition_fn=retry_condition)
+def export_checkpoint(mcore_dir: str, out_dir: str, overwrite: bool = False, progress: bool = False) -> str:
+    """Megatron-Core rank files (any TP/PP) -> an HF model directory."""
+    with _progress_bar(progress, f"export {Path(mcore_dir).name} -> HF") as report:
+        convert_mcore_to_hf(mcore_dir, out_dir, overwrite=overwrite, progress=report)
+    return str(out_dir)
+
+
+@contextmanager
+def _progress_bar(enabled: bool, description: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A rich byte-progress bar on stderr when enabled; yields the `(done, total)` callback (or None)."""
+    if not enabled:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    columns = ("[bold]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True)) as bar:
+        task_id = bar.add_task(description, total=None)
+        yield lambda done, total: bar.update(task_id, completed=done, total=total)
