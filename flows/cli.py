@@ -154,6 +154,15 @@ def _register_conversion() -> None:
 _register_conversion()
 
 
+def _register_ops() -> None:
+    from flows.ops import register
+
+    register(app)
+
+
+_register_ops()
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -19,7 +19,6 @@ class Stages:
     start_workers: Any
     recover_workers: Any
     generate: Any
-    sleep_rollout: Any
     score_rewards: Any
     actor_logprobs: Any
     ref_logprobs: Any
@@ -45,7 +44,6 @@ class Stages:
             start_workers=p(run.start_workers, "start_workers"),
             recover_workers=run.recover_workers,
             generate=p(rollout.generate, "generate"),
-            sleep_rollout=p(rollout.sleep_rollout, "generate"),
             score_rewards=p(reward.score_rewards, "score_rewards"),
             actor_logprobs=p(logprobs.actor_logprobs, "actor_logprobs"),
             ref_logprobs=p(logprobs.ref_logprobs, "ref_logprobs"),

@@ -28,9 +28,7 @@ from tasks.tracking import log_step
 def rl_step(s: Stages, cfg: RunConfig, run: RunHandle, step: int, kl_state: dict, ui: RunProgress) -> tuple[dict, dict]:
     """One iteration; returns (metrics, KL-controller state after the step)."""
     ui.stage("generate")
-    metrics = s.generate(cfg, run, step)
-    if cfg.cluster.colocate:
-        s.sleep_rollout(cfg, run)
+    metrics = s.generate(cfg, run, step)  # colocated rollout engines sleep until the next sync
     ui.stage("rewards / log-probs")
     futures = [s.score_rewards.submit(cfg, run, step)]
     if cfg.needs_old_logprobs or cfg.algorithm.use_kl_in_reward:

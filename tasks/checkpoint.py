@@ -101,6 +101,7 @@ def save_checkpoint(cfg: RunConfig, run: RunHandle, step: int, driver_state: dic
     _fsync_tree(tmp)
     shutil.rmtree(final, ignore_errors=True)  # an uncommitted leftover of a crashed attempt
     os.replace(tmp, final)
+    tracking.flush()  # the steps up to this one are in MLflow before the checkpoint is committed
     files = {str(p.relative_to(final)): _sha256(p) for p in sorted(final.rglob("*")) if p.is_file()}
     manifest = {"step": step, "created": time.time(), "files": files, **driver_state}
     atomic_write_text(final / MANIFEST, json.dumps(manifest, indent=2))

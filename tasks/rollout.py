@@ -45,6 +45,8 @@ def generate(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
     seed = derive_seed(cfg.trainer.seed, step, "generate")
     batch = guard_workers(lambda: workers.rollout.dp(timeout).generate(prompts, sampling(cfg), seed))
     T.save_batch(batch, run.batch(step, "rollout"))
+    if cfg.cluster.colocate:  # free the rollout weights while the trainers work; sync_weights wakes them
+        guard_workers(lambda: workers.rollout.all(timeout).sleep())
     elapsed = time.perf_counter() - start
     lengths = batch[T.RESPONSE_MASK].sum(-1)
     tokens = float(lengths.sum())
@@ -74,10 +76,3 @@ def sync_weights(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
     return guard_workers(
         lambda: sync_weights_ray(source, workers.rollout.handles, BUCKET_BYTES, cfg.rollout.dtype, timeout)
     )
-
-
-@task(name="sleep_rollout", cache_policy=NO_CACHE)
-def sleep_rollout(cfg: RunConfig, run: RunHandle) -> None:
-    """Free the rollout engines' memory while the trainers work (colocated mode)."""
-    workers = get_workers(cfg, run)
-    guard_workers(lambda: workers.rollout.all(cfg.prefect.policy("generate").timeout_seconds).sleep())

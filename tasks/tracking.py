@@ -7,9 +7,9 @@ on worker threads never depend on a thread's "active run".
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from configs import RunConfig, config_hash, flatten, to_yaml
 
 STEP_KEY = "progress/step"
 _LAST_STEP: dict[str, int] = {}
+_PENDING: list[Any] = []
 
 
 def client(cfg: RunConfig) -> MlflowClient:
@@ -83,10 +84,18 @@ def log_step(cfg: RunConfig, run_id: str, step: int, metrics: dict[str, float]) 
     rows = [Metric(k, float(v), now, step) for k, v in sorted(metrics.items()) if _finite(v)]
     rows.append(Metric(STEP_KEY, float(step), now, step))
     c = client(cfg)
-    for i in range(0, len(rows), 1000):
-        c.log_batch(run_id, metrics=rows[i : i + 1000])
+    for i in range(0, len(rows), 1000):  # asynchronous: `flush` before a checkpoint commits and at the end
+        _PENDING.append(c.log_batch(run_id, metrics=rows[i : i + 1000], synchronous=False))
     _LAST_STEP[run_id] = step
     return True
+
+
+def flush() -> None:
+    """Wait until every asynchronously logged step has reached the tracking store."""
+    while _PENDING:
+        op = _PENDING.pop(0)
+        if op is not None:
+            op.wait()
 
 
 def log_eval_metrics(cfg: RunConfig, run_id: str, step: int, metrics: dict[str, float]) -> None:
@@ -112,6 +121,7 @@ def log_samples(cfg: RunConfig, run_id: str, step: int, rows: dict[str, list[Any
 
 def metric_history(cfg: RunConfig, run_id: str, key: str) -> list[tuple[int, float]]:
     """(step, value) pairs of a metric, first value per step."""
+    flush()
     seen: dict[int, float] = {}
     for m in client(cfg).get_metric_history(run_id, key):
         seen.setdefault(int(m.step), float(m.value))
@@ -173,6 +183,7 @@ def set_tags(cfg: RunConfig, run_id: str, tags: dict[str, str]) -> None:
 
 def end(cfg: RunConfig, run_id: str, status: str) -> None:
     """End the run as FINISHED, FAILED or KILLED (MLflow never does it for a dead process)."""
+    flush()
     client(cfg).set_terminated(run_id, status=status)
 
 
@@ -183,6 +194,76 @@ def run_link(cfg: RunConfig, run_id: str) -> str:
     return f"{base.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
 
 
-def dump_json(path: Path, data: dict[str, Any]) -> None:
-    """Small helper for run-state files kept beside MLflow."""
-    path.write_text(json.dumps(data, indent=2))
+# ---- experiment comparison (`rlstages compare`): read-only queries by tracking URI, no RunConfig needed ----
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One MLflow run as `rlstages compare` shows it: status, times, params (the flat config), tags, metrics."""
+
+    run_id: str
+    name: str
+    status: str
+    start_ms: int
+    end_ms: int | None
+    params: dict[str, str]
+    tags: dict[str, str]
+    latest: dict[str, float]
+
+    @property
+    def wall_seconds(self) -> float:
+        """Start to end (to now for a running run)."""
+        end = self.end_ms if self.end_ms else int(time.time() * 1000)
+        return max(0.0, (end - self.start_ms) / 1000.0)
+
+
+def experiment_id(tracking_uri: str, experiment: str | None) -> tuple[str, str]:
+    """(id, name) of `experiment`, or of the most recently updated experiment when None."""
+    c = MlflowClient(tracking_uri=tracking_uri)
+    if experiment is None:
+        found = c.search_experiments(max_results=1, order_by=["last_update_time DESC"])
+        if not found:
+            raise ValueError(f"no experiments in {tracking_uri}")
+        return found[0].experiment_id, found[0].name
+    exp = c.get_experiment_by_name(experiment)
+    if exp is None:
+        names = sorted(e.name for e in c.search_experiments(max_results=50))
+        raise ValueError(f"no experiment {experiment!r} in {tracking_uri}; experiments: {', '.join(names) or 'none'}")
+    return exp.experiment_id, exp.name
+
+
+def experiment_runs(tracking_uri: str, exp_id: str, max_runs: int = 8, filter_string: str = "") -> list[RunRecord]:
+    """The newest `max_runs` runs of an experiment (optionally filtered, MLflow search syntax), oldest first."""
+    c = MlflowClient(tracking_uri=tracking_uri)
+    runs = c.search_runs([exp_id], filter_string=filter_string, max_results=max_runs, order_by=["start_time DESC"])
+    return [
+        RunRecord(
+            run_id=r.info.run_id,
+            name=r.info.run_name or r.info.run_id[:8],
+            status=r.info.status,
+            start_ms=int(r.info.start_time or 0),
+            end_ms=int(r.info.end_time) if r.info.end_time else None,
+            params=dict(r.data.params),
+            tags={k: v for k, v in r.data.tags.items() if not k.startswith("mlflow.")},
+            latest=dict(r.data.metrics),
+        )
+        for r in reversed(list(runs))
+    ]
+
+
+def metric_series(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    """(step, value) of a metric, the first value logged per step, by step."""
+    seen: dict[int, float] = {}
+    for m in MlflowClient(tracking_uri=tracking_uri).get_metric_history(run_id, key):
+        seen.setdefault(int(m.step), float(m.value))
+    return sorted(seen.items())
+
+
+def compare_link(tracking_uri: str, exp_id: str, run_ids: list[str]) -> str | None:
+    """The MLflow UI's compare view of these runs (only for an HTTP tracking server)."""
+    if not tracking_uri.startswith("http"):
+        return None
+    import json
+
+    runs = json.dumps(run_ids, separators=(",", ":"))
+    return f"{tracking_uri.rstrip('/')}/#/compare-runs?runs={runs}&experiments={json.dumps([exp_id])}"

@@ -14,6 +14,7 @@ about one layer plus the tensors in flight, never the whole model. Output layout
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -106,6 +107,7 @@ def stream_rank_tensors(
             done += entry.end - entry.start
             if progress is not None:
                 progress(done, total)
+        reader.close()  # unmap the shard once its tensors are consumed (pending ones keep it alive)
     stream.finish()
 
 
@@ -132,6 +134,8 @@ def convert_hf_to_mcore(
     the conversion fails.
     """
     hf_dir, out = Path(hf_path), Path(out_path)
+    if dist_checkpoint and not _has_megatron():
+        raise ImportError("dist_checkpoint=True needs megatron-core: pip install 'rlstages[megatron]'")
     spec = ConversionSpec.from_hf_config(read_hf_config(hf_dir), tp, pp, vpp, transformer_impl, vocab_divisible_by)
     readers = [Reader(f) for f in hf_weight_files(hf_dir)]
     plans: dict[tuple[int, int], list[Planned]] = {(t, p): [] for t in range(spec.tp) for p in range(spec.pp)}
@@ -158,6 +162,13 @@ def convert_hf_to_mcore(
         }
         write_manifest(tmp, info, checksums)
     return out
+
+
+def _has_megatron() -> bool:
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ImportError:
+        return False
 
 
 def _write_ranks(

@@ -54,13 +54,16 @@ def mcore_to_hf(
     if isinstance(source, (str, Path)):
         spec = spec or ConversionSpec.load(source)
         readers = {
-            (t, p): Reader(Path(source) / rank_file(t, p, spec.pp)) for t in range(spec.tp) for p in range(spec.pp)
+            (t, p): Reader(Path(source) / rank_file(t, p, spec.pp), use_mmap=False)
+            for t in range(spec.tp)
+            for p in range(spec.pp)
         }
         try:
             yield from _from_ranks(
                 spec,
                 {k: r.entries for k, r in readers.items()},
                 lambda k, n: readers[k].meta(n) if meta else readers[k].get(n),
+                lambda p: [readers[(t, p)].close() for t in range(spec.tp)],  # unmap a finished chunk
             )
         finally:
             for r in readers.values():
@@ -75,6 +78,7 @@ def _from_ranks(
     spec: ConversionSpec,
     names: Mapping[tuple[int, int], Iterable[str]],
     load: Callable[[tuple[int, int], str], torch.Tensor],
+    release: Callable[[int], None] | None = None,
 ) -> HfTensors:
     missing = [k for k in ((t, p) for t in range(spec.tp) for p in range(spec.pp)) if k not in names]
     if missing:
@@ -87,6 +91,8 @@ def _from_ranks(
             shards = [load((t, pp_rank), local) for t in range(spec.tp)]
             name = spec.layer_map.global_name(local[len(prefix) :], pp_rank, vp_stage)
             yield from stream.add(name, _to_global(stream, spec, name, shards))
+        if release is not None:
+            release(pp_rank)
     stream.finish()
 
 

@@ -52,7 +52,53 @@ class StackedParts:
         return self.parts[0].dtype
 
 
-Converted = torch.Tensor | StackedParts
+@dataclass(frozen=True)
+class RowConcat:
+    """Tensors concatenated along dim 0 but never materialised: written piece by piece, saving a copy.
+
+    Every piece has the same trailing shape; `chunk(n)` splits the rows evenly (for tensor parallelism).
+    """
+
+    pieces: tuple[torch.Tensor, ...]
+
+    @property
+    def shape(self) -> torch.Size:
+        """Shape of the concatenation."""
+        return torch.Size([sum(p.shape[0] for p in self.pieces), *self.pieces[0].shape[1:]])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the pieces."""
+        return self.pieces[0].dtype
+
+    def materialize(self) -> torch.Tensor:
+        """The concatenated tensor (a copy)."""
+        return torch.cat(self.pieces)
+
+    def chunk(self, n: int) -> list[RowConcat]:
+        """`n` equal row ranges, each made of (views of) the pieces it covers."""
+        rows = self.shape[0] // n
+        out, current, need = [], [], rows
+        for piece in self.pieces:
+            start = 0
+            while start < piece.shape[0]:
+                take = min(need, piece.shape[0] - start)
+                current.append(piece[start : start + take])
+                start, need = start + take, need - take
+                if need == 0:
+                    out.append(RowConcat(tuple(current)))
+                    current, need = [], rows
+        return out
+
+
+def materialize(tensor: torch.Tensor | StackedParts | RowConcat) -> torch.Tensor:
+    """A plain tensor for any converted value."""
+    if isinstance(tensor, StackedParts):
+        return tensor.merged()
+    return tensor.materialize() if isinstance(tensor, RowConcat) else tensor
+
+
+Converted = torch.Tensor | StackedParts | RowConcat
 
 
 def _names(names: str | Sequence[str]) -> tuple[str, ...]:
@@ -207,9 +253,11 @@ class QKV(WeightOp):
                 raise ValueError(
                     f"{name}: expected {rows} rows (heads x head_dim of the config), got shape {tuple(t.shape)}"
                 )
-        rest = q.shape[1:]
-        grouped = torch.cat([q.reshape(g, -1, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1)
-        return [grouped.reshape(-1, *rest)]
+        qs = q.shape[0] // g
+        pieces = [
+            t for i in range(g) for t in (q[i * qs : (i + 1) * qs], k[i * d : (i + 1) * d], v[i * d : (i + 1) * d])
+        ]
+        return [RowConcat(tuple(pieces))]
 
     def to_hf(self, tensors: Sequence[torch.Tensor], dims: AttentionDims) -> list[torch.Tensor]:
         """Undo the grouping: split each group into its q heads, k and v."""

@@ -158,7 +158,7 @@ def load_rank_chunk(
     mcore_dir: Path, spec: ConversionSpec, tp_rank: int, pp_rank: int, vp_stage: int
 ) -> dict[str, torch.Tensor]:
     """The state dict of one model chunk of one rank, as GPTModel names it."""
-    reader = Reader(mcore_dir / rank_file(tp_rank, pp_rank, spec.pp))
+    reader = Reader(mcore_dir / rank_file(tp_rank, pp_rank, spec.pp), use_mmap=False)
     prefix = chunk_prefix(vp_stage, spec.vpp)
     try:
         return {n[len(prefix) :]: reader.get(n) for n in reader if n.startswith(prefix)}

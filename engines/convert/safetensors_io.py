@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import struct
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
+
+from engines.convert.ops import RowConcat
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -71,12 +75,20 @@ def read_entries(path: Path) -> tuple[int, list[Entry], dict[str, str]]:
 
 
 class Reader:
-    """Random access to the tensors of one safetensors file (meta or real)."""
+    """Random access to the tensors of one safetensors file (meta, or real tensors backed by a file mapping).
 
-    def __init__(self, path: Path) -> None:
+    With `use_mmap` real tensors are zero-copy views of a private (copy-on-write) mapping, released once
+    `close()` was called and no tensor refers to it any more; otherwise each tensor is read into its own
+    buffer (for callers that copy anyway and must not keep a whole file resident).
+    """
+
+    def __init__(self, path: Path, use_mmap: bool = True) -> None:
         self.path = Path(path)
         self.data_start, entries, self.metadata = read_entries(self.path)
         self.entries = {e.name: e for e in entries}
+        self.use_mmap = use_mmap
+        self._map: mmap.mmap | None = None
+        self._buffer: torch.Tensor | None = None
         self._file: BinaryIO | None = None
 
     def meta(self, name: str) -> torch.Tensor:
@@ -85,20 +97,37 @@ class Reader:
         return torch.empty(e.shape, dtype=e.dtype, device="meta")
 
     def get(self, name: str) -> torch.Tensor:
-        """Read tensor `name` into a fresh CPU tensor."""
+        """Tensor `name`, a view of the file mapping (no copy until written to)."""
         e = self.entries[name]
+        if e.start == e.end:
+            return torch.empty(e.shape, dtype=e.dtype)
+        if not self.use_mmap:
+            return self._read(e)
+        if self._buffer is None:
+            size = self.path.stat().st_size
+            if size < self.data_start + max(x.end for x in self.entries.values()):
+                raise ValueError(f"{self.path}: truncated file (shorter than its header says)")
+            with open(self.path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._buffer = torch.frombuffer(self._map, dtype=torch.uint8)
+        raw = self._buffer[self.data_start + e.start : self.data_start + e.end]
+        if (self.data_start + e.start) % raw.new_empty((), dtype=e.dtype).element_size():
+            raw = raw.clone()  # not aligned for its dtype (files from other writers): take a copy
+        return raw.view(e.dtype).reshape(e.shape)
+
+    def _read(self, e: Entry) -> torch.Tensor:
         out = torch.empty(e.shape, dtype=e.dtype)
-        if out.numel():
-            if self._file is None:
-                self._file = open(self.path, "rb")  # noqa: SIM115  (kept open across calls; closed in close())
-            self._file.seek(self.data_start + e.start)
-            view = _bytes(out)
-            if self._file.readinto(view) != e.end - e.start:
-                raise ValueError(f"{self.path}: truncated file while reading {name}")
+        if self._file is None:
+            self._file = open(self.path, "rb")  # noqa: SIM115  (kept open across calls; closed in close())
+        self._file.seek(self.data_start + e.start)
+        if self._file.readinto(_bytes(out)) != e.end - e.start:
+            raise ValueError(f"{self.path}: truncated file while reading {e.name}")
         return out
 
     def close(self) -> None:
-        """Close the underlying file."""
+        """Drop this reader's mapping / file (tensors still in use keep a mapping alive)."""
+        self._buffer = None
+        self._map = None
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -154,12 +183,13 @@ class PlannedWriter:
         self._written: set[str] = set()
         self._next = 0
         self._hash = hashlib.sha256(head)
+        self._hashing: Future[None] | None = None
         self._in_order = True
         self._file = open(self.path, "wb")  # noqa: SIM115  (closed in close())
         self._file.write(head)
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Write tensor `name` (must match the planned dtype and shape)."""
+    def write(self, name: str, tensor: torch.Tensor | RowConcat) -> None:
+        """Write tensor `name` (must match the planned dtype and shape); row pieces are written in order."""
         if name not in self._offsets:
             raise ValueError(f"{self.path}: tensor {name} was not planned for this file")
         start, end, p = self._offsets[name]
@@ -172,14 +202,17 @@ class PlannedWriter:
         self._written.add(name)
         if start == end:
             return
-        data = _bytes(tensor.contiguous())
         if start != self._next:
             self._in_order = False
             self._file.seek(self.data_start + start)
-        self._file.write(data)
+        for piece in tensor.pieces if isinstance(tensor, RowConcat) else (tensor,):
+            data = _bytes(piece.contiguous())
+            self._file.write(data)
+            if self._in_order:  # hash on a helper thread (hashlib drops the GIL) while the next piece is made
+                if self._hashing is not None:
+                    self._hashing.result()
+                self._hashing = _hasher().submit(self._hash.update, data)
         self._next = end
-        if self._in_order:
-            self._hash.update(data)
 
     def close(self, fsync: bool = False) -> str:
         """Finish the file and return its sha256; every planned tensor must have been written."""
@@ -187,6 +220,8 @@ class PlannedWriter:
         if missing:
             self._file.close()
             raise ValueError(f"{self.path}: {len(missing)} planned tensor(s) never written, e.g. {sorted(missing)[:3]}")
+        if self._hashing is not None:
+            self._hashing.result()
         if fsync:
             self._file.flush()
             os.fsync(self._file.fileno())
@@ -195,7 +230,19 @@ class PlannedWriter:
 
     def abort(self) -> None:
         """Close without checks (the caller removes the temporary directory)."""
+        if self._hashing is not None:
+            self._hashing.cancel()
         self._file.close()
+
+
+_HASHER: ThreadPoolExecutor | None = None
+
+
+def _hasher() -> ThreadPoolExecutor:
+    global _HASHER
+    if _HASHER is None:
+        _HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256")
+    return _HASHER
 
 
 def sha256_file(path: Path) -> str:

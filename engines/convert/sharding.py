@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.convert.ops import Converted, StackedParts
+from engines.convert.ops import Converted, RowConcat, StackedParts, materialize
 
 LAYER_PREFIX = "decoder.layers."
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -73,28 +73,38 @@ def tp_kind(name: str, rules: Mapping[str, str] | None = None) -> str:
     raise KeyError(f"{name}: no tensor-parallel rule; add tp_rules={{'<suffix>': 'column'|'row'|...}} to its template")
 
 
-def pad_vocab(tensor: Converted, padded_rows: int) -> torch.Tensor:
+def pad_vocab(tensor: Converted, padded_rows: int) -> Converted:
     """Append zero rows so dim 0 has `padded_rows` rows (Megatron needs the vocab divisible by TP)."""
-    assert isinstance(tensor, torch.Tensor)
     extra = padded_rows - tensor.shape[0]
     if extra < 0:
         raise ValueError(f"vocab tensor has {tensor.shape[0]} rows, more than padded_vocab_size={padded_rows}")
     if extra == 0:
         return tensor
-    return torch.cat([tensor, tensor.new_zeros((extra, *tensor.shape[1:]))])
+    tensor = materialize(tensor)
+    return RowConcat((tensor, tensor.new_zeros((extra, *tensor.shape[1:]))))
 
 
-def split_tp(name: str, tensor: Converted, kind: str, tp: int) -> list[torch.Tensor]:
-    """One global Megatron tensor -> its `tp` rank shards (views where possible)."""
+def split_tp(name: str, tensor: Converted, kind: str, tp: int) -> list[torch.Tensor | RowConcat]:
+    """One global Megatron tensor -> its `tp` rank shards (views or unmaterialised row pieces where possible)."""
     if isinstance(tensor, StackedParts):
         if tp == 1 or kind == "replicated":
-            return [tensor.merged()] * tp
+            return [RowConcat(tensor.parts) if tensor.dim == 0 else tensor.merged()] * tp
         if kind != "column":
             raise ValueError(f"{name}: stacked (per-part) tensors must be column-parallel, the rule says {kind!r}")
         per_part = [_chunk(name, p, 0, tp) for p in tensor.parts]
+        if tensor.dim == 0:
+            return [RowConcat(tuple(chunks[r] for chunks in per_part)) for r in range(tp)]
         return [torch.cat([chunks[r] for chunks in per_part], dim=tensor.dim) for r in range(tp)]
     if tp == 1 or kind == "replicated":
         return [tensor] * tp
+    if isinstance(tensor, RowConcat):
+        if kind == "row":
+            return _chunk(name, tensor.materialize(), 1, tp)
+        if tensor.shape[0] % tp:
+            raise ValueError(
+                f"{name}: dim 0 of shape {tuple(tensor.shape)} is not divisible by tensor parallel size {tp}"
+            )
+        return list(tensor.chunk(tp))
     return _chunk(name, tensor, 1 if kind == "row" else 0, tp)
 
 

@@ -116,6 +116,7 @@ class ConversionSpec:
         """What `mcore_config.json` holds."""
         return {
             "template": self.template.hf_model_type,
+            "template_module": self.template.module,
             "tp": self.tp,
             "pp": self.pp,
             "vpp": self.vpp,
@@ -133,7 +134,7 @@ class ConversionSpec:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: not found; expected a directory written by convert_hf_to_mcore")
         data = json.loads(path.read_text())
-        template = get_template(data["template"])
+        template = get_template(data["template"], data.get("template_module"))
         return cls(
             template, data["hf_config"], data["mcore"], data["tp"], data["pp"], data["vpp"],
             data["transformer_impl"], data["hf_vocab_size"],

@@ -8,6 +8,8 @@ Non-goal: reading files or splitting tensors over ranks.
 
 from __future__ import annotations
 
+import importlib
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +31,7 @@ class Template:
     hf_invalid_keys: tuple[str, ...] = ()
     mcore_model_cls: str | None = None
     tp_rules: Mapping[str, str] = field(default_factory=dict)
+    module: str | None = None  # where register_template was called; imported again by worker processes
 
     def mcore_config(self, hf_config: Mapping[str, Any]) -> dict[str, Any]:
         """Flat Megatron config from an HF config dict: mapped fields, then the constants (which win)."""
@@ -107,14 +110,21 @@ def register_template(
         hf_invalid_keys=tuple(hf_invalid_keys or ()),
         mcore_model_cls=mcore_model_cls,
         tp_rules=dict(tp_rules or {}),
+        module=sys._getframe(1).f_globals.get("__name__"),
     )
     _TEMPLATES[hf_model_type] = template
     return template
 
 
-def get_template(hf_model_type: str) -> Template:
-    """The registered template of `hf_model_type`; an error listing the registered ones if there is none."""
+def get_template(hf_model_type: str, module: str | None = None) -> Template:
+    """The registered template of `hf_model_type`; an error listing the registered ones if there is none.
+
+    `module` (recorded in converted checkpoints) is imported first when the type is not registered yet,
+    so fresh worker processes find user templates.
+    """
     _load_builtin()
+    if hf_model_type not in _TEMPLATES and module and module != "__main__":
+        importlib.import_module(module)
     try:
         return _TEMPLATES[hf_model_type]
     except KeyError:

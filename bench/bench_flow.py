@@ -1,0 +1,102 @@
+"""One flow iteration vs the same stage functions called in a bare Python loop (goal: ratio <= 1.05).
+
+Both drive the same Ray workers; the loop calls each stage's plain function (`task.fn`), so the difference is
+what Prefect adds (task runs, state tracking, concurrency) per iteration. The flow's per-step wall time is
+read from MLflow's timestamps of `progress/step`. `python -m bench.bench_flow`
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import report, small_model
+
+
+def _config(tmp: Path, model: Path, name: str, steps: int, tokens: int):  # type: ignore[no-untyped-def]
+    from configs import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    return load_config(
+        root / "configs" / "tiny.yaml",
+        [
+            f"model.path={model}",
+            "model.provider=local",
+            f"trainer.output_dir={tmp}",
+            f"trainer.run_name={name}",
+            f"trainer.total_steps={steps}",
+            "trainer.eval_every=0",
+            "trainer.eval_at_start=false",
+            "checkpoint.every=0",
+            f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
+            "tracking.log_model=false",
+            "data.prompts_per_step=8",
+            "rollout.n=4",
+            f"rollout.max_new_tokens={tokens}",
+            "data.source.num_train=512",
+        ],
+    )
+
+
+def bare_loop(cfg, steps: int) -> float:  # type: ignore[no-untyped-def]
+    """Seconds per iteration of the stage functions without Prefect (after one warm-up iteration)."""
+    from tasks import advantage, reward, rollout, run, update
+    from tasks.advantage import initial_kl_state
+    from tasks.workers import build_workers, forget_workers
+
+    handle = run.prepare_run.fn(cfg)
+    build_workers(cfg, handle)
+    kl = initial_kl_state(cfg)
+    marks = []
+    for step in range(1, steps + 1):
+        rollout.generate.fn(cfg, handle, step)
+        reward.score_rewards.fn(cfg, handle, step)
+        kl = advantage.advantages.fn(cfg, handle, step, kl)["kl_state"]
+        update.update_actor.fn(cfg, handle, step)
+        rollout.sync_weights.fn(cfg, handle, step)
+        marks.append(time.perf_counter())
+    forget_workers(handle)
+    return (marks[-1] - marks[0]) / (steps - 1)
+
+
+def flow_iterations(cfg, steps: int) -> float:  # type: ignore[no-untyped-def]
+    """Seconds per iteration of the Prefect flow, from MLflow's step timestamps (after the first step)."""
+    from mlflow import MlflowClient
+
+    from flows.train import rl_post_train
+
+    rl_post_train(cfg)
+    client = MlflowClient(cfg.tracking.tracking_uri)
+    exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    run = client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{cfg.trainer.run_name}'")[0]
+    stamps = sorted(m.timestamp for m in client.get_metric_history(run.info.run_id, "progress/step"))
+    return (stamps[-1] - stamps[0]) / 1000 / (len(stamps) - 1)
+
+
+SIZES = [(128, 4, 32), (512, 4, 96)]  # (hidden, layers, new tokens): a tiny model, then a small one
+
+
+def main(steps: int = 6) -> None:
+    """Alternate bare and flow runs twice per model size; report the best of each."""
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    import ray
+
+    tmp = Path(tempfile.mkdtemp(prefix="rlstages-bench-flow-"))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    rows = []
+    for hidden, layers, tokens in SIZES:
+        model = small_model(hidden, layers, 512, name="bench-flow")
+        bare, flow = [], []
+        for rep in range(2):
+            bare.append(bare_loop(_config(tmp, model, f"bare{hidden}-{rep}", steps, tokens), steps))
+            flow.append(flow_iterations(_config(tmp, model, f"flow{hidden}-{rep}", steps, tokens), steps))
+        case = f"hidden {hidden} x {layers}, 8 prompts x 4 x {tokens} tokens ({min(flow) - min(bare):+.3f} s/it)"
+        rows.append((case, min(flow), min(bare), "<= 1.05"))
+    report("flow iteration vs bare loop of the same stage calls (ratio = flow / bare)", rows)
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

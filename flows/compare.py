@@ -1,0 +1,149 @@
+"""`rlstages compare`: the runs of an MLflow experiment side by side, and their reward curves in one PNG.
+
+    rlstages compare rlstages-tiny --metric reward/mean --png compare.png
+
+One column per run: status, steps, wall time, final and best value of each metric, the tags runs are
+compared by, and every config key (MLflow params are the flattened config) whose value differs between
+the runs. The MLflow UI shows the same runs (same tags, same metric names); for a tracking server the
+command prints the link to its compare view.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from tasks.tracking import RunRecord
+
+TAG_ROWS = ("rlstages.algorithm", "rlstages.model", "rlstages.rollout_backend", "rlstages.actor_backend")
+HIDDEN_PARAMS = ("trainer.run_name",)  # differs by construction; the column header shows it
+out = Console()
+err = Console(stderr=True)
+
+
+def differing_params(runs: list[RunRecord]) -> list[str]:
+    """Config keys whose value is not the same in every run (a missing key counts as a value)."""
+    keys = sorted({k for r in runs for k in r.params} - set(HIDDEN_PARAMS))
+    return [k for k in keys if len({r.params.get(k) for r in runs}) > 1]
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4g}"
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+def compare_table(
+    tracking_uri: str, runs: list[RunRecord], metrics: list[str], maximize: bool = True, max_params: int = 40
+) -> Table:
+    """The side-by-side table (runs as columns)."""
+    from tasks.tracking import metric_series
+
+    table = Table(title=f"{len(runs)} runs", show_lines=False)
+    table.add_column("", style="bold", no_wrap=True)
+    for r in runs:
+        table.add_column(r.name, overflow="fold")
+    table.add_row("run id", *[r.run_id[:12] for r in runs])
+    table.add_row("status", *[_status(r.status) for r in runs])
+    table.add_row("steps", *[_fmt(r.latest.get("progress/step")) for r in runs])
+    table.add_row("wall time", *[_duration(r.wall_seconds) for r in runs])
+    for key in metrics:
+        series = [metric_series(tracking_uri, r.run_id, key) for r in runs]
+        pick = max if maximize else min
+        table.add_row(f"{key} final", *[_fmt(s[-1][1]) if s else "-" for s in series])
+        table.add_row(f"{key} best", *[_fmt(pick(v for _, v in s)) if s else "-" for s in series])
+    for tag in (*TAG_ROWS, "rlstages.failed_stage"):
+        if any(tag in r.tags for r in runs):
+            table.add_row(tag.removeprefix("rlstages."), *[r.tags.get(tag, "-") for r in runs])
+    diff = differing_params(runs)
+    table.add_section()
+    for key in diff[:max_params]:
+        table.add_row(key, *[r.params.get(key, "-") for r in runs])
+    if len(diff) > max_params:
+        table.add_row(f"... {len(diff) - max_params} more differing keys", *["" for _ in runs])
+    if not diff:
+        table.add_row("config", *["same" for _ in runs])
+    return table
+
+
+def _status(status: str) -> str:
+    colour = {"FINISHED": "green", "FAILED": "red", "RUNNING": "yellow", "KILLED": "red"}.get(status, "white")
+    return f"[{colour}]{status}[/]"
+
+
+def plot_curves(tracking_uri: str, runs: list[RunRecord], metric: str, png: Path) -> Path:
+    """Overlay `metric` against step for every run; write a PNG."""
+    import matplotlib
+
+    from tasks.tracking import metric_series
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    for r in runs:
+        points = metric_series(tracking_uri, r.run_id, metric)
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", ms=3, label=f"{r.name} ({r.status})")
+    ax.set_xlabel("step")
+    ax.set_ylabel(metric)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="best", fontsize=8)
+    ax.set_title(metric)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png)
+    plt.close(fig)
+    return png
+
+
+def compare_command(
+    experiment: Annotated[
+        str | None, typer.Argument(help="Experiment name (default: the most recently active).")
+    ] = None,
+    metric: Annotated[
+        list[str] | None, typer.Option("--metric", "-m", help="Metric to compare (repeatable; the first is plotted).")
+    ] = None,
+    tracking_uri: Annotated[
+        str | None, typer.Option(help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db).")
+    ] = None,
+    max_runs: Annotated[int, typer.Option(help="The newest N runs.")] = 8,
+    filter_string: Annotated[str, typer.Option("--filter", help="MLflow search filter, e.g. \"tags.x = 'y'\".")] = "",
+    minimize: Annotated[bool, typer.Option(help="Lower is better for the 'best' rows.")] = False,
+    png: Annotated[Path | None, typer.Option(help="Also write the overlaid curves of the first metric here.")] = None,
+) -> None:
+    """Print the runs of an MLflow experiment side by side (config differences, metrics, steps, time, status)."""
+    from tasks.tracking import compare_link, experiment_id, experiment_runs
+
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+    metrics = metric or ["reward/mean", "eval/reward_mean"]
+    try:
+        exp_id, exp_name = experiment_id(uri, experiment)
+        runs = experiment_runs(uri, exp_id, max_runs, filter_string)
+    except Exception as exc:  # noqa: BLE001 - one line for a bad URI, experiment or filter
+        err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    if not runs:
+        err.print(f"experiment {exp_name!r} has no runs" + (f" matching {filter_string!r}" if filter_string else ""))
+        raise typer.Exit(1)
+    table = compare_table(uri, runs, metrics, maximize=not minimize)
+    table.title = f"experiment {exp_name} ({uri})"
+    out.print(table)
+    link = compare_link(uri, exp_id, [r.run_id for r in runs])
+    if link:
+        out.print(f"MLflow UI: {link}", highlight=False, soft_wrap=True)
+    if png is not None:
+        out.print(f"curves of {metrics[0]}: {plot_curves(uri, runs, metrics[0], png)}", highlight=False)

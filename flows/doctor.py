@@ -1,0 +1,323 @@
+"""`rlstages doctor`: what this machine can run, and why not.
+
+Versions of every stack piece; which rollout and training backends can run here (no GPU, package missing,
+an import that fails on a version clash); the Ray cluster's resources (RAY_ADDRESS); whether the Prefect and
+MLflow endpoints answer; and the settings that matter (thread counts, CUDA_DEVICE_MAX_CONNECTIONS for
+Megatron, heartbeats). Backend packages are imported in subprocesses with a timeout, never here: a broken
+install cannot hang or crash the doctor, and flows never import the backends (design §1).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("torch", "transformers", "prefect", "ray", "mlflow", "pydantic", "tensordict", "safetensors", "typer")
+OPTIONAL = ("deepspeed", "megatron-core", "vllm", "sglang", "flash-attn", "transformer-engine")
+SETTINGS = (
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OMP_WAIT_POLICY",
+    "TOKENIZERS_PARALLELISM",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "NCCL_SOCKET_IFNAME",
+    "RAY_ADDRESS",
+    "RAY_AUTH_MODE",
+    "PREFECT_API_URL",
+    "PREFECT_FLOWS_HEARTBEAT_FREQUENCY",
+    "MLFLOW_TRACKING_URI",
+    "HF_HUB_OFFLINE",
+)
+out = Console()
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the report: ok True/False, or None for plain information."""
+
+    section: str
+    name: str
+    ok: bool | None
+    detail: str
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def _run(cmd: list[str], timeout: float) -> tuple[bool, str]:
+    """Run a probe; (succeeded, last line of output or the error)."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return False, f"timed out after {timeout:.0f} s"
+    except OSError as exc:
+        return False, str(exc)
+    text = (proc.stdout if proc.returncode == 0 else proc.stderr or proc.stdout).strip().splitlines()
+    return proc.returncode == 0, (text[-1] if text else f"exit {proc.returncode}")[:300]
+
+
+def _import_probe(python: str, module: str, timeout: float) -> tuple[bool, str]:
+    code = f"import {module} as m; print(getattr(m, '__version__', 'imported'))"
+    return _run([python, "-c", code], timeout)
+
+
+def versions() -> list[Check]:
+    """Python, the platform and every stack package (optional ones may be missing)."""
+    rows = [Check("versions", "python", None, f"{platform.python_version()} ({sys.executable})")]
+    rows.append(Check("versions", "platform", None, f"{platform.system()} {platform.machine()}"))
+    for dist in PACKAGES:
+        v = _version(dist)
+        rows.append(Check("versions", dist, v is not None, v or "missing"))
+    for dist in OPTIONAL:
+        rows.append(Check("versions", dist, None, _version(dist) or "not installed"))
+    return rows
+
+
+def gpus() -> tuple[int, str]:
+    """(number of CUDA devices torch sees, a description)."""
+    try:
+        import torch
+    except ImportError:
+        return 0, "torch missing"
+    cuda = torch.version.cuda or "cpu build"
+    if not torch.cuda.is_available():
+        return 0, f"no CUDA device (torch {torch.__version__}, {cuda})"
+    names = {torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())}
+    return torch.cuda.device_count(), f"{torch.cuda.device_count()} x {', '.join(sorted(names))} (CUDA {cuda})"
+
+
+def backends(vllm_python: Path, timeout: float = 180.0) -> list[Check]:
+    """Which rollout and training backends can run here, each with the reason when not."""
+    n_gpu, gpu_text = gpus()
+    rows = [Check("backends", "gpu", n_gpu > 0, gpu_text)]
+    rows.append(Check("backends", "rollout hf", _version("transformers") is not None, "transformers generate, CPU/GPU"))
+    rows.append(Check("backends", "training torch", _version("torch") is not None, "plain torch, CPU/GPU"))
+    probes: dict[str, Any] = {}
+    with ThreadPoolExecutor(4) as pool:
+        if vllm_python.is_file():
+            probes["vllm-venv"] = pool.submit(_import_probe, str(vllm_python), "vllm", timeout)
+        if importlib.util.find_spec("vllm") is not None:
+            probes["vllm"] = pool.submit(_import_probe, sys.executable, "vllm", timeout)
+        if importlib.util.find_spec("sglang") is not None:
+            probes["sglang"] = pool.submit(_import_probe, sys.executable, "sglang", timeout)
+        if importlib.util.find_spec("deepspeed") is not None:
+            probes["deepspeed"] = pool.submit(_import_probe, sys.executable, "deepspeed", timeout)
+        if importlib.util.find_spec("megatron") is not None:
+            probes["megatron"] = pool.submit(_import_probe, sys.executable, "megatron.core", timeout)
+        results = {k: f.result() for k, f in probes.items()}
+    rows.append(_vllm_row(results, vllm_python, n_gpu))
+    rows.append(_gpu_only_row("rollout sglang", results.get("sglang"), n_gpu, "pip install 'rlstages[sglang]'"))
+    rows.append(_train_row("training deepspeed", results.get("deepspeed"), "ZeRO 1-3 (gloo on CPU)", "deepspeed"))
+    rows.append(_train_row("training megatron", results.get("megatron"), "Megatron-Core (CPU needs shims)", "megatron"))
+    return rows
+
+
+def _vllm_row(results: dict[str, tuple[bool, str]], vllm_python: Path, n_gpu: int) -> Check:
+    if "vllm-venv" in results:
+        ok, text = results["vllm-venv"]
+        why = f"vllm {text} in {vllm_python.parent.parent.name}" if ok else f"{vllm_python}: import vllm failed: {text}"
+        return Check("backends", "rollout vllm", ok, why)
+    if "vllm" in results:
+        ok, text = results["vllm"]
+        if not ok:
+            return Check("backends", "rollout vllm", False, f"import vllm failed (version clash?): {text}")
+        return Check("backends", "rollout vllm", n_gpu > 0, f"vllm {text}" + ("" if n_gpu else ", but no GPU"))
+    return Check("backends", "rollout vllm", False, f"not installed: `make vllm-env` (CPU, {vllm_python}) or [vllm]")
+
+
+def _gpu_only_row(name: str, probe: tuple[bool, str] | None, n_gpu: int, hint: str) -> Check:
+    if probe is None:
+        return Check("backends", name, False, f"not installed ({hint}; CUDA only)")
+    ok, text = probe
+    if not ok:
+        return Check("backends", name, False, f"import failed (version clash?): {text}")
+    return Check("backends", name, n_gpu > 0, f"{text}" + ("" if n_gpu else "; needs a GPU, none here"))
+
+
+def _train_row(name: str, probe: tuple[bool, str] | None, what: str, extra: str) -> Check:
+    if probe is None:
+        return Check("backends", name, False, f"not installed (pip install 'rlstages[{extra}]')")
+    ok, text = probe
+    return Check("backends", name, ok, f"{text}: {what}" if ok else f"import failed (version clash?): {text}")
+
+
+_RAY_PROBE = """
+import json, os, ray
+ray.init(address=os.environ["RLSTAGES_PROBE_ADDRESS"], log_to_driver=False, logging_level="ERROR")
+nodes = [{"id": n["NodeID"][:12], "ip": n["NodeManagerAddress"], "resources": n["Resources"]}
+         for n in ray.nodes() if n["Alive"]]
+print(json.dumps({"total": ray.cluster_resources(), "available": ray.available_resources(), "nodes": nodes}))
+"""
+
+
+def ray_cluster(address: str | None, timeout: float = 90.0) -> list[Check]:
+    """Resources of the Ray cluster at `address` (probed in a subprocess), or what a run does without one."""
+    if not address:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return [Check("ray", "cluster", None, f"none (RAY_ADDRESS unset): each run starts a local Ray, {cpus} CPUs")]
+    env = {
+        **os.environ,
+        "RLSTAGES_PROBE_ADDRESS": address,
+        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+    }
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _RAY_PROBE], capture_output=True, text=True, timeout=timeout, env=env, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return [Check("ray", "cluster", False, f"{address}: no answer within {timeout:.0f} s")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return [Check("ray", "cluster", False, f"{address}: {tail[:300]}")]
+    info = json.loads(lines[-1])
+    rows = [Check("ray", "cluster", True, f"{address}: {len(info['nodes'])} nodes, total {_res(info['total'])}")]
+    rows.append(Check("ray", "available", None, _res(info["available"])))
+    for node in info["nodes"]:
+        rows.append(Check("ray", f"node {node['id']}", True, f"{node['ip']}: {_res(node['resources'])}"))
+    return rows
+
+
+def _res(resources: dict[str, float]) -> str:
+    shown = {k: v for k, v in sorted(resources.items()) if not k.startswith("node:") and "memory" not in k}
+    return ", ".join(f"{k}={v:g}" for k, v in shown.items()) or "none"
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[bool, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status == 200, resp.read(200).decode(errors="replace").strip()
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+        return False, str(getattr(exc, "reason", exc))
+
+
+def prefect_endpoint(api_url: str | None) -> list[Check]:
+    """Whether the Prefect API answers, and whether its version matches this client."""
+    client = _version("prefect") or "?"
+    if not api_url:
+        return [Check("prefect", "api", None, "PREFECT_API_URL unset: flows run against a temporary local server")]
+    ok, text = _get(f"{api_url.rstrip('/')}/health")
+    if not ok:
+        return [Check("prefect", "api", False, f"{api_url}: {text}")]
+    _, server = _get(f"{api_url.rstrip('/')}/admin/version")
+    server = server.strip('"')
+    same = server == client
+    detail = f"{api_url}: healthy, server {server}, client {client}" + ("" if same else " (mismatch: expect 422s)")
+    return [Check("prefect", "api", True, detail)]
+
+
+def mlflow_endpoint(tracking_uri: str) -> list[Check]:
+    """Whether the MLflow tracking server answers, or where a local SQLite store lives."""
+    if tracking_uri.startswith("http"):
+        ok, text = _get(f"{tracking_uri.rstrip('/')}/health")
+        if not ok:
+            return [Check("mlflow", "tracking", False, f"{tracking_uri}: {text}")]
+        _, version = _get(f"{tracking_uri.rstrip('/')}/version")
+        return [Check("mlflow", "tracking", True, f"{tracking_uri}: healthy, server {version}")]
+    if tracking_uri.startswith("sqlite:///"):
+        path = Path(tracking_uri.removeprefix("sqlite:///"))
+        where = path.resolve().parent
+        writable = os.access(where, os.W_OK)
+        state = "exists" if path.is_file() else "created on the first run"
+        return [Check("mlflow", "tracking", writable, f"{tracking_uri}: local SQLite store ({state})")]
+    return [Check("mlflow", "tracking", None, f"{tracking_uri}: not checked")]
+
+
+def settings() -> list[Check]:
+    """The environment variables and thread counts that change behaviour."""
+    rows = []
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    rows.append(Check("settings", "cpus", None, f"{cpus} usable (os.cpu_count {os.cpu_count()})"))
+    try:
+        import psutil
+
+        mem = psutil.virtual_memory()
+        rows.append(Check("settings", "memory", None, f"{mem.total / 2**30:.1f} GiB, {mem.available / 2**30:.1f} free"))
+    except ImportError:
+        pass
+    if Path("/dev/shm").is_dir():
+        shm = shutil.disk_usage("/dev/shm")
+        rows.append(Check("settings", "/dev/shm", None, f"{shm.free / 2**30:.1f} GiB free (Ray object store)"))
+    try:
+        import torch
+
+        rows.append(Check("settings", "torch threads", None, str(torch.get_num_threads())))
+    except ImportError:
+        pass
+    for key in SETTINGS:
+        rows.append(Check("settings", key, None, os.environ.get(key, "(unset)")))
+    if _version("megatron-core") is not None and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+        why = "Megatron with TP/SP communication overlap on GPUs wants CUDA_DEVICE_MAX_CONNECTIONS=1"
+        rows.append(Check("settings", "megatron", None if gpus()[0] == 0 else False, why))
+    return rows
+
+
+def diagnose(
+    ray_address: str | None, prefect_url: str | None, tracking_uri: str, vllm_python: Path, timeout: float
+) -> list[Check]:
+    """Every check, in report order."""
+    with ThreadPoolExecutor(2) as pool:
+        ray_rows = pool.submit(ray_cluster, ray_address, timeout)
+        backend_rows = pool.submit(backends, vllm_python, timeout)
+        return [
+            *versions(),
+            *backend_rows.result(),
+            *ray_rows.result(),
+            *prefect_endpoint(prefect_url),
+            *mlflow_endpoint(tracking_uri),
+            *settings(),
+        ]
+
+
+def _mark(ok: bool | None) -> str:
+    return {True: "[green]ok[/]", False: "[red]no[/]", None: ""}[ok]
+
+
+def doctor_command(
+    ray_address: Annotated[str | None, typer.Option(help="Ray cluster (default: RAY_ADDRESS).")] = None,
+    prefect_url: Annotated[str | None, typer.Option(help="Prefect API URL (default: PREFECT_API_URL).")] = None,
+    tracking_uri: Annotated[str | None, typer.Option(help="MLflow URI (default: MLFLOW_TRACKING_URI).")] = None,
+    vllm_python: Annotated[Path, typer.Option(help="Interpreter of the vLLM venv.")] = REPO / ".venv-vllm/bin/python",
+    timeout: Annotated[float, typer.Option(help="Seconds per probe (imports, Ray).")] = 180.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Versions, usable backends (and why not), Ray resources, Prefect/MLflow endpoints, relevant settings."""
+    checks = diagnose(
+        ray_address or os.environ.get("RAY_ADDRESS"),
+        prefect_url or os.environ.get("PREFECT_API_URL"),
+        tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db",
+        vllm_python,
+        timeout,
+    )
+    if as_json:
+        sys.stdout.write(json.dumps([asdict(c) for c in checks], indent=1) + "\n")
+        return
+    for section in dict.fromkeys(c.section for c in checks):
+        table = Table("", "", "", title=section, show_header=False, title_justify="left")
+        for c in (c for c in checks if c.section == section):
+            table.add_row(escape(c.name), _mark(c.ok), escape(c.detail))
+        out.print(table)

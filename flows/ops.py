@@ -1,0 +1,28 @@
+"""Operations commands on the `rlstages` app: deploy, server up|down|status, doctor, compare.
+
+Each lives in its own module (`flows.deploy`, `flows.servers`, `flows.doctor`, `flows.compare`), which
+imports nothing heavy at import time, so `rlstages --help` stays fast; `flows/cli.py` calls `register`.
+"""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    """Add the operations commands to `app`."""
+    from flows.compare import compare_command
+    from flows.deploy import deploy_command
+    from flows.doctor import doctor_command
+    from flows.servers import server_app
+
+    app.command("deploy", help="Serve the training flow as a scheduled Prefect deployment (concurrency 1).")(
+        deploy_command
+    )
+    app.add_typer(server_app, name="server")
+    app.command("doctor", help="What can run here and why not: versions, backends, Ray, Prefect, MLflow.")(
+        doctor_command
+    )
+    app.command("compare", help="Runs of an MLflow experiment side by side; optional PNG of their curves.")(
+        compare_command
+    )
