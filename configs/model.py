@@ -45,3 +45,6 @@ class ModelConfig(StrictModel):
         default=None, description="Model-registry key; defaults to config.json's model_type."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    plugins: tuple[str, ...] = Field(
+        default=(), description="Modules every worker imports first, e.g. one that calls register_model(...)."
+    )

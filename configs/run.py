@@ -112,6 +112,9 @@ class PrefectConfig(StrictModel):
     default: StagePolicy = StagePolicy()
     stages: dict[StageName, StagePolicy] = Field(default_factory=dict)
     max_concurrent_stages: int = Field(default=4, ge=1)
+    max_worker_recoveries: int = Field(
+        default=3, ge=0, description="Worker deaths the flow recovers from (reload + replay) before it fails."
+    )
 
     def policy(self, stage: str) -> StagePolicy:
         """The policy of `stage`, falling back to the default."""

@@ -15,6 +15,7 @@ actor and `rebuild()` replaces the group. `in_process=True` runs the same engine
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +80,8 @@ def worker_env(threads: int, extra: dict[str, str] | None = None) -> dict[str, s
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
     }
+    if os.environ.get("RLSTAGES_PLUGINS"):  # the user's model registrations (engines.models.import_plugins)
+        env["RLSTAGES_PLUGINS"] = os.environ["RLSTAGES_PLUGINS"]
     env.update(extra or {})
     return env
 

@@ -31,6 +31,15 @@ class _Entry:
 _REGISTRY: dict[str, _Entry] = {}
 
 
+PLUGINS_ENV = "RLSTAGES_PLUGINS"
+
+
+def import_plugins(modules: str | None = None) -> None:
+    """Import the user's modules named in RLSTAGES_PLUGINS (comma-separated), so their registrations run here."""
+    for name in filter(None, (m.strip() for m in (modules or os.environ.get(PLUGINS_ENV, "")).split(","))):
+        importlib.import_module(name)
+
+
 def register_model(model_type: str, model_cls: type, config_cls: type | None = None) -> None:
     """Make `model_type` loadable: a custom PreTrainedModel subclass (and its config class, if custom)."""
     _REGISTRY[model_type] = _Entry(model_cls, config_cls)
@@ -76,6 +85,7 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", model_type: str | N
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
+    import_plugins()
     kind = model_type or read_model_type(path)
     if not any(path.glob("*.safetensors")):
         raise FileNotFoundError(f"{path} has no *.safetensors weights (pickle checkpoints are not loaded)")

@@ -72,12 +72,15 @@ def rl_post_train(cfg: RunConfig) -> str:
         start = s.start_workers(cfg, run)
         if start.step == 0 and cfg.trainer.eval_at_start:
             s.evaluate(cfg, run, 0, mlflow_run)
-        step, kl_state = start.step + 1, start.kl_state
+        step, kl_state, recoveries = start.step + 1, start.kl_state, 0
         with run_progress(run.name, total, start.step) as ui:
             while step <= total:
                 try:
                     metrics, kl_state = rl_step(s, cfg, run, step, kl_state, ui)
                 except WorkerLost:
+                    recoveries += 1
+                    if recoveries > cfg.prefect.max_worker_recoveries:
+                        raise
                     start = s.recover_workers(cfg, run)  # replay from the last committed checkpoint
                     step, kl_state = start.step + 1, start.kl_state
                     continue

@@ -17,6 +17,7 @@ from configs.run import RunConfig
 from configs.training import MegatronTrainingConfig, TorchTrainingConfig
 from engines.actor_group import ActorGroup, GroupSpec
 from engines.algorithms import PolicyLossParams
+from engines.models import PLUGINS_ENV, import_plugins
 from engines.registry import REWARD_ENGINES, ROLLOUT_ENGINES, TRAINING_ENGINES, engine_path
 from engines.training.torch_trainer import BatchingParams, OptimParams
 from tasks.context import RunHandle
@@ -257,6 +258,9 @@ def hybrid_spec(trainer: GroupSpec, rollout: GroupSpec) -> GroupSpec:
 
 def build_workers(cfg: RunConfig, run: RunHandle) -> Workers:
     """Create (or find, by name) every group of the run and remember them in the registry."""
+    if cfg.model.plugins:  # the driver and every worker import the user's registrations
+        os.environ[PLUGINS_ENV] = ",".join(cfg.model.plugins)
+        import_plugins()
     start_ray(cfg)
     in_process = cfg.cluster.mode == "in_process"
     ns = cfg.cluster.namespace

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -62,10 +62,12 @@ def verify_parity(
     return report
 
 
+ParityCase = tuple[str | Path, str | Path | None] | tuple[str | Path, str | Path | None, str]
+
+
 def verify_parity_many(
-    cases: Sequence[tuple[str | Path, str | Path | None]],
+    cases: Sequence[ParityCase],
     *,
-    source: Literal["ranks", "dist_ckpt"] = "ranks",
     layout: tuple[int, int, int] | None = None,
     batch: int = 2,
     seq_len: int = 16,
@@ -75,15 +77,21 @@ def verify_parity_many(
     raise_on_fail: bool = True,
     timeout: float = 600.0,
 ) -> list[ParityReport]:
-    """Parity of several converted checkpoints in one worker world (they must share one TP/PP/VPP layout).
+    """Parity of several converted checkpoints in one worker world of one (tp, pp, vpp) layout.
 
-    `source="dist_ckpt"` loads each checkpoint's `dist_ckpt/` instead of the rank files, under `layout`
-    (tp, pp, vpp), which may differ from the layout it was converted for (megatron-core reshards on load).
+    A case is `(mcore_dir, hf_dir_or_None)` or `(mcore_dir, hf_dir_or_None, "dist_ckpt")`; the last loads the
+    checkpoint's `dist_ckpt/` copy, which megatron-core reshards to the world's layout. Rank-file cases must
+    have been converted for that layout (default: theirs).
     """
-    specs = [ConversionSpec.load(path) for path, _ in cases]
-    layouts = {layout or (s.tp, s.pp, s.vpp) for s in specs}
+    items = [(Path(c[0]), c[1], c[2] if len(c) > 2 else "ranks") for c in cases]  # type: ignore[misc]
+    bad = [src for _, _, src in items if src not in ("ranks", "dist_ckpt")]
+    if bad:
+        raise ValueError(f"verify_parity_many: case source must be 'ranks' or 'dist_ckpt', got {bad}")
+    specs = [ConversionSpec.load(path) for path, _, _ in items]
+    own = {(s.tp, s.pp, s.vpp) for s, (_, _, src) in zip(specs, items, strict=True) if src == "ranks"}
+    layouts = own | ({layout} if layout else set()) or {(specs[0].tp, specs[0].pp, specs[0].vpp)}
     if len(layouts) != 1:
-        raise ValueError(f"verify_parity_many: cases have different parallel layouts {sorted(layouts)}; group them")
+        raise ValueError(f"verify_parity_many: rank-file cases need one parallel layout, got {sorted(layouts)}")
     tp, pp, vpp = layouts.pop()
     for spec in specs:
         spec.with_layout(tp, pp, vpp)  # clear error before any process starts
@@ -91,18 +99,21 @@ def verify_parity_many(
     tokens = [torch.randint(0, s.hf_vocab_size, (batch, seq_len), generator=gen) for s in specs]
     references = [
         _hf_logits(spec, Path(path), hf, t, hf_model_loader)
-        for spec, (path, hf), t in zip(specs, cases, tokens, strict=True)
+        for spec, (path, hf, _), t in zip(specs, items, tokens, strict=True)
     ]
-    jobs = [{"mcore_dir": str(path), "tokens": t.tolist()} for (path, _), t in zip(cases, tokens, strict=True)]
+    jobs = [
+        {"mcore_dir": str(path), "tokens": t.tolist(), "source": src}
+        for (path, _, src), t in zip(items, tokens, strict=True)
+    ]
     results = run_world(
         "engines.convert.parity:parity_worker",
         tp * pp,
-        {"cases": jobs, "source": source, "layout": [tp, pp, vpp]},
+        {"cases": jobs, "layout": [tp, pp, vpp]},
         timeout=timeout,
     )
     gathered = next(r for r in results if r is not None)
     reports = []
-    for (path, _), ref, logits in zip(cases, references, gathered, strict=True):
+    for (path, _, _), ref, logits in zip(items, references, gathered, strict=True):
         logits = torch.tensor(logits, dtype=torch.float32)
         report = ParityReport(
             max_abs_diff=float((logits - ref).abs().max()),
@@ -166,9 +177,7 @@ def load_rank_chunk(
         reader.close()
 
 
-def parity_worker(
-    rank: int, world_size: int, port: int, cases: list[dict[str, Any]], source: str, layout: list[int]
-) -> Any:
+def parity_worker(rank: int, world_size: int, port: int, cases: list[dict[str, Any]], layout: list[int]) -> Any:
     """One rank: per case build and load its chunks, run the pipeline by hand; the logits from the last stage."""
     from megatron.core import parallel_state as ps
 
@@ -183,7 +192,7 @@ def parity_worker(
             mcore_dir = Path(case["mcore_dir"])
             spec = ConversionSpec.load(mcore_dir).with_layout(tp, pp, vpp)
             chunks = [megatron_cpu.build_gpt_model(spec, vp_stage=v).eval() for v in range(vpp)]
-            if source == "dist_ckpt":
+            if case["source"] == "dist_ckpt":
                 from engines.convert.dist_ckpt import load_dist_checkpoint
 
                 load_dist_checkpoint(chunks, mcore_dir / "dist_ckpt")

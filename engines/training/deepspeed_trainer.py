@@ -162,7 +162,7 @@ class DeepSpeedTrainingEngine:
             count = torch.tensor([real], device=next(self.engine.parameters()).device)
             torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
             if real == 0 and int(count) > 0:
-                raise ValueError(f"ZeRO-3 rank {self.rank} got no rows while other ranks did; give each rank rows")
+                raise ValueError(f"rank {self.rank} got no rows while other ranks did; give every rank rows")
             mbs += [mbs[-1]] * (int(count) - real)
         return mbs, real
 
@@ -267,8 +267,9 @@ class DeepSpeedTrainingEngine:
             load_tokenizer(tokenizer_from).save_pretrained(str(path))
 
     def save(self, path: Path) -> None:
-        """DeepSpeed's checkpoint (model, ZeRO optimizer shards, scheduler) under `path/deepspeed`, the full
-        weights as `model.safetensors` (export) and each rank's RNG state. Every rank calls it.
+        """DeepSpeed's checkpoint (model, ZeRO optimizer shards, scheduler; torch `.pt` files, DeepSpeed's format)
+        under `path/deepspeed`, the full weights as `model.safetensors` (export) and each rank's RNG state.
+        Every rank calls it; nothing records `path` itself, so the directory may be renamed.
         """
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)

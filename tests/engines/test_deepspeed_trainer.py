@@ -10,6 +10,7 @@ in the repo, as the Makefile sets it); later runs load the cached builds.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import sys
@@ -117,6 +118,15 @@ def snapshot(engine) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in engine.named_weights()}
 
 
+def test_constructor_takes_exactly_the_training_spec_kwargs() -> None:
+    """`tasks.workers.training_spec` passes the common kwargs plus the DeepSpeed config's own fields."""
+    from configs.training import DeepSpeedTrainingConfig, TorchTrainingConfig
+
+    own = set(DeepSpeedTrainingConfig.model_fields) - set(TorchTrainingConfig.model_fields)
+    common = set(inspect.signature(TorchTrainingEngine).parameters)
+    assert set(inspect.signature(DeepSpeedTrainingEngine).parameters) == common | own
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_logprobs_equal_torch_backend(model_for, batch, stage: int) -> None:
     expected = TorchTrainingEngine(model_for(stage), batching=MICRO4).logprobs(batch)
@@ -156,6 +166,18 @@ def test_grpo_step_matches_torch_backend(model_for, batch, torch_step, case: str
     weights = dict(engine.named_weights())
     assert {k: v.shape for k, v in weights.items()} == {k: v.shape for k, v in ref_weights.items()}
     assert all(torch.allclose(weights[k], ref_weights[k], atol=1e-4, rtol=0) for k in ref_weights)
+
+
+def test_scheduler_steps_once_per_optimizer_step(tiny_model_dir: Path, batch) -> None:
+    batching = BatchingParams(micro_batch_size=4, num_mini_batches=2, ppo_epochs=2)
+    engine = ds(tiny_model_dir, zero_stage=2, batching=batching)
+    reference = TorchTrainingEngine(tiny_model_dir, optim=OPTIM, batching=batching)
+    b = batch.clone()
+    b[T.OLD_LOGPROBS] = engine.logprobs(batch)["logprobs"]
+    metrics, expected = engine.train_step(b), reference.train_step(b)
+    assert engine.scheduler is not None and engine.scheduler.last_epoch == 4  # 2 epochs x 2 mini-batches
+    assert metrics["lr"] == expected["lr"] and metrics["ppo_kl"] == pytest.approx(expected["ppo_kl"], abs=1e-6)
+    assert metrics["ppo_kl"] != 0.0  # later mini-batches saw a moved policy
 
 
 def test_zero3_partitions_and_gathers_full_weights(wide_model_dir: Path, batch, tmp_path: Path) -> None:
@@ -280,10 +302,10 @@ def test_two_ranks_on_ray_stay_in_sync(ray_session, model_for, batch, tmp_path: 
         exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).state_dict()
         assert all(torch.equal(exported[k], w0[k]) for k in w0)
         first = group.dp(300).train_step(rows)
-        after_first = group.one(0, 120).__ray_call__(rank_weights)
+        after_first = group.all(120).__ray_call__(rank_weights)[0]  # collective under ZeRO-3
         group.all(120).load(str(tmp_path / "ckpt"))
         assert group.dp(300).train_step(rows) == first
-        again = group.one(0, 120).__ray_call__(rank_weights)
+        again = group.all(120).__ray_call__(rank_weights)[0]  # collective under ZeRO-3
         assert all(torch.equal(again[k], after_first[k]) for k in w0)
     finally:
         group.kill()

@@ -1,0 +1,97 @@
+"""Model registry and providers: a custom registered model runs through rollout and training, in-process
+and in a Ray worker (via model.plugins); missing or malformed directories are one-line errors. CPU only."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engines import types as T
+from engines.models import build_tiny_model, ensure_model, load_causal_lm, read_model_type, registered_models
+from engines.types import Prompt, SamplingParams
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+
+@pytest.fixture(scope="module")
+def custom_dir(tmp_path_factory, monkeypatch_module) -> Path:
+    monkeypatch_module.syspath_prepend(str(ASSETS))
+    monkeypatch_module.setenv("PYTHONPATH", f"{ASSETS}:{':'.join(sys.path)}")
+    import custom_model
+
+    path = tmp_path_factory.mktemp("custom") / "scaled"
+    build_tiny_model(path)
+    cfg = json.loads((path / "config.json").read_text())
+    model = custom_model.ScaledQwen2ForCausalLM(custom_model.ScaledQwen2Config(**{**cfg, "logit_scale": 0.5}))
+    model.load_state_dict(load_causal_lm(path).state_dict())
+    model.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def test_custom_model_registered_and_loaded_by_name(custom_dir: Path, tmp_path: Path) -> None:
+    assert "scaled_qwen2" in registered_models()
+    assert read_model_type(custom_dir) == "scaled_qwen2"
+    model = load_causal_lm(custom_dir)
+    assert type(model).__name__ == "ScaledQwen2ForCausalLM"
+    ids = torch.tensor([[5, 6, 7]])
+    plain = load_causal_lm(build_tiny_model(tmp_path / "plain"))  # same seed: the same weights, unscaled
+    assert torch.allclose(model(input_ids=ids).logits, plain(input_ids=ids).logits * 0.5, atol=1e-6)
+
+
+def test_custom_model_runs_rollout_and_training_in_a_ray_worker(custom_dir: Path, ray_session, monkeypatch) -> None:
+    from engines.actor_group import ActorGroup, GroupSpec
+
+    monkeypatch.setenv("RLSTAGES_PLUGINS", "custom_model")
+    spec = GroupSpec(name="custom-hybrid", engine="engines.hybrid:HybridEngine", kwargs={
+        "trainer": "engines.training.torch_trainer:TorchTrainingEngine", "trainer_kwargs": {"model_path": str(custom_dir)},
+        "rollout": "engines.rollout.hf_rollout:HFRolloutEngine",
+        "rollout_kwargs": {"model_path": str(custom_dir), "dtype": "float32", "apply_chat_template": False}},
+        env={"PYTHONPATH": f"{ASSETS}:{Path(__file__).resolve().parents[2]}"})
+    group = ActorGroup(spec, "rlstages-tests")
+    prompts = [Prompt("a", "1+1=", "2"), Prompt("b", "2+2=", "4")]
+    batch = group.dp(120).generate(prompts, SamplingParams(n=2, max_new_tokens=5), 0)
+    batch[T.ADVANTAGES] = torch.randn(batch[T.RESPONSE_MASK].shape) * batch[T.RESPONSE_MASK]
+    metrics = group.dp(120).train_step(batch)
+    assert metrics["logprob_diff"] < 1e-4 and metrics["grad_norm"] > 0
+    kind = group.handles[0].__ray_call__.remote(lambda e: type(e.trainer.model).__name__)
+    import ray
+
+    assert ray.get(kind) == "ScaledQwen2ForCausalLM"
+    group.kill()
+
+
+def test_missing_and_malformed_directories(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_causal_lm(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        read_model_type(tmp_path / "empty")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        read_model_type(bad)
+    (bad / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        load_causal_lm(bad)
+    with pytest.raises(ValueError, match="model.provider 'hub' unknown"):
+        ensure_model(tmp_path / "new", "hub")
+
+
+def test_tiny_provider_builds_once(tmp_path: Path) -> None:
+    path = ensure_model(tmp_path / "m", "tiny-random", {"hidden_size": 32, "num_attention_heads": 2,
+                                                        "num_key_value_heads": 1, "intermediate_size": 64})
+    first = (path / "model.safetensors").stat().st_mtime_ns
+    assert ensure_model(path, "tiny-random") == path and (path / "model.safetensors").stat().st_mtime_ns == first
+    assert not list(tmp_path.glob("*.tmp*"))
