@@ -38,7 +38,7 @@ def measure(path: Path, local: TorchTrainingEngine, dtype: str) -> list[tuple[st
         rollout=ROLLOUT,
         rollout_kwargs=rollout_kwargs,
     )
-    split = best_of(lambda: sync_weights_ray(trainer.handles[0], rollout.handles, 256 << 20, dtype, 600))
+    split = best_of(lambda: sync_weights_ray(trainer.handles, 0, rollout.handles, 256 << 20, dtype, 600))
     with_call = best_of(lambda: ray.get(hybrid.handles[0].sync_local.remote()))
     inner = ray.get(hybrid.handles[0].sync_local.remote())["timing/sync_weights_s"]
     target = {k: v.to(getattr(torch, dtype), copy=True) for k, v in local.model.state_dict().items()}

@@ -141,9 +141,18 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, str]:
     return out
 
 
+# Where a run lives and how it starts do not change what it computes: left out of the hash, so a run
+# resumed from another working directory (absolute paths) is recognised as the same run.
+_NOT_HASHED = {"trainer": {"output_dir", "run_name"}, "checkpoint": {"resume"}}
+
+
 def config_hash(cfg: RunConfig) -> str:
-    """A short, stable digest of the resolved config (canonical JSON)."""
-    blob = json.dumps(cfg.model_dump(mode="json"), sort_keys=True).encode()
+    """A short, stable digest of what the run computes (canonical JSON; location and start mode excluded)."""
+    data = cfg.model_dump(mode="json")
+    for section, keys in _NOT_HASHED.items():
+        for key in keys:
+            data[section].pop(key, None)
+    blob = json.dumps(data, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 
 

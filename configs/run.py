@@ -158,6 +158,7 @@ class RunConfig(StrictModel):
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
         _check_algorithm(self)
+        _check_workers(self)
         _check_batches(self)
         _check_layout(self)
         return self
@@ -182,6 +183,15 @@ def _check_algorithm(cfg: RunConfig) -> None:
         )
     if cfg.reference.enabled is False and (algo.use_kl_in_reward or algo.use_kl_loss):
         raise ValueError("a KL term is on but reference.enabled is false; the KL needs reference log-probs")
+
+
+def _check_workers(cfg: RunConfig) -> None:
+    for role, train in (("actor", cfg.actor), ("critic", cfg.critic)):
+        if train is not None and train.backend == "torch" and train.num_workers != 1:
+            raise ValueError(
+                f"{role}.backend=torch trains in one process (num_workers must be 1, got {train.num_workers}); "
+                "for data parallelism use backend deepspeed or megatron"
+            )
 
 
 def _check_batches(cfg: RunConfig) -> None:

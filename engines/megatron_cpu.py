@@ -6,6 +6,9 @@ attention allocate on `torch.cuda.current_device()`, `dist_checkpointing.save` c
 its all-reduce, and the model-parallel RNG tracker reads CUDA RNG state. `apply_cpu_shim` patches the
 first three, only when CUDA is absent (where each of them could only raise); `init_model_parallel` seeds
 with the inference RNG tracker (its `fork()` is a null context; dropout draws from the CPU RNG).
+Training adds a fifth place: the optimizer, gradient clipping and the pipeline schedules allocate small
+tensors with a literal `device="cuda"` and assert `tensor.type() == "torch.cuda.FloatTensor"`;
+`cuda_as_cpu()` is a scoped torch function mode that maps those to the CPU while it is active.
 Everything else here is general (any TP/PP/VPP), so the conversion parity gate and the Megatron training
 backend share it.
 megatron-core is imported inside the functions: importing this module never needs it.
@@ -13,7 +16,9 @@ megatron-core is imported inside the functions: importing this module never need
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -50,6 +55,35 @@ def apply_cpu_shim() -> bool:
     return True
 
 
+class _CudaAsCpuMode(torch.overrides.TorchFunctionMode):
+    """Rewrites `device="cuda"` arguments to the CPU and reports CPU tensors' `.type()` as CUDA types."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if isinstance(device, str | torch.device) and torch.device(device).type == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_as_cpu() -> Iterator[None]:
+    """While active (and only without CUDA), megatron-core's literal CUDA allocations and type checks see the CPU.
+
+    Wrap megatron-core calls that hard-code CUDA: optimizer construction / step / state dicts, and the
+    pipeline schedules. A no-op context when CUDA is available.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    apply_cpu_shim()
+    with _CudaAsCpuMode():
+        yield
+
+
 def init_model_parallel(
     rank: int,
     world_size: int,
@@ -61,8 +95,14 @@ def init_model_parallel(
     master_addr: str = "127.0.0.1",
     seed: int = 1234,
     backend: str | None = None,
+    cp: int = 1,
+    ep: int = 1,
 ) -> None:
-    """Join a process group (gloo on CPU, nccl on GPU) and set up megatron-core's TP x PP groups."""
+    """Join a process group (gloo on CPU, nccl on GPU) and set up megatron-core's TP x PP (x CP x EP) groups.
+
+    In a process that already has the same layout (several engines in one test process) the groups are kept;
+    a different layout is rebuilt only in a single-process world.
+    """
     from megatron.core import parallel_state, tensor_parallel
 
     cpu = apply_cpu_shim()
@@ -75,8 +115,29 @@ def init_model_parallel(
             rank=rank,
             world_size=world_size,
         )
-    parallel_state.initialize_model_parallel(tp, pp, vpp if vpp and vpp > 1 else None)
+    vpp = vpp if vpp and vpp > 1 else None
+    if parallel_state.model_parallel_is_initialized():
+        current = _layout_now()
+        if current == (tp, pp, vpp, cp, ep):
+            tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=cpu)
+            return
+        if torch.distributed.get_world_size() > 1:
+            raise RuntimeError(f"megatron-core groups already built for (tp, pp, vpp, cp, ep)={current}")
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tp, pp, vpp, context_parallel_size=cp, expert_model_parallel_size=ep)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=cpu)
+
+
+def _layout_now() -> tuple[int, int, int | None, int, int]:
+    from megatron.core import parallel_state as ps
+
+    return (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_virtual_pipeline_model_parallel_world_size(),
+        ps.get_context_parallel_world_size(),
+        ps.get_expert_model_parallel_world_size(),
+    )
 
 
 def destroy_model_parallel() -> None:

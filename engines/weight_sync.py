@@ -64,22 +64,30 @@ def apply_bucket(engine: Any, bucket: Bucket) -> int:
 
 
 def sync_weights_ray(
-    trainer: Any, rollouts: list[Any], bucket_bytes: int, dtype: str, timeout: float
+    trainers: list[Any], source: int, rollouts: list[Any], bucket_bytes: int, dtype: str, timeout: float
 ) -> dict[str, float]:
-    """Stream buckets from a trainer actor (its `weight_buckets` generator) to every rollout actor."""
+    """Stream buckets from trainer rank `source` to every rollout actor.
+
+    Every trainer rank runs its `weight_buckets` generator at once, because gathering sharded weights
+    (ZeRO-3, TP) is a collective; only the source rank's buckets are applied, the others are dropped.
+    """
     import ray
 
     start = time.perf_counter()
-    stream = trainer.weight_buckets.options(num_returns="streaming").remote(bucket_bytes, dtype)
+    streams = [t.weight_buckets.options(num_returns="streaming").remote(bucket_bytes, dtype) for t in trainers]
     inflight: list[Any] = []
     buckets = tensors = 0
-    for ref in stream:
+    for ref in streams[source]:
         if inflight:
             tensors += sum(ray.get(inflight, timeout=timeout)) // max(1, len(rollouts))
         inflight = [h.__ray_call__.remote(apply_bucket, ref) for h in rollouts]
         buckets += 1
     if inflight:
         tensors += sum(ray.get(inflight, timeout=timeout)) // max(1, len(rollouts))
+    for rank, stream in enumerate(streams):
+        if rank != source:
+            for _ in stream:  # let the other ranks finish their part of the collectives
+                pass
     return {
         "sync/buckets": float(buckets),
         "sync/tensors": float(tensors),

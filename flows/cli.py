@@ -68,11 +68,20 @@ def _guard(debug: bool, action) -> object:  # type: ignore[no-untyped-def]
     return None
 
 
+def _precheck(cfg: RunConfig) -> None:
+    """Refuse, before any flow starts, a run directory that holds another config (one-line error)."""
+    from tasks.run import resolve_run_dir
+
+    if cfg.checkpoint.resume != "fresh":
+        resolve_run_dir(cfg)
+
+
 @app.command()
 def run(config: ConfigArg, overrides: Overrides = None, debug: Debug = False) -> None:
     """Run (or continue) the training flow of CONFIG on the configured cluster."""
     cfg = _load(config, overrides)
     _quiet_prefect(debug)
+    _guard(debug, lambda: _precheck(cfg))
     from flows.train import rl_post_train
 
     policy = _guard(debug, lambda: rl_post_train(cfg))

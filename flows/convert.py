@@ -40,12 +40,13 @@ def convert_flow(
     verify: bool = False,
     transformer_impl: Literal["local", "transformer_engine"] = "local",
     dist_checkpoint: bool = False,
+    checksum: Literal["sha256", "crc32", "none"] = "sha256",
     progress: bool = False,
 ) -> dict[str, Any]:
     """Convert (cached) and optionally check logits parity; returns the output path and the parity report."""
     out = convert_checkpoint(
         hf_dir, out_dir, tp, pp, vpp, transformer_impl=transformer_impl, dist_checkpoint=dist_checkpoint,
-        progress=progress,
+        checksum=checksum, progress=progress,
     )  # fmt: skip
     parity = verify_conversion(hf_dir, out) if verify else None
     lines = [f"**{Path(hf_dir).name}** -> `{out}` with TP={tp} PP={pp} VPP={vpp or 1} ({transformer_impl})"]
@@ -100,12 +101,14 @@ def convert_command(
     dist_checkpoint: Annotated[
         bool, typer.Option("--dist-checkpoint", help="Also write megatron-core dist_checkpointing.")
     ] = False,
+    checksum: Annotated[str, typer.Option(help="Manifest checksum: sha256, crc32 (faster) or none.")] = "sha256",
     debug: Debug = False,
 ) -> None:
     """Convert an HF checkpoint to Megatron-Core rank files (cached: a re-run on the same inputs is free)."""
-    _run(debug, lambda: check_conversion_inputs(hf_dir, out_dir, tp, pp, vpp, transformer_impl))
+    _run(debug, lambda: check_conversion_inputs(hf_dir, out_dir, tp, pp, vpp, transformer_impl, checksum))
     result = _run(debug, lambda: convert_flow(
-        str(hf_dir), str(out_dir), tp, pp, vpp, verify, transformer_impl, dist_checkpoint, progress=True))  # fmt: skip
+        str(hf_dir), str(out_dir), tp, pp, vpp, verify, transformer_impl, dist_checkpoint, checksum,  # type: ignore[arg-type]
+        progress=True))  # fmt: skip
     err.print(f"[green]converted[/]: {result['out_dir']}")
     if result["parity"]:
         p = result["parity"]

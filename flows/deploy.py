@@ -107,7 +107,9 @@ def zombie_automation(crash_after: int) -> Any:
 
 
 def ensure_zombie_automation(crash_after: int) -> str:
-    """Create the zombie automation, or update it to `crash_after`; returns its id."""
+    """Create the zombie automation, or update it to `crash_after` (one for every rlstages deployment: the last
+    `rlstages deploy` sets it); returns its id.
+    """
     from prefect.automations import Automation
 
     wanted = zombie_automation(crash_after)
@@ -133,17 +135,18 @@ def serve_training(
     description: str | None = None,
 ) -> None:
     """Register the deployment `rl-post-train/<name>` and serve its runs until interrupted (schedules pause)."""
-    import asyncio
-
-    from prefect.deployments.runner import EntrypointType
-    from prefect.runner import Runner
-
-    from flows.train import rl_post_train
-
     if heartbeat < 30:
         raise ValueError(f"--heartbeat must be at least 30 s (Prefect's minimum), got {heartbeat}")
     if crash_after and crash_after <= heartbeat:
         raise ValueError(f"--crash-after ({crash_after} s) must exceed --heartbeat ({heartbeat} s)")
+    import asyncio
+
+    from prefect.deployments.runner import EntrypointType
+    from prefect.exceptions import TerminationSignal
+    from prefect.runner import Runner
+
+    from flows.train import rl_post_train
+
     if not os.environ.get("PREFECT_API_URL"):
         err.print("[yellow]PREFECT_API_URL is not set[/]: serving against a temporary local Prefect server "
                   "(schedules live only as long as this process; `rlstages server up` starts a real one)")  # fmt: skip
@@ -173,7 +176,7 @@ def serve_training(
     err.print(f"serving deployment [bold]{FLOW_NAME}/{name}[/] ({deployment_id}); Ctrl-C stops and pauses it")
     try:
         asyncio.run(runner.start())
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, TerminationSignal):  # Ctrl-C or SIGTERM: the runner has paused the schedules
         pass
 
 

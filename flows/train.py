@@ -12,6 +12,8 @@ checkpoint and replay from there. No backend appears here: the registries chose 
 
 from __future__ import annotations
 
+import logging
+
 from prefect import flow
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -23,6 +25,17 @@ from tasks.context import RunHandle
 from tasks.policies import WorkerLost, failed_stage
 from tasks.run import close_run, convert_for_training, driver_snapshot
 from tasks.tracking import log_step
+
+
+class _StageTimeoutNotice(logging.Filter):
+    """Prefect warns that thread-run tasks' timeouts cannot interrupt blocking calls; ours block only in
+    `ray.get(..., timeout=)`, which does fire, so the warning is noise here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeouts in worker threads cannot interrupt" not in record.getMessage()
+
+
+logging.getLogger("prefect.task_runs").addFilter(_StageTimeoutNotice())
 
 
 def rl_step(s: Stages, cfg: RunConfig, run: RunHandle, step: int, kl_state: dict, ui: RunProgress) -> tuple[dict, dict]:

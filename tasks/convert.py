@@ -31,9 +31,11 @@ from engines.convert import (
     read_manifest,
 )
 from engines.convert.manifest import MANIFEST
+from engines.convert.safetensors_io import new_checksum
 from tasks.policies import retry_condition
 
 KEY_VERSION = "rlstages-convert/1"
+DEFAULTS: dict[str, Any] = {"transformer_impl": "local", "dist_checkpoint": False, "checksum": "sha256"}
 _DIGESTS: dict[tuple[str, int, int], str] = {}
 
 
@@ -92,9 +94,16 @@ def holds_conversion(out_dir: str | Path, key: str) -> bool:
 
 
 def check_conversion_inputs(
-    hf_dir: str | Path, out_dir: str | Path, tp: int, pp: int, vpp: int | None, transformer_impl: str = "local"
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    tp: int,
+    pp: int,
+    vpp: int | None,
+    transformer_impl: str = "local",
+    checksum: str = "sha256",
 ) -> None:
     """Fail fast, before any flow run, on a bad HF directory, config or parallel layout (one-line errors)."""
+    new_checksum(checksum)
     hf = Path(hf_dir)
     if not hf.is_dir():
         raise FileNotFoundError(f"{hf}: HF model directory not found")
@@ -114,7 +123,7 @@ def check_export_inputs(mcore_dir: str | Path, out_dir: str | Path, overwrite: b
 
 
 def _cache_key(context: TaskRunContext, params: dict[str, Any]) -> str:
-    options = {k: params.get(k) for k in ("transformer_impl", "dist_checkpoint")}
+    options = {k: params.get(k, DEFAULTS[k]) for k in DEFAULTS}
     key = conversion_key(params["hf_dir"], params["out_dir"], params["tp"], params["pp"], params.get("vpp"), **options)
     store = getattr(context, "result_store", None)
     if not holds_conversion(params["out_dir"], key) and store is not None and store.exists(key):
@@ -140,10 +149,11 @@ def convert_checkpoint(
     *,
     transformer_impl: str = "local",
     dist_checkpoint: bool = False,
+    checksum: str = "sha256",
     progress: bool = False,
 ) -> str:
     """HF directory -> Megatron-Core rank files in `out_dir` (replacing an older conversion there)."""
-    options = {"transformer_impl": transformer_impl, "dist_checkpoint": dist_checkpoint}
+    options = {"transformer_impl": transformer_impl, "dist_checkpoint": dist_checkpoint, "checksum": checksum}
     key = conversion_key(hf_dir, out_dir, tp, pp, vpp, **options)
     out = Path(out_dir)
     if holds_conversion(out, key):
@@ -153,7 +163,7 @@ def convert_checkpoint(
     with _progress_bar(progress, f"convert {Path(hf_dir).name} -> tp{tp} pp{pp}") as report:
         convert_hf_to_mcore(
             hf_dir, out, tp, pp, vpp, transformer_impl=transformer_impl,  # type: ignore[arg-type]
-            dist_checkpoint=dist_checkpoint, overwrite=True, input_digests=input_digests(hf_dir),
+            dist_checkpoint=dist_checkpoint, overwrite=True, checksum=checksum, input_digests=input_digests(hf_dir),
             manifest_extra={"cache_key": key}, progress=report,
         )  # fmt: skip
     return str(out)

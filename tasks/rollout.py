@@ -72,7 +72,9 @@ def sync_weights(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
     guard_workers(lambda: workers.rollout.all(timeout).wake())
     if workers.rollout.in_process:
         return sync_weights_local(workers.actor.handles[0], workers.rollout.handles, BUCKET_BYTES, cfg.rollout.dtype)
-    source = workers.actor.handles[workers.actor.collect_ranks()[0]]
+    actor = workers.actor
     return guard_workers(
-        lambda: sync_weights_ray(source, workers.rollout.handles, BUCKET_BYTES, cfg.rollout.dtype, timeout)
+        lambda: sync_weights_ray(
+            actor.handles, actor.collect_ranks()[0], workers.rollout.handles, BUCKET_BYTES, cfg.rollout.dtype, timeout
+        )
     )

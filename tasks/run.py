@@ -59,30 +59,36 @@ def write_state(run: RunHandle, **updates: Any) -> None:
     atomic_write_text(run.path / RUN_STATE, json.dumps({**_state(run), **updates}, indent=2))
 
 
-@task(name="prepare_run", cache_policy=NO_CACHE)
-def prepare_run(cfg: RunConfig) -> RunHandle:
-    """Create or reopen the run directory (a different config for an existing run is refused); build the model."""
+def resolve_run_dir(cfg: RunConfig, flow_run_id: str | None = None) -> Path:
+    """The run directory this config starts or continues; refuses (one line) what would overwrite a run."""
     path = run_dir(cfg)
     if cfg.checkpoint.resume == "fresh":  # one directory per flow run: a retry of that flow run resumes it
-        from prefect.runtime import flow_run
-
-        suffix = str(flow_run.id)[:8] if flow_run.id else time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        suffix = flow_run_id[:8] if flow_run_id else time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         path = path.with_name(f"{path.name}-{suffix}")
-    run = RunHandle(name=path.name, run_dir=str(path.resolve()))
-    saved = path / "config.yaml"
-    if saved.is_file():
+    if (path / "config.yaml").is_file():
         if cfg.checkpoint.resume == "never":
             raise FileExistsError(
                 f"{path} already holds a run and checkpoint.resume=never; choose another trainer.run_name"
             )
-        old = _state(run).get("config_hash")
+        state = path / RUN_STATE
+        old = json.loads(state.read_text()).get("config_hash") if state.is_file() else None
         if old is not None and old != config_hash(cfg):
             raise ValueError(
                 f"{path} holds a run of another config (hash {old}, this one {config_hash(cfg)}); resume it with "
                 f"`rlstages resume {path}` or choose another trainer.run_name"
             )
+    return path
+
+
+@task(name="prepare_run", cache_policy=NO_CACHE)
+def prepare_run(cfg: RunConfig) -> RunHandle:
+    """Create or reopen the run directory (a different config for an existing run is refused); build the model."""
+    from prefect.runtime import flow_run
+
+    path = resolve_run_dir(cfg, str(flow_run.id) if flow_run.id else None)
+    run = RunHandle(name=path.name, run_dir=str(path.resolve()))
     path.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(saved, to_yaml(cfg))
+    atomic_write_text(path / "config.yaml", to_yaml(cfg))
     write_state(run, config_hash=config_hash(cfg))
     ensure_model(cfg.model.path, cfg.model.provider, cfg.model.tiny.model_dump() if cfg.model.tiny else None)
     return run
@@ -176,8 +182,8 @@ def export_policy(cfg: RunConfig, run: RunHandle, mlflow_run_id: str) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     workers = get_workers(cfg, run)
     timeout = cfg.prefect.policy("checkpoint").timeout_seconds
-    rank = workers.actor.collect_ranks()[0]
-    guard_workers(lambda: workers.actor.one(rank, timeout).save_pretrained(str(tmp), str(cfg.model.path.resolve())))
+    # every rank takes part (gathering sharded weights is a collective); the engines write from one rank
+    guard_workers(lambda: workers.actor.all(timeout).save_pretrained(str(tmp), str(cfg.model.path.resolve())))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     if cfg.tracking.log_model:

@@ -22,6 +22,7 @@ for key, value in {
     "OMP_NUM_THREADS": "1",
     "OMP_WAIT_POLICY": "PASSIVE",
     "MLFLOW_ENABLE_ASYNC_LOGGING": "false",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
 }.items():
     os.environ.setdefault(key, value)
 

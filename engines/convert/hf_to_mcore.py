@@ -9,7 +9,7 @@ about one layer plus the tensors in flight, never the whole model. Output layout
     OUT/mcore_config.json                       template, parallel sizes, flat Megatron config, HF config
     OUT/hf/                                     config.json, tokenizer and other side files of the input
     OUT/dist_ckpt/                              megatron-core dist_checkpointing copy (optional)
-    OUT/manifest.json                           sha256 of every file; written last
+    OUT/manifest.json                           size and checksum of every file; written last
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from engines.convert.manifest import HF_FILES_DIR, WEIGHT_INDEX, atomic_directory, copy_hf_side_files, write_manifest
 from engines.convert.ops import Converted
-from engines.convert.safetensors_io import Planned, PlannedWriter, Reader
+from engines.convert.safetensors_io import Planned, PlannedWriter, Reader, new_checksum
 from engines.convert.sharding import chunk_prefix, pad_vocab, split_tp, tp_kind
 from engines.convert.spec import SPEC_FILE, ConversionSpec, TransformerImpl
 from engines.convert.stream import ConversionError, HfToMcore
@@ -123,6 +123,7 @@ def convert_hf_to_mcore(
     dist_checkpoint: bool = False,
     overwrite: bool = False,
     fsync: bool = True,
+    checksum: str = "sha256",
     input_digests: dict[str, str] | None = None,
     manifest_extra: dict[str, Any] | None = None,
     progress: Progress | None = None,
@@ -130,10 +131,11 @@ def convert_hf_to_mcore(
     """Convert an HF model directory to Megatron-Core rank files under `out_path`; returns `out_path`.
 
     `dist_checkpoint=True` also writes megatron-core's `dist_checkpointing` format (needs megatron-core);
-    `input_digests` and `manifest_extra` are recorded in the manifest. Nothing is left at `out_path` when
-    the conversion fails.
+    `checksum` ("sha256", "crc32", "none") is taken while writing; `input_digests` and `manifest_extra` are
+    recorded in the manifest. Nothing is left at `out_path` when the conversion fails.
     """
     hf_dir, out = Path(hf_path), Path(out_path)
+    new_checksum(checksum)  # an unknown algorithm fails before any work
     if dist_checkpoint and not _has_megatron():
         raise ImportError("dist_checkpoint=True needs megatron-core: pip install 'rlstages[megatron]'")
     spec = ConversionSpec.from_hf_config(read_hf_config(hf_dir), tp, pp, vpp, transformer_impl, vocab_divisible_by)
@@ -142,7 +144,7 @@ def convert_hf_to_mcore(
     for t, p, name, shard in stream_rank_tensors(spec, readers, meta=True):
         plans[(t, p)].append(Planned(name, shard.dtype, tuple(shard.shape)))
     with atomic_directory(out, overwrite) as tmp:
-        checksums = _write_ranks(spec, readers, plans, tmp, fsync, progress)
+        checksums = _write_ranks(spec, readers, plans, tmp, fsync, checksum, progress)
         (tmp / SPEC_FILE).write_text(json.dumps(spec.to_json(), indent=2, sort_keys=True))
         copy_hf_side_files(hf_dir, tmp / HF_FILES_DIR)
         if dist_checkpoint:
@@ -160,7 +162,7 @@ def convert_hf_to_mcore(
             "inputs": {r.path.name: (input_digests or {}).get(r.path.name) for r in readers},
             **(manifest_extra or {}),
         }
-        write_manifest(tmp, info, checksums)
+        write_manifest(tmp, info, checksums, checksum)
     return out
 
 
@@ -177,6 +179,7 @@ def _write_ranks(
     plans: dict[tuple[int, int], list[Planned]],
     tmp: Path,
     fsync: bool,
+    checksum: str,
     progress: Progress | None,
 ) -> dict[str, str]:
     writers: dict[tuple[int, int], PlannedWriter] = {}
@@ -184,7 +187,7 @@ def _write_ranks(
         for (t, p), plan in plans.items():
             (tmp / rank_dir(t, p, spec.pp)).mkdir()
             writers[(t, p)] = PlannedWriter(
-                tmp / rank_file(t, p, spec.pp), plan, {"tp_rank": str(t), "pp_rank": str(p)}
+                tmp / rank_file(t, p, spec.pp), plan, {"tp_rank": str(t), "pp_rank": str(p)}, checksum
             )
         for t, p, name, shard in stream_rank_tensors(spec, readers, progress=progress):
             writers[(t, p)].write(name, shard)

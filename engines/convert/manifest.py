@@ -1,7 +1,8 @@
 """Output directories: written into a temporary sibling and renamed into place, closed by a manifest.
 
 A converted directory is complete exactly when its `manifest.json` exists; the manifest lists every file
-with its sha256 and size, so `verify_manifest` can tell a damaged copy from a good one.
+with its size and checksum (sha256 by default; crc32 or none when asked), so `verify_manifest` can tell a
+damaged copy from a good one.
 Non-goal: what the files contain.
 """
 
@@ -16,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from engines.convert.safetensors_io import sha256_file
+from engines.convert.safetensors_io import checksum_enabled, file_checksum
 
 MANIFEST = "manifest.json"
 FORMAT = "rlstages-mcore/1"
@@ -69,13 +70,18 @@ def copy_hf_side_files(hf_dir: Path, dest: Path) -> list[Path]:
     return copied
 
 
-def write_manifest(directory: Path, info: Mapping[str, Any], checksums: Mapping[str, str]) -> Path:
-    """Write `manifest.json` (last): `info` plus sha256 and size of every other file under `directory`."""
+def write_manifest(
+    directory: Path, info: Mapping[str, Any], checksums: Mapping[str, str], algorithm: str = "sha256"
+) -> Path:
+    """Write `manifest.json` (last): `info` plus size and checksum of every other file under `directory`."""
     files = {}
     for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST):
         rel = path.relative_to(directory).as_posix()
-        files[rel] = {"sha256": checksums.get(rel) or sha256_file(path), "bytes": path.stat().st_size}
-    manifest = {"format": FORMAT, **info, "files": files}
+        entry: dict[str, Any] = {"bytes": path.stat().st_size}
+        if checksum_enabled(algorithm):
+            entry[algorithm] = checksums.get(rel) or file_checksum(path, algorithm)
+        files[rel] = entry
+    manifest = {"format": FORMAT, **info, "checksum": algorithm, "files": files}
     target = directory / MANIFEST
     target.write_text(json.dumps(manifest, indent=2, sort_keys=True))
     return target
@@ -90,12 +96,15 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
 
 
 def verify_manifest(directory: str | Path) -> dict[str, Any]:
-    """Check every file's size and sha256 against the manifest; returns the manifest."""
+    """Check every file's size and checksum against the manifest; returns the manifest."""
     manifest = read_manifest(directory)
+    algorithm = manifest.get("checksum", "sha256")
     for rel, meta in manifest["files"].items():
         path = Path(directory) / rel
         if not path.is_file():
             raise ValueError(f"{path}: listed in the manifest but missing")
-        if path.stat().st_size != meta["bytes"] or sha256_file(path) != meta["sha256"]:
-            raise ValueError(f"{path}: size or sha256 differs from the manifest (damaged or modified)")
+        if path.stat().st_size != meta["bytes"] or (
+            checksum_enabled(algorithm) and file_checksum(path, algorithm) != meta[algorithm]
+        ):
+            raise ValueError(f"{path}: size or {algorithm} differs from the manifest (damaged or modified)")
     return manifest

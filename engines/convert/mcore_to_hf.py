@@ -23,7 +23,7 @@ import torch
 
 from engines.convert.hf_to_mcore import Progress, rank_file
 from engines.convert.manifest import HF_FILES_DIR, WEIGHT_INDEX, atomic_directory, write_manifest
-from engines.convert.safetensors_io import Planned, PlannedWriter, Reader
+from engines.convert.safetensors_io import Planned, PlannedWriter, Reader, new_checksum
 from engines.convert.sharding import chunk_prefix, merge_tp, tp_kind
 from engines.convert.spec import ConversionSpec
 from engines.convert.stream import McoreToHf
@@ -140,10 +140,12 @@ def convert_mcore_to_hf(
     max_shard_bytes: int = 5 * 2**30,
     overwrite: bool = False,
     fsync: bool = True,
+    checksum: str = "sha256",
     progress: Progress | None = None,
 ) -> Path:
     """Export a converted directory (any TP/PP) to an HF model directory with sharded safetensors."""
     src, out = Path(mcore_path), Path(out_path)
+    new_checksum(checksum)  # an unknown algorithm fails before any work
     spec = ConversionSpec.load(src)
     shards: list[list[Planned]] = [[]]
     size = 0
@@ -161,7 +163,7 @@ def convert_mcore_to_hf(
     ]
     where = {p.name: i for i, s in enumerate(shards) for p in s}
     with atomic_directory(out, overwrite) as tmp:
-        writers = [PlannedWriter(tmp / f, s) for f, s in zip(files, shards, strict=True)]
+        writers = [PlannedWriter(tmp / f, s, checksum=checksum) for f, s in zip(files, shards, strict=True)]
         try:
             done = 0
             for name, t in mcore_to_hf(src, spec):
@@ -183,5 +185,6 @@ def convert_mcore_to_hf(
                 shutil.copy2(f, tmp / f.name)
         else:
             (tmp / "config.json").write_text(json.dumps(spec.hf_config, indent=2))
-        write_manifest(tmp, {"direction": "mcore_to_hf", "template": spec.template.hf_model_type}, checksums)
+        info = {"direction": "mcore_to_hf", "template": spec.template.hf_model_type}
+        write_manifest(tmp, info, checksums, checksum)
     return out

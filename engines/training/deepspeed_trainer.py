@@ -31,7 +31,7 @@ from engines import types as T
 from engines.training import ppo_step as P
 from engines.training import state_io
 from engines.training.microbatch import micro_batches
-from engines.training.torch_trainer import BatchingParams, OptimParams, Role, TorchTrainingEngine, lr_lambda
+from engines.training.torch_trainer import BatchingParams, OptimParams, Role, build_model, lr_lambda
 from engines.weight_sync import Bucket, bucketize
 
 CKPT_DIR = "deepspeed"  # DeepSpeed's own checkpoint, relative to the `save` directory
@@ -129,7 +129,7 @@ class DeepSpeedTrainingEngine:
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.config = deepspeed_config(optim, batching, zero_stage, offload_optimizer, offload_param, dtype, self.world)
         with _zero3_construction(self.config) if zero_stage == 3 else contextlib.nullcontext():
-            model = TorchTrainingEngine._build(model_path, role, dtype, model_type)
+            model = build_model(model_path, role, dtype, model_type)
         if batching.gradient_checkpointing and role != "reference":
             model.gradient_checkpointing_enable()
         self.optimizer: torch.optim.Optimizer | None = None

@@ -74,6 +74,24 @@ def lr_lambda(params: OptimParams) -> Any:
     return factor
 
 
+def build_model(model_path: str | Path, role: Role, dtype: str, model_type: str | None) -> Any:
+    """The causal LM of an actor/reference, or for a critic the same backbone with a fresh scalar value head
+    (token classification, 1 label, seeded; head dropout off so values are deterministic)."""
+    if role != "critic":
+        return load_causal_lm(model_path, dtype, model_type)
+    from transformers import AutoModelForTokenClassification
+
+    torch.manual_seed(0)
+    return AutoModelForTokenClassification.from_pretrained(
+        str(model_path),
+        num_labels=1,
+        dtype=torch_dtype(dtype),
+        local_files_only=True,
+        use_safetensors=True,
+        classifier_dropout=0.0,
+    )
+
+
 class TorchTrainingEngine:
     """A model and its optimizer in one process; implements `engines.base.TrainingEngine`."""
 
@@ -93,7 +111,7 @@ class TorchTrainingEngine:
         torch.manual_seed(seed)
         self.role, self.batching, self.loss, self.temperature = role, batching, loss, temperature
         self.cliprange_value = cliprange_value
-        self.model = self._build(model_path, role, dtype, model_type)
+        self.model = build_model(model_path, role, dtype, model_type)
         if batching.gradient_checkpointing and role != "reference":
             self.model.gradient_checkpointing_enable()
         self.optimizer: torch.optim.Optimizer | None = None
@@ -112,17 +130,6 @@ class TorchTrainingEngine:
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim))
         self.optim = optim
         self.steps_done = 0
-
-    @staticmethod
-    def _build(model_path: str | Path, role: Role, dtype: str, model_type: str | None) -> Any:
-        if role != "critic":
-            return load_causal_lm(model_path, dtype, model_type)
-        from transformers import AutoModelForTokenClassification
-
-        torch.manual_seed(0)
-        return AutoModelForTokenClassification.from_pretrained(
-            str(model_path), num_labels=1, dtype=torch_dtype(dtype), local_files_only=True, use_safetensors=True
-        )
 
     # ---- forward passes -------------------------------------------------------------------------------------
     def _forward(self, mb: TensorDict, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

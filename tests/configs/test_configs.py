@@ -85,7 +85,11 @@ def test_bad_override_names_the_field(override: str, needle: str) -> None:
             "not a multiple of TP x PP x CP",
         ),
         ({"actor": {"backend": "deepspeed", "zero_stage": 2, "offload_param": True}}, "needs zero_stage 3"),
-        ({"cluster": {"num_gpus": 2, "colocate": False}, "actor": {"num_workers": 2}}, "asks for 3 GPUs"),
+        (
+            {"cluster": {"num_gpus": 2, "colocate": False}, "actor": {"backend": "deepspeed", "num_workers": 2}},
+            "asks for 3 GPUs",
+        ),
+        ({"actor": {"num_workers": 2}}, "actor.backend=torch trains in one process"),
         ({"rollout": {"backend": "sglang"}}, "SGLang has no CPU build"),
     ],
 )
@@ -113,7 +117,7 @@ def test_kl_in_reward_and_loss_allowed_when_asked() -> None:
 def test_colocated_gpus_fit() -> None:
     data = tiny()
     data["cluster"] = {"num_gpus": 2, "colocate": True}
-    data["actor"] = {**data["actor"], "num_workers": 2}
+    data["actor"] = {**data["actor"], "backend": "deepspeed", "num_workers": 2}
     assert build_config(data).cluster.num_gpus == 2
 
 

@@ -105,7 +105,7 @@ def test_weight_sync_over_ray_keeps_logprobs_in_step(ray_session, tiny_model_dir
     diff_stale = (
         (trainer.dp(60).logprobs(stale)["logprobs"] - stale[T.ROLLOUT_LOGPROBS]).abs() * stale[T.RESPONSE_MASK]
     ).max()
-    metrics = sync_weights_ray(trainer.handles[0], rollout.handles, bucket_bytes=1 << 16, dtype="float32", timeout=60)
+    metrics = sync_weights_ray(trainer.handles, 0, rollout.handles, bucket_bytes=1 << 16, dtype="float32", timeout=60)
     assert metrics["sync/buckets"] > 1 and metrics["sync/tensors"] > 0
     fresh = rollout.dp(60).generate(PROMPTS, params, 1)
     diff = (trainer.dp(60).logprobs(fresh)["logprobs"] - fresh[T.ROLLOUT_LOGPROBS]).abs() * fresh[T.RESPONSE_MASK]

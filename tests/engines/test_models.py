@@ -53,11 +53,17 @@ def test_custom_model_runs_rollout_and_training_in_a_ray_worker(custom_dir: Path
     from engines.actor_group import ActorGroup, GroupSpec
 
     monkeypatch.setenv("RLSTAGES_PLUGINS", "custom_model")
-    spec = GroupSpec(name="custom-hybrid", engine="engines.hybrid:HybridEngine", kwargs={
-        "trainer": "engines.training.torch_trainer:TorchTrainingEngine", "trainer_kwargs": {"model_path": str(custom_dir)},
-        "rollout": "engines.rollout.hf_rollout:HFRolloutEngine",
-        "rollout_kwargs": {"model_path": str(custom_dir), "dtype": "float32", "apply_chat_template": False}},
-        env={"PYTHONPATH": f"{ASSETS}:{Path(__file__).resolve().parents[2]}"})
+    spec = GroupSpec(
+        name="custom-hybrid",
+        engine="engines.hybrid:HybridEngine",
+        kwargs={
+            "trainer": "engines.training.torch_trainer:TorchTrainingEngine",
+            "trainer_kwargs": {"model_path": str(custom_dir)},
+            "rollout": "engines.rollout.hf_rollout:HFRolloutEngine",
+            "rollout_kwargs": {"model_path": str(custom_dir), "dtype": "float32", "apply_chat_template": False},
+        },
+        env={"PYTHONPATH": f"{ASSETS}:{Path(__file__).resolve().parents[2]}"},
+    )
     group = ActorGroup(spec, "rlstages-tests")
     prompts = [Prompt("a", "1+1=", "2"), Prompt("b", "2+2=", "4")]
     batch = group.dp(120).generate(prompts, SamplingParams(n=2, max_new_tokens=5), 0)
@@ -90,8 +96,11 @@ def test_missing_and_malformed_directories(tmp_path: Path) -> None:
 
 
 def test_tiny_provider_builds_once(tmp_path: Path) -> None:
-    path = ensure_model(tmp_path / "m", "tiny-random", {"hidden_size": 32, "num_attention_heads": 2,
-                                                        "num_key_value_heads": 1, "intermediate_size": 64})
+    path = ensure_model(
+        tmp_path / "m",
+        "tiny-random",
+        {"hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 64},
+    )
     first = (path / "model.safetensors").stat().st_mtime_ns
     assert ensure_model(path, "tiny-random") == path and (path / "model.safetensors").stat().st_mtime_ns == first
     assert not list(tmp_path.glob("*.tmp*"))

@@ -18,11 +18,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_two_steps(tmp: Path, name: str, *overrides: str):
-    cfg = load_config(ROOT / "configs" / "tiny.yaml", [
-        f"model.path={tmp / 'model'}", "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=1",
-        f"trainer.output_dir={tmp / 'runs'}", f"trainer.run_name={name}", "trainer.eval_every=0",
-        f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}", "tracking.log_model=false", *overrides,
-    ])
+    cfg = load_config(
+        ROOT / "configs" / "tiny.yaml",
+        [
+            f"model.path={tmp / 'model'}",
+            "model.tiny.num_attention_heads=2",
+            "model.tiny.num_key_value_heads=1",
+            f"trainer.output_dir={tmp / 'runs'}",
+            f"trainer.run_name={name}",
+            "trainer.eval_every=0",
+            f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
+            "tracking.log_model=false",
+            *overrides,
+        ],
+    )
     rl_post_train(cfg)
     client = MlflowClient(cfg.tracking.tracking_uri)
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
@@ -40,8 +49,14 @@ def assert_trained(client, run) -> None:
 @pytest.mark.vllm
 @pytest.mark.skipif(not (DEFAULT_VLLM_VENV / "bin" / "python").exists(), reason="needs `make vllm-env` (.venv-vllm)")
 def test_flow_with_vllm_rollout(tmp_path: Path, ray_session, prefect_harness) -> None:
-    client, run = run_two_steps(tmp_path, "vllm", "rollout.backend=vllm", "rollout.dtype=float32", "rollout.max_model_len=512",
-                                "cluster.colocate=false")
+    client, run = run_two_steps(
+        tmp_path,
+        "vllm",
+        "rollout.backend=vllm",
+        "rollout.dtype=float32",
+        "rollout.max_model_len=512",
+        "cluster.colocate=false",
+    )
     assert_trained(client, run)
     assert run.data.tags["rlstages.rollout_backend"] == "vllm"
     diff = max(m.value for m in client.get_metric_history(run.info.run_id, "rollout/logprob_diff"))
@@ -57,7 +72,8 @@ def test_flow_with_deepspeed_actor(tmp_path: Path, ray_session, prefect_harness)
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs `pip install .[megatron]`")
 def test_flow_with_megatron_actor(tmp_path: Path, ray_session, prefect_harness) -> None:
-    client, run = run_two_steps(tmp_path, "megatron", "actor.backend=megatron", "actor.num_workers=2",
-                                "actor.tensor_model_parallel_size=2")
+    client, run = run_two_steps(
+        tmp_path, "megatron", "actor.backend=megatron", "actor.num_workers=2", "actor.tensor_model_parallel_size=2"
+    )
     assert_trained(client, run)
     assert max(m.value for m in client.get_metric_history(run.info.run_id, "rollout/logprob_diff")) < 1e-4

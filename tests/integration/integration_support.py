@@ -153,14 +153,24 @@ class Served:
 
 
 def serve(
-    api: PrefectAPI, servers: Servers, workdir: Path, name: str, overrides: list[str], args: list[str], faults: str = ""
+    api: PrefectAPI,
+    servers: Servers,
+    ray_address: str,
+    workdir: Path,
+    name: str,
+    overrides: list[str],
+    args: list[str],
+    faults: str = "",
 ) -> Served:
-    """Start `rlstages deploy tiny.yaml OVERRIDES --name NAME ARGS` and wait until the deployment is registered."""
+    """Start `rlstages deploy tiny.yaml OVERRIDES --name NAME ARGS` with RAY_ADDRESS (its runs join that
+    cluster, as on a Ray head) and wait until the deployment is registered.
+    """
     env = base_env(
         PREFECT_API_URL=servers.prefect_api,
         PREFECT_HOME=str(workdir / "prefect-client"),
         PREFECT_RUNNER_POLL_FREQUENCY="2",
         RLSTAGES_FAULTS=faults,
+        RAY_ADDRESS=ray_address,
     )
     log = workdir / f"serve-{name}.log"
     with log.open("wb") as fh:

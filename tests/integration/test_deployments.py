@@ -5,7 +5,8 @@ the checkpoint, while a `resume: fresh` one starts over; a failed run is FAILED 
 the failing stage and error as tags, and `prefect flow-run retry` resumes it from its checkpoint; finally
 `rlstages compare` shows those runs side by side.
 
-CPU only; about 4-6 minutes (six tiny training runs in served subprocesses):
+The served runs join the session's two-node Ray cluster through RAY_ADDRESS, as a serve process on a Ray head
+would. CPU only; a few minutes (five tiny training runs in served subprocesses):
 `pytest tests/integration/test_deployments.py`.
 """
 
@@ -23,6 +24,7 @@ from mlflow import MlflowClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 EXPERIMENT = "it-deployments"
+HYBRID = ("cluster.hybrid_engine=true",)  # trainer and rollout in one worker: one actor process less per run
 
 
 def mlflow_run(servers: Servers, run_name: str) -> Any:
@@ -50,16 +52,20 @@ def task_count(api: PrefectAPI, flow_run_id: str, task: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def nightly(servers: Servers, prefect_api: PrefectAPI, tiny_model_dir: Path, tmp_path_factory) -> dict[str, Any]:
+def nightly(
+    servers: Servers, prefect_api: PrefectAPI, ray_cluster, tiny_model_dir: Path, tmp_path_factory
+) -> dict[str, Any]:
     """Serve `nightly` (resume auto, 1 step, interval schedule whose first tick is ~45 s away, cancel on
     overlap, a transient fault at generate@1); record the scheduled run, an overlapping manual run, and the
     next run after it.
     """
     tmp = tmp_path_factory.mktemp("nightly")
     anchor = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=45)).replace(microsecond=0, tzinfo=None)
-    overrides = tiny_overrides(tmp, tiny_model_dir, servers.mlflow_uri, "nightly", EXPERIMENT, "trainer.total_steps=1")
+    overrides = tiny_overrides(
+        tmp, tiny_model_dir, servers.mlflow_uri, "nightly", EXPERIMENT, *HYBRID, "trainer.total_steps=1"
+    )
     args = ["--interval", "3600", "--anchor", anchor.isoformat(), "--heartbeat", "30", "--crash-after", "120"]
-    served = serve(prefect_api, servers, tmp, "nightly", overrides, args, faults="generate@1:transient")
+    served = serve(prefect_api, servers, ray_cluster.address, tmp, "nightly", overrides, args, "generate@1:transient")
     dep_id = served.deployment["id"]
     try:
         deadline = time.monotonic() + 240
@@ -136,15 +142,24 @@ def test_next_run_with_resume_auto_continues_the_checkpoint(nightly, prefect_api
 
 
 @pytest.fixture(scope="module")
-def fresh(servers: Servers, prefect_api: PrefectAPI, tiny_model_dir: Path, tmp_path_factory) -> dict[str, Any]:
+def fresh(
+    servers: Servers, prefect_api: PrefectAPI, ray_cluster, tiny_model_dir: Path, tmp_path_factory
+) -> dict[str, Any]:
     """Serve `fresh` (resume fresh, 2 steps, `checkpoint@2:fatal`): run 1 fails after step 2's metrics, run 2
     starts over (and fails the same way), then `prefect flow-run retry` of run 1 resumes it.
     """
     tmp = tmp_path_factory.mktemp("fresh")
     overrides = tiny_overrides(
-        tmp, tiny_model_dir, servers.mlflow_uri, "fresh", EXPERIMENT, "trainer.total_steps=2", "checkpoint.resume=fresh"
+        tmp,
+        tiny_model_dir,
+        servers.mlflow_uri,
+        "fresh",
+        EXPERIMENT,
+        *HYBRID,
+        "trainer.total_steps=2",
+        "checkpoint.resume=fresh",
     )
-    served = serve(prefect_api, servers, tmp, "fresh", overrides, [], faults="checkpoint@2:fatal")
+    served = serve(prefect_api, servers, ray_cluster.address, tmp, "fresh", overrides, [], "checkpoint@2:fatal")
     dep_id = served.deployment["id"]
     try:
         failed = prefect_api.wait_final(prefect_api.create_run(dep_id)["id"])
@@ -211,20 +226,44 @@ def test_prefect_retry_of_the_failed_run_resumes_from_its_checkpoint(fresh, pref
 
 
 def test_compare_shows_the_runs_side_by_side(nightly, fresh, servers, tmp_path) -> None:
+    import typer
+    from typer.testing import CliRunner
+
+    from flows.compare import compare_command
+
+    app = typer.Typer()
+    app.command()(compare_command)
     png = tmp_path / "curves.png"
-    cmd = [RLSTAGES, "compare", EXPERIMENT, "--tracking-uri", servers.mlflow_uri, "--png", str(png)]
-    proc = subprocess.run(cmd, env=base_env(), capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = CliRunner().invoke(
+        app, [EXPERIMENT, "--tracking-uri", servers.mlflow_uri, "--png", str(png)], env={"COLUMNS": "400"}
+    )
+    assert result.exit_code == 0, result.output
     rows = {}
-    for line in proc.stdout.splitlines():
+    for line in result.output.splitlines():
         cells = [c.strip() for c in line.strip().strip("│┃").split("│")]
         if len(cells) > 1 and cells[0]:
             rows[cells[0]] = cells[1:]
-    assert rows["trainer.total_steps"] == ["1", "2", "2"], proc.stdout  # oldest first: nightly, fresh 1, fresh 2
+    assert rows["trainer.total_steps"] == ["1", "2", "2"], result.output  # oldest first: nightly, fresh 1, 2
     assert rows["checkpoint.resume"] == ["auto", "fresh", "fresh"]
     assert rows["status"] == ["FINISHED", "FINISHED", "FAILED"]
     assert rows["steps"] == ["1", "2", "2"]
     assert rows["failed_stage"] == ["-", "checkpoint", "checkpoint"]
     assert "trainer.seed" not in rows  # only keys that differ are listed
-    assert f"{servers.mlflow_uri}/#/compare-runs?runs=" in proc.stdout
+    assert f"{servers.mlflow_uri}/#/compare-runs?runs=" in result.output
     assert png.is_file() and png.stat().st_size > 5000
+
+
+def test_deploy_refuses_contradictory_options() -> None:
+    from flows.deploy import Overlap, concurrency_limit, schedules_for, serve_training
+
+    with pytest.raises(ValueError, match="not both"):
+        schedules_for("0 2 * * *", 3600)
+    with pytest.raises(ValueError, match="needs --interval"):
+        schedules_for(None, None, dt.datetime(2030, 1, 1))
+    (cron,) = schedules_for("0 2 * * *", None, timezone="Europe/Paris")
+    assert cron.cron == "0 2 * * *" and cron.timezone == "Europe/Paris"
+    assert concurrency_limit(Overlap.enqueue).collision_strategy.value == "ENQUEUE"
+    with pytest.raises(ValueError, match="at least 30"):
+        serve_training(None, "x", [], heartbeat=10)  # type: ignore[arg-type]  # refused before anything starts
+    with pytest.raises(ValueError, match="must exceed"):
+        serve_training(None, "x", [], heartbeat=60, crash_after=60)  # type: ignore[arg-type]

@@ -176,6 +176,24 @@ def test_tied_checkpoint_with_lm_head_and_old_rotary_buffers(models, tmp_path: P
     assert torch.equal(back["model.embed_tokens.weight"], hf_tensors(hf_dir)["model.embed_tokens.weight"])
 
 
+@pytest.mark.parametrize("checksum", ["crc32", "none"])
+def test_other_checksums(models, tmp_path: Path, checksum: str) -> None:
+    hf = models("qwen2")
+    out = convert_hf_to_mcore(hf, tmp_path / "m", tp=2, checksum=checksum)
+    manifest = verify_manifest(out)
+    entry = manifest["files"]["mp_rank_01/model.safetensors"]
+    assert manifest["checksum"] == checksum and (checksum in entry) == (checksum != "none")
+    rank = out / "mp_rank_01" / "model.safetensors"
+    data = bytearray(rank.read_bytes())
+    data[-1] ^= 0xFF
+    rank.write_bytes(bytes(data))
+    if checksum == "crc32":
+        with pytest.raises(ValueError, match="size or crc32 differs"):
+            verify_manifest(out)
+    with pytest.raises(ValueError, match="checksum must be one of"):
+        convert_hf_to_mcore(hf, tmp_path / "x", checksum="md5")
+
+
 def test_outputs_record_configs(models, tmp_path: Path) -> None:
     hf_dir = models("qwen2")
     out = convert_hf_to_mcore(hf_dir, tmp_path / "m", tp=2, pp=2)

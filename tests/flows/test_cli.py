@@ -1,0 +1,72 @@
+"""The `rlstages` command line end to end in subprocesses: a tiny run, `eval` of its checkpoint, `resume` of a
+finished run (nothing left to do), and one-line errors with non-zero exits. CPU only, ~2 minutes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def rlstages(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PREFECT_HOME": str(cwd / ".prefect"), "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env
+    )
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny_model_dir: Path) -> Path:
+    work = tmp_path_factory.mktemp("cli")
+    done = rlstages(
+        "run",
+        str(ROOT / "configs" / "tiny.yaml"),
+        f"model.path={tiny_model_dir}",
+        "model.provider=local",
+        "trainer.run_name=cli",
+        "tracking.log_model=false",
+        cwd=work,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "final policy in" in done.stdout
+    return work / "runs" / "cli"
+
+
+def test_run_writes_the_run_directory(finished_run: Path) -> None:
+    assert (finished_run / "final" / "model.safetensors").is_file()
+    assert (finished_run / "reward_curve.png").stat().st_size > 1000
+    assert (finished_run.parent.parent / "mlflow.db").is_file()
+
+
+def test_eval_reports_greedy_pass_at_1(finished_run: Path) -> None:
+    out = rlstages("eval", str(finished_run), cwd=finished_run.parent.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "eval/reward_mean" in out.stdout and "step 2" in out.stdout
+
+
+def test_resume_of_a_finished_run_is_a_no_op_that_succeeds(finished_run: Path) -> None:
+    before = (finished_run / "final" / "model.safetensors").read_bytes()
+    out = rlstages("resume", str(finished_run), cwd=finished_run.parent.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (finished_run / "final" / "model.safetensors").read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    ("args", "needle", "code"),
+    [
+        (("run", "configs/nope.yaml"), "no such config file", 2),
+        (("run", "configs/tiny.yaml", "rollout.n=one"), "rollout.n: Input should be a valid integer", 2),
+        (("resume", "not-a-run"), "not a run directory", 2),
+        (("eval", "not-a-run"), "not a run directory", 2),
+    ],
+)
+def test_bad_input_is_one_line_and_non_zero(args: tuple[str, ...], needle: str, code: int, tmp_path: Path) -> None:
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    out = rlstages(*args, cwd=tmp_path, timeout=120)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == code and len(lines) == 1 and needle in lines[0], out.stderr
