@@ -40,7 +40,7 @@ def convert_flow(
     verify: bool = False,
     transformer_impl: Literal["local", "transformer_engine"] = "local",
     dist_checkpoint: bool = False,
-    checksum: Literal["sha256", "crc32", "none"] = "sha256",
+    checksum: Literal["crc32", "sha256", "none"] = "crc32",
     progress: bool = False,
 ) -> dict[str, Any]:
     """Convert (cached) and optionally check logits parity; returns the output path and the parity report."""
@@ -101,7 +101,7 @@ def convert_command(
     dist_checkpoint: Annotated[
         bool, typer.Option("--dist-checkpoint", help="Also write megatron-core dist_checkpointing.")
     ] = False,
-    checksum: Annotated[str, typer.Option(help="Manifest checksum: sha256, crc32 (faster) or none.")] = "sha256",
+    checksum: Annotated[str, typer.Option(help="Manifest checksum: crc32, sha256 (slower) or none.")] = "crc32",
     debug: Debug = False,
 ) -> None:
     """Convert an HF checkpoint to Megatron-Core rank files (cached: a re-run on the same inputs is free)."""

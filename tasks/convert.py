@@ -35,7 +35,7 @@ from engines.convert.safetensors_io import new_checksum
 from tasks.policies import retry_condition
 
 KEY_VERSION = "rlstages-convert/1"
-DEFAULTS: dict[str, Any] = {"transformer_impl": "local", "dist_checkpoint": False, "checksum": "sha256"}
+DEFAULTS: dict[str, Any] = {"transformer_impl": "local", "dist_checkpoint": False, "checksum": "crc32"}
 _DIGESTS: dict[tuple[str, int, int], str] = {}
 
 
@@ -100,7 +100,7 @@ def check_conversion_inputs(
     pp: int,
     vpp: int | None,
     transformer_impl: str = "local",
-    checksum: str = "sha256",
+    checksum: str = "crc32",
 ) -> None:
     """Fail fast, before any flow run, on a bad HF directory, config or parallel layout (one-line errors)."""
     new_checksum(checksum)
@@ -149,7 +149,7 @@ def convert_checkpoint(
     *,
     transformer_impl: str = "local",
     dist_checkpoint: bool = False,
-    checksum: str = "sha256",
+    checksum: str = "crc32",
     progress: bool = False,
 ) -> str:
     """HF directory -> Megatron-Core rank files in `out_dir` (replacing an older conversion there)."""

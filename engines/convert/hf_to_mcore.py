@@ -123,7 +123,7 @@ def convert_hf_to_mcore(
     dist_checkpoint: bool = False,
     overwrite: bool = False,
     fsync: bool = True,
-    checksum: str = "sha256",
+    checksum: str = "crc32",
     input_digests: dict[str, str] | None = None,
     manifest_extra: dict[str, Any] | None = None,
     progress: Progress | None = None,
@@ -131,7 +131,7 @@ def convert_hf_to_mcore(
     """Convert an HF model directory to Megatron-Core rank files under `out_path`; returns `out_path`.
 
     `dist_checkpoint=True` also writes megatron-core's `dist_checkpointing` format (needs megatron-core);
-    `checksum` ("sha256", "crc32", "none") is taken while writing; `input_digests` and `manifest_extra` are
+    `checksum` ("crc32", "sha256" or "none") is taken while writing; `input_digests` and `manifest_extra` are
     recorded in the manifest. Nothing is left at `out_path` when the conversion fails.
     """
     hf_dir, out = Path(hf_path), Path(out_path)

@@ -1,7 +1,7 @@
 """Output directories: written into a temporary sibling and renamed into place, closed by a manifest.
 
 A converted directory is complete exactly when its `manifest.json` exists; the manifest lists every file
-with its size and checksum (sha256 by default; crc32 or none when asked), so `verify_manifest` can tell a
+with its size and checksum (CRC-32 by default, sha256 or none when asked), so `verify_manifest` can tell a
 damaged copy from a good one.
 Non-goal: what the files contain.
 """
@@ -71,7 +71,7 @@ def copy_hf_side_files(hf_dir: Path, dest: Path) -> list[Path]:
 
 
 def write_manifest(
-    directory: Path, info: Mapping[str, Any], checksums: Mapping[str, str], algorithm: str = "sha256"
+    directory: Path, info: Mapping[str, Any], checksums: Mapping[str, str], algorithm: str = "crc32"
 ) -> Path:
     """Write `manifest.json` (last): `info` plus size and checksum of every other file under `directory`."""
     files = {}

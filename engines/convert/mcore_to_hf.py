@@ -140,7 +140,7 @@ def convert_mcore_to_hf(
     max_shard_bytes: int = 5 * 2**30,
     overwrite: bool = False,
     fsync: bool = True,
-    checksum: str = "sha256",
+    checksum: str = "crc32",
     progress: Progress | None = None,
 ) -> Path:
     """Export a converted directory (any TP/PP) to an HF model directory with sharded safetensors."""

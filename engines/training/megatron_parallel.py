@@ -21,7 +21,7 @@ from tensordict import TensorDict
 
 from engines import megatron_cpu
 from engines import types as T
-from engines.convert import ConversionSpec, load_rank_chunk, rank_mcore_to_hf, read_hf_config
+from engines.convert import ConversionSpec, load_rank_chunk, materialize, rank_mcore_to_hf, read_hf_config
 from engines.convert.sharding import chunk_prefix
 
 OUTPUT_LAYER = "output_layer."
@@ -52,8 +52,20 @@ class Layout:
             )
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
+        if self.sequence_parallel and not (has_module("transformer_engine") or has_module("apex")):
+            raise NotImplementedError(
+                "sequence_parallel needs Transformer Engine or Apex norms (megatron-core's torch LayerNorm "
+                "fallback rejects it); turn it off on this machine"
+            )
         if world_size % (self.tp * self.pp * self.cp):
             raise ValueError(f"WORLD_SIZE={world_size} is not a multiple of TP x PP x CP = {self.tp * self.pp}")
+
+
+def has_module(name: str) -> bool:
+    """The package is importable (Transformer Engine, Apex)."""
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
 
 
 def init_distributed(layout: Layout, seed: int) -> None:
@@ -105,7 +117,7 @@ def rank_state(
         if (t, p) != (tp_rank, pp_rank):
             continue
         v = next(v for v in range(spec.vpp) if name.startswith(chunk_prefix(v, spec.vpp)))
-        chunks[v][name[len(chunk_prefix(v, spec.vpp)) :]] = shard
+        chunks[v][name[len(chunk_prefix(v, spec.vpp)) :]] = materialize(shard)
     return chunks
 
 

@@ -16,7 +16,8 @@ offload_to_cpu/reload_from_cpu around every call. Without CUDA all three are no-
 lives in host memory; logged once). Collectives: `named_weights`, `weight_buckets`, `save_pretrained`,
 `save` and `load` must be called on every rank of the model-parallel group at once.
 
-Non-goals: context / expert parallelism, float16 (use bfloat16), activation recompute without CUDA.
+Non-goals: context / expert parallelism, float16 (use bfloat16); without CUDA also activation recompute
+and sequence parallelism (megatron-core's torch-norm fallback rejects it).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import shutil
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -38,6 +38,7 @@ from engines import algorithms as A
 from engines import megatron_cpu
 from engines import types as T
 from engines.models import torch_dtype
+from engines.training import megatron_optim as MO
 from engines.training import megatron_parallel as MP
 from engines.training import ppo_step as P
 from engines.training import state_io
@@ -47,7 +48,6 @@ from engines.weight_sync import Bucket, bucketize
 
 log = logging.getLogger(__name__)
 CKPT_DIR = "mcore"  # megatron-core dist checkpoint (model + optimizer), relative to the `save` directory
-OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}  # the formats 0.16 can save from CPU
 
 
 class MegatronTrainingEngine:
@@ -83,7 +83,7 @@ class MegatronTrainingEngine:
             raise NotImplementedError("megatron backend: dtype float16 needs loss scaling; use bfloat16 or float32")
         if batching.gradient_checkpointing and not torch.cuda.is_available():
             raise NotImplementedError("megatron activation recompute saves CUDA RNG state: it needs a GPU")
-        if transformer_impl == "transformer_engine" and not _has_transformer_engine():
+        if transformer_impl == "transformer_engine" and not MP.has_module("transformer_engine"):
             raise ImportError("transformer_impl='transformer_engine' needs transformer_engine (GPU); use 'local'")
         torch.manual_seed(seed)
         self.role, self.optim, self.batching, self.loss = role, optim, batching, loss
@@ -123,7 +123,8 @@ class MegatronTrainingEngine:
             self.models = list(self.chunks)
         else:
             self.models = self._wrap_ddp(use_distributed_optimizer)
-            self.optimizer = self._build_optimizer(use_distributed_optimizer, optimizer_offload, offload_fraction)
+            offload = (optimizer_offload, offload_fraction)
+            self.optimizer = MO.build_optimizer(self.models, optim, self.dtype, use_distributed_optimizer, *offload)
         self.sched_steps = 0  # optimizer steps taken (the LR schedule's position)
         self.steps_done = 0
 
@@ -138,6 +139,9 @@ class MegatronTrainingEngine:
         }
         if lay.pp > 1:  # micro-batches are trimmed to their own length: pipeline sends carry their shapes
             config.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+            # gloo: with 2 stages next == prev, and batched p2p ops (one communicator, both directions at once
+            # under VPP) pair an activation with a gradient of the same shape; unbatched ops use two groups.
+            config.update(batch_p2p_comm=torch.cuda.is_available())
         if self.batching.gradient_checkpointing:
             config.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         return config
@@ -149,27 +153,6 @@ class MegatronTrainingEngine:
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
         )
         return [DistributedDataParallel(c.config, ddp, c, disable_bucketing=v > 0) for v, c in enumerate(self.chunks)]
-
-    def _build_optimizer(self, distributed: bool, offload: bool, fraction: float) -> Any:
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-        o, gpu_offload = self.optim, offload and torch.cuda.is_available()
-        config = OptimizerConfig(
-            optimizer="adam",
-            lr=o.lr,
-            weight_decay=o.weight_decay,
-            adam_beta1=o.betas[0],
-            adam_beta2=o.betas[1],
-            adam_eps=o.eps,
-            clip_grad=o.grad_clip,
-            bf16=self.dtype == torch.bfloat16,
-            params_dtype=self.dtype,
-            use_distributed_optimizer=distributed,
-            optimizer_cpu_offload=gpu_offload,
-            optimizer_offload_fraction=fraction if gpu_offload else 0.0,
-        )
-        with megatron_cpu.cuda_as_cpu():  # {} = weight decay on every parameter, as the torch backend
-            return get_megatron_optimizer(config, self.models, config_overrides={})
 
     # ---- forward passes -------------------------------------------------------------------------------------
     def _micro(self, batch: TensorDict) -> list[TensorDict]:
@@ -262,30 +245,9 @@ class MegatronTrainingEngine:
             for model in self.models:
                 model.scale_gradients(1.0 / self.dp)
         acc = MP.share_from_last_stage(acc)
-        acc["grad_norm"] = self._optimizer_step()
-        return acc
-
-    def _optimizer_step(self) -> float:
-        """Megatron's optimizer step with the torch backend's semantics: clip at grad_clip, skip if non-finite."""
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
-        factor = lr_lambda(self.optim)(self.sched_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.optim.lr * factor
+        acc["grad_norm"] = MO.optimizer_step(self.optimizer, self.optim, self.sched_steps)
         self.sched_steps += 1
-        with megatron_cpu.cuda_as_cpu():
-            if self.optimizer.prepare_grads():  # loss-scale overflow (never without fp16)
-                return float("nan")
-            grad_norm = float(self.optimizer.get_grad_norm())
-            if not math.isfinite(grad_norm):
-                return grad_norm
-            for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-                params = sub.get_parameters()
-                if params and self.optim.grad_clip > 0:
-                    decoupled = sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
-                    clip_grad_by_total_norm_fp32(params, self.optim.grad_clip, grad_norm, decoupled)
-            self.optimizer.step_with_ready_grads()
-        return grad_norm
+        return acc
 
     @contextlib.contextmanager
     def _resident(self, train: bool = False) -> Iterator[None]:
@@ -354,9 +316,11 @@ class MegatronTrainingEngine:
 
         state: dict[str, Any] = {"model": sharded_state_dict(self.chunks)}
         if self.optimizer is not None:
+            if loading:
+                MO.init_adam_state(self.optimizer)
             with megatron_cpu.cuda_as_cpu():
                 state["optimizer"] = self.optimizer.sharded_state_dict(
-                    state["model"], is_loading=loading, metadata=OPTIM_METADATA
+                    state["model"], is_loading=loading, metadata=MO.OPTIM_METADATA
                 )
         return state
 
@@ -388,29 +352,7 @@ class MegatronTrainingEngine:
             if self.optimizer is not None:
                 with megatron_cpu.cuda_as_cpu(), torch.no_grad():
                     self.optimizer.load_state_dict(state["optimizer"])
-                _restore_adam_steps(self.optimizer)
+                MO.restore_adam_steps(self.optimizer)
         extra = json.loads((path / state_io.EXTRA_FILE).read_text())
         self.steps_done, self.sched_steps = int(extra["steps_done"]), int(extra["sched_steps"])
         state_io.load_rng(path / f"rng_rank{self.rank}.safetensors")
-
-
-def _restore_adam_steps(optimizer: Any) -> None:
-    """megatron-core 0.16's distributed optimizer restores Adam's step into the param groups (FusedAdam's
-    place); torch AdamW, its CPU fallback, keeps it per parameter: copy it there."""
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(sub, "optimizer", None)
-        for group in inner.param_groups if inner is not None else []:
-            if "step" not in group:
-                continue
-            for p in group["params"]:
-                state = inner.state.get(p, {})
-                if "step" in state:
-                    state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
-
-
-def _has_transformer_engine() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True

@@ -53,7 +53,7 @@ def mlflow_run(cfg: RunConfig):
 def base(tmp_path_factory, tiny_model_dir: Path, ray_session, prefect_harness):
     """An uninterrupted 2-step run every other test compares against."""
     tmp = tmp_path_factory.mktemp("flow")
-    cfg = tiny_cfg(tmp, tiny_model_dir, "base")
+    cfg = tiny_cfg(tmp, tiny_model_dir, "base", "tracking.log_model=true")
     policy = rl_post_train(cfg)
     return tmp, cfg, Path(policy)
 
@@ -93,6 +93,8 @@ def test_two_steps_learn_and_are_recorded(base, tiny_model_dir: Path) -> None:
     found = latest_checkpoint(RunHandle("base", str(policy.parent)), verify=True)
     assert found is not None and found[0] == 2
     assert (policy / "config.json").is_file() and (policy / "tokenizer.json").is_file()
+    models = client.search_logged_models([run.info.experiment_id])
+    assert [(m.name, m.source_run_id) for m in models] == [("policy", run.info.run_id)]  # the MLflow model
 
 
 def test_transient_fault_is_retried(base, tiny_model_dir: Path, faults) -> None:

@@ -78,5 +78,5 @@ def ray_cluster(session_tmp: Path) -> Iterator[RayCluster]:
         yield RayCluster(f"127.0.0.1:{port}", (started[0], started[1]))
     finally:
         for pid in reversed(started):  # worker first, then head; by process group, never `ray stop`
-            srv.stop(pid, grace=10)
+            srv.stop(pid, grace=5)
         shutil.rmtree(temp, ignore_errors=True)
