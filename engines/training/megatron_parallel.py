@@ -58,7 +58,9 @@ class Layout:
                 "fallback rejects it); turn it off on this machine"
             )
         if world_size % (self.tp * self.pp * self.cp):
-            raise ValueError(f"WORLD_SIZE={world_size} is not a multiple of TP x PP x CP = {self.tp * self.pp}")
+            raise ValueError(
+                f"WORLD_SIZE={world_size} is not a multiple of TP x PP x CP = {self.tp * self.pp * self.cp}"
+            )
 
 
 def has_module(name: str) -> bool:
@@ -146,6 +148,7 @@ def build_chunks(
     chunks = []
     for v, state in enumerate(states):
         model = megatron_cpu.build_gpt_model(spec, dtype=dtype, vp_stage=v, config_overrides=config)
+        model.to(dtype)  # the local spec's torch norms ignore params_dtype; one dtype as HF and TE/Apex norms
         if role != "critic":
             model.load_state_dict(state, strict=True)
         else:

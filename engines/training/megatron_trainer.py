@@ -16,8 +16,8 @@ offload_to_cpu/reload_from_cpu around every call. Without CUDA all three are no-
 lives in host memory; logged once). Collectives: `named_weights`, `weight_buckets`, `save_pretrained`,
 `save` and `load` must be called on every rank of the model-parallel group at once.
 
-Non-goals: context / expert parallelism, float16 (use bfloat16); without CUDA also activation recompute
-and sequence parallelism (megatron-core's torch-norm fallback rejects it).
+Non-goals: context / expert parallelism, float16 and bf16_autocast (use dtype bfloat16); without CUDA also
+activation recompute and sequence parallelism (megatron-core's torch-norm fallback rejects it).
 """
 
 from __future__ import annotations
@@ -81,6 +81,11 @@ class MegatronTrainingEngine:
     ) -> None:
         if dtype == "float16":
             raise NotImplementedError("megatron backend: dtype float16 needs loss scaling; use bfloat16 or float32")
+        if batching.bf16_autocast:
+            raise NotImplementedError(
+                "megatron backend: bf16_autocast is not supported (megatron's linear layers have no autocast "
+                "backward); use dtype: bfloat16 (bf16 weights, fp32 main params in megatron's optimizer)"
+            )
         if batching.gradient_checkpointing and not torch.cuda.is_available():
             raise NotImplementedError("megatron activation recompute saves CUDA RNG state: it needs a GPU")
         if transformer_impl == "transformer_engine" and not MP.has_module("transformer_engine"):
@@ -105,6 +110,7 @@ class MegatronTrainingEngine:
         self.converted_path = Path(converted_path) if converted_path is not None else None
         self.rank, self.tp_rank = torch.distributed.get_rank(), ps.get_tensor_model_parallel_rank()
         self.dp = ps.get_data_parallel_world_size(with_context_parallel=True)
+        self.dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
         self.dtype = torch_dtype(dtype)
         states = MP.rank_state(
             self.spec, converted_path, model_path, self.tp_rank, ps.get_pipeline_model_parallel_rank()
@@ -269,9 +275,10 @@ class MegatronTrainingEngine:
 
     # ---- weights and state ----------------------------------------------------------------------------------
     @property
-    def is_collect_rank(self) -> bool:
-        """TP rank 0 of the last pipeline stage: where `weight_buckets` yields and `save_pretrained` writes."""
-        return self.tp_rank == 0 and MP.is_last_stage()
+    def is_weight_source(self) -> bool:
+        """TP rank 0 of the last pipeline stage of DP replica 0 (the actor group's `collect_ranks()[0]`):
+        where `weight_buckets` yields and `save_pretrained` writes."""
+        return self.dp_rank == 0 and self.tp_rank == 0 and MP.is_last_stage()
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every HF-named full tensor on every rank (a collective over the model-parallel group: all its ranks
@@ -280,19 +287,20 @@ class MegatronTrainingEngine:
             yield from MP.export_hf(self.chunks, self.spec, self.role)
 
     def weight_buckets(self, bucket_bytes: int, dtype: str) -> Iterator[Bucket]:
-        """Encoded buckets of all HF weights on the collect rank; the other ranks of the model-parallel group
-        must run this concurrently (they take part in the gathers and yield nothing)."""
+        """Encoded buckets of all HF weights on the weight source; the other ranks of its model-parallel group
+        must run this concurrently (they take part in the gathers and yield nothing, as other DP replicas do)."""
         stream = self.named_weights()
-        if not self.is_collect_rank:
+        if not self.is_weight_source:
             for _ in stream:
                 pass
             return
         yield from bucketize(stream, bucket_bytes, dtype)
 
     def save_pretrained(self, path: Path, tokenizer_from: Path | None = None) -> None:
-        """An HF directory (config, safetensors, tokenizer) written by the collect rank; call on every rank."""
-        weights = {name: tensor.detach().clone() for name, tensor in self.named_weights() if self.is_collect_rank}
-        if not self.is_collect_rank:
+        """An HF directory (config, safetensors, tokenizer) written by the weight source; call on every rank."""
+        source = self.is_weight_source
+        weights = {name: tensor.detach().clone() for name, tensor in self.named_weights() if source}
+        if not source:
             return
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)

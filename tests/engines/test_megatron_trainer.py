@@ -194,22 +194,19 @@ def test_unsupported_layouts_fail_clearly(tiny_model_dir: Path, converted) -> No
 
 # ---- TP=2 and PP=2, as Ray actor groups of 2 ranks ------------------------------------------------------------
 def group_weights(group: ActorGroup, timeout: float = 120.0) -> dict[str, torch.Tensor]:
-    """The weight-sync call pattern: every rank runs `weight_buckets` at once; collect ranks (TP rank 0 of the
-    last stage, one per DP replica) yield every HF tensor, the other ranks only take part and yield nothing."""
+    """The weight-sync call pattern: every rank runs `weight_buckets` at once; the weight source (the group's
+    `collect_ranks()[0]`) yields every HF tensor, the other ranks only take part and yield nothing."""
     import ray
 
     streams = [h.weight_buckets.options(num_returns="streaming").remote(1 << 20, "float32") for h in group.handles]
-    per_rank: list[dict[str, torch.Tensor]] = []
-    for stream in streams:
-        got: dict[str, torch.Tensor] = {}
-        for ref in stream:
-            got.update((k, v.clone()) for k, v in decode_bucket(ray.get(ref, timeout=timeout)))
-        per_rank.append(got)
-    collect = group.collect_ranks()
-    assert all(not per_rank[r] for r in range(len(per_rank)) if r not in collect)
-    first = per_rank[collect[0]]
-    assert all(max_diff(per_rank[r], first) == 0.0 for r in collect[1:])  # DP replicas hold the same weights
-    return first
+    source = group.collect_ranks()[0]
+    out: dict[str, torch.Tensor] = {}
+    for ref in streams[source]:
+        out.update((k, v.clone()) for k, v in decode_bucket(ray.get(ref, timeout=timeout)))
+    for rank, stream in enumerate(streams):
+        if rank != source:
+            assert not list(stream)
+    return out
 
 
 def run_group(name: str, path: Path, converted_path: Path, **kw) -> ActorGroup:
@@ -275,6 +272,8 @@ def test_dp2_ray_group_averages_gradients(ray_session, tiny_model_dir: Path, con
         assert per_rank[0]["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-5)
         assert (per_rank[0]["pg_loss"] + per_rank[1]["pg_loss"]) / 2 == pytest.approx(ref_metrics["pg_loss"], abs=1e-6)
         assert max_diff(group_weights(group), ref_after) <= STEP_ATOL
+        replica0, replica1 = group.all(300).logprobs(batch)  # both DP replicas took the same step
+        assert torch.equal(replica0["logprobs"], replica1["logprobs"])
     finally:
         group.kill()
 

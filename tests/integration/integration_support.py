@@ -57,19 +57,28 @@ class PrefectAPI:
     def __init__(self, api_url: str) -> None:
         self.http = httpx.Client(base_url=api_url.rstrip("/") + "/", timeout=30)
 
+    def _send(self, method: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+        """One request, repeated (at most 5 times, 2 s apart) while the SQLite-backed server answers 503."""
+        for _ in range(4):
+            resp = self.http.request(method, path, json=body)
+            if resp.status_code not in (502, 503):
+                return resp
+            time.sleep(2)
+        return self.http.request(method, path, json=body)
+
     def get(self, path: str) -> Any:
         """GET, raising on an HTTP error."""
-        resp = self.http.get(path)
+        resp = self._send("GET", path)
         resp.raise_for_status()
         return resp.json()
 
     def post(self, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
         """POST (the caller checks the status)."""
-        return self.http.post(path, json=body or {})
+        return self._send("POST", path, body or {})
 
     def deployment(self, name: str, flow: str = "rl-post-train") -> dict[str, Any] | None:
         """A deployment by name, or None."""
-        resp = self.http.get(f"deployments/name/{flow}/{name}")
+        resp = self._send("GET", f"deployments/name/{flow}/{name}")
         return resp.json() if resp.status_code == 200 else None
 
     def create_run(self, deployment_id: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
