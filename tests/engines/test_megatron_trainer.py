@@ -1,6 +1,6 @@
 """Megatron-Core training engine against the torch backend on the same weights: log-probs, a GRPO step
 (first Adam moments and moved weights), save/load that continues bitwise, HF export, critic, reference;
-TP=1 in this process, TP=2 and PP=2 as real Ray actor groups of 2 ranks over gloo.
+TP=1 in this process; TP=2, PP=2, DP=2 and PP=2 x VPP=2 as real Ray actor groups of 2 ranks over gloo.
 
 Run: .venv/bin/python -m pytest tests/engines/test_megatron_trainer.py -q
 Hardware: CPU only (torch CPU, megatron-core local spec + engines.megatron_cpu shim); starts a local Ray
@@ -192,7 +192,7 @@ def test_unsupported_layouts_fail_clearly(tiny_model_dir: Path, converted) -> No
         megatron(tiny_model_dir, converted["tp2"])  # a TP=2 checkpoint for a TP=1 engine
 
 
-# ---- TP=2 and PP=2, as Ray actor groups of 2 ranks ------------------------------------------------------------
+# ---- TP=2, PP=2, DP=2, VPP: Ray actor groups of 2 ranks ---------------------------------------------------------
 def group_weights(group: ActorGroup, timeout: float = 120.0) -> dict[str, torch.Tensor]:
     """The weight-sync call pattern: every rank runs `weight_buckets` at once; the weight source (the group's
     `collect_ranks()[0]`) yields every HF tensor, the other ranks only take part and yield nothing."""
