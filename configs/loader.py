@@ -147,11 +147,12 @@ _NOT_HASHED = {"trainer": {"output_dir", "run_name"}, "checkpoint": {"resume"}}
 
 
 def config_hash(cfg: RunConfig) -> str:
-    """A short, stable digest of what the run computes (canonical JSON; location and start mode excluded)."""
-    data = cfg.model_dump(mode="json")
+    """A short, stable digest of what the run computes (canonical JSON; location and start mode excluded;
+    fields at their defaults left out, so a new release's new defaulted field keeps old runs resumable)."""
+    data = cfg.model_dump(mode="json", exclude_defaults=True)
     for section, keys in _NOT_HASHED.items():
         for key in keys:
-            data[section].pop(key, None)
+            data.get(section, {}).pop(key, None)
     blob = json.dumps(data, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 

@@ -122,7 +122,7 @@ def start_workers(cfg: RunConfig, run: RunHandle) -> StartPoint:
 
 
 def _restore(cfg: RunConfig, run: RunHandle) -> StartPoint:
-    found = latest_checkpoint(run, verify=True) if cfg.checkpoint.resume == "auto" else None
+    found = latest_checkpoint(run, verify=True)  # fresh: only this flow run's earlier attempt wrote here
     if found is None:
         return StartPoint(step=0, kl_state=initial_kl_state(cfg), checkpoint=None)
     step, path = found

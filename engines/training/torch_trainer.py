@@ -79,16 +79,13 @@ def build_model(model_path: str | Path, role: Role, dtype: str, model_type: str 
     (token classification, 1 label, seeded; head dropout off so values are deterministic)."""
     if role != "critic":
         return load_causal_lm(model_path, dtype, model_type)
-    from transformers import AutoModelForTokenClassification
+    from transformers import AutoConfig, AutoModelForTokenClassification
 
+    config = AutoConfig.from_pretrained(str(model_path), local_files_only=True, num_labels=1)
+    config.classifier_dropout = 0.0
     torch.manual_seed(0)
     return AutoModelForTokenClassification.from_pretrained(
-        str(model_path),
-        num_labels=1,
-        dtype=torch_dtype(dtype),
-        local_files_only=True,
-        use_safetensors=True,
-        classifier_dropout=0.0,
+        str(model_path), config=config, dtype=torch_dtype(dtype), local_files_only=True, use_safetensors=True
     )
 
 

@@ -120,13 +120,9 @@ def test_missing_or_malformed_directory_is_a_one_line_error(tmp_path: Path) -> N
         RewardModelEngine(empty)
 
 
-def test_reward_model_as_a_ray_actor(model_dir: Path) -> None:
+def test_reward_model_as_a_ray_actor(model_dir: Path, ray_session) -> None:
     expected = RewardModelEngine(model_dir, micro_batch_size=4).score(PROMPTS, RESPONSES)
-    ray.init(num_cpus=1, include_dashboard=False)
-    try:
-        actor = ray.remote(RewardModelEngine).remote(str(model_dir), micro_batch_size=4, num_threads=1)
-        remote = ray.get(actor.score.remote(PROMPTS, RESPONSES), timeout=120)
-    finally:
-        ray.shutdown()
+    actor = ray.remote(RewardModelEngine).remote(str(model_dir), micro_batch_size=4, num_threads=1)
+    remote = ray.get(actor.score.remote(PROMPTS, RESPONSES), timeout=120)
     assert remote == pytest.approx(expected, abs=1e-6)
     assert len({round(s, 4) for s in remote}) == len(remote)

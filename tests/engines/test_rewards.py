@@ -288,15 +288,11 @@ def test_scorer_rejects_bad_configuration() -> None:
         scorer.score(["q"], ["1"], ["1"])
 
 
-def test_scorer_inside_a_ray_actor() -> None:
-    ray.init(num_cpus=1, include_dashboard=False)
-    try:
-        actor = ray.remote(RewardScorer).remote([("last_integer", 1.0, {})], 5.0, -1.0)
-        prompts, responses, truths = demo_batch(16)
-        result = ray.get(actor.score.remote(prompts, responses, truths), timeout=60)
-        ray.get(actor.close.remote(), timeout=30)
-    finally:
-        ray.shutdown()
+def test_scorer_inside_a_ray_actor(ray_session) -> None:
+    actor = ray.remote(RewardScorer).remote([("last_integer", 1.0, {})], 5.0, -1.0)
+    prompts, responses, truths = demo_batch(16)
+    result = ray.get(actor.score.remote(prompts, responses, truths), timeout=60)
+    ray.get(actor.close.remote(), timeout=30)
     expected = [F.last_integer(p, r, t) for p, r, t in zip(prompts, responses, truths, strict=True)]
     assert result.scores == expected
     assert result.metrics["reward/failures"] == 0.0
