@@ -73,7 +73,13 @@ def test_flow_with_deepspeed_actor(tmp_path: Path, ray_session, prefect_harness)
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs `pip install .[megatron]`")
 def test_flow_with_megatron_actor(tmp_path: Path, ray_session, prefect_harness) -> None:
     client, run = run_two_steps(
-        tmp_path, "megatron", "actor.backend=megatron", "actor.num_workers=2", "actor.tensor_model_parallel_size=2"
+        tmp_path,
+        "megatron",
+        "model.tiny.num_attention_heads=4",
+        "model.tiny.num_key_value_heads=2",
+        "actor.backend=megatron",
+        "actor.num_workers=2",
+        "actor.tensor_model_parallel_size=2",
     )
     assert_trained(client, run)
     assert max(m.value for m in client.get_metric_history(run.info.run_id, "rollout/logprob_diff")) < 1e-4
