@@ -90,6 +90,11 @@ class ClusterConfig(StrictModel):
     threads_per_worker: int = Field(default=1, ge=1, description="torch threads per worker (no spinning).")
     namespace: str = "rlstages"
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    placement_group: bool = Field(
+        default=False, description="Reserve one bundle per rank up front (colocated roles share bundle i)."
+    )
+    cpus_per_bundle: float = Field(default=1.0, gt=0.0, description="CPUs reserved in each placement bundle.")
+    placement_timeout_seconds: float = Field(default=60.0, gt=0.0)
     rollout_resources: dict[str, float] = Field(
         default_factory=dict, description="Extra custom Ray resources each rollout worker needs (node pinning)."
     )

@@ -21,6 +21,7 @@ from engines.models import PLUGINS_ENV, import_plugins
 from engines.registry import REWARD_ENGINES, ROLLOUT_ENGINES, TRAINING_ENGINES, engine_path
 from engines.training.torch_trainer import BatchingParams, OptimParams
 from tasks.context import RunHandle
+from tasks.placement import place, release
 
 _COMMON_TRAINING = set(TorchTrainingConfig.model_fields)
 
@@ -268,16 +269,21 @@ def build_workers(cfg: RunConfig, run: RunHandle) -> Workers:
     def group(spec: GroupSpec | None) -> ActorGroup | None:
         return ActorGroup(spec, ns, in_process) if spec is not None else None
 
-    actor_spec, rollout = training_spec(cfg, run, "actor"), rollout_spec(cfg, run)
+    specs = {"actor": training_spec(cfg, run, "actor"), "rollout": rollout_spec(cfg, run)}
     if cfg.cluster.hybrid_engine:
-        actor_spec = hybrid_spec(actor_spec, rollout)
-    actor = ActorGroup(actor_spec, ns, in_process)
+        specs["actor"] = hybrid_spec(specs["actor"], specs.pop("rollout"))
+    if cfg.uses_reference:
+        specs["reference"] = training_spec(cfg, run, "reference")
+    if cfg.critic is not None:
+        specs["critic"] = training_spec(cfg, run, "critic")
+    specs = place(cfg, run, specs)
+    actor = ActorGroup(specs["actor"], ns, in_process)
     workers = Workers(
-        rollout=actor if cfg.cluster.hybrid_engine else ActorGroup(rollout, ns, in_process),
+        rollout=actor if cfg.cluster.hybrid_engine else ActorGroup(specs["rollout"], ns, in_process),
         actor=actor,
         reward=ActorGroup(reward_spec(cfg, run), ns, in_process),
-        reference=group(training_spec(cfg, run, "reference")) if cfg.uses_reference else None,
-        critic=group(training_spec(cfg, run, "critic")) if cfg.critic is not None else None,
+        reference=group(specs.get("reference")),
+        critic=group(specs.get("critic")),
         reward_model=group(reward_model_spec(cfg, run)),
     )
     _REGISTRY[run.key] = workers
@@ -295,3 +301,4 @@ def forget_workers(run: RunHandle, kill: bool = True) -> None:
     if workers is not None and kill:
         for g in workers.groups().values():
             g.kill()
+        release(run)
