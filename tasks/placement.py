@@ -9,7 +9,6 @@ The reward scorer stays outside (it needs no reserved resources).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 from configs import RunConfig
 from engines.actor_group import GroupSpec, Placement
@@ -92,10 +91,3 @@ def release(run: RunHandle) -> None:
             remove_placement_group(ray.util.get_placement_group(pg_name(run, key)))
         except ValueError:
             continue
-
-
-def placement_of(handle: Any) -> Any:
-    """(placement group id, bundle index) of a live actor, from Ray's state API (for checks and doctor)."""
-    from ray.util.state import get_actor
-
-    return get_actor(handle._actor_id.hex())
