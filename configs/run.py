@@ -88,6 +88,12 @@ class ClusterConfig(StrictModel):
         "in-process copy (needs colocate and as many rollout as actor workers).",
     )
     threads_per_worker: int = Field(default=1, ge=1, description="torch threads per worker (no spinning).")
+    omp_wait_policy: Literal["auto", "passive", "spin"] = Field(
+        default="auto",
+        description="Idle OpenMP threads of a worker: passive sleeps at once (safe when workers compute at the "
+        "same time); spin busy-waits briefly first (~1.7x faster for a lone busy worker); auto = spin when "
+        "one hybrid worker does all the torch work, else passive.",
+    )
     namespace: str = "rlstages"
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     placement_group: bool = Field(
@@ -149,6 +155,15 @@ class RunConfig(StrictModel):
         if self.reference.enabled is not None:
             return self.reference.enabled
         return self.algorithm.use_kl_in_reward or self.algorithm.use_kl_loss
+
+    @property
+    def omp_passive(self) -> bool:
+        """Whether worker OpenMP pools sleep at once: not when a lone hybrid worker does all the torch work."""
+        policy = self.cluster.omp_wait_policy
+        if policy != "auto":
+            return policy == "passive"
+        lone = self.cluster.hybrid_engine and self.actor.num_workers == 1
+        return not (lone and self.critic is None and not self.uses_reference and self.reward.reward_model is None)
 
     @property
     def mini_batch_prompts(self) -> int:

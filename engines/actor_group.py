@@ -56,6 +56,7 @@ class GroupSpec:
     num_gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)
     threads: int = 1
+    omp_passive: bool = True
     env: dict[str, str] = field(default_factory=dict)
     extra_options: dict[str, Any] = field(default_factory=dict)
     placement: Placement = Placement()
@@ -70,16 +71,26 @@ class GroupSpec:
         return rank // (self.tp * self.pp), (rank // self.tp) % self.pp, rank % self.tp
 
 
-def worker_env(threads: int, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment that keeps a worker's torch from spinning: N threads, passive OpenMP waits."""
+# glibc hands every freed block above 32 MB back to the OS and page-faults it in again on the next allocation;
+# a training step allocates ~150 MB logits tensors dozens of times, which doubled its wall time on CPU. Keep freed
+# memory in the heap instead (measured: update 25 s -> 13 s, generation 10.4 s -> 8.5 s on SmolLM2-135M).
+KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_TOP_PAD_": str(1 << 28)}
+
+
+def worker_env(threads: int, extra: dict[str, str] | None = None, omp_passive: bool = True) -> dict[str, str]:
+    """Environment of a worker process: N torch threads (idle ones sleep at once when `omp_passive`, so
+    concurrent workers do not spin against each other), offline hubs, and a glibc heap that keeps freed
+    memory (no page-fault storm on large tensors)."""
     env = {
+        **KEEP_FREED_MEMORY,
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
-        "OMP_WAIT_POLICY": "PASSIVE",
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
     }
+    if omp_passive:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
     if os.environ.get("RLSTAGES_PLUGINS"):  # the user's model registrations (engines.models.import_plugins)
         env["RLSTAGES_PLUGINS"] = os.environ["RLSTAGES_PLUGINS"]
     env.update(extra or {})
@@ -118,7 +129,7 @@ class ActorGroup:
 
     def _options(self, rank: int) -> dict[str, Any]:
         spec = self.spec
-        env = worker_env(spec.threads, {**self._dist_env(rank), **spec.env})
+        env = worker_env(spec.threads, {**self._dist_env(rank), **spec.env}, spec.omp_passive)
         options: dict[str, Any] = {
             "name": self._actor_name(rank),
             "namespace": self.namespace,
@@ -193,13 +204,16 @@ class ActorGroup:
 
             import ray
 
-            for rank in range(self.spec.num_workers):  # wait until the GCS forgets the dead names
-                for _ in range(50):
+            deadline = time.monotonic() + 60.0  # the GCS forgets dead names asynchronously (slower under load)
+            for rank in range(self.spec.num_workers):
+                while time.monotonic() < deadline:
                     try:
                         ray.get_actor(self._actor_name(rank), namespace=self.namespace)
-                        time.sleep(0.1)
                     except ValueError:
                         break
+                    time.sleep(0.1)
+                else:
+                    raise TimeoutError(f"group {self.spec.name}: rank {rank}'s dead actor name was not released")
         self._build()
 
     # ---- dispatch -------------------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ run handle and step, never actor handles or tensors. A dead worker makes the flo
 checkpoint and replay from there. No backend appears here: the registries chose them.
 """
 
-
 import logging
 
 from prefect import flow

@@ -131,6 +131,7 @@ def rollout_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
         num_gpus=cfg.cluster.gpus_per_worker if cfg.cluster.num_gpus else 0.0,
         resources=dict(cfg.cluster.rollout_resources),
         threads=cfg.cluster.threads_per_worker,
+        omp_passive=cfg.omp_passive,
         extra_options=extra,
     )
 
@@ -207,6 +208,7 @@ def training_spec(cfg: RunConfig, run: RunHandle, role: str) -> GroupSpec:
         num_gpus=cfg.cluster.gpus_per_worker if cfg.cluster.num_gpus else 0.0,
         resources=dict(cfg.cluster.trainer_resources),
         threads=cfg.cluster.threads_per_worker,
+        omp_passive=cfg.omp_passive,
     )
 
 
@@ -235,6 +237,7 @@ def reward_model_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec | None:
         engine=engine_path(REWARD_ENGINES, "model"),
         kwargs=kwargs,
         threads=cfg.cluster.threads_per_worker,
+        omp_passive=cfg.omp_passive,
     )
 
 

@@ -1,5 +1,5 @@
-"""Splitting a batch for training: mini-batches by whole prompt groups, micro-batches by count or token
-budget (dynamic batching), and trimming each micro-batch to its real length.
+"""Splitting a batch for training: mini-batches by whole prompt groups, rows sorted by length, micro-batches
+by count or token budget (dynamic batching), and trimming each micro-batch to its real length.
 
 Non-goal: cross-rank balancing (each data-parallel rank gets its rows from the actor group).
 """
@@ -20,6 +20,13 @@ def mini_batches(batch: TensorDict, num: int) -> list[TensorDict]:
 def seq_lengths(batch: TensorDict) -> torch.Tensor:
     """Real tokens per row (prompt + response)."""
     return batch[T.ATTENTION_MASK].sum(-1)
+
+
+def by_length(batch: TensorDict) -> tuple[TensorDict, torch.Tensor]:
+    """Rows sorted by real length (stable) and the permutation that restores the original order: consecutive
+    micro-batches then hold similar lengths, so trimming removes most padding."""
+    order = torch.argsort(seq_lengths(batch), stable=True)
+    return batch[order], torch.argsort(order)
 
 
 def micro_batches(batch: TensorDict, size: int, dynamic: bool = False, max_tokens: int = 4096) -> list[TensorDict]:

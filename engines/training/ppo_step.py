@@ -18,7 +18,7 @@ from tensordict import TensorDict
 
 from engines import algorithms as A
 from engines import types as T
-from engines.training.microbatch import mini_batches
+from engines.training.microbatch import by_length, mini_batches
 
 SUMMED = {"pg_loss", "entropy", "kl_loss", "vf_loss"}  # partial sums under the global normaliser
 MAXED = {"logprob_diff_max", "kl_coef"}
@@ -138,13 +138,14 @@ def accumulate(acc: dict[str, float], metrics: dict[str, float], weight: float) 
 def epochs_loop(
     batch: TensorDict, ppo_epochs: int, num_mini_batches: int, mini_step: Callable[[TensorDict, bool], dict[str, float]]
 ) -> dict[str, float]:
-    """Run `mini_step(mini, check_sync)` over epochs x mini-batches; average the metrics over optimizer steps."""
+    """Run `mini_step(mini, check_sync)` over epochs x mini-batches; average the metrics over optimizer steps.
+    Each mini-batch reaches `mini_step` sorted by length (its loss is order-free; micro-batches pad less)."""
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     first = True
     for _ in range(ppo_epochs):
         for mini in mini_batches(batch, num_mini_batches):
-            for k, v in mini_step(mini, first).items():
+            for k, v in mini_step(by_length(mini)[0], first).items():
                 sums[k] = sums.get(k, 0.0) + v
                 counts[k] = counts.get(k, 0) + 1
             first = False

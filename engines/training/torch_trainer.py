@@ -25,7 +25,7 @@ from engines import types as T
 from engines.models import load_causal_lm, torch_dtype
 from engines.training import ppo_step as P
 from engines.training import state_io
-from engines.training.microbatch import micro_batches
+from engines.training.microbatch import by_length, micro_batches
 from engines.weight_sync import Bucket, bucketize
 
 Role = Literal["actor", "critic", "reference"]
@@ -145,20 +145,23 @@ class TorchTrainingEngine:
         if temperature is not None:
             self.temperature = temperature
         width = batch[T.RESPONSE_IDS].shape[1]
+        rows, restore = by_length(batch)
         logps, ents = [], []
-        for mb in self._micro(batch, self.batching.micro_batch_size):
+        for mb in self._micro(rows, self.batching.micro_batch_size):
             lp, ent = self._forward(mb)
             logps.append(P.pad_cols(lp, width))
             ents.append(P.pad_cols(ent, width))
-        return TensorDict({"logprobs": torch.cat(logps), "entropy": torch.cat(ents)}, batch_size=batch.batch_size)
+        out = {"logprobs": torch.cat(logps)[restore], "entropy": torch.cat(ents)[restore]}
+        return TensorDict(out, batch_size=batch.batch_size)
 
     @torch.no_grad()
     def values(self, batch: TensorDict) -> torch.Tensor:
         """Critic values of the response tokens, [B, T]."""
         width = batch[T.RESPONSE_IDS].shape[1]
+        rows, restore = by_length(batch)
         return torch.cat(
-            [P.pad_cols(self._values(mb), width) for mb in self._micro(batch, self.batching.micro_batch_size)]
-        )
+            [P.pad_cols(self._values(mb), width) for mb in self._micro(rows, self.batching.micro_batch_size)]
+        )[restore]
 
     # ---- training -------------------------------------------------------------------------------------------
     def train_step(self, batch: TensorDict) -> dict[str, float]:

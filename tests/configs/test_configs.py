@@ -114,6 +114,17 @@ def test_kl_in_reward_and_loss_allowed_when_asked() -> None:
     assert cfg.uses_reference
 
 
+def test_openmp_spins_only_for_a_lone_hybrid_worker() -> None:
+    demo = load_config(ROOT / "configs" / "demo.yaml")
+    assert not demo.omp_passive  # one process does all the torch work: let its idle threads spin briefly
+    with_ref = load_config(ROOT / "configs" / "demo.yaml", ["reference.enabled=true"])
+    assert with_ref.omp_passive  # reference worker computes concurrently with the actor
+    split = load_config(ROOT / "configs" / "demo.yaml", ["cluster.hybrid_engine=false"])
+    assert split.omp_passive
+    forced = load_config(ROOT / "configs" / "demo.yaml", ["cluster.omp_wait_policy=passive"])
+    assert forced.omp_passive
+
+
 def test_colocated_gpus_fit() -> None:
     data = tiny()
     data["cluster"] = {"num_gpus": 2, "colocate": True}

@@ -40,6 +40,11 @@ class Echo:
 
         return f"{self.tag}:{os.getpid()}"
 
+    def env(self, key: str) -> str | None:
+        import os
+
+        return os.environ.get(key)
+
 
 def rollout_spec(path: Path, name: str) -> GroupSpec:
     return GroupSpec(
@@ -65,6 +70,8 @@ def test_dispatch_modes_and_mesh(ray_session) -> None:
     assert torch.equal(out["x"], torch.arange(6) * 10)
     assert group.collect_ranks() == [0, 2]
     assert spec.coords(3) == (1, 0, 1)
+    assert group.one(0).env("OMP_WAIT_POLICY") == "PASSIVE"  # the process env, set before torch loads
+    assert group.one(0).env("MALLOC_MMAP_MAX_") == "0"
     again = ActorGroup(spec, namespace="rlstages-tests")  # a retried task finds the same named actors
     assert again.all(30).whoami() == pids
     group.kill()

@@ -69,6 +69,20 @@ def test_accumulation_equals_one_big_batch(tiny_model_dir: Path, batch) -> None:
         assert torch.allclose(grad_small, grad_big, atol=1e-7, rtol=1e-4)
 
 
+def test_length_sorted_micro_batches_pad_less_and_restore_order(batch) -> None:
+    from engines.training.microbatch import by_length, micro_batches
+
+    rows, restore = by_length(batch)
+    lengths = rows[T.ATTENTION_MASK].sum(-1)
+    assert bool((lengths[1:] >= lengths[:-1]).all())
+    assert torch.equal(rows[restore][T.RESPONSE_IDS], batch[T.RESPONSE_IDS])
+
+    def padded(b) -> int:
+        return sum(mb[T.ATTENTION_MASK].numel() for mb in micro_batches(b, 4))
+
+    assert padded(rows) <= padded(batch)
+
+
 def test_dynamic_batching_same_update(tiny_model_dir: Path, batch) -> None:
     dyn = trainer(
         tiny_model_dir,
