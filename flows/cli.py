@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from configs import ConfigError, RunConfig, load_config, to_yaml
 
@@ -40,7 +41,7 @@ def _quiet_prefect(debug: bool) -> None:
 
 def fail(message: str, code: int = 1) -> None:
     """Print a one-line error and exit non-zero."""
-    err.print(f"[bold red]error:[/] {message}", soft_wrap=True, highlight=False)
+    err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True, highlight=False)
     raise typer.Exit(code)
 
 
@@ -69,9 +70,14 @@ def _guard(debug: bool, action) -> object:  # type: ignore[no-untyped-def]
 
 
 def _precheck(cfg: RunConfig) -> None:
-    """Refuse, before any flow starts, a run directory that holds another config (one-line error)."""
+    """Refuse, before any flow starts, a run directory that holds another config or a backend whose package
+    is missing here (one-line errors)."""
     from tasks.run import resolve_run_dir
+    from tasks.workers import missing_backend_packages
 
+    problems = missing_backend_packages(cfg)
+    if problems:
+        raise ValueError(problems[0])
     if cfg.checkpoint.resume != "fresh":
         resolve_run_dir(cfg)
 

@@ -18,7 +18,7 @@ from configs.training import MegatronTrainingConfig, TorchTrainingConfig
 from engines.actor_group import ActorGroup, GroupSpec
 from engines.algorithms import PolicyLossParams
 from engines.models import PLUGINS_ENV, import_plugins
-from engines.registry import REWARD_ENGINES, ROLLOUT_ENGINES, TRAINING_ENGINES, engine_path
+from engines.registry import REWARD_ENGINES, ROLLOUT_ENGINES, TRAINING_ENGINES, engine_path, missing_package
 from engines.training.torch_trainer import BatchingParams, OptimParams
 from tasks.context import RunHandle
 from tasks.placement import place, release
@@ -88,6 +88,28 @@ def converted_dir(cfg: RunConfig) -> Path | None:
     vpp = f"-vpp{a.virtual_pipeline_model_parallel_size}" if a.virtual_pipeline_model_parallel_size else ""
     name = f"{cfg.model.path.name}-tp{a.tensor_model_parallel_size}-pp{a.pipeline_model_parallel_size}{vpp}"
     return (Path(".cache") / "mcore" / name).resolve()
+
+
+def missing_backend_packages(cfg: RunConfig) -> list[str]:
+    """One-line errors for chosen backends whose packages this machine lacks. Only when Ray starts here (a
+    remote cluster's workers have their own packages); vLLM in its own venv (`rollout.python` or .venv-vllm)
+    is the venv's business."""
+    if cfg.cluster.mode == "ray" and (cfg.cluster.address or os.environ.get("RAY_ADDRESS")):
+        return []
+    chosen = [("actor.backend", cfg.actor.backend)]
+    if cfg.critic is not None:
+        chosen.append(("critic.backend", cfg.critic.backend))
+    r = cfg.rollout
+    separate_venv = isinstance(r, VLLMRolloutConfig) and (r.python or _default_vllm_python())
+    if not separate_venv:
+        chosen.append(("rollout.backend", r.backend))
+    return [msg for field, backend in chosen if (msg := missing_package(field, backend))]
+
+
+def _default_vllm_python() -> str | None:
+    from engines.rollout.vllm_rollout import default_vllm_python
+
+    return default_vllm_python()
 
 
 def rollout_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:

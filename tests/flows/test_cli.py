@@ -63,6 +63,12 @@ def test_resume_of_a_finished_run_is_a_no_op_that_succeeds(finished_run: Path) -
         (("run", "configs/tiny.yaml", "rollout.n=one"), "rollout.n: Input should be a valid integer", 2),
         (("resume", "not-a-run"), "not a run directory", 2),
         (("eval", "not-a-run"), "not a run directory", 2),
+        (  # refused before Ray or Prefect start, with the install command (rich markup must not eat "[sglang]")
+            ("run", "configs/tiny.yaml", "rollout.backend=sglang", "cluster.num_gpus=1"),
+            "rollout.backend=sglang: package 'sglang' is not installed here; install it with pip install "
+            "'rlstages[sglang]'",
+            2,
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_non_zero(args: tuple[str, ...], needle: str, code: int, tmp_path: Path) -> None:
