@@ -41,13 +41,19 @@ BACKEND_PACKAGES: dict[str, tuple[str, str]] = {
 }
 
 
+def has_module(name: str) -> bool:
+    """The module is importable here, without importing it (dotted names too: False when a parent is missing)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a missing parent package (megatron for megatron.core)
+        return False
+
+
 def missing_package(field: str, backend: str) -> str | None:
     """A one-line error when `backend` (chosen by config `field`) needs a package this interpreter lacks."""
     if backend not in BACKEND_PACKAGES:
         return None
     module, install = BACKEND_PACKAGES[backend]
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # a missing parent package (megatron for megatron.core)
-        found = False
-    return None if found else f"{field}={backend}: package {module!r} is not installed here; install it with {install}"
+    if has_module(module):
+        return None
+    return f"{field}={backend}: package {module!r} is not installed here; install it with {install}"

@@ -73,11 +73,11 @@ def _precheck(cfg: RunConfig) -> None:
     """Refuse, before any flow starts, a run directory that holds another config or a backend whose package
     is missing here (one-line errors)."""
     from tasks.run import resolve_run_dir
-    from tasks.workers import missing_backend_packages
+    from tasks.workers import missing_backend_package
 
-    problems = missing_backend_packages(cfg)
-    if problems:
-        raise ValueError(problems[0])
+    problem = missing_backend_package(cfg)
+    if problem:
+        raise ValueError(problem)
     if cfg.checkpoint.resume != "fresh":
         resolve_run_dir(cfg)
 

@@ -10,7 +10,6 @@ install cannot hang or crash the doctor, and flows never import the backends (de
 from __future__ import annotations
 
 import importlib.metadata as md
-import importlib.util
 import json
 import os
 import platform
@@ -28,6 +27,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+from engines.registry import BACKEND_PACKAGES, has_module
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("torch", "transformers", "prefect", "ray", "mlflow", "pydantic", "tensordict", "safetensors", "typer")
@@ -120,17 +121,17 @@ def backends(vllm_python: Path, timeout: float = 180.0) -> list[Check]:
     with ThreadPoolExecutor(4) as pool:
         if vllm_python.is_file():
             probes["vllm-venv"] = pool.submit(_import_probe, str(vllm_python), "vllm", timeout)
-        if importlib.util.find_spec("vllm") is not None:
+        if has_module("vllm"):
             probes["vllm"] = pool.submit(_import_probe, sys.executable, "vllm", timeout)
-        if importlib.util.find_spec("sglang") is not None:
+        if has_module("sglang"):
             probes["sglang"] = pool.submit(_import_probe, sys.executable, "sglang", timeout)
-        if importlib.util.find_spec("deepspeed") is not None:
+        if has_module("deepspeed"):
             probes["deepspeed"] = pool.submit(_import_probe, sys.executable, "deepspeed", timeout)
-        if importlib.util.find_spec("megatron") is not None:
+        if has_module("megatron"):
             probes["megatron"] = pool.submit(_import_probe, sys.executable, "megatron.core", timeout)
         results = {k: f.result() for k, f in probes.items()}
     rows.append(_vllm_row(results, vllm_python, n_gpu))
-    rows.append(_gpu_only_row("rollout sglang", results.get("sglang"), n_gpu, "pip install 'rlstages[sglang]'"))
+    rows.append(_gpu_only_row("rollout sglang", results.get("sglang"), n_gpu, BACKEND_PACKAGES["sglang"][1]))
     rows.append(_train_row("training deepspeed", results.get("deepspeed"), "ZeRO 1-3 (gloo on CPU)", "deepspeed"))
     rows.append(_train_row("training megatron", results.get("megatron"), "Megatron-Core (CPU needs shims)", "megatron"))
     return rows
@@ -146,21 +147,21 @@ def _vllm_row(results: dict[str, tuple[bool, str]], vllm_python: Path, n_gpu: in
         if not ok:
             return Check("backends", "rollout vllm", False, f"import vllm failed (version clash?): {text}")
         return Check("backends", "rollout vllm", n_gpu > 0, f"vllm {text}" + ("" if n_gpu else ", but no GPU"))
-    return Check("backends", "rollout vllm", False, f"not installed: `make vllm-env` (CPU, {vllm_python}) or [vllm]")
+    return Check("backends", "rollout vllm", False, f"not installed: {BACKEND_PACKAGES['vllm'][1]}; no {vllm_python}")
 
 
 def _gpu_only_row(name: str, probe: tuple[bool, str] | None, n_gpu: int, hint: str) -> Check:
     if probe is None:
-        return Check("backends", name, False, f"not installed ({hint}; CUDA only)")
+        return Check("backends", name, False, f"not installed: {hint}")
     ok, text = probe
     if not ok:
         return Check("backends", name, False, f"import failed (version clash?): {text}")
     return Check("backends", name, n_gpu > 0, f"{text}" + ("" if n_gpu else "; needs a GPU, none here"))
 
 
-def _train_row(name: str, probe: tuple[bool, str] | None, what: str, extra: str) -> Check:
+def _train_row(name: str, probe: tuple[bool, str] | None, what: str, backend: str) -> Check:
     if probe is None:
-        return Check("backends", name, False, f"not installed (pip install 'rlstages[{extra}]')")
+        return Check("backends", name, False, f"not installed: {BACKEND_PACKAGES[backend][1]}")
     ok, text = probe
     return Check("backends", name, ok, f"{text}: {what}" if ok else f"import failed (version clash?): {text}")
 

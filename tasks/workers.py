@@ -90,26 +90,21 @@ def converted_dir(cfg: RunConfig) -> Path | None:
     return (Path(".cache") / "mcore" / name).resolve()
 
 
-def missing_backend_packages(cfg: RunConfig) -> list[str]:
-    """One-line errors for chosen backends whose packages this machine lacks. Only when Ray starts here (a
-    remote cluster's workers have their own packages); vLLM in its own venv (`rollout.python` or .venv-vllm)
-    is the venv's business."""
+def missing_backend_package(cfg: RunConfig) -> str | None:
+    """A one-line error for the first chosen backend whose package this machine lacks. Only when Ray starts
+    here (a remote cluster's workers have their own packages); vLLM in its own venv (`rollout.python` or
+    .venv-vllm) is the venv's business."""
+    from engines.rollout.vllm_rollout import default_vllm_python
+
     if cfg.cluster.mode == "ray" and (cfg.cluster.address or os.environ.get("RAY_ADDRESS")):
-        return []
+        return None
     chosen = [("actor.backend", cfg.actor.backend)]
     if cfg.critic is not None:
         chosen.append(("critic.backend", cfg.critic.backend))
     r = cfg.rollout
-    separate_venv = isinstance(r, VLLMRolloutConfig) and (r.python or _default_vllm_python())
-    if not separate_venv:
+    if not (isinstance(r, VLLMRolloutConfig) and (r.python or default_vllm_python())):
         chosen.append(("rollout.backend", r.backend))
-    return [msg for field, backend in chosen if (msg := missing_package(field, backend))]
-
-
-def _default_vllm_python() -> str | None:
-    from engines.rollout.vllm_rollout import default_vllm_python
-
-    return default_vllm_python()
+    return next((msg for field, backend in chosen if (msg := missing_package(field, backend))), None)
 
 
 def rollout_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:

@@ -14,7 +14,6 @@ about one layer plus the tensors in flight, never the whole model. Output layout
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -28,6 +27,7 @@ from engines.convert.safetensors_io import Planned, PlannedWriter, Reader, new_c
 from engines.convert.sharding import chunk_prefix, pad_vocab, split_tp, tp_kind
 from engines.convert.spec import SPEC_FILE, ConversionSpec, TransformerImpl
 from engines.convert.stream import ConversionError, HfToMcore
+from engines.registry import has_module
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 RankTensor = tuple[int, int, str, torch.Tensor]  # (tp_rank, pp_rank, name in the rank file, shard)
@@ -136,7 +136,7 @@ def convert_hf_to_mcore(
     """
     hf_dir, out = Path(hf_path), Path(out_path)
     new_checksum(checksum)  # an unknown algorithm fails before any work
-    if dist_checkpoint and not _has_megatron():
+    if dist_checkpoint and not has_module("megatron.core"):
         raise ImportError("dist_checkpoint=True needs megatron-core: pip install 'rlstages[megatron]'")
     spec = ConversionSpec.from_hf_config(read_hf_config(hf_dir), tp, pp, vpp, transformer_impl, vocab_divisible_by)
     readers = [Reader(f) for f in hf_weight_files(hf_dir)]
@@ -164,13 +164,6 @@ def convert_hf_to_mcore(
         }
         write_manifest(tmp, info, checksums, checksum)
     return out
-
-
-def _has_megatron() -> bool:
-    try:
-        return importlib.util.find_spec("megatron.core") is not None
-    except ImportError:
-        return False
 
 
 def _write_ranks(

@@ -23,6 +23,7 @@ from engines import megatron_cpu
 from engines import types as T
 from engines.convert import ConversionSpec, load_rank_chunk, materialize, rank_mcore_to_hf, read_hf_config
 from engines.convert.sharding import chunk_prefix
+from engines.registry import has_module
 
 OUTPUT_LAYER = "output_layer."
 VALUE_HEAD_HF = "score."  # HF *ForTokenClassification's head, the torch backend's critic
@@ -61,13 +62,6 @@ class Layout:
             raise ValueError(
                 f"WORLD_SIZE={world_size} is not a multiple of TP x PP x CP = {self.tp * self.pp * self.cp}"
             )
-
-
-def has_module(name: str) -> bool:
-    """The package is importable (Transformer Engine, Apex)."""
-    import importlib.util
-
-    return importlib.util.find_spec(name) is not None
 
 
 def init_distributed(layout: Layout, seed: int) -> None:

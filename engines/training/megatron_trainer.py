@@ -38,6 +38,7 @@ from engines import algorithms as A
 from engines import megatron_cpu
 from engines import types as T
 from engines.models import torch_dtype
+from engines.registry import has_module
 from engines.training import megatron_optim as MO
 from engines.training import megatron_parallel as MP
 from engines.training import ppo_step as P
@@ -88,7 +89,7 @@ class MegatronTrainingEngine:
             )
         if batching.gradient_checkpointing and not torch.cuda.is_available():
             raise NotImplementedError("megatron activation recompute saves CUDA RNG state: it needs a GPU")
-        if transformer_impl == "transformer_engine" and not MP.has_module("transformer_engine"):
+        if transformer_impl == "transformer_engine" and not has_module("transformer_engine"):
             raise ImportError("transformer_impl='transformer_engine' needs transformer_engine (GPU); use 'local'")
         torch.manual_seed(seed)
         self.role, self.optim, self.batching, self.loss = role, optim, batching, loss
