@@ -10,7 +10,7 @@ import torch
 from tensordict import TensorDict
 
 from engines import types as T
-from engines.actor_group import ActorGroup, GroupSpec
+from engines.actor_group import ActorGroup, GroupSpec, worker_env
 from engines.types import Prompt, SamplingParams
 from engines.weight_sync import bucketize, decode_bucket, sync_weights_local, sync_weights_ray
 
@@ -75,6 +75,13 @@ def test_dispatch_modes_and_mesh(ray_session) -> None:
     again = ActorGroup(spec, namespace="rlstages-tests")  # a retried task finds the same named actors
     assert again.all(30).whoami() == pids
     group.kill()
+
+
+def test_worker_env_lets_openmp_spin_only_when_asked() -> None:
+    assert worker_env(2)["OMP_WAIT_POLICY"] == "PASSIVE"
+    spin = worker_env(2, omp_passive=False)
+    assert "OMP_WAIT_POLICY" not in spin  # libgomp's default: spin briefly, then sleep
+    assert spin["OMP_NUM_THREADS"] == "2" and spin["MALLOC_MMAP_MAX_"] == "0"
 
 
 def test_pp_as_dp_splits_over_pipeline_stages(ray_session) -> None:

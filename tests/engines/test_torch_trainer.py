@@ -69,18 +69,40 @@ def test_accumulation_equals_one_big_batch(tiny_model_dir: Path, batch) -> None:
         assert torch.allclose(grad_small, grad_big, atol=1e-7, rtol=1e-4)
 
 
-def test_length_sorted_micro_batches_pad_less_and_restore_order(batch) -> None:
+def varied_lengths(batch):
+    """The batch with row i's response cut to 1 + (5 * i) % 8 tokens (its rollout log-probs stay valid for the
+    prefix): lengths interleave, so sorting reorders rows and changes the padding."""
+    from engines.rollout.batching import build_rollout_batch
+
+    keep = [1 + (5 * i) % 8 for i in range(batch.batch_size[0])]
+    responses = [batch[T.RESPONSE_IDS][i, :k].tolist() for i, k in enumerate(keep)]
+    logprobs = [batch[T.ROLLOUT_LOGPROBS][i, :k].tolist() for i, k in enumerate(keep)]
+    n = 4
+    prompts = PROMPTS[: batch.batch_size[0] // n]
+    prompt_ids = [
+        batch[T.PROMPT_IDS][i * n][batch[T.ATTENTION_MASK][i * n, : batch[T.PROMPT_IDS].shape[1]] > 0].tolist()
+        for i in range(len(prompts))
+    ]
+    return build_rollout_batch(prompts, prompt_ids, responses, logprobs, ["" for _ in keep], n, pad_id=0)
+
+
+def test_length_sorted_micro_batches_pad_less_and_restore_order(tiny_model_dir: Path, batch) -> None:
     from engines.training.microbatch import by_length, micro_batches
 
-    rows, restore = by_length(batch)
+    varied = varied_lengths(batch)
+    rows, restore = by_length(varied)
     lengths = rows[T.ATTENTION_MASK].sum(-1)
     assert bool((lengths[1:] >= lengths[:-1]).all())
-    assert torch.equal(rows[restore][T.RESPONSE_IDS], batch[T.RESPONSE_IDS])
+    assert not torch.equal(rows[T.RESPONSE_IDS], varied[T.RESPONSE_IDS])  # the sort really moved rows
+    assert torch.equal(rows[restore][T.RESPONSE_IDS], varied[T.RESPONSE_IDS])
 
     def padded(b) -> int:
         return sum(mb[T.ATTENTION_MASK].numel() for mb in micro_batches(b, 4))
 
-    assert padded(rows) <= padded(batch)
+    assert padded(rows) < padded(varied)
+    out = trainer(tiny_model_dir).logprobs(varied)  # computed on sorted micro-batches, returned in row order
+    diff = (out["logprobs"] - varied[T.ROLLOUT_LOGPROBS]).abs() * varied[T.RESPONSE_MASK]
+    assert diff.max() < 1e-4
 
 
 def test_dynamic_batching_same_update(tiny_model_dir: Path, batch) -> None:
