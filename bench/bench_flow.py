@@ -16,7 +16,7 @@ from bench.common import report, small_model
 
 
 def _config(tmp: Path, model: Path, name: str, steps: int, tokens: int):  # type: ignore[no-untyped-def]
-    from configs import load_config
+    from rlstages.configs import load_config
 
     root = Path(__file__).resolve().parents[1]
     return load_config(
@@ -42,9 +42,9 @@ def _config(tmp: Path, model: Path, name: str, steps: int, tokens: int):  # type
 
 def bare_loop(cfg, steps: int) -> float:  # type: ignore[no-untyped-def]
     """Seconds per iteration of the stage functions without Prefect (after one warm-up iteration)."""
-    from tasks import advantage, reward, rollout, run, update
-    from tasks.advantage import initial_kl_state
-    from tasks.workers import build_workers, forget_workers
+    from rlstages.tasks import advantage, reward, rollout, run, update
+    from rlstages.tasks.advantage import initial_kl_state
+    from rlstages.tasks.workers import build_workers, forget_workers
 
     handle = run.prepare_run.fn(cfg)
     build_workers(cfg, handle)
@@ -65,7 +65,7 @@ def flow_iterations(cfg, steps: int) -> float:  # type: ignore[no-untyped-def]
     """Seconds per iteration of the Prefect flow, from MLflow's step timestamps (after the first step)."""
     from mlflow import MlflowClient
 
-    from flows.train import rl_post_train
+    from rlstages.flows.train import rl_post_train
 
     rl_post_train(cfg)
     client = MlflowClient(cfg.tracking.tracking_uri)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from bench.common import best_of, report, small_model
-from engines.rollout.hf_rollout import HFRolloutEngine
-from engines.types import Prompt, SamplingParams
+from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
+from rlstages.engines.types import Prompt, SamplingParams
 
 
 def main(batch: int = 32, new_tokens: int = 48) -> None:

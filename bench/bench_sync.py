@@ -12,12 +12,12 @@ import ray
 import torch
 
 from bench.common import best_of, report, small_model
-from engines.actor_group import ActorGroup, GroupSpec
-from engines.training.torch_trainer import TorchTrainingEngine
-from engines.weight_sync import sync_weights_ray
+from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
+from rlstages.engines.runtime.weight_sync import sync_weights_ray
+from rlstages.engines.training.torch_trainer import TorchTrainingEngine
 
-TRAINER = "engines.training.torch_trainer:TorchTrainingEngine"
-ROLLOUT = "engines.rollout.hf_rollout:HFRolloutEngine"
+TRAINER = "rlstages.engines.training.torch_trainer:TorchTrainingEngine"
+ROLLOUT = "rlstages.engines.rollout.hf_rollout:HFRolloutEngine"
 
 
 def _group(name: str, engine: str, **kwargs: object) -> ActorGroup:
@@ -32,7 +32,7 @@ def measure(path: Path, local: TorchTrainingEngine, dtype: str) -> list[tuple[st
     rollout = _group(f"bench-rollout-{dtype}", ROLLOUT, **rollout_kwargs)
     hybrid = _group(
         f"bench-hybrid-{dtype}",
-        "engines.hybrid:HybridEngine",
+        "rlstages.engines.runtime.hybrid:HybridEngine",
         trainer=TRAINER,
         trainer_kwargs={"model_path": str(path)},
         rollout=ROLLOUT,

@@ -15,7 +15,7 @@ from rich.table import Table
 
 def small_model(hidden: int = 256, layers: int = 4, vocab: int = 2048, name: str = "bench-model") -> Path:
     """A random Qwen2 of a few million parameters, built once into the temp dir."""
-    from engines.models import build_tiny_model
+    from rlstages.engines.models import build_tiny_model
 
     path = Path(tempfile.gettempdir()) / f"rlstages-{name}-{hidden}x{layers}"
     if not (path / "config.json").is_file():

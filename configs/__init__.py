@@ -3,7 +3,7 @@
 Imports nothing of ours; engines receive small pieces of it, never the whole tree.
 """
 
-from configs.loader import ConfigError, config_hash, flatten, load_config, to_yaml
-from configs.run import RunConfig
+from rlstages.configs.loader import ConfigError, config_hash, flatten, load_config, to_yaml
+from rlstages.configs.run import RunConfig
 
 __all__ = ["ConfigError", "RunConfig", "config_hash", "flatten", "load_config", "to_yaml"]

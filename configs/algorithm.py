@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from configs.base import StrictModel
+from rlstages.configs.base import StrictModel
 
 AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from configs.run import RunConfig
+from rlstages.configs.run import RunConfig
 
 _TAGS = ("backend", "kind")
 

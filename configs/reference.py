@@ -1,4 +1,4 @@
-"""Generate the config reference (markdown) from the pydantic schema: `python -m configs.reference`.
+"""Generate the config reference (markdown) from the pydantic schema: `python -m rlstages.configs.reference`.
 
 The README's reference is this output, and a test keeps docs/config-reference.md in step with the code.
 """
@@ -12,7 +12,7 @@ from typing import Any, get_args, get_origin
 
 from pydantic import BaseModel
 
-from configs.run import RunConfig
+from rlstages.configs.run import RunConfig
 
 
 def _type_name(annotation: Any) -> str:
@@ -77,7 +77,7 @@ def main() -> None:
     header = [
         "# Config reference",
         "",
-        "Generated from the schema by `python -m configs.reference`; "
+        "Generated from the schema by `python -m rlstages.configs.reference`; "
         "sections with several backends list each backend's options.",
         "",
     ]

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from configs.base import StrictModel
+from rlstages.configs.base import StrictModel
 
 
 class SamplingConfig(StrictModel):

@@ -8,13 +8,13 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from configs.algorithm import AlgorithmConfig
-from configs.base import StrictModel
-from configs.data import DataConfig
-from configs.model import ModelConfig
-from configs.reward import RewardConfig
-from configs.rollout import RolloutConfig, rollout_tp
-from configs.training import MegatronTrainingConfig, ReferenceConfig, TrainingConfig
+from rlstages.configs.algorithm import AlgorithmConfig
+from rlstages.configs.base import StrictModel
+from rlstages.configs.data import DataConfig
+from rlstages.configs.model import ModelConfig
+from rlstages.configs.reward import RewardConfig
+from rlstages.configs.rollout import RolloutConfig, rollout_tp
+from rlstages.configs.training import MegatronTrainingConfig, ReferenceConfig, TrainingConfig
 
 GROUP_ESTIMATORS = {"grpo", "rloo", "reinforce_pp_baseline"}
 StageName = Literal[

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from configs.base import StrictModel
+from rlstages.configs.base import StrictModel
 
 
 class OptimConfig(StrictModel):

@@ -1,6 +1,6 @@
 """The engine Protocols: what every backend of a kind implements. No logic lives here.
 
-Engines are plain classes (no Ray decorators); `engines.actor_group` makes them Ray actors from outside,
+Engines are plain classes (no Ray decorators); `runtime.actor_group` makes them Ray actors from outside,
 and unit tests run them in-process.
 """
 
@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from tensordict import TensorDict
 
-from engines.types import Prompt, SamplingParams
+from rlstages.engines.types import Prompt, SamplingParams
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -23,7 +23,7 @@ class RolloutEngine(Protocol):
     """Generates n samples per prompt with per-token log-probs, and takes new weights in place."""
 
     def generate(self, prompts: list[Prompt], sampling: SamplingParams, seed: int) -> TensorDict:
-        """Sample `sampling.n` responses per prompt; returns a batch with the fields of `engines.types`."""
+        """Sample `sampling.n` responses per prompt; returns a batch with the fields of `rlstages.engines.types`."""
         ...
 
     def update_weights(self, named_tensors: NamedTensors) -> None:

@@ -10,18 +10,18 @@ from __future__ import annotations
 import importlib.util
 
 ROLLOUT_ENGINES: dict[str, str] = {
-    "hf": "engines.rollout.hf_rollout:HFRolloutEngine",
-    "vllm": "engines.rollout.vllm_rollout:VLLMRolloutEngine",
-    "sglang": "engines.rollout.sglang_rollout:SGLangRolloutEngine",
+    "hf": "rlstages.engines.rollout.hf_rollout:HFRolloutEngine",
+    "vllm": "rlstages.engines.rollout.vllm_rollout:VLLMRolloutEngine",
+    "sglang": "rlstages.engines.rollout.sglang_rollout:SGLangRolloutEngine",
 }
 TRAINING_ENGINES: dict[str, str] = {
-    "torch": "engines.training.torch_trainer:TorchTrainingEngine",
-    "deepspeed": "engines.training.deepspeed_trainer:DeepSpeedTrainingEngine",
-    "megatron": "engines.training.megatron_trainer:MegatronTrainingEngine",
+    "torch": "rlstages.engines.training.torch_trainer:TorchTrainingEngine",
+    "deepspeed": "rlstages.engines.training.deepspeed_trainer:DeepSpeedTrainingEngine",
+    "megatron": "rlstages.engines.megatron.trainer:MegatronTrainingEngine",
 }
 REWARD_ENGINES: dict[str, str] = {
-    "functions": "engines.rewards.scorer:RewardScorer",
-    "model": "engines.rewards.reward_model:RewardModelEngine",
+    "functions": "rlstages.engines.rewards.scorer:RewardScorer",
+    "model": "rlstages.engines.rewards.reward_model:RewardModelEngine",
 }
 
 

@@ -3,7 +3,7 @@
     rlstages convert HF_DIR OUT_DIR --tp 2 --pp 2 [--vpp 2] [--verify] [--dist-checkpoint]
     rlstages export MCORE_DIR OUT_DIR [--overwrite]
 
-The conversion task is cached (see `tasks.convert`): converting the same inputs to the same layout again,
+The conversion task is cached (see `rlstages.tasks.convert`): converting the same inputs to the same layout again,
 even from a new flow run, does no work. `--verify` adds the parity gate (needs megatron-core).
 `convert_command` / `export_command` are registered on the `rlstages` app by `flows/cli.py`.
 """
@@ -19,7 +19,7 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from rich.console import Console
 
-from tasks.convert import (
+from rlstages.tasks.convert import (
     check_conversion_inputs,
     check_export_inputs,
     convert_checkpoint,

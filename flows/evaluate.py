@@ -6,13 +6,13 @@ from pathlib import Path
 
 from prefect import flow
 
-from configs import RunConfig
-from tasks.checkpoint import latest_checkpoint, restore_engines
-from tasks.context import RunHandle
-from tasks.evaluate import run_eval
-from tasks.rollout import sync_weights
-from tasks.run import run_dir
-from tasks.workers import build_workers, forget_workers
+from rlstages.configs import RunConfig
+from rlstages.tasks.checkpoint import latest_checkpoint, restore_engines
+from rlstages.tasks.context import RunHandle
+from rlstages.tasks.evaluate import run_eval
+from rlstages.tasks.rollout import sync_weights
+from rlstages.tasks.run import run_dir
+from rlstages.tasks.workers import build_workers, forget_workers
 
 
 @flow(name="rl-evaluate", validate_parameters=True)

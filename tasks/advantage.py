@@ -11,10 +11,10 @@ import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from configs import RunConfig
-from engines import algorithms as A
-from engines import types as T
-from tasks.context import RunHandle
+from rlstages.configs import RunConfig
+from rlstages.engines import algorithms as A
+from rlstages.engines import types as T
+from rlstages.tasks.context import RunHandle
 
 _FIELDS = {"actor_logprobs": T.OLD_LOGPROBS, "ref_logprobs": T.REF_LOGPROBS, "critic_values": T.VALUES}
 

@@ -19,13 +19,13 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from configs import RunConfig
-from engines.training.state_io import atomic_write_text
-from tasks import tracking
-from tasks.context import RunHandle
-from tasks.faults import maybe_fail
-from tasks.policies import guard_workers
-from tasks.workers import get_workers
+from rlstages.configs import RunConfig
+from rlstages.engines.training.state_io import atomic_write_text
+from rlstages.tasks import tracking
+from rlstages.tasks.context import RunHandle
+from rlstages.tasks.faults import maybe_fail
+from rlstages.tasks.policies import guard_workers
+from rlstages.tasks.workers import get_workers
 
 MANIFEST = "manifest.json"
 DRIVER_STATE = "driver_state.json"

@@ -4,7 +4,7 @@
 the output path): a second run on the same inputs, even in a new flow run, is a cache hit that does no
 work. The result is persisted (only the output path string), and the key is dropped when the output
 directory it points to is gone or no longer holds that conversion, so a cache hit never returns a stale path.
-The heavy lifting is `engines.convert`; megatron-core is only reached through it (parity, dist checkpoint).
+The heavy lifting is `rlstages.engines.convert`; megatron-core is only reached through it (parity, dist checkpoint).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
-from engines.convert import (
+from rlstages.engines.convert import (
     ConversionSpec,
     convert_hf_to_mcore,
     convert_mcore_to_hf,
@@ -30,9 +30,10 @@ from engines.convert import (
     read_hf_config,
     read_manifest,
 )
-from engines.convert.manifest import MANIFEST
-from engines.convert.safetensors_io import new_checksum
-from tasks.policies import retry_condition
+from rlstages.engines.convert.manifest import MANIFEST
+from rlstages.engines.convert.safetensors_io import new_checksum
+from rlstages.engines.megatron.dist_ckpt import dist_checkpoint_writer
+from rlstages.tasks.policies import retry_condition
 
 KEY_VERSION = "rlstages-convert/1"
 DEFAULTS: dict[str, Any] = {"transformer_impl": "local", "dist_checkpoint": False, "checksum": "crc32"}
@@ -163,7 +164,8 @@ def convert_checkpoint(
     with _progress_bar(progress, f"convert {Path(hf_dir).name} -> tp{tp} pp{pp}") as report:
         convert_hf_to_mcore(
             hf_dir, out, tp, pp, vpp, transformer_impl=transformer_impl,  # type: ignore[arg-type]
-            dist_checkpoint=dist_checkpoint, overwrite=True, checksum=checksum, input_digests=input_digests(hf_dir),
+            extra_outputs=dist_checkpoint_writer() if dist_checkpoint else None, overwrite=True,
+            checksum=checksum, input_digests=input_digests(hf_dir),
             manifest_extra={"cache_key": key}, progress=report,
         )  # fmt: skip
     return str(out)
@@ -172,7 +174,7 @@ def convert_checkpoint(
 @task(name="verify_conversion", cache_policy=NO_CACHE)
 def verify_conversion(hf_dir: str, out_dir: str) -> dict[str, Any]:
     """Parity gate: Megatron-Core logits of the converted checkpoint vs the HF model's (needs megatron-core)."""
-    from engines.convert import verify_parity
+    from rlstages.engines.megatron.parity import verify_parity
 
     return verify_parity(out_dir, hf_dir).to_dict()
 

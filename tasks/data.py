@@ -10,8 +10,8 @@ import json
 import random
 from functools import lru_cache
 
-from configs.data import AdditionTaskConfig, DataConfig, JsonlDataConfig
-from engines.types import Prompt
+from rlstages.configs.data import AdditionTaskConfig, DataConfig, JsonlDataConfig
+from rlstages.engines.types import Prompt
 
 Row = tuple[str, str]
 

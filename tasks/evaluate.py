@@ -11,16 +11,16 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from configs import RunConfig
-from engines import types as T
-from engines.types import SamplingParams
-from tasks import tracking
-from tasks.context import RunHandle, derive_seed
-from tasks.data import eval_prompts
-from tasks.policies import guard_workers
-from tasks.reward import score_batch
-from tasks.rollout import sampling
-from tasks.workers import get_workers
+from rlstages.configs import RunConfig
+from rlstages.engines import types as T
+from rlstages.engines.types import SamplingParams
+from rlstages.tasks import tracking
+from rlstages.tasks.context import RunHandle, derive_seed
+from rlstages.tasks.data import eval_prompts
+from rlstages.tasks.policies import guard_workers
+from rlstages.tasks.reward import score_batch
+from rlstages.tasks.rollout import sampling
+from rlstages.tasks.workers import get_workers
 
 
 def run_eval(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tasks.context import RunHandle
+from rlstages.tasks.context import RunHandle
 
 ENV = "RLSTAGES_FAULTS"
 

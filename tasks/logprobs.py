@@ -10,13 +10,13 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from tensordict import TensorDict
 
-from configs import RunConfig
-from engines import types as T
-from engines.actor_group import ActorGroup
-from engines.algorithms import masked_mean
-from tasks.context import RunHandle
-from tasks.policies import guard_workers
-from tasks.workers import get_workers
+from rlstages.configs import RunConfig
+from rlstages.engines import types as T
+from rlstages.engines.algorithms import masked_mean
+from rlstages.engines.runtime.actor_group import ActorGroup
+from rlstages.tasks.context import RunHandle
+from rlstages.tasks.policies import guard_workers
+from rlstages.tasks.workers import get_workers
 
 
 def _write(run: RunHandle, step: int, stage: str, key: str, value: TensorDict | object) -> None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from configs import RunConfig
-from engines.actor_group import GroupSpec, Placement
-from tasks.context import RunHandle
+from rlstages.configs import RunConfig
+from rlstages.engines.runtime.actor_group import GroupSpec, Placement
+from rlstages.tasks.context import RunHandle
 
 RESERVED_ROLES = ("actor", "rollout", "reference", "critic")
 

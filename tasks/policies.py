@@ -13,7 +13,7 @@ import errno
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from configs.run import StagePolicy
+from rlstages.configs.run import StagePolicy
 
 F = TypeVar("F")
 

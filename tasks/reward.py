@@ -11,13 +11,13 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from tensordict import TensorDict
 
-from configs import RunConfig
-from engines import types as T
-from engines.algorithms import overlong_penalty
-from tasks.context import RunHandle
-from tasks.faults import maybe_fail
-from tasks.policies import guard_workers
-from tasks.workers import Workers, get_workers
+from rlstages.configs import RunConfig
+from rlstages.engines import types as T
+from rlstages.engines.algorithms import overlong_penalty
+from rlstages.tasks.context import RunHandle
+from rlstages.tasks.faults import maybe_fail
+from rlstages.tasks.policies import guard_workers
+from rlstages.tasks.workers import Workers, get_workers
 
 
 def score_batch(

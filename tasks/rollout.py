@@ -7,15 +7,15 @@ import time
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from configs import RunConfig
-from engines import types as T
-from engines.types import SamplingParams
-from engines.weight_sync import sync_weights_local, sync_weights_ray
-from tasks.context import RunHandle, derive_seed
-from tasks.data import prompts_for_step
-from tasks.faults import maybe_fail
-from tasks.policies import guard_workers
-from tasks.workers import get_workers
+from rlstages.configs import RunConfig
+from rlstages.engines import types as T
+from rlstages.engines.runtime.weight_sync import sync_weights_local, sync_weights_ray
+from rlstages.engines.types import SamplingParams
+from rlstages.tasks.context import RunHandle, derive_seed
+from rlstages.tasks.data import prompts_for_step
+from rlstages.tasks.faults import maybe_fail
+from rlstages.tasks.policies import guard_workers
+from rlstages.tasks.workers import get_workers
 
 BUCKET_BYTES = 256 << 20
 

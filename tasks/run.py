@@ -16,18 +16,18 @@ from prefect import task
 from prefect.artifacts import create_link_artifact
 from prefect.cache_policies import NO_CACHE
 
-from configs import RunConfig, config_hash, to_yaml
-from configs.training import MegatronTrainingConfig
-from engines.models import ensure_model
-from engines.training.state_io import atomic_write_text
-from tasks import tracking
-from tasks.advantage import initial_kl_state
-from tasks.checkpoint import driver_state, latest_checkpoint, restore_engines
-from tasks.context import RunHandle
-from tasks.data import cursor
-from tasks.policies import guard_workers
-from tasks.rollout import sync_weights
-from tasks.workers import build_workers, converted_dir, forget_workers, get_workers
+from rlstages.configs import RunConfig, config_hash, to_yaml
+from rlstages.configs.training import MegatronTrainingConfig
+from rlstages.engines.models import ensure_model
+from rlstages.engines.training.state_io import atomic_write_text
+from rlstages.tasks import tracking
+from rlstages.tasks.advantage import initial_kl_state
+from rlstages.tasks.checkpoint import driver_state, latest_checkpoint, restore_engines
+from rlstages.tasks.context import RunHandle
+from rlstages.tasks.data import cursor
+from rlstages.tasks.policies import guard_workers
+from rlstages.tasks.rollout import sync_weights
+from rlstages.tasks.workers import build_workers, converted_dir, forget_workers, get_workers
 
 RUN_STATE = "run_state.json"
 
@@ -149,7 +149,7 @@ def convert_for_training(cfg: RunConfig, run: RunHandle) -> str | None:
     out = converted_dir(cfg)
     if out is None:
         return None
-    from tasks.convert import convert_checkpoint
+    from rlstages.tasks.convert import convert_checkpoint
 
     a = cfg.actor
     assert isinstance(a, MegatronTrainingConfig)

@@ -17,7 +17,7 @@ import mlflow
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 
-from configs import RunConfig, config_hash, flatten, to_yaml
+from rlstages.configs import RunConfig, config_hash, flatten, to_yaml
 
 STEP_KEY = "progress/step"
 _LAST_STEP: dict[str, int] = {}

@@ -7,13 +7,13 @@ import time
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from configs import RunConfig
-from engines import types as T
-from engines.actor_group import ActorGroup
-from tasks.context import RunHandle
-from tasks.faults import maybe_fail
-from tasks.policies import guard_workers
-from tasks.workers import get_workers
+from rlstages.configs import RunConfig
+from rlstages.engines import types as T
+from rlstages.engines.runtime.actor_group import ActorGroup
+from rlstages.tasks.context import RunHandle
+from rlstages.tasks.faults import maybe_fail
+from rlstages.tasks.policies import guard_workers
+from rlstages.tasks.workers import get_workers
 
 
 def _train(cfg: RunConfig, run: RunHandle, step: int, group: ActorGroup, stage: str, prefix: str) -> dict[str, float]:

@@ -12,16 +12,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from configs.rollout import HFRolloutConfig, SGLangRolloutConfig, VLLMRolloutConfig
-from configs.run import RunConfig
-from configs.training import MegatronTrainingConfig, TorchTrainingConfig
-from engines.actor_group import ActorGroup, GroupSpec
-from engines.algorithms import PolicyLossParams
-from engines.models import PLUGINS_ENV, import_plugins
-from engines.registry import REWARD_ENGINES, ROLLOUT_ENGINES, TRAINING_ENGINES, engine_path, missing_package
-from engines.training.torch_trainer import BatchingParams, OptimParams
-from tasks.context import RunHandle
-from tasks.placement import place, release
+from rlstages.configs.rollout import HFRolloutConfig, SGLangRolloutConfig, VLLMRolloutConfig
+from rlstages.configs.run import RunConfig
+from rlstages.configs.training import MegatronTrainingConfig, TorchTrainingConfig
+from rlstages.engines.algorithms import PolicyLossParams
+from rlstages.engines.models import PLUGINS_ENV, import_plugins
+from rlstages.engines.registry import REWARD_ENGINES, ROLLOUT_ENGINES, TRAINING_ENGINES, engine_path, missing_package
+from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
+from rlstages.engines.training.torch_trainer import BatchingParams, OptimParams
+from rlstages.tasks.context import RunHandle
+from rlstages.tasks.placement import place, release
 
 _COMMON_TRAINING = set(TorchTrainingConfig.model_fields)
 
@@ -94,7 +94,7 @@ def missing_backend_package(cfg: RunConfig) -> str | None:
     """A one-line error for the first chosen backend whose package this machine lacks. Only when Ray starts
     here (a remote cluster's workers have their own packages); vLLM in its own venv (`rollout.python` or
     .venv-vllm) is the venv's business."""
-    from engines.rollout.vllm_rollout import default_vllm_python
+    from rlstages.engines.rollout.vllm_rollout import default_vllm_python
 
     if cfg.cluster.mode == "ray" and (cfg.cluster.address or os.environ.get("RAY_ADDRESS")):
         return None
@@ -120,7 +120,7 @@ def rollout_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
     if isinstance(r, HFRolloutConfig):
         kwargs.update(batch_size=r.batch_size, model_type=cfg.model.model_type)
     elif isinstance(r, VLLMRolloutConfig):
-        from engines.rollout.vllm_rollout import vllm_actor_options
+        from rlstages.engines.rollout.vllm_rollout import vllm_actor_options
 
         kwargs.update(
             tensor_parallel_size=r.tensor_parallel_size,
@@ -259,7 +259,7 @@ def reward_model_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec | None:
 
 
 def hybrid_spec(trainer: GroupSpec, rollout: GroupSpec) -> GroupSpec:
-    """One group whose ranks hold both the trainer and a rollout engine (`engines.hybrid.HybridEngine`)."""
+    """One group whose ranks hold both the trainer and a rollout engine (`runtime.hybrid.HybridEngine`)."""
     kwargs = {
         "trainer": trainer.engine,
         "trainer_kwargs": trainer.kwargs,
@@ -270,7 +270,7 @@ def hybrid_spec(trainer: GroupSpec, rollout: GroupSpec) -> GroupSpec:
     return replace(
         trainer,
         name=trainer.name.replace("-actor", "-hybrid"),
-        engine="engines.hybrid:HybridEngine",
+        engine="rlstages.engines.runtime.hybrid:HybridEngine",
         kwargs=kwargs,
         resources={**rollout.resources, **trainer.resources},
         extra_options=options,

@@ -40,7 +40,7 @@ def session_tmp() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(session_tmp: Path) -> Path:
     """A random-init Qwen2 (hidden 64, 2 layers, GQA 4/2, QKV bias) with a char tokenizer, saved once."""
-    from engines.models import build_tiny_model
+    from rlstages.engines.models import build_tiny_model
 
     path = session_tmp / "tiny-qwen2"
     if not (path / "config.json").is_file():

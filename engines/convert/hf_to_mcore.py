@@ -15,19 +15,24 @@ about one layer plus the tensors in flight, never the whole model. Output layout
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engines.convert.manifest import HF_FILES_DIR, WEIGHT_INDEX, atomic_directory, copy_hf_side_files, write_manifest
-from engines.convert.ops import Converted
-from engines.convert.safetensors_io import Planned, PlannedWriter, Reader, new_checksum
-from engines.convert.sharding import chunk_prefix, pad_vocab, split_tp, tp_kind
-from engines.convert.spec import SPEC_FILE, ConversionSpec, TransformerImpl
-from engines.convert.stream import ConversionError, HfToMcore
-from engines.registry import has_module
+from rlstages.engines.convert.manifest import (
+    HF_FILES_DIR,
+    WEIGHT_INDEX,
+    atomic_directory,
+    copy_hf_side_files,
+    write_manifest,
+)
+from rlstages.engines.convert.ops import Converted
+from rlstages.engines.convert.safetensors_io import Planned, PlannedWriter, Reader, new_checksum
+from rlstages.engines.convert.sharding import chunk_prefix, pad_vocab, split_tp, tp_kind
+from rlstages.engines.convert.spec import SPEC_FILE, ConversionSpec, TransformerImpl
+from rlstages.engines.convert.stream import ConversionError, HfToMcore
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 RankTensor = tuple[int, int, str, torch.Tensor]  # (tp_rank, pp_rank, name in the rank file, shard)
@@ -120,7 +125,7 @@ def convert_hf_to_mcore(
     *,
     transformer_impl: TransformerImpl = "local",
     vocab_divisible_by: int = 1,
-    dist_checkpoint: bool = False,
+    extra_outputs: Mapping[str, Callable[[Path, Path], None]] | None = None,
     overwrite: bool = False,
     fsync: bool = True,
     checksum: str = "crc32",
@@ -130,14 +135,13 @@ def convert_hf_to_mcore(
 ) -> Path:
     """Convert an HF model directory to Megatron-Core rank files under `out_path`; returns `out_path`.
 
-    `dist_checkpoint=True` also writes megatron-core's `dist_checkpointing` format (needs megatron-core);
+    `extra_outputs` maps a subdirectory name to a writer `(conversion_dir, subdir)` run inside the atomic
+    directory before the manifest (e.g. megatron's dist checkpoint: `megatron.dist_ckpt.save_dist_checkpoint`);
     `checksum` ("crc32", "sha256" or "none") is taken while writing; `input_digests` and `manifest_extra` are
     recorded in the manifest. Nothing is left at `out_path` when the conversion fails.
     """
     hf_dir, out = Path(hf_path), Path(out_path)
     new_checksum(checksum)  # an unknown algorithm fails before any work
-    if dist_checkpoint and not has_module("megatron.core"):
-        raise ImportError("dist_checkpoint=True needs megatron-core: pip install 'rlstages[megatron]'")
     spec = ConversionSpec.from_hf_config(read_hf_config(hf_dir), tp, pp, vpp, transformer_impl, vocab_divisible_by)
     readers = [Reader(f) for f in hf_weight_files(hf_dir)]
     plans: dict[tuple[int, int], list[Planned]] = {(t, p): [] for t in range(spec.tp) for p in range(spec.pp)}
@@ -147,10 +151,8 @@ def convert_hf_to_mcore(
         checksums = _write_ranks(spec, readers, plans, tmp, fsync, checksum, progress)
         (tmp / SPEC_FILE).write_text(json.dumps(spec.to_json(), indent=2, sort_keys=True))
         copy_hf_side_files(hf_dir, tmp / HF_FILES_DIR)
-        if dist_checkpoint:
-            from engines.convert.dist_ckpt import save_dist_checkpoint
-
-            save_dist_checkpoint(tmp, tmp / "dist_ckpt")
+        for name, write in (extra_outputs or {}).items():
+            write(tmp, tmp / name)
         info = {
             "direction": "hf_to_mcore",
             "template": spec.template.hf_model_type,
@@ -158,7 +160,7 @@ def convert_hf_to_mcore(
             "pp": spec.pp,
             "vpp": spec.vpp,
             "transformer_impl": spec.transformer_impl,
-            "dist_checkpoint": "dist_ckpt" if dist_checkpoint else None,
+            "extra_outputs": sorted(extra_outputs or {}),
             "inputs": {r.path.name: (input_digests or {}).get(r.path.name) for r in readers},
             **(manifest_extra or {}),
         }
@@ -192,3 +194,15 @@ def _write_ranks(
     finally:
         for r in readers:
             r.close()
+
+
+def load_rank_chunk(
+    mcore_dir: Path, spec: ConversionSpec, tp_rank: int, pp_rank: int, vp_stage: int
+) -> dict[str, torch.Tensor]:
+    """The state dict of one model chunk of one rank, as GPTModel names it."""
+    reader = Reader(mcore_dir / rank_file(tp_rank, pp_rank, spec.pp), use_mmap=False)
+    prefix = chunk_prefix(vp_stage, spec.vpp)
+    try:
+        return {n[len(prefix) :]: reader.get(n) for n in reader if n.startswith(prefix)}
+    finally:
+        reader.close()

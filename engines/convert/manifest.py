@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from engines.convert.safetensors_io import checksum_enabled, file_checksum
+from rlstages.engines.convert.safetensors_io import checksum_enabled, file_checksum
 
 MANIFEST = "manifest.json"
 FORMAT = "rlstages-mcore/1"

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from engines.convert.hf_to_mcore import Progress, rank_file
-from engines.convert.manifest import HF_FILES_DIR, WEIGHT_INDEX, atomic_directory, write_manifest
-from engines.convert.safetensors_io import Planned, PlannedWriter, Reader, new_checksum
-from engines.convert.sharding import chunk_prefix, merge_tp, tp_kind
-from engines.convert.spec import ConversionSpec
-from engines.convert.stream import McoreToHf
+from rlstages.engines.convert.hf_to_mcore import Progress, rank_file
+from rlstages.engines.convert.manifest import HF_FILES_DIR, WEIGHT_INDEX, atomic_directory, write_manifest
+from rlstages.engines.convert.safetensors_io import Planned, PlannedWriter, Reader, new_checksum
+from rlstages.engines.convert.sharding import chunk_prefix, merge_tp, tp_kind
+from rlstages.engines.convert.spec import ConversionSpec
+from rlstages.engines.convert.stream import McoreToHf
 
 RankStateDicts = Mapping[tuple[int, int], Mapping[str, torch.Tensor]]
 HfTensors = Iterator[tuple[str, torch.Tensor]]

@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from engines.convert.ops import RowConcat
+from rlstages.engines.convert.ops import RowConcat
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.convert.ops import Converted, RowConcat, StackedParts, materialize
+from rlstages.engines.convert.ops import Converted, RowConcat, StackedParts, materialize
 
 LAYER_PREFIX = "decoder.layers."
 EMBEDDING = "embedding.word_embeddings.weight"

@@ -2,7 +2,7 @@
 
 The flat Megatron config holds TransformerConfig fields plus the GPTModel arguments in `GPT_MODEL_KEYS`
 (`padded_vocab_size` is GPTModel's `vocab_size`). It is what `mcore_config.json` stores and what the
-Megatron builders in `engines.megatron_cpu` read. Non-goal: tensors and files.
+Megatron builders in `rlstages.engines.megatron.gpt` read. Non-goal: tensors and files.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from engines.convert.ops import AttentionDims
-from engines.convert.sharding import LayerMap
-from engines.convert.template import Template, get_template, lookup
+from rlstages.engines.convert.ops import AttentionDims
+from rlstages.engines.convert.sharding import LayerMap
+from rlstages.engines.convert.template import Template, lookup
+from rlstages.engines.convert.templates import get_template
 
 TransformerImpl = Literal["local", "transformer_engine"]
 GPT_MODEL_KEYS = {

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from engines.convert.ops import Converted, Stack, WeightOp, fill
-from engines.convert.sharding import EMBEDDING, LAYER_PREFIX, OUTPUT_LAYER, to_local_name, to_te_name
-from engines.convert.spec import ConversionSpec
+from rlstages.engines.convert.ops import Converted, Stack, WeightOp, fill
+from rlstages.engines.convert.sharding import EMBEDDING, LAYER_PREFIX, OUTPUT_LAYER, to_local_name, to_te_name
+from rlstages.engines.convert.spec import ConversionSpec
 
 
 class ConversionError(ValueError):

@@ -1,20 +1,20 @@
 """The template registry: one declarative template per HF `model_type` (ROLL's `register_template` design).
 
 A template says how an HF config maps onto Megatron-Core config fields and which weight ops turn the HF
-tensors into Megatron-Core tensors. Built-in templates live in `engines.convert.templates`; a user adds a
+tensors into Megatron-Core tensors. Built-in templates, and `get_template` that loads them first, live in
+`templates`; a user adds a
 model with one `register_template` call in their own module (see docs/new-model.md).
 Non-goal: reading files or splitting tensors over ranks.
 """
 
 from __future__ import annotations
 
-import importlib
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.convert.ops import WeightOp
+from rlstages.engines.convert.ops import WeightOp
 
 TP_KINDS = ("column", "row", "replicated", "vocab")
 
@@ -114,31 +114,3 @@ def register_template(
     )
     _TEMPLATES[hf_model_type] = template
     return template
-
-
-def get_template(hf_model_type: str, module: str | None = None) -> Template:
-    """The registered template of `hf_model_type`; an error listing the registered ones if there is none.
-
-    `module` (recorded in converted checkpoints) is imported first when the type is not registered yet,
-    so fresh worker processes find user templates.
-    """
-    _load_builtin()
-    if hf_model_type not in _TEMPLATES and module and module != "__main__":
-        importlib.import_module(module)
-    try:
-        return _TEMPLATES[hf_model_type]
-    except KeyError:
-        raise KeyError(
-            f"no conversion template for model_type {hf_model_type!r}; registered: {sorted(_TEMPLATES)}. "
-            "Add one with engines.convert.register_template (docs/new-model.md)"
-        ) from None
-
-
-def registered_templates() -> list[str]:
-    """Names of all registered templates."""
-    _load_builtin()
-    return sorted(_TEMPLATES)
-
-
-def _load_builtin() -> None:
-    import engines.convert.templates  # noqa: F401  (registers llama, qwen2, qwen3, mistral on import)

@@ -1,6 +1,6 @@
 """Built-in templates: llama, qwen2 (QKV bias), qwen3 (q/k norm), mistral.
 
-Megatron names are the local layer spec's; `engines.convert.names` maps them to the Transformer Engine
+Megatron names are the local layer spec's; `rlstages.engines.convert.names` maps them to the Transformer Engine
 spec's fused-norm names when a conversion asks for `transformer_impl="transformer_engine"`.
 Known limit: Mistral's sliding window is not expressed in the Megatron config (the local spec has no
 sliding-window attention), so sequences longer than `sliding_window` differ from HF.
@@ -8,10 +8,11 @@ sliding-window attention), so sequences longer than `sliding_window` differ from
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from engines.convert.ops import QKV, QKVBias, Rename, Stack, WeightOp
-from engines.convert.template import _TEMPLATES, register_template
+from rlstages.engines.convert.ops import QKV, QKVBias, Rename, Stack, WeightOp
+from rlstages.engines.convert.template import _TEMPLATES, Template, register_template
 
 # HF config key -> Megatron config field; for a field listed twice the first HF key present wins.
 DECODER_CONFIG: dict[str, str] = {
@@ -106,3 +107,25 @@ _builtin(
     "model.layers.",
     {**DECODER_CONSTANTS, "add_bias_linear": False, "qk_layernorm": True},
 )
+
+
+def get_template(hf_model_type: str, module: str | None = None) -> Template:
+    """The registered template of `hf_model_type`; an error listing the registered ones if there is none.
+
+    `module` (recorded in converted checkpoints) is imported first when the type is not registered yet,
+    so fresh worker processes find user templates.
+    """
+    if hf_model_type not in _TEMPLATES and module and module != "__main__":
+        importlib.import_module(module)
+    try:
+        return _TEMPLATES[hf_model_type]
+    except KeyError:
+        raise KeyError(
+            f"no conversion template for model_type {hf_model_type!r}; registered: {sorted(_TEMPLATES)}. "
+            "Add one with rlstages.engines.convert.register_template (docs/new-model.md)"
+        ) from None
+
+
+def registered_templates() -> list[str]:
+    """Names of all registered templates."""
+    return sorted(_TEMPLATES)

@@ -3,7 +3,7 @@
 The registry holds strings, not functions, so naming a reward imports only its own module (and so that a
 worker process can resolve the same name). Add an entry to `REWARD_FUNCTIONS` to register a built-in.
 
-Non-goals: calling the functions, timeouts, weighting (see `engines.rewards.scorer`).
+Non-goals: calling the functions, timeouts, weighting (see `rlstages.engines.rewards.scorer`).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import Any
 RewardFn = Callable[..., float | dict[str, float]]
 
 REWARD_FUNCTIONS: dict[str, str] = {
-    "last_integer": "engines.rewards.functions:last_integer",
-    "math_verify": "engines.rewards.functions:math_verify",
-    "exact_match": "engines.rewards.functions:exact_match",
-    "boxed_format": "engines.rewards.functions:boxed_format",
-    "digit_ratio": "engines.rewards.functions:digit_ratio",
+    "last_integer": "rlstages.engines.rewards.functions:last_integer",
+    "math_verify": "rlstages.engines.rewards.functions:math_verify",
+    "exact_match": "rlstages.engines.rewards.functions:exact_match",
+    "boxed_format": "rlstages.engines.rewards.functions:boxed_format",
+    "digit_ratio": "rlstages.engines.rewards.functions:digit_ratio",
 }
 
 

@@ -6,7 +6,7 @@ gets `fallback_score`; both are counted in the metrics and the step goes on. Tas
 of pool overhead each), so 64 samples x a few functions score in milliseconds on a warm pool.
 
 Workers start with "forkserver" (else "spawn"), never "fork": forking a process that holds torch or Ray
-threads can deadlock. Workers resolve functions by name (`engines.rewards.registry`), so a user function
+threads can deadlock. Workers resolve functions by name (`rlstages.engines.rewards.registry`), so a user function
 `package.module:function` must be importable there (installed, or on `sys.path` when the pool starts).
 As with any spawn/forkserver pool, a script that builds a scorer at import time needs the
 `if __name__ == "__main__":` guard (Ray workers, pytest and console entry points are fine).
@@ -16,7 +16,7 @@ dict result's extra key `k` becomes `components["name/k"]` (NaN where missing). 
 (calls that raised, returned a non-score or lost their worker), `reward/timeouts` (calls cut off),
 the same per function as `reward/<name>/failures|timeouts`, `reward/<name>/mean` and `reward/<name>/<k>/mean`.
 
-Non-goals: reward models (`engines.rewards.reward_model`), Ray (the caller wraps this class as an actor).
+Non-goals: reward models (`rlstages.engines.rewards.reward_model`), Ray (the caller wraps this class as an actor).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 
 from pebble import ProcessPool
 
-from engines.rewards.registry import RewardFn, resolve_reward_fn
+from rlstages.engines.rewards.registry import RewardFn, resolve_reward_fn
 
 logger = logging.getLogger(__name__)
 

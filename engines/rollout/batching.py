@@ -1,6 +1,6 @@
 """Shared by every rollout backend: prompt formatting and the assembly of a rollout batch.
 
-All backends return the same contract (`engines.types`): rows grouped by prompt (prompt 0's n samples
+All backends return the same contract (`rlstages.engines.types`): rows grouped by prompt (prompt 0's n samples
 first), left-padded prompts, right-padded responses, `response_mask` over the generated tokens up to and
 including EOS, and the sampled tokens' log-probs.
 
@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from engines import types as T
-from engines.types import Prompt
+from rlstages.engines import types as T
+from rlstages.engines.types import Prompt
 
 
 def format_prompts(

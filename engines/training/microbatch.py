@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from engines import types as T
+from rlstages.engines import types as T
 
 
 def mini_batches(batch: TensorDict, num: int) -> list[TensorDict]:

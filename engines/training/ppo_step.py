@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from engines import algorithms as A
-from engines import types as T
-from engines.training.microbatch import by_length, mini_batches
+from rlstages.engines import algorithms as A
+from rlstages.engines import types as T
+from rlstages.engines.training.microbatch import by_length, mini_batches
 
 SUMMED = {"pg_loss", "entropy", "kl_loss", "vf_loss"}  # partial sums under the global normaliser
 MAXED = {"logprob_diff_max", "kl_coef"}

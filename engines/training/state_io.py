@@ -15,20 +15,14 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from rlstages.engines.utils import atomic_write_text
+
+__all__ = ["atomic_write_text"]
+
 MODEL_FILE = "model.safetensors"
 OPTIM_FILE = "optimizer.safetensors"
 EXTRA_FILE = "trainer_state.json"
 RNG_FILE = "rng.safetensors"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write text via a temp file, fsync and rename."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:

@@ -20,13 +20,13 @@ import torch
 from safetensors.torch import load_file
 from tensordict import TensorDict
 
-from engines import algorithms as A
-from engines import types as T
-from engines.models import load_causal_lm, torch_dtype
-from engines.training import ppo_step as P
-from engines.training import state_io
-from engines.training.microbatch import by_length, micro_batches
-from engines.weight_sync import Bucket, bucketize
+from rlstages.engines import algorithms as A
+from rlstages.engines import types as T
+from rlstages.engines.models import load_causal_lm, torch_dtype
+from rlstages.engines.runtime.weight_sync import Bucket, bucketize
+from rlstages.engines.training import ppo_step as P
+from rlstages.engines.training import state_io
+from rlstages.engines.training.microbatch import by_length, micro_batches
 
 Role = Literal["actor", "critic", "reference"]
 
@@ -90,7 +90,7 @@ def build_model(model_path: str | Path, role: Role, dtype: str, model_type: str 
 
 
 class TorchTrainingEngine:
-    """A model and its optimizer in one process; implements `engines.base.TrainingEngine`."""
+    """A model and its optimizer in one process; implements `rlstages.engines.base.TrainingEngine`."""
 
     def __init__(
         self,
@@ -207,7 +207,7 @@ class TorchTrainingEngine:
         """An HF directory (config, safetensors, tokenizer) of the current weights, for export."""
         self.model.save_pretrained(str(path), safe_serialization=True)
         if tokenizer_from is not None:
-            from engines.models import load_tokenizer
+            from rlstages.engines.models import load_tokenizer
 
             load_tokenizer(tokenizer_from).save_pretrained(str(path))
 

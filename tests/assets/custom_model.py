@@ -2,7 +2,7 @@
 
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from engines.models import register_model
+from rlstages.engines.models import register_model
 
 
 class ScaledQwen2Config(Qwen2Config):

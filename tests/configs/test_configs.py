@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from configs import ConfigError, RunConfig, config_hash, flatten, load_config
-from configs.loader import build_config, read_yaml
+from rlstages.configs import ConfigError, RunConfig, config_hash, flatten, load_config
+from rlstages.configs.loader import build_config, read_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -156,7 +156,7 @@ def test_frozen_and_hash_stable() -> None:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=120
+        [sys.executable, "-m", "rlstages.flows.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
 
 
@@ -174,6 +174,6 @@ def test_cli_config_show_and_errors() -> None:
 
 def test_config_reference_doc_is_current() -> None:
     generated = subprocess.run(
-        [sys.executable, "-m", "configs.reference"], capture_output=True, text=True, cwd=ROOT, check=True
+        [sys.executable, "-m", "rlstages.configs.reference"], capture_output=True, text=True, cwd=ROOT, check=True
     ).stdout
-    assert generated == (ROOT / "docs" / "config-reference.md").read_text(), "run: python -m configs.reference"
+    assert generated == (ROOT / "docs" / "config-reference.md").read_text(), "run: python -m rlstages.configs.reference"

@@ -9,10 +9,10 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from engines import types as T
-from engines.actor_group import ActorGroup, GroupSpec, worker_env
-from engines.types import Prompt, SamplingParams
-from engines.weight_sync import bucketize, decode_bucket, sync_weights_local, sync_weights_ray
+from rlstages.engines import types as T
+from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec, worker_env
+from rlstages.engines.runtime.weight_sync import bucketize, decode_bucket, sync_weights_local, sync_weights_ray
+from rlstages.engines.types import Prompt, SamplingParams
 
 PROMPTS = [Prompt(f"u{i}", f"{i}+1=", str(i + 1)) for i in range(4)]
 
@@ -49,14 +49,16 @@ class Echo:
 def rollout_spec(path: Path, name: str) -> GroupSpec:
     return GroupSpec(
         name=name,
-        engine="engines.rollout.hf_rollout:HFRolloutEngine",
+        engine="rlstages.engines.rollout.hf_rollout:HFRolloutEngine",
         kwargs={"model_path": str(path), "dtype": "float32", "apply_chat_template": False},
     )
 
 
 def trainer_spec(path: Path, name: str) -> GroupSpec:
     return GroupSpec(
-        name=name, engine="engines.training.torch_trainer:TorchTrainingEngine", kwargs={"model_path": str(path)}
+        name=name,
+        engine="rlstages.engines.training.torch_trainer:TorchTrainingEngine",
+        kwargs={"model_path": str(path)},
     )
 
 
@@ -129,7 +131,7 @@ def test_weight_sync_over_ray_keeps_logprobs_in_step(ray_session, tiny_model_dir
 
 
 def test_buckets_round_trip_bf16_and_sizes(tiny_model_dir: Path) -> None:
-    from engines.training.torch_trainer import TorchTrainingEngine
+    from rlstages.engines.training.torch_trainer import TorchTrainingEngine
 
     engine = TorchTrainingEngine(tiny_model_dir)
     weights = dict(engine.named_weights())

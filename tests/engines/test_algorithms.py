@@ -10,7 +10,7 @@ import statistics
 import pytest
 import torch
 
-from engines.algorithms import (
+from rlstages.engines.algorithms import (
     ADV_ESTIMATORS,
     LOSS_AGG_MODES,
     AdaptiveKLController,

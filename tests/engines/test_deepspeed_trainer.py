@@ -22,14 +22,14 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from engines import algorithms as A  # noqa: E402
-from engines import types as T  # noqa: E402
-from engines.actor_group import ActorGroup, GroupSpec  # noqa: E402
-from engines.rollout.hf_rollout import HFRolloutEngine  # noqa: E402
-from engines.training.deepspeed_trainer import DeepSpeedTrainingEngine  # noqa: E402
-from engines.training.torch_trainer import BatchingParams, OptimParams, TorchTrainingEngine  # noqa: E402
-from engines.types import Prompt, SamplingParams  # noqa: E402
-from engines.weight_sync import decode_bucket  # noqa: E402
+from rlstages.engines import algorithms as A  # noqa: E402
+from rlstages.engines import types as T  # noqa: E402
+from rlstages.engines.rollout.hf_rollout import HFRolloutEngine  # noqa: E402
+from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec  # noqa: E402
+from rlstages.engines.runtime.weight_sync import decode_bucket  # noqa: E402
+from rlstages.engines.training.deepspeed_trainer import DeepSpeedTrainingEngine  # noqa: E402
+from rlstages.engines.training.torch_trainer import BatchingParams, OptimParams, TorchTrainingEngine  # noqa: E402
+from rlstages.engines.types import Prompt, SamplingParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXT_DIR = os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
@@ -78,7 +78,7 @@ def batch(tiny_model_dir: Path):
 def wide_model_dir(session_tmp: Path) -> Path:
     """The tiny model widened so ZeRO-3 really partitions: embeddings and MLP matrices (131k elements) exceed
     DeepSpeed's 1e5 persistence threshold (smaller tensors stay whole on every rank). Same tokenizer."""
-    from engines.models import build_tiny_model
+    from rlstages.engines.models import build_tiny_model
 
     path = session_tmp / "wide-qwen2"
     if not (path / "config.json").is_file():
@@ -119,8 +119,8 @@ def snapshot(engine) -> dict[str, torch.Tensor]:
 
 
 def test_constructor_takes_exactly_the_training_spec_kwargs() -> None:
-    """`tasks.workers.training_spec` passes the common kwargs plus the DeepSpeed config's own fields."""
-    from configs.training import DeepSpeedTrainingConfig, TorchTrainingConfig
+    """`rlstages.tasks.workers.training_spec` passes the common kwargs plus the DeepSpeed config's own fields."""
+    from rlstages.configs.training import DeepSpeedTrainingConfig, TorchTrainingConfig
 
     own = set(DeepSpeedTrainingConfig.model_fields) - set(TorchTrainingConfig.model_fields)
 
@@ -275,7 +275,7 @@ def test_two_ranks_on_ray_stay_in_sync(ray_session, model_for, batch, tmp_path: 
     path = model_for(stage)
     spec = GroupSpec(
         name=f"ds-dp2-z{stage}",
-        engine="engines.training.deepspeed_trainer:DeepSpeedTrainingEngine",
+        engine="rlstages.engines.training.deepspeed_trainer:DeepSpeedTrainingEngine",
         kwargs={
             "model_path": str(path),
             "optim": OPTIM,

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines import types as T
-from engines.models import load_causal_lm
-from engines.rollout.hf_rollout import HFRolloutEngine
-from engines.types import Prompt, SamplingParams
+from rlstages.engines import types as T
+from rlstages.engines.models import load_causal_lm
+from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
+from rlstages.engines.types import Prompt, SamplingParams
 
 PROMPTS = [Prompt(f"u{i}", f"What is {i} + {i + 1}?", str(2 * i + 1)) for i in range(3)]
 

@@ -3,7 +3,7 @@
 TP=1 in this process; TP=2, PP=2, DP=2 and PP=2 x VPP=2 as real Ray actor groups of 2 ranks over gloo.
 
 Run: .venv/bin/python -m pytest tests/engines/test_megatron_trainer.py -q
-Hardware: CPU only (torch CPU, megatron-core local spec + engines.megatron_cpu shim); starts a local Ray
+Hardware: CPU only (torch CPU, megatron-core local spec + rlstages.engines.megatron.cuda_shim shim); starts a local Ray
 with 2 CPUs and four 2-rank groups (TP=2, PP=2, DP=2, PP=2 x VPP=2); about 2-3 minutes on 2 cores.
 Skipped without megatron-core.
 """
@@ -18,17 +18,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engines import algorithms as A
-from engines import types as T
-from engines.actor_group import ActorGroup, GroupSpec
-from engines.rollout.hf_rollout import HFRolloutEngine
-from engines.training.torch_trainer import BatchingParams, OptimParams, TorchTrainingEngine
-from engines.types import Prompt, SamplingParams
-from engines.weight_sync import decode_bucket
+from rlstages.engines import algorithms as A
+from rlstages.engines import types as T
+from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
+from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
+from rlstages.engines.runtime.weight_sync import decode_bucket
+from rlstages.engines.training.torch_trainer import BatchingParams, OptimParams, TorchTrainingEngine
+from rlstages.engines.types import Prompt, SamplingParams
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
 
-ENGINE = "engines.training.megatron_trainer:MegatronTrainingEngine"
+ENGINE = "rlstages.engines.megatron.trainer:MegatronTrainingEngine"
 PROMPTS = [Prompt(f"u{i}", f"{i}+{i}=", str(2 * i)) for i in range(4)]
 LR = 1e-4
 # Adam's first step moves each element by lr * g / (|g| + eps): a gradient within float noise of zero can
@@ -57,7 +57,7 @@ def batch(tiny_model_dir: Path):
 
 @pytest.fixture(scope="module")
 def converted(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from engines.convert import convert_hf_to_mcore
+    from rlstages.engines.convert import convert_hf_to_mcore
 
     root = tmp_path_factory.mktemp("mcore")
     layouts = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
@@ -90,14 +90,14 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def megatron(path: Path, converted_path: Path | None, **kw):
-    from engines.training.megatron_trainer import MegatronTrainingEngine
+    from rlstages.engines.megatron.trainer import MegatronTrainingEngine
 
     return MegatronTrainingEngine(path, converted_path=converted_path, **{**KW, **kw})
 
 
 def hf_first_moments(engine) -> dict[str, torch.Tensor]:
     """Adam's exp_avg of a non-distributed megatron optimizer, in HF names (the converter maps any tensor)."""
-    from engines.convert import rank_mcore_to_hf
+    from rlstages.engines.convert import rank_mcore_to_hf
 
     inner = engine.optimizer.chained_optimizers[0].optimizer
     named = [(n, inner.state[p]["exp_avg"]) for n, p in engine.chunks[0].named_parameters()]
@@ -173,7 +173,7 @@ def test_critic_and_reference(tiny_model_dir: Path, batch, tmp_path: Path) -> No
     critic.save_pretrained(tmp_path / "critic")
     from transformers import AutoModelForTokenClassification
 
-    from engines.training import ppo_step as P
+    from rlstages.engines.training import ppo_step as P
 
     hf_critic = AutoModelForTokenClassification.from_pretrained(str(tmp_path / "critic"))
     with torch.no_grad():
@@ -279,8 +279,8 @@ def test_dp2_ray_group_averages_gradients(ray_session, tiny_model_dir: Path, con
 
 
 def test_pp2_vpp2_ray_group_interleaved_schedule(ray_session, batch, tmp_path: Path) -> None:
-    from engines.convert import convert_hf_to_mcore
-    from engines.models import build_tiny_model
+    from rlstages.engines.convert import convert_hf_to_mcore
+    from rlstages.engines.models import build_tiny_model
 
     hf = build_tiny_model(tmp_path / "hf4", num_hidden_layers=4)  # 2 stages x 2 virtual chunks x 1 layer
     ref = TorchTrainingEngine(hf, **KW)

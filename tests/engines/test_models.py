@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines import types as T
-from engines.models import build_tiny_model, ensure_model, load_causal_lm, read_model_type, registered_models
-from engines.types import Prompt, SamplingParams
+from rlstages.engines import types as T
+from rlstages.engines.models import build_tiny_model, ensure_model, load_causal_lm, read_model_type, registered_models
+from rlstages.engines.types import Prompt, SamplingParams
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
@@ -50,16 +50,16 @@ def test_custom_model_registered_and_loaded_by_name(custom_dir: Path, tmp_path: 
 
 
 def test_custom_model_runs_rollout_and_training_in_a_ray_worker(custom_dir: Path, ray_session, monkeypatch) -> None:
-    from engines.actor_group import ActorGroup, GroupSpec
+    from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
 
     monkeypatch.setenv("RLSTAGES_PLUGINS", "custom_model")
     spec = GroupSpec(
         name="custom-hybrid",
-        engine="engines.hybrid:HybridEngine",
+        engine="rlstages.engines.runtime.hybrid:HybridEngine",
         kwargs={
-            "trainer": "engines.training.torch_trainer:TorchTrainingEngine",
+            "trainer": "rlstages.engines.training.torch_trainer:TorchTrainingEngine",
             "trainer_kwargs": {"model_path": str(custom_dir)},
-            "rollout": "engines.rollout.hf_rollout:HFRolloutEngine",
+            "rollout": "rlstages.engines.rollout.hf_rollout:HFRolloutEngine",
             "rollout_kwargs": {"model_path": str(custom_dir), "dtype": "float32", "apply_chat_template": False},
         },
         env={"PYTHONPATH": f"{ASSETS}:{Path(__file__).resolve().parents[2]}"},

@@ -14,7 +14,7 @@ import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast, Qwen2Config
 
-from engines.rewards.reward_model import RewardModelEngine
+from rlstages.engines.rewards.reward_model import RewardModelEngine
 
 torch.set_num_threads(1)
 

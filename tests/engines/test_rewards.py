@@ -14,9 +14,9 @@ import time
 import pytest
 import ray
 
-from engines.rewards import functions as F
-from engines.rewards.registry import REWARD_FUNCTIONS, resolve_reward_fn
-from engines.rewards.scorer import RewardScorer, ScoreResult
+from rlstages.engines.rewards import functions as F
+from rlstages.engines.rewards.registry import REWARD_FUNCTIONS, resolve_reward_fn
+from rlstages.engines.rewards.scorer import RewardScorer, ScoreResult
 
 USER_MODULE = "rlstages_test_user_rewards"
 USER_SOURCE = '''

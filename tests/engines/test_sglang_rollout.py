@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from engines.base import RolloutEngine
-from engines.rollout.sglang_rollout import SGLangRolloutEngine, engine_kwargs, request_params
-from engines.types import SamplingParams
+from rlstages.engines.base import RolloutEngine
+from rlstages.engines.rollout.sglang_rollout import SGLangRolloutEngine, engine_kwargs, request_params
+from rlstages.engines.types import SamplingParams
 
 
 @pytest.fixture(scope="module")

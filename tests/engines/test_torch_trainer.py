@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines import algorithms as A
-from engines import types as T
-from engines.rollout.hf_rollout import HFRolloutEngine
-from engines.training.torch_trainer import BatchingParams, OptimParams, TorchTrainingEngine, lr_lambda
-from engines.types import Prompt, SamplingParams
+from rlstages.engines import algorithms as A
+from rlstages.engines import types as T
+from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
+from rlstages.engines.training.torch_trainer import BatchingParams, OptimParams, TorchTrainingEngine, lr_lambda
+from rlstages.engines.types import Prompt, SamplingParams
 
 PROMPTS = [Prompt(f"u{i}", f"{i}+{i}=", str(2 * i)) for i in range(4)]
 
@@ -72,7 +72,7 @@ def test_accumulation_equals_one_big_batch(tiny_model_dir: Path, batch) -> None:
 def varied_lengths(batch):
     """The batch with row i's response cut to 1 + (5 * i) % 8 tokens (its rollout log-probs stay valid for the
     prefix): lengths interleave, so sorting reorders rows and changes the padding."""
-    from engines.rollout.batching import build_rollout_batch
+    from rlstages.engines.rollout.batching import build_rollout_batch
 
     keep = [1 + (5 * i) % 8 for i in range(batch.batch_size[0])]
     responses = [batch[T.RESPONSE_IDS][i, :k].tolist() for i, k in enumerate(keep)]
@@ -87,7 +87,7 @@ def varied_lengths(batch):
 
 
 def test_length_sorted_micro_batches_pad_less_and_restore_order(tiny_model_dir: Path, batch) -> None:
-    from engines.training.microbatch import by_length, micro_batches
+    from rlstages.engines.training.microbatch import by_length, micro_batches
 
     varied = varied_lengths(batch)
     rows, restore = by_length(varied)

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.rollout.batching import format_prompts
-from engines.rollout.vllm_rollout import DEFAULT_VLLM_VENV, VLLMRolloutEngine, vllm_actor_options
-from engines.types import Prompt, SamplingParams, get_rows
+from rlstages.engines.rollout.batching import format_prompts
+from rlstages.engines.rollout.vllm_rollout import DEFAULT_VLLM_VENV, VLLMRolloutEngine, vllm_actor_options
+from rlstages.engines.types import Prompt, SamplingParams, get_rows
 
 VLLM_PYTHON = DEFAULT_VLLM_VENV / "bin" / "python"
 pytestmark = [

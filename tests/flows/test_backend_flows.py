@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from configs import load_config
-from engines.rollout.vllm_rollout import DEFAULT_VLLM_VENV
-from flows.train import rl_post_train
+from rlstages.configs import load_config
+from rlstages.engines.rollout.vllm_rollout import DEFAULT_VLLM_VENV
+from rlstages.flows.train import rl_post_train
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def rlstages(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PREFECT_HOME": str(cwd / ".prefect"), "PYTHONPATH": str(ROOT)}
     return subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env
+        [sys.executable, "-m", "rlstages.flows.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=timeout,
+        env=env,
     )
 
 

@@ -16,8 +16,14 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-import tasks.convert as convert_tasks
-from flows.convert import convert_command, convert_flow, convert_hf_to_mcore, convert_mcore_to_hf, export_command
+import rlstages.tasks.convert as convert_tasks
+from rlstages.flows.convert import (
+    convert_command,
+    convert_flow,
+    convert_hf_to_mcore,
+    convert_mcore_to_hf,
+    export_command,
+)
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

@@ -13,10 +13,10 @@ import torch
 from mlflow import MlflowClient
 from safetensors.torch import load_file
 
-from configs import RunConfig, load_config
-from flows.train import rl_post_train
-from tasks.checkpoint import latest_checkpoint
-from tasks.context import RunHandle
+from rlstages.configs import RunConfig, load_config
+from rlstages.flows.train import rl_post_train
+from rlstages.tasks.checkpoint import latest_checkpoint
+from rlstages.tasks.context import RunHandle
 
 ROOT = Path(__file__).resolve().parents[2]
 

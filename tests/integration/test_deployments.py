@@ -229,7 +229,7 @@ def test_compare_shows_the_runs_side_by_side(nightly, fresh, servers, tmp_path) 
     import typer
     from typer.testing import CliRunner
 
-    from flows.compare import compare_command
+    from rlstages.flows.cli.compare import compare_command
 
     app = typer.Typer()
     app.command()(compare_command)
@@ -254,7 +254,7 @@ def test_compare_shows_the_runs_side_by_side(nightly, fresh, servers, tmp_path) 
 
 
 def test_deploy_refuses_contradictory_options() -> None:
-    from flows.deploy import Overlap, concurrency_limit, schedules_for, serve_training
+    from rlstages.flows.cli.deploy import Overlap, concurrency_limit, schedules_for, serve_training
 
     with pytest.raises(ValueError, match="not both"):
         schedules_for("0 2 * * *", 3600)

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from integration_support import BIN, REPO, base_env
 
-from configs import RunConfig, load_config
+from rlstages.configs import RunConfig, load_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 PRESETS = {  # deployment -> (preset, overrides), as the comments in prefect.yaml say

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from configs import load_config
-from tasks.context import RunHandle
-from tasks.placement import pg_name
-from tasks.workers import build_workers, forget_workers
+from rlstages.configs import load_config
+from rlstages.tasks.context import RunHandle
+from rlstages.tasks.placement import pg_name
+from rlstages.tasks.workers import build_workers, forget_workers
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -95,9 +95,9 @@ def rank_export_worker(
     """
     import torch.distributed as dist
 
-    from engines.convert import ConversionSpec, rank_mcore_to_hf
-    from engines.convert.hf_to_mcore import rank_file
-    from engines.convert.safetensors_io import Reader
+    from rlstages.engines.convert import ConversionSpec, rank_mcore_to_hf
+    from rlstages.engines.convert.hf_to_mcore import rank_file
+    from rlstages.engines.convert.safetensors_io import Reader
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:

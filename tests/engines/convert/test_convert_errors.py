@@ -13,8 +13,8 @@ import pytest
 import torch
 from convert_fixtures import edit_config, make_hf_model, rewrite_tensors
 
-from engines.convert import ConversionError, convert_hf_to_mcore, mcore_to_hf
-from engines.convert.safetensors_io import PlannedWriter
+from rlstages.engines.convert import ConversionError, convert_hf_to_mcore, mcore_to_hf
+from rlstages.engines.convert.safetensors_io import PlannedWriter
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,7 @@ def test_failure_while_writing_leaves_nothing(base: Path, tmp_path: Path, monkey
 
 
 def test_damaged_rank_file_fails_export(base: Path, tmp_path: Path) -> None:
-    from engines.convert import verify_manifest
+    from rlstages.engines.convert import verify_manifest
 
     out = convert_hf_to_mcore(base, tmp_path / "m", tp=2)
     rank = out / "mp_rank_01" / "model.safetensors"

@@ -15,8 +15,8 @@ import torch
 MEASURE = """
 import json, sys, torch
 torch.set_num_threads(1)
-from engines.convert import convert_hf_to_mcore, convert_mcore_to_hf
-from engines.convert.spec import _with_hf_defaults
+from rlstages.engines.convert import convert_hf_to_mcore, convert_mcore_to_hf
+from rlstages.engines.convert.spec import _with_hf_defaults
 _with_hf_defaults({"model_type": "llama"})  # the one-off cost of importing transformers is not model memory
 hf, out, direction = sys.argv[1], sys.argv[2], sys.argv[3]
 def status_kb(key):

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 from convert_fixtures import make_hf_model
 
-from engines.convert import convert_hf_to_mcore, verify_parity_many
+from rlstages.engines.convert import convert_hf_to_mcore
+from rlstages.engines.megatron.dist_ckpt import dist_checkpoint_writer
+from rlstages.engines.megatron.parity import verify_parity_many
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
 
@@ -43,7 +45,7 @@ def dist_ckpt_case(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path
     """A model converted at TP=1 with its megatron-core dist_checkpointing copy (saved by one worker)."""
     root = tmp_path_factory.mktemp("dist")
     hf = make_hf_model(root / "hf", "llama", vocab=100)
-    mcore = convert_hf_to_mcore(hf, root / "m", tp=1, dist_checkpoint=True)
+    mcore = convert_hf_to_mcore(hf, root / "m", tp=1, extra_outputs=dist_checkpoint_writer())
     assert (mcore / "dist_ckpt" / "metadata.json").is_file()
     return mcore, hf
 

@@ -14,8 +14,8 @@ import torch
 from convert_fixtures import hf_tensors, make_hf_model
 from safetensors.torch import load_file
 
-from engines.convert import convert_hf_to_mcore
-from engines.convert.gloo_world import run_world
+from rlstages.engines.convert import convert_hf_to_mcore
+from rlstages.engines.megatron.gloo_world import run_world
 
 
 def test_each_rank_exports_its_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

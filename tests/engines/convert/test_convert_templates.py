@@ -13,7 +13,7 @@ import torch
 from convert_fixtures import hf_tensors, make_hf_model, rewrite_tensors
 from safetensors.torch import load_file
 
-from engines.convert import (
+from rlstages.engines.convert import (
     QKV,
     AttentionDims,
     Concat,
@@ -31,7 +31,7 @@ from engines.convert import (
     registered_templates,
     transformer_config_kwargs,
 )
-from engines.convert.template import _TEMPLATES
+from rlstages.engines.convert.template import _TEMPLATES
 
 DIMS = AttentionDims(heads=8, groups=2, head_dim=4)
 

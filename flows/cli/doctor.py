@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from engines.registry import BACKEND_PACKAGES, has_module
+from rlstages.engines.registry import BACKEND_PACKAGES, has_module
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("torch", "transformers", "prefect", "ray", "mlflow", "pydantic", "tensordict", "safetensors", "typer")

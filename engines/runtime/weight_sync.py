@@ -17,14 +17,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlstages.engines.utils import DTYPES
+
 Bucket = list[tuple[str, str, np.ndarray]]
 _VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def encode_tensor(tensor: torch.Tensor, dtype: str) -> tuple[str, np.ndarray]:
     """A tensor cast to `dtype` as a numpy array (half types as an int16 view)."""
-    t = tensor.detach().to(_DTYPES[dtype]).contiguous()
+    t = tensor.detach().to(DTYPES[dtype]).contiguous()
     view = _VIEW.get(t.dtype)
     return dtype, (t.view(view) if view is not None else t).numpy()
 
@@ -32,7 +33,7 @@ def encode_tensor(tensor: torch.Tensor, dtype: str) -> tuple[str, np.ndarray]:
 def decode_tensor(dtype: str, array: np.ndarray) -> torch.Tensor:
     """Inverse of `encode_tensor` (no copy; the result may be read-only)."""
     t = torch.from_numpy(np.asarray(array))
-    return t.view(_DTYPES[dtype]) if _DTYPES[dtype] in _VIEW else t
+    return t.view(DTYPES[dtype]) if DTYPES[dtype] in _VIEW else t
 
 
 def bucketize(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: str) -> Iterator[Bucket]:

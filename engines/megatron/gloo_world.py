@@ -1,6 +1,6 @@
 """Run a function on N local worker processes joined in one torch.distributed world (gloo on CPU).
 
-Workers are fresh `python -m engines.convert.gloo_world` processes (no fork of the caller, no re-import of
+Workers are fresh `python -m rlstages.engines.megatron.gloo_world` processes (no fork of the caller, no re-import of
 the caller's `__main__`), on a free port of 127.0.0.1. The function is named "module:function", is called
 as `fn(rank, world_size, master_port, **kwargs)` and returns something JSON-serialisable.
 Non-goal: Ray or multi-node launches (the training backends own those).
@@ -8,10 +8,8 @@ Non-goal: Ray or multi-node launches (the training backends own those).
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,12 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from rlstages.engines.utils import free_port, import_object
 
 
 def run_world(target: str, world_size: int, kwargs: dict[str, Any], timeout: float = 600.0) -> list[Any]:
@@ -38,7 +31,7 @@ def run_world(target: str, world_size: int, kwargs: dict[str, Any], timeout: flo
         for rank in range(world_size):
             log = open(Path(tmp) / f"rank{rank}.log", "w+")  # noqa: SIM115  (closed below)
             logs.append(log)
-            cmd = [sys.executable, "-m", "engines.convert.gloo_world", str(job), str(rank)]
+            cmd = [sys.executable, "-m", "rlstages.engines.megatron.gloo_world", str(job), str(rank)]
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd()))
         deadline = time.monotonic() + timeout
         try:
@@ -72,7 +65,7 @@ def _main(job_path: str, rank: int) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     job = json.loads(Path(job_path).read_text())
     module, _, name = job["target"].partition(":")
-    fn = getattr(importlib.import_module(module), name)
+    fn = import_object(f"{module}:{name}")
     result = fn(rank, job["world_size"], job["port"], **job["kwargs"])
     (Path(job_path).parent / f"result{rank}.json").write_text(json.dumps(result))
 

@@ -1,6 +1,6 @@
 """Operations commands on the `rlstages` app: deploy, server up|down|status, doctor, compare.
 
-Each lives in its own module (`flows.deploy`, `flows.servers`, `flows.doctor`, `flows.compare`), which
+Each lives in its own module (`deploy`, `servers`, `doctor`, `compare` beside this one), which
 imports nothing heavy at import time, so `rlstages --help` stays fast; `flows/cli.py` calls `register`.
 """
 
@@ -11,10 +11,10 @@ import typer
 
 def register(app: typer.Typer) -> None:
     """Add the operations commands to `app`."""
-    from flows.compare import compare_command
-    from flows.deploy import deploy_command
-    from flows.doctor import doctor_command
-    from flows.servers import server_app
+    from rlstages.flows.cli.compare import compare_command
+    from rlstages.flows.cli.deploy import deploy_command
+    from rlstages.flows.cli.doctor import doctor_command
+    from rlstages.flows.cli.servers import server_app
 
     app.command("deploy", help="Serve the training flow as a scheduled Prefect deployment (concurrency 1).")(
         deploy_command

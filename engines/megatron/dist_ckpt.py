@@ -7,11 +7,12 @@ load it under another TP/PP (`load_dist_checkpoint`). Virtual-pipeline chunks ar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engines.convert.gloo_world import run_world
-from engines.convert.spec import ConversionSpec
+from rlstages.engines.convert.spec import ConversionSpec
+from rlstages.engines.megatron.gloo_world import run_world
 
 
 def save_dist_checkpoint(mcore_dir: str | Path, out_dir: str | Path, timeout: float = 1800.0) -> Path:
@@ -19,12 +20,20 @@ def save_dist_checkpoint(mcore_dir: str | Path, out_dir: str | Path, timeout: fl
     spec = ConversionSpec.load(mcore_dir)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     run_world(
-        "engines.convert.dist_ckpt:save_worker",
+        "rlstages.engines.megatron.dist_ckpt:save_worker",
         spec.tp * spec.pp,
         {"mcore_dir": str(mcore_dir), "out_dir": str(out_dir)},
         timeout=timeout,
     )
     return Path(out_dir)
+
+
+DIST_CKPT_DIR = "dist_ckpt"  # beside the rank files of a conversion
+
+
+def dist_checkpoint_writer() -> dict[str, Callable[[Path, Path], Any]]:
+    """The `extra_outputs` of `convert_hf_to_mcore` that add a dist checkpoint to a conversion."""
+    return {DIST_CKPT_DIR: save_dist_checkpoint}
 
 
 def sharded_state_dict(chunks: list[Any]) -> dict[str, Any]:
@@ -51,18 +60,18 @@ def save_worker(rank: int, world_size: int, port: int, mcore_dir: str, out_dir: 
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from engines import megatron_cpu
-    from engines.convert.parity import load_rank_chunk
+    from rlstages.engines.convert.hf_to_mcore import load_rank_chunk
+    from rlstages.engines.megatron import gpt
 
     spec = ConversionSpec.load(mcore_dir)
-    megatron_cpu.init_model_parallel(rank, world_size, port, spec.tp, spec.pp, spec.vpp)
+    gpt.init_model_parallel(rank, world_size, port, spec.tp, spec.pp, spec.vpp)
     try:
         tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         chunks = []
         for v in range(spec.vpp):
-            model = megatron_cpu.build_gpt_model(spec, vp_stage=v)
+            model = gpt.build_gpt_model(spec, vp_stage=v)
             model.load_state_dict(load_rank_chunk(Path(mcore_dir), spec, tp_rank, pp_rank, v), strict=True)
             chunks.append(model)
         dist_checkpointing.save(sharded_state_dict(chunks), out_dir)
     finally:
-        megatron_cpu.destroy_model_parallel()
+        gpt.destroy_model_parallel()

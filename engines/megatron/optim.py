@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from engines import megatron_cpu
-from engines.training.torch_trainer import OptimParams, lr_lambda
+from rlstages.engines.megatron import cuda_shim
+from rlstages.engines.training.torch_trainer import OptimParams, lr_lambda
 
 # dist_checkpointing format of the distributed optimizer: 0.16's default ("fully_sharded_model_space")
 # cannot be saved any more, "fully_reshardable" breaks on torch AdamW's per-parameter step.
@@ -43,7 +43,7 @@ def build_optimizer(
         optimizer_cpu_offload=gpu_offload,
         optimizer_offload_fraction=fraction if gpu_offload else 0.0,
     )
-    with megatron_cpu.cuda_as_cpu():  # config_overrides={}: no weight-decay exemptions for biases / norms
+    with cuda_shim.cuda_as_cpu():  # config_overrides={}: no weight-decay exemptions for biases / norms
         return get_megatron_optimizer(config, models, config_overrides={})
 
 
@@ -55,7 +55,7 @@ def optimizer_step(optimizer: Any, optim: OptimParams, step: int) -> float:
     lr = optim.lr * lr_lambda(optim)(step)
     for group in optimizer.param_groups:
         group["lr"] = lr
-    with megatron_cpu.cuda_as_cpu():
+    with cuda_shim.cuda_as_cpu():
         if optimizer.prepare_grads():  # loss-scale overflow (never without fp16)
             return float("nan")
         grad_norm = float(optimizer.get_grad_norm())

@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from configs import ConfigError, RunConfig, load_config, to_yaml
+from rlstages.configs import ConfigError, RunConfig, load_config, to_yaml
 
 app = typer.Typer(
     help="RL post-training of LLMs as a Prefect workflow over Ray, recorded in MLflow.",
@@ -72,8 +72,8 @@ def _guard(debug: bool, action) -> object:  # type: ignore[no-untyped-def]
 def _precheck(cfg: RunConfig) -> None:
     """Refuse, before any flow starts, a run directory that holds another config or a backend whose package
     is missing here (one-line errors)."""
-    from tasks.run import resolve_run_dir
-    from tasks.workers import missing_backend_package
+    from rlstages.tasks.run import resolve_run_dir
+    from rlstages.tasks.workers import missing_backend_package
 
     problem = missing_backend_package(cfg)
     if problem:
@@ -88,7 +88,7 @@ def run(config: ConfigArg, overrides: Overrides = None, debug: Debug = False) ->
     cfg = _load(config, overrides)
     _quiet_prefect(debug)
     _guard(debug, lambda: _precheck(cfg))
-    from flows.train import rl_post_train
+    from rlstages.flows.train import rl_post_train
 
     policy = _guard(debug, lambda: rl_post_train(cfg))
     out.print(f"[green]done[/]: final policy in {policy}")
@@ -111,7 +111,7 @@ def resume(
         ],
     )
     _quiet_prefect(debug)
-    from flows.train import rl_post_train
+    from rlstages.flows.train import rl_post_train
 
     policy = _guard(debug, lambda: rl_post_train(cfg))
     out.print(f"[green]done[/]: final policy in {policy}")
@@ -130,7 +130,7 @@ def eval_command(
         fail(f"{run_dir}: not a run directory (no config.yaml)", 2)
     cfg = _load(saved, [f"trainer.output_dir={run_dir.resolve().parent}", f"trainer.run_name={run_dir.name}"])
     _quiet_prefect(debug)
-    from flows.evaluate import evaluate_checkpoint
+    from rlstages.flows.evaluate import evaluate_checkpoint
 
     metrics = _guard(debug, lambda: evaluate_checkpoint(cfg, str(checkpoint) if checkpoint else None, not sample))
     assert isinstance(metrics, dict)
@@ -158,7 +158,7 @@ def config_schema() -> None:
 
 
 def _register_conversion() -> None:
-    from flows.convert import convert_command, export_command
+    from rlstages.flows.convert import convert_command, export_command
 
     app.command("convert", help="Convert an HF directory to Megatron-Core (TP/PP shards, optional parity gate).")(
         convert_command
@@ -170,7 +170,7 @@ _register_conversion()
 
 
 def _register_ops() -> None:
-    from flows.ops import register
+    from rlstages.flows.cli.ops import register
 
     register(app)
 

@@ -34,25 +34,25 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from engines import algorithms as A
-from engines import megatron_cpu
-from engines import types as T
-from engines.models import torch_dtype
-from engines.registry import has_module
-from engines.training import megatron_optim as MO
-from engines.training import megatron_parallel as MP
-from engines.training import ppo_step as P
-from engines.training import state_io
-from engines.training.microbatch import micro_batches
-from engines.training.torch_trainer import BatchingParams, OptimParams, Role, lr_lambda
-from engines.weight_sync import Bucket, bucketize
+from rlstages.engines import algorithms as A
+from rlstages.engines import types as T
+from rlstages.engines.megatron import cuda_shim
+from rlstages.engines.models import torch_dtype
+from rlstages.engines.registry import has_module
+from rlstages.engines.runtime.weight_sync import Bucket, bucketize
+from rlstages.engines.training import megatron_optim as MO
+from rlstages.engines.training import megatron_parallel as MP
+from rlstages.engines.training import ppo_step as P
+from rlstages.engines.training import state_io
+from rlstages.engines.training.microbatch import micro_batches
+from rlstages.engines.training.torch_trainer import BatchingParams, OptimParams, Role, lr_lambda
 
 log = logging.getLogger(__name__)
 CKPT_DIR = "mcore"  # megatron-core dist checkpoint (model + optimizer), relative to the `save` directory
 
 
 class MegatronTrainingEngine:
-    """One rank of a Megatron-Core model and optimizer; implements `engines.base.TrainingEngine`."""
+    """One rank of a Megatron-Core model and optimizer; implements `rlstages.engines.base.TrainingEngine`."""
 
     def __init__(
         self,
@@ -246,7 +246,7 @@ class MegatronTrainingEngine:
             return loss, mb[T.RESPONSE_MASK].sum().int()
 
         MP.run_schedule(self.models, self._micro(mini), loss_fn, False, self.layout.tp)
-        with megatron_cpu.cuda_as_cpu():
+        with cuda_shim.cuda_as_cpu():
             finalize_model_grads(self.models)  # DP reduce, sequence-parallel norms, tied embeddings over PP
         if self.dp > 1:  # per-token loss mode sums over DP ranks; average them as the other backends do
             for model in self.models:
@@ -316,18 +316,18 @@ class MegatronTrainingEngine:
         (path / "config.json").write_text(json.dumps(config, indent=2))
         state_io.save_tensors(weights, path / state_io.MODEL_FILE, {"format": "pt"})
         if tokenizer_from is not None:
-            from engines.models import load_tokenizer
+            from rlstages.engines.models import load_tokenizer
 
             load_tokenizer(tokenizer_from).save_pretrained(str(path))
 
     def _sharded_state(self, loading: bool) -> dict[str, Any]:
-        from engines.convert.dist_ckpt import sharded_state_dict
+        from rlstages.engines.megatron.dist_ckpt import sharded_state_dict
 
         state: dict[str, Any] = {"model": sharded_state_dict(self.chunks)}
         if self.optimizer is not None:
             if loading:
                 MO.init_adam_state(self.optimizer)
-            with megatron_cpu.cuda_as_cpu():
+            with cuda_shim.cuda_as_cpu():
                 state["optimizer"] = self.optimizer.sharded_state_dict(
                     state["model"], is_loading=loading, metadata=MO.OPTIM_METADATA
                 )
@@ -359,7 +359,7 @@ class MegatronTrainingEngine:
             for v, chunk in enumerate(self.chunks):
                 chunk.load_state_dict(models if len(self.chunks) == 1 else models[f"model{v}"], strict=True)
             if self.optimizer is not None:
-                with megatron_cpu.cuda_as_cpu(), torch.no_grad():
+                with cuda_shim.cuda_as_cpu(), torch.no_grad():
                     self.optimizer.load_state_dict(state["optimizer"])
                 MO.restore_adam_steps(self.optimizer)
         extra = json.loads((path / state_io.EXTRA_FILE).read_text())

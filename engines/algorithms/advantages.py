@@ -5,7 +5,7 @@ section A), except that no edge case raises or yields NaN: singleton groups, all
 masked rows and an all-zero batch mask all give finite values. Each deviation is stated where it happens.
 Group ids (`index`) are one uid string per row; groups are formed by equality, not by position.
 
-Non-goals: models, batching, Ray/Prefect/MLflow. Import the public names from `engines.algorithms`.
+Non-goals: models, batching, Ray/Prefect/MLflow. Import the public names from `rlstages.engines.algorithms`.
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ actor and `rebuild()` replaces the group. `in_process=True` runs the same engine
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,16 +21,8 @@ from typing import Any
 
 from tensordict import TensorDict
 
-from engines.types import chunk_for_ranks, concat
-
-
-def import_object(path: str) -> Any:
-    """Import `package.module:Name`."""
-    module, _, name = path.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise ImportError(f"cannot import {path!r}: {exc}") from exc
+from rlstages.engines.types import chunk_for_ranks, concat
+from rlstages.engines.utils import free_port, import_object
 
 
 @dataclass(frozen=True)
@@ -91,7 +82,7 @@ def worker_env(threads: int, extra: dict[str, str] | None = None, omp_passive: b
     }
     if omp_passive:
         env["OMP_WAIT_POLICY"] = "PASSIVE"
-    if os.environ.get("RLSTAGES_PLUGINS"):  # the user's model registrations (engines.models.import_plugins)
+    if os.environ.get("RLSTAGES_PLUGINS"):  # the user's model registrations (rlstages.engines.models.import_plugins)
         env["RLSTAGES_PLUGINS"] = os.environ["RLSTAGES_PLUGINS"]
     env.update(extra or {})
     return env
@@ -158,7 +149,7 @@ class ActorGroup:
     def _dist_env(self, rank: int) -> dict[str, str]:
         """torch.distributed wiring of a rank: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT (rank 0 listens)."""
         if not hasattr(self, "_master"):
-            self._master = (_node_ip(), _free_port())
+            self._master = (_node_ip(), free_port())
         addr, port = self._master
         return {
             "RANK": str(rank),
@@ -298,14 +289,6 @@ def _node_ip() -> str:
         return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
     except Exception:  # noqa: BLE001
         return "127.0.0.1"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _split_list(items: Sequence[Any], parts: int) -> list[list[Any]]:

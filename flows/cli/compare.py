@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from tasks.tracking import RunRecord
+    from rlstages.tasks.tracking import RunRecord
 
 TAG_ROWS = ("rlstages.algorithm", "rlstages.model", "rlstages.rollout_backend", "rlstages.actor_backend")
 HIDDEN_PARAMS = ("trainer.run_name",)  # differs by construction; the column header shows it
@@ -49,7 +49,7 @@ def compare_table(
     tracking_uri: str, runs: list[RunRecord], metrics: list[str], maximize: bool = True, max_params: int = 40
 ) -> Table:
     """The side-by-side table (runs as columns)."""
-    from tasks.tracking import metric_series
+    from rlstages.tasks.tracking import metric_series
 
     table = Table(title=f"{len(runs)} runs", show_lines=False)
     table.add_column("", style="bold", no_wrap=True)
@@ -87,7 +87,7 @@ def plot_curves(tracking_uri: str, runs: list[RunRecord], metric: str, png: Path
     """Overlay `metric` against step for every run; write a PNG."""
     import matplotlib
 
-    from tasks.tracking import metric_series
+    from rlstages.tasks.tracking import metric_series
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -126,7 +126,7 @@ def compare_command(
     png: Annotated[Path | None, typer.Option(help="Also write the overlaid curves of the first metric here.")] = None,
 ) -> None:
     """Print the runs of an MLflow experiment side by side (config differences, metrics, steps, time, status)."""
-    from tasks.tracking import compare_link, experiment_id, experiment_runs
+    from rlstages.tasks.tracking import compare_link, experiment_id, experiment_runs
 
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
     metrics = metric or ["reward/mean", "eval/reward_mean"]

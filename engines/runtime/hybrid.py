@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from engines.actor_group import import_object
-from engines.base import NamedTensors
-from engines.types import Prompt, SamplingParams
-from engines.weight_sync import Bucket
+from rlstages.engines.base import NamedTensors
+from rlstages.engines.runtime.weight_sync import Bucket
+from rlstages.engines.types import Prompt, SamplingParams
+from rlstages.engines.utils import import_object
 
 
 class HybridEngine:

@@ -25,7 +25,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from configs import ConfigError, RunConfig, config_hash, load_config
+from rlstages.configs import ConfigError, RunConfig, config_hash, load_config
 
 FLOW_NAME = "rl-post-train"
 DEPLOYMENT_TAG = "rlstages"
@@ -145,7 +145,7 @@ def serve_training(
     from prefect.exceptions import TerminationSignal
     from prefect.runner import Runner
 
-    from flows.train import rl_post_train
+    from rlstages.flows.train import rl_post_train
 
     if not os.environ.get("PREFECT_API_URL"):
         err.print("[yellow]PREFECT_API_URL is not set[/]: serving against a temporary local Prefect server "
@@ -169,7 +169,7 @@ def serve_training(
     deployment.work_pool_name = None  # served here: clear a work pool a `prefect deploy` may have set
     deployment.work_queue_name = None
     # What `flow.serve` does, with two differences: heartbeats are set on the runner, and the runner is given the
-    # deployment rather than the flow object, so each run imports `flows.train` by its entrypoint in a fresh
+    # deployment rather than the flow object, so each run imports `rlstages.flows.train` by its entrypoint in a fresh
     # `python -m prefect.engine` process (a pickled flow object would lose the `RunConfig` annotation's module).
     runner = Runner(name=name, heartbeat_seconds=heartbeat, pause_on_shutdown=True)
     deployment_id = runner.add_deployment(deployment)

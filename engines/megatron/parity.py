@@ -1,6 +1,6 @@
 """Parity gate: the Megatron-Core GPTModel built from a converted checkpoint must give the HF model's logits.
 
-`verify_parity` starts TP x PP worker processes (gloo, local layer spec, CPU shim of `engines.megatron_cpu`),
+`verify_parity` starts TP x PP worker processes (gloo, local layer spec, the CPU shim of `cuda_shim`),
 each loads its own rank file into its model chunk(s) with `load_state_dict(strict=True)`, runs the same
 tokens through the pipeline stage by stage, and the last stage gathers the vocab-parallel logits. The parent
 compares them with the HF model's logits: max |diff| <= `atol` (fp32) and equal argmax.
@@ -16,12 +16,10 @@ from typing import Any
 
 import torch
 
-from engines.convert.gloo_world import run_world
-from engines.convert.hf_to_mcore import rank_file
-from engines.convert.manifest import HF_FILES_DIR
-from engines.convert.safetensors_io import Reader
-from engines.convert.sharding import chunk_prefix
-from engines.convert.spec import ConversionSpec
+from rlstages.engines.convert.hf_to_mcore import load_rank_chunk
+from rlstages.engines.convert.manifest import HF_FILES_DIR
+from rlstages.engines.convert.spec import ConversionSpec
+from rlstages.engines.megatron.gloo_world import run_world
 
 
 @dataclass(frozen=True)
@@ -106,7 +104,7 @@ def verify_parity_many(
         for (path, _, src), t in zip(items, tokens, strict=True)
     ]
     results = run_world(
-        "engines.convert.parity:parity_worker",
+        "rlstages.engines.megatron.parity:parity_worker",
         tp * pp,
         {"cases": jobs, "layout": [tp, pp, vpp]},
         timeout=timeout,
@@ -141,7 +139,7 @@ def _hf_logits(
     if hf_path is not None:
         model = (loader or _default_loader)(Path(hf_path))
     else:  # rebuild the HF model from the converted checkpoint itself (export path)
-        from engines.convert.mcore_to_hf import mcore_to_hf
+        from rlstages.engines.convert.mcore_to_hf import mcore_to_hf
 
         config = AutoConfig.from_pretrained(mcore_dir / HF_FILES_DIR)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -157,7 +155,7 @@ def _hf_logits(
 def _default_loader(path: Path) -> torch.nn.Module:
     """The model registry's loader (custom registered models too), else AutoModelForCausalLM."""
     try:
-        from engines.models import load_causal_lm
+        from rlstages.engines.models import load_causal_lm
     except ImportError:
         from transformers import AutoModelForCausalLM
 
@@ -165,35 +163,23 @@ def _default_loader(path: Path) -> torch.nn.Module:
     return load_causal_lm(path, "float32")
 
 
-def load_rank_chunk(
-    mcore_dir: Path, spec: ConversionSpec, tp_rank: int, pp_rank: int, vp_stage: int
-) -> dict[str, torch.Tensor]:
-    """The state dict of one model chunk of one rank, as GPTModel names it."""
-    reader = Reader(mcore_dir / rank_file(tp_rank, pp_rank, spec.pp), use_mmap=False)
-    prefix = chunk_prefix(vp_stage, spec.vpp)
-    try:
-        return {n[len(prefix) :]: reader.get(n) for n in reader if n.startswith(prefix)}
-    finally:
-        reader.close()
-
-
 def parity_worker(rank: int, world_size: int, port: int, cases: list[dict[str, Any]], layout: list[int]) -> Any:
     """One rank: per case build and load its chunks, run the pipeline by hand; the logits from the last stage."""
     from megatron.core import parallel_state as ps
 
-    from engines import megatron_cpu
+    from rlstages.engines.megatron import gpt
 
     tp, pp, vpp = layout
-    megatron_cpu.init_model_parallel(rank, world_size, port, tp, pp, vpp)
+    gpt.init_model_parallel(rank, world_size, port, tp, pp, vpp)
     try:
         tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         outputs = []
         for case in cases:
             mcore_dir = Path(case["mcore_dir"])
             spec = ConversionSpec.load(mcore_dir).with_layout(tp, pp, vpp)
-            chunks = [megatron_cpu.build_gpt_model(spec, vp_stage=v).eval() for v in range(vpp)]
+            chunks = [gpt.build_gpt_model(spec, vp_stage=v).eval() for v in range(vpp)]
             if case["source"] == "dist_ckpt":
-                from engines.convert.dist_ckpt import load_dist_checkpoint
+                from rlstages.engines.megatron.dist_ckpt import load_dist_checkpoint
 
                 load_dist_checkpoint(chunks, mcore_dir / "dist_ckpt")
             else:
@@ -202,13 +188,13 @@ def parity_worker(rank: int, world_size: int, port: int, cases: list[dict[str, A
             outputs.append(_pipeline_forward(spec, dict(enumerate(chunks)), torch.tensor(case["tokens"]), pp_rank))
         return outputs if outputs and outputs[0] is not None else None
     finally:
-        megatron_cpu.destroy_model_parallel()
+        gpt.destroy_model_parallel()
 
 
 def _pipeline_forward(spec: ConversionSpec, chunks: dict[int, Any], ids: torch.Tensor, pp_rank: int) -> Any:
     from megatron.core import parallel_state as ps
 
-    from engines.megatron_cpu import causal_mask
+    from rlstages.engines.megatron.gpt import causal_mask
 
     batch, seq = ids.shape
     positions = torch.arange(seq).expand(batch, seq)

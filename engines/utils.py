@@ -1,0 +1,53 @@
+"""Small helpers every part of `engines/` shares, defined once: a free port, import by "module:Name",
+an atomic text write and the dtype table.
+
+Non-goal: anything that knows about models, batches or Ray.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a config dtype name ("float32", "bfloat16", "float16")."""
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on `host` a moment ago (for a torch.distributed rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def import_object(path: str) -> Any:
+    """Import `package.module:Name` (a one-line ImportError naming the path when it cannot)."""
+    module, sep, name = path.partition(":")
+    if not sep or not module or not name:
+        raise ImportError(f"cannot import {path!r}: expected 'package.module:Name'")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ImportError(f"cannot import {path!r}: {exc}") from exc
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write text via a temp file, fsync and rename: readers see the old file or the new one, never half."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
