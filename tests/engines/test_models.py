@@ -4,6 +4,7 @@ and in a Ray worker (via model.plugins); missing or malformed directories are on
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -62,7 +63,7 @@ def test_custom_model_runs_rollout_and_training_in_a_ray_worker(custom_dir: Path
             "rollout": "rlstages.engines.rollout.hf_rollout:HFRolloutEngine",
             "rollout_kwargs": {"model_path": str(custom_dir), "dtype": "float32", "apply_chat_template": False},
         },
-        env={"PYTHONPATH": f"{ASSETS}:{Path(__file__).resolve().parents[2]}"},
+        env={"PYTHONPATH": os.pathsep.join(filter(None, [str(ASSETS), os.environ.get("PYTHONPATH")]))},
     )
     group = ActorGroup(spec, "rlstages-tests")
     prompts = [Prompt("a", "1+1=", "2"), Prompt("b", "2+2=", "4")]

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def rlstages(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PREFECT_HOME": str(cwd / ".prefect"), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PREFECT_HOME": str(cwd / ".prefect")}
     return subprocess.run(
         [sys.executable, "-m", "rlstages.flows.cli", *args],
         capture_output=True,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from integration_support import BIN, RLSTAGES, PrefectAPI, RayCluster, Servers, base_env, wait_for_line
 
-from rlstages.flows import servers as srv
+from rlstages.flows.cli import servers as srv
 
 
 @pytest.fixture(scope="session")

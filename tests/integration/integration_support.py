@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from rlstages.flows import servers as srv
+from rlstages.flows.cli import servers as srv
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

@@ -19,7 +19,7 @@ import torch
 from integration_support import REPO, RLSTAGES, TINY, base_env, tiny_overrides
 from mlflow import MlflowClient
 
-from rlstages.flows import doctor
+from rlstages.flows.cli import doctor
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
