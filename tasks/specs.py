@@ -55,7 +55,7 @@ def missing_backend_package(cfg: RunConfig) -> str | None:
 
     if cfg.cluster.mode == "ray" and (cfg.cluster.address or os.environ.get("RAY_ADDRESS")):
         return None
-    chosen = [("actor.backend", cfg.actor.backend)]
+    chosen: list[tuple[str, str]] = [("actor.backend", cfg.actor.backend)]
     if cfg.critic is not None:
         chosen.append(("critic.backend", cfg.critic.backend))
     r = cfg.rollout
@@ -120,8 +120,9 @@ def trainer_settings(cfg: RunConfig, role: Role) -> TrainerSettings:
         common.update(micro_batch_size=cfg.reference.micro_batch_size, num_workers=cfg.reference.num_workers)
         train = training_backend(cfg.reference.backend).options.model_validate(common)
     else:
-        train = cfg.critic if role == "critic" else cfg.actor
-        assert train is not None
+        section = cfg.critic if role == "critic" else cfg.actor
+        assert section is not None
+        train = section
     converted = converted_dir(cfg) if role == "actor" else None
     return TrainerSettings(
         model_path=_model_path(cfg),
