@@ -61,24 +61,22 @@ def train_one(backend: str) -> float:
     torch.set_num_threads(1)
     path = _model()
     batch = _batch(path)
-    from rlstages.engines.training.torch_trainer import BatchingParams, OptimParams
+    from rlstages.configs.training import OptimConfig
+    from rlstages.engines.registry import training_backend
+    from rlstages.engines.training.core import PPOTrainer
+    from rlstages.engines.training.settings import TrainerSettings
 
-    common = {"optim": OptimParams(lr=1e-5), "batching": BatchingParams(micro_batch_size=16)}
-    if backend == "torch":
-        from rlstages.engines.training.torch_trainer import TorchTrainingEngine
-
-        engine = TorchTrainingEngine(path, **common)
-    elif backend == "deepspeed":
-        from rlstages.engines.training.deepspeed_trainer import DeepSpeedTrainingEngine
-
-        engine = DeepSpeedTrainingEngine(path, zero_stage=2, **common)
-    else:
+    options = {"optim": OptimConfig(lr=1e-5), "micro_batch_size": 16}
+    converted = None
+    if backend == "deepspeed":
+        options["zero_stage"] = 2
+    elif backend == "megatron":
         from rlstages.engines.convert import convert_hf_to_mcore
-        from rlstages.engines.megatron.trainer import MegatronTrainingEngine
 
-        mcore = Path(tempfile.mkdtemp()) / "mcore"
-        convert_hf_to_mcore(path, mcore, tp=1, pp=1)
-        engine = MegatronTrainingEngine(path, converted_path=mcore, **common)
+        converted = Path(tempfile.mkdtemp()) / "mcore"
+        convert_hf_to_mcore(path, converted, tp=1, pp=1)
+    train = training_backend(backend).options(**options)
+    engine = PPOTrainer(TrainerSettings(str(path), train=train, converted_path=str(converted) if converted else None))
     engine.train_step(batch)
     times = []
     for _ in range(3):

@@ -14,9 +14,10 @@ import torch
 from bench.common import best_of, report, small_model
 from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
 from rlstages.engines.runtime.weight_sync import sync_weights_ray
-from rlstages.engines.training.torch_trainer import TorchTrainingEngine
+from rlstages.engines.training.core import PPOTrainer
+from rlstages.engines.training.settings import TrainerSettings
 
-TRAINER = "rlstages.engines.training.torch_trainer:TorchTrainingEngine"
+TRAINER = "rlstages.engines.training.core:PPOTrainer"
 ROLLOUT = "rlstages.engines.rollout.hf_rollout:HFRolloutEngine"
 
 
@@ -24,27 +25,28 @@ def _group(name: str, engine: str, **kwargs: object) -> ActorGroup:
     return ActorGroup(GroupSpec(name=name, engine=engine, kwargs=dict(kwargs)), "bench")
 
 
-def measure(path: Path, local: TorchTrainingEngine, dtype: str) -> list[tuple[str, float, float, str]]:
+def measure(path: Path, local: PPOTrainer, dtype: str) -> list[tuple[str, float, float, str]]:
     """Rows for one rollout dtype: hybrid (inside the worker, and including the Ray call) and split workers."""
-    params = sum(p.numel() for p in local.model.parameters()) / 1e6
+    model = local.backend.model  # type: ignore[attr-defined]
+    params = sum(p.numel() for p in model.parameters()) / 1e6
     rollout_kwargs = {"model_path": str(path), "dtype": dtype, "apply_chat_template": False}
-    trainer = _group(f"bench-trainer-{dtype}", TRAINER, model_path=str(path))
+    trainer = _group(f"bench-trainer-{dtype}", TRAINER, settings=TrainerSettings(str(path)))
     rollout = _group(f"bench-rollout-{dtype}", ROLLOUT, **rollout_kwargs)
     hybrid = _group(
         f"bench-hybrid-{dtype}",
         "rlstages.engines.runtime.hybrid:HybridEngine",
         trainer=TRAINER,
-        trainer_kwargs={"model_path": str(path)},
+        trainer_kwargs={"settings": TrainerSettings(str(path))},
         rollout=ROLLOUT,
         rollout_kwargs=rollout_kwargs,
     )
     split = best_of(lambda: sync_weights_ray(trainer.handles, 0, rollout.handles, 256 << 20, dtype, 600))
     with_call = best_of(lambda: ray.get(hybrid.handles[0].sync_local.remote()))
     inner = ray.get(hybrid.handles[0].sync_local.remote())["timing/sync_weights_s"]
-    target = {k: v.to(getattr(torch, dtype), copy=True) for k, v in local.model.state_dict().items()}
+    target = {k: v.to(getattr(torch, dtype), copy=True) for k, v in model.state_dict().items()}
 
     def state_dict_copy() -> None:
-        for name, tensor in local.model.state_dict().items():
+        for name, tensor in model.state_dict().items():
             target[name].copy_(tensor)
 
     base = best_of(state_dict_copy)
@@ -63,7 +65,7 @@ def main(hidden: int = 512, layers: int = 8, vocab: int = 16384) -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     path = small_model(hidden, layers, vocab, name="bench-sync")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    local = TorchTrainingEngine(path)
+    local = PPOTrainer(TrainerSettings(str(path)))
     rows = measure(path, local, "float32") + measure(path, local, "bfloat16")
     report("weight sync vs in-process state-dict copy (ratio = ours / baseline)", rows)
     ray.shutdown()

@@ -1,19 +1,28 @@
-"""The engine Protocols: what every backend of a kind implements. No logic lives here.
+"""The engine Protocols: what every backend of a kind implements, with the signatures the tasks call.
+No logic lives here; `tests/engines/test_protocols.py` checks every registered class against its Protocol.
 
 Engines are plain classes (no Ray decorators); `runtime.actor_group` makes them Ray actors from outside,
-and unit tests run them in-process.
+and unit tests run them in-process. A training engine is one `training.core.PPOTrainer` driving a
+`StepBackend` (torch, DeepSpeed, Megatron): the update loop is written once, a backend only runs
+micro-batches and steps its optimizer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 from tensordict import TensorDict
 
 from rlstages.engines.types import Prompt, SamplingParams
+
+if TYPE_CHECKING:
+    from rlstages.engines.rewards.scorer import ScoreResult
+    from rlstages.engines.runtime.weight_sync import Bucket
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -41,13 +50,17 @@ class RolloutEngine(Protocol):
 
 @runtime_checkable
 class TrainingEngine(Protocol):
-    """Holds a trainable model (actor or critic) and its optimizer."""
+    """Holds a trainable model (actor or critic) and its optimizer, or a frozen reference.
 
-    def logprobs(self, batch: TensorDict, temperature: float = 1.0) -> TensorDict:
-        """Teacher-forced log-probs (and entropy) of `response_ids`: a batch with `logprobs`, `entropy` [B, T]."""
+    With several ranks (sharded or pipelined backends) every rank calls every method at once; methods that
+    return data return None (or yield nothing) on ranks that do not hold the result."""
+
+    def logprobs(self, batch: TensorDict, temperature: float | None = None) -> TensorDict | None:
+        """Teacher-forced log-probs (and entropy) of `response_ids`: a batch with `logprobs`, `entropy` [B, T].
+        `temperature` replaces the engine's (None keeps it)."""
         ...
 
-    def values(self, batch: TensorDict) -> torch.Tensor:
+    def values(self, batch: TensorDict) -> torch.Tensor | None:
         """Critic values [B, T] of the response tokens."""
         ...
 
@@ -59,6 +72,14 @@ class TrainingEngine(Protocol):
         """HF-named full tensors, one at a time (gathered across shards where the backend shards)."""
         ...
 
+    def weight_buckets(self, bucket_bytes: int, dtype: str) -> Iterator[Bucket]:
+        """`named_weights` in encoded buckets for streaming to rollout engines (a generator for Ray)."""
+        ...
+
+    def save_pretrained(self, path: Path, tokenizer_from: Path | None = None) -> None:
+        """An HF directory (config, safetensors, and the tokenizer of `tokenizer_from`) of the current weights."""
+        ...
+
     def save(self, path: Path) -> None:
         """Model (safetensors), optimizer, scheduler and RNG states, so `load` continues bitwise."""
         ...
@@ -68,14 +89,87 @@ class TrainingEngine(Protocol):
         ...
 
 
-@runtime_checkable
-class WeightConverter(Protocol):
-    """Maps between HF names/layouts and a backend's own (e.g. Megatron-Core), in both directions."""
+@dataclass(frozen=True)
+class Readout:
+    """What a training forward pass reads per micro-batch: (log-probs, entropy) [B, t] of the response
+    tokens at `temperature` (entropy with a graph only if `entropy_grad`), or with `values` the critic's
+    values [B, t] as a 1-tuple."""
 
-    def to_backend(self, named_tensors: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF -> backend, streamed."""
+    values: bool = False
+    temperature: float = 1.0
+    entropy_grad: bool = False
+
+
+# Called once per micro-batch with its outputs (the `Readout`); returns the micro-batch's loss when training.
+OnOutput = Callable[[TensorDict, tuple[torch.Tensor, ...]], torch.Tensor | None]
+
+
+@runtime_checkable
+class StepBackend(Protocol):
+    """One rank of one training backend, driven by `training.core.PPOTrainer`: a model, its optimizer and
+    their state. Built as `Backend(settings: TrainerSettings)` (the seed is already set)."""
+
+    @property
+    def outputs_here(self) -> bool:
+        """This rank receives the forward outputs (Megatron: the last pipeline stage only)."""
         ...
 
-    def to_hf(self, named_tensors: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
-        """Backend -> HF, streamed."""
+    @property
+    def is_weight_source(self) -> bool:
+        """This rank yields the weight buckets and writes HF exports (the others only join the gathers)."""
+        ...
+
+    def run(self, mbs: list[TensorDict], readout: Readout, on_output: OnOutput, train: bool) -> None:
+        """Forward each micro-batch, hand its outputs to `on_output`; when `train`, zero the gradients first
+        and backpropagate each returned loss (already normalised: gradients add up to the mini-batch's)."""
+        ...
+
+    def resident(self, train: bool) -> AbstractContextManager[None]:
+        """Keep the model (and with `train` its gradients) on the device for a call (offloading backends)."""
+        ...
+
+    def share(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The mini-batch's metrics as every rank reports them (Megatron: the last stage's, broadcast)."""
+        ...
+
+    def optimizer_step(self) -> float:
+        """Clip, step (skipped on a non-finite norm) and advance the LR schedule; returns the pre-clip norm."""
+        ...
+
+    def lr(self) -> float:
+        """The learning rate of the next optimizer step."""
+        ...
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named full tensors, one at a time (a collective where the backend shards)."""
+        ...
+
+    def save_hf(self, path: Path) -> bool:
+        """Write an HF config + safetensors of the current weights; True on the rank that wrote."""
+        ...
+
+    def save(self, path: Path, steps_done: int) -> None:
+        """The backend's model, optimizer, schedule and RNG state under the existing directory `path`."""
+        ...
+
+    def load(self, path: Path) -> int | None:
+        """Restore what `save` wrote; returns `steps_done` (None where nothing recorded it)."""
+        ...
+
+
+@runtime_checkable
+class RewardFunctions(Protocol):
+    """Scores responses with rule-based reward functions (registry name "functions")."""
+
+    def score(self, prompts: list[str], responses: list[str], ground_truths: list[str]) -> ScoreResult:
+        """Weighted scores, per-function components and metrics of each (prompt, response, ground truth)."""
+        ...
+
+
+@runtime_checkable
+class RewardModel(Protocol):
+    """Scores responses with a learned reward model (registry name "model")."""
+
+    def score(self, prompts: list[str], responses: list[str]) -> list[float]:
+        """One scalar reward per (prompt, response), in input order."""
         ...

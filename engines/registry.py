@@ -1,4 +1,4 @@
-"""Backend tables: name -> "module:Class", imported only on use.
+"""Backend tables: name -> "module:Class" (with the backend's own constructor arguments), imported only on use.
 
 A CPU machine without vLLM, SGLang, DeepSpeed or Megatron-Core imports everything and runs the defaults;
 choosing a backend whose package is missing is refused up front by `missing_package` (a one-line error with
@@ -8,21 +8,76 @@ the install command) when the workers run on this machine.
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 
-ROLLOUT_ENGINES: dict[str, str] = {
-    "hf": "rlstages.engines.rollout.hf_rollout:HFRolloutEngine",
-    "vllm": "rlstages.engines.rollout.vllm_rollout:VLLMRolloutEngine",
-    "sglang": "rlstages.engines.rollout.sglang_rollout:SGLangRolloutEngine",
+from rlstages.configs.training import DeepSpeedTrainingConfig, MegatronTrainingConfig, TorchTrainingConfig
+
+TrainingOptions = TorchTrainingConfig | DeepSpeedTrainingConfig | MegatronTrainingConfig
+
+
+@dataclass(frozen=True)
+class RolloutBackend:
+    """A rollout backend: its engine class and the constructor arguments it takes beyond the common ones
+    (model_path, dtype, apply_chat_template, system_prompt)."""
+
+    engine: str  # "module:Class" implementing `base.RolloutEngine`
+    options: tuple[str, ...] = ()  # fields of the backend's `configs.rollout` section, passed under their names
+    run_args: tuple[str, ...] = ()  # run-level arguments it also takes: "seed", "model_type"
+    actor_options: str | None = None  # "module:function" (interpreter | None) -> extra Ray actor options
+
+
+@dataclass(frozen=True)
+class TrainingBackend:
+    """A training backend: the `base.StepBackend` that `training.core.PPOTrainer` drives, and the options class
+    it reads from `TrainerSettings.train` (its `configs.training` section; a reference gets its defaults)."""
+
+    step: str  # "module:Class" implementing `base.StepBackend`, constructed as Class(settings)
+    options: type[TrainingOptions]
+
+
+ROLLOUT_BACKENDS: dict[str, RolloutBackend] = {
+    "hf": RolloutBackend("rlstages.engines.rollout.hf_rollout:HFRolloutEngine", ("batch_size",), ("model_type",)),
+    "vllm": RolloutBackend(
+        "rlstages.engines.rollout.vllm_rollout:VLLMRolloutEngine",
+        (
+            "tensor_parallel_size",
+            "gpu_memory_utilization",
+            "enable_sleep_mode",
+            "sleep_level",
+            "enforce_eager",
+            "max_model_len",
+            "cpu_kvcache_space_gb",
+        ),
+        ("seed",),
+        actor_options="rlstages.engines.rollout.vllm_rollout:vllm_actor_options",
+    ),
+    "sglang": RolloutBackend(
+        "rlstages.engines.rollout.sglang_rollout:SGLangRolloutEngine",
+        ("tp_size", "mem_fraction_static", "enable_memory_saver"),
+        ("seed",),
+    ),
 }
-TRAINING_ENGINES: dict[str, str] = {
-    "torch": "rlstages.engines.training.torch_trainer:TorchTrainingEngine",
-    "deepspeed": "rlstages.engines.training.deepspeed_trainer:DeepSpeedTrainingEngine",
-    "megatron": "rlstages.engines.megatron.trainer:MegatronTrainingEngine",
+ROLLOUT_ENGINES: dict[str, str] = {name: b.engine for name, b in ROLLOUT_BACKENDS.items()}
+
+TRAINING_ENGINE = "rlstages.engines.training.core:PPOTrainer"  # one class for every training backend
+TRAINING_BACKENDS: dict[str, TrainingBackend] = {
+    "torch": TrainingBackend("rlstages.engines.training.torch_backend:TorchBackend", TorchTrainingConfig),
+    "deepspeed": TrainingBackend(
+        "rlstages.engines.training.deepspeed_backend:DeepSpeedBackend", DeepSpeedTrainingConfig
+    ),
+    "megatron": TrainingBackend("rlstages.engines.megatron.backend:MegatronBackend", MegatronTrainingConfig),
 }
 REWARD_ENGINES: dict[str, str] = {
     "functions": "rlstages.engines.rewards.scorer:RewardScorer",
     "model": "rlstages.engines.rewards.reward_model:RewardModelEngine",
 }
+
+
+def training_backend(name: str) -> TrainingBackend:
+    """The registry entry of training backend `name`, or a one-line error listing the known ones."""
+    if name not in TRAINING_BACKENDS:
+        raise ValueError(f"unknown training backend {name!r}; expected one of {', '.join(sorted(TRAINING_BACKENDS))}")
+    return TRAINING_BACKENDS[name]
 
 
 def engine_path(table: dict[str, str], backend: str) -> str:

@@ -1,9 +1,9 @@
-"""Megatron-Core training backend, the optimizer: megatron's optimizer built from our `OptimParams`, one
+"""Megatron-Core training backend, the optimizer: megatron's optimizer built from our `OptimConfig`, one
 step with the torch backend's semantics, and the state fix-ups its checkpointing needs with torch AdamW.
 
 Without Transformer Engine or Apex (this CPU machine) megatron-core 0.16 falls back to torch AdamW inside
 its FP32 / distributed optimizer wrappers; the calls that hard-code CUDA run under `cuda_as_cpu()`.
-Non-goals: the LR scheduler object (the engine sets each step's LR from `torch_trainer.lr_lambda`).
+Non-goals: the LR scheduler object (the backend sets each step's LR from `training.optim.lr_lambda`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from rlstages.configs.training import OptimConfig
 from rlstages.engines.megatron import cuda_shim
-from rlstages.engines.training.torch_trainer import OptimParams, lr_lambda
 
 # dist_checkpointing format of the distributed optimizer: 0.16's default ("fully_sharded_model_space")
 # cannot be saved any more, "fully_reshardable" breaks on torch AdamW's per-parameter step.
@@ -22,7 +22,7 @@ OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 def build_optimizer(
-    models: list[Any], optim: OptimParams, dtype: torch.dtype, distributed: bool, offload: bool, fraction: float
+    models: list[Any], optim: OptimConfig, dtype: torch.dtype, distributed: bool, offload: bool, fraction: float
 ) -> Any:
     """`get_megatron_optimizer` (Adam, decoupled weight decay on every parameter as the torch backend) over
     DDP-wrapped chunks; `offload` -> megatron's CPU optimizer offload of `fraction` of the states (GPU only)."""
@@ -47,12 +47,11 @@ def build_optimizer(
         return get_megatron_optimizer(config, models, config_overrides={})
 
 
-def optimizer_step(optimizer: Any, optim: OptimParams, step: int) -> float:
-    """Set the LR of optimizer step `step` (0-based), clip at `grad_clip`, update unless the global grad norm
-    is non-finite (the torch backend's rule); returns the pre-clip norm. Gradients must be reduced already."""
+def optimizer_step(optimizer: Any, optim: OptimConfig, lr: float) -> float:
+    """Set the LR `lr`, clip at `grad_clip`, update unless the global grad norm is non-finite (the torch
+    backend's rule); returns the pre-clip norm. Gradients must be reduced already."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-    lr = optim.lr * lr_lambda(optim)(step)
     for group in optimizer.param_groups:
         group["lr"] = lr
     with cuda_shim.cuda_as_cpu():

@@ -4,7 +4,7 @@ value head, the pipeline schedule, and the HF weight export of a model-parallel 
 
 Every megatron-core call that hard-codes CUDA runs under `rlstages.engines.megatron.cuda_shim.cuda_as_cpu()`.
 Non-goals: context parallelism and expert parallelism (the converter's templates are dense models), the
-loss and the optimizer (`megatron_trainer`).
+loss (`training.core`) and the optimizer (`megatron.optim`, `megatron.backend`).
 """
 
 from __future__ import annotations

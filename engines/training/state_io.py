@@ -25,6 +25,11 @@ EXTRA_FILE = "trainer_state.json"
 RNG_FILE = "rng.safetensors"
 
 
+def rank_rng_file(rank: int) -> str:
+    """The RNG file of one rank of a multi-rank backend (DeepSpeed, Megatron)."""
+    return f"rng_rank{rank}.safetensors"
+
+
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
     """Safetensors save via a temp file; shared storage is cloned so tied weights save cleanly."""
     tmp = path.with_name(path.name + ".tmp")

@@ -12,6 +12,7 @@ from tensordict import TensorDict
 from rlstages.engines import types as T
 from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec, worker_env
 from rlstages.engines.runtime.weight_sync import bucketize, decode_bucket, sync_weights_local, sync_weights_ray
+from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
 
 PROMPTS = [Prompt(f"u{i}", f"{i}+1=", str(i + 1)) for i in range(4)]
@@ -57,8 +58,8 @@ def rollout_spec(path: Path, name: str) -> GroupSpec:
 def trainer_spec(path: Path, name: str) -> GroupSpec:
     return GroupSpec(
         name=name,
-        engine="rlstages.engines.training.torch_trainer:TorchTrainingEngine",
-        kwargs={"model_path": str(path)},
+        engine="rlstages.engines.training.core:PPOTrainer",
+        kwargs={"settings": TrainerSettings(str(path))},
     )
 
 
@@ -131,9 +132,9 @@ def test_weight_sync_over_ray_keeps_logprobs_in_step(ray_session, tiny_model_dir
 
 
 def test_buckets_round_trip_bf16_and_sizes(tiny_model_dir: Path) -> None:
-    from rlstages.engines.training.torch_trainer import TorchTrainingEngine
+    from rlstages.engines.training.core import PPOTrainer
 
-    engine = TorchTrainingEngine(tiny_model_dir)
+    engine = PPOTrainer(TrainerSettings(str(tiny_model_dir)))
     weights = dict(engine.named_weights())
     buckets = list(bucketize(weights.items(), 1 << 15, "bfloat16"))
     assert len(buckets) > 2

@@ -1,6 +1,7 @@
-"""DeepSpeed training engine against the torch backend: log-probs, one GRPO step under ZeRO 1/2/3 (also with
-dynamic batching and CPU offload), ZeRO-3 gathered weights and export, save/load that continues bitwise from
-a renamed directory, critic, reference, mixed precision, and a 2-rank ZeRO-2/3 data-parallel group on Ray.
+"""The PPO trainer on the DeepSpeed backend against the torch backend: log-probs, one GRPO step under
+ZeRO 1/2/3 (also with dynamic batching and CPU offload), ZeRO-3 gathered weights and export, save/load that
+continues bitwise from a renamed directory, critic, reference, mixed precision, and a 2-rank ZeRO-2/3
+data-parallel group on Ray.
 
 CPU only, real DeepSpeed (skipped when it is not installed): `.venv/bin/python -m pytest -q
 tests/engines/test_deepspeed_trainer.py`. The first run JIT-builds DeepSpeed's `deepspeed_shm_comm` op (~80 s)
@@ -10,7 +11,6 @@ in the repo, as the Makefile sets it); later runs load the cached builds.
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import sys
@@ -22,21 +22,20 @@ import torch
 
 pytest.importorskip("deepspeed")
 
+from rlstages.configs.training import DeepSpeedTrainingConfig, OptimConfig, TorchTrainingConfig  # noqa: E402
 from rlstages.engines import algorithms as A  # noqa: E402
 from rlstages.engines import types as T  # noqa: E402
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine  # noqa: E402
 from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec  # noqa: E402
 from rlstages.engines.runtime.weight_sync import decode_bucket  # noqa: E402
-from rlstages.engines.training.deepspeed_trainer import DeepSpeedTrainingEngine  # noqa: E402
-from rlstages.engines.training.torch_trainer import BatchingParams, OptimParams, TorchTrainingEngine  # noqa: E402
+from rlstages.engines.training.core import PPOTrainer  # noqa: E402
+from rlstages.engines.training.settings import TrainerSettings  # noqa: E402
 from rlstages.engines.types import Prompt, SamplingParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXT_DIR = os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
 PROMPTS = [Prompt(f"u{i}", f"{i}+{i}=", str(2 * i)) for i in range(4)]
-OPTIM = OptimParams(lr=1e-2, total_steps=10, schedule="cosine")
-MICRO4 = BatchingParams(micro_batch_size=4)
-DYNAMIC = BatchingParams(dynamic_batching=True, max_tokens_per_micro_batch=40)  # 2-3 rows per micro-batch
+OPTIM = OptimConfig(lr=1e-2, total_steps=10, schedule="cosine")
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR")
 
 
@@ -99,40 +98,42 @@ def torch_step(batch):
 
     def get(path: Path) -> tuple:
         if path not in cache:
-            engine = TorchTrainingEngine(path, optim=OPTIM, batching=MICRO4)
+            engine = torch_engine(path)
             metrics = engine.train_step(batch)
-            assert engine.optimizer is not None
-            exp_avg = {n: engine.optimizer.state[p]["exp_avg"] for n, p in engine.model.named_parameters()}
+            optimizer, model = engine.backend.optimizer, engine.backend.model
+            assert optimizer is not None
+            exp_avg = {n: optimizer.state[p]["exp_avg"] for n, p in model.named_parameters()}
             cache[path] = (metrics, dict(engine.named_weights()), exp_avg)
         return cache[path]
 
     return get
 
 
-def ds(path: Path, **kw) -> DeepSpeedTrainingEngine:
-    kw.setdefault("batching", MICRO4)
-    return DeepSpeedTrainingEngine(path, optim=OPTIM, **kw)
+def settings(
+    path: Path, backend: str, role: str = "actor", dtype: str = "float32", num_mini_batches: int = 1, **options
+) -> TrainerSettings:
+    """Settings of a `backend` engine; `options` are its training config's fields (4 rows per micro-batch)."""
+    options.setdefault("micro_batch_size", 4)
+    config = DeepSpeedTrainingConfig if backend == "deepspeed" else TorchTrainingConfig
+    train = config(optim=OPTIM, **options)
+    return TrainerSettings(str(path), role=role, train=train, dtype=dtype, num_mini_batches=num_mini_batches)  # type: ignore[arg-type]
+
+
+def ds(path: Path, **kw) -> PPOTrainer:
+    return PPOTrainer(settings(path, "deepspeed", **kw))
+
+
+def torch_engine(path: Path, **kw) -> PPOTrainer:
+    return PPOTrainer(settings(path, "torch", **kw))
 
 
 def snapshot(engine) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in engine.named_weights()}
 
 
-def test_constructor_takes_exactly_the_training_spec_kwargs() -> None:
-    """`rlstages.tasks.workers.training_spec` passes the common kwargs plus the DeepSpeed config's own fields."""
-    from rlstages.configs.training import DeepSpeedTrainingConfig, TorchTrainingConfig
-
-    own = set(DeepSpeedTrainingConfig.model_fields) - set(TorchTrainingConfig.model_fields)
-
-    def params(cls: type) -> set[str]:  # Ray's tracing adds `_ray_trace_ctx` to classes it has wrapped
-        return {p for p in inspect.signature(cls).parameters if not p.startswith("_ray")}
-
-    assert params(DeepSpeedTrainingEngine) == params(TorchTrainingEngine) | own
-
-
 @pytest.mark.parametrize("stage", [2, 3])
 def test_logprobs_equal_torch_backend(model_for, batch, stage: int) -> None:
-    expected = TorchTrainingEngine(model_for(stage), batching=MICRO4).logprobs(batch)
+    expected = torch_engine(model_for(stage)).logprobs(batch)
     got = ds(model_for(stage), zero_stage=stage).logprobs(batch)
     assert torch.allclose(got["logprobs"], expected["logprobs"], atol=1e-5, rtol=0)
     assert torch.allclose(got["entropy"], expected["entropy"], atol=1e-5, rtol=0)
@@ -140,10 +141,7 @@ def test_logprobs_equal_torch_backend(model_for, batch, stage: int) -> None:
 
 STEP_CASES = {
     "zero1": {"zero_stage": 1},
-    "zero2-dynamic": {
-        "zero_stage": 2,
-        "batching": BatchingParams(dynamic_batching=True, max_tokens_per_micro_batch=40),
-    },
+    "zero2-dynamic": {"zero_stage": 2, "dynamic_batching": True, "max_tokens_per_micro_batch": 40},  # 2-3 rows each
     "zero3": {"zero_stage": 3},
     "zero2-offload": {"zero_stage": 2, "offload_optimizer": True},
     "zero3-offload": {"zero_stage": 3, "offload_optimizer": True, "offload_param": True},
@@ -163,7 +161,7 @@ def test_grpo_step_matches_torch_backend(model_for, batch, torch_step, case: str
     metrics = engine.train_step(batch)
     assert metrics["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-5)
     assert metrics["lr"] == ref_metrics["lr"] and metrics["pg_loss"] == pytest.approx(ref_metrics["pg_loss"], abs=1e-7)
-    for name, param in engine.module.named_parameters():
+    for name, param in engine.backend.module.named_parameters():
         exp_avg = safe_get_full_optimizer_state(param, "exp_avg")
         assert torch.allclose(exp_avg.view_as(ref_exp_avg[name]), ref_exp_avg[name], atol=1e-8, rtol=0), name
     weights = dict(engine.named_weights())
@@ -172,13 +170,13 @@ def test_grpo_step_matches_torch_backend(model_for, batch, torch_step, case: str
 
 
 def test_scheduler_steps_once_per_optimizer_step(tiny_model_dir: Path, batch) -> None:
-    batching = BatchingParams(micro_batch_size=4, num_mini_batches=2, ppo_epochs=2)
-    engine = ds(tiny_model_dir, zero_stage=2, batching=batching)
-    reference = TorchTrainingEngine(tiny_model_dir, optim=OPTIM, batching=batching)
+    engine = ds(tiny_model_dir, zero_stage=2, num_mini_batches=2, ppo_epochs=2)
+    reference = torch_engine(tiny_model_dir, num_mini_batches=2, ppo_epochs=2)
     b = batch.clone()
     b[T.OLD_LOGPROBS] = engine.logprobs(batch)["logprobs"]
     metrics, expected = engine.train_step(b), reference.train_step(b)
-    assert engine.scheduler is not None and engine.scheduler.last_epoch == 4  # 2 epochs x 2 mini-batches
+    scheduler = engine.backend.scheduler
+    assert scheduler is not None and scheduler.last_epoch == 4  # 2 epochs x 2 mini-batches
     assert metrics["lr"] == expected["lr"] and metrics["ppo_kl"] == pytest.approx(expected["ppo_kl"], abs=1e-6)
     assert metrics["ppo_kl"] != 0.0  # later mini-batches saw a moved policy
 
@@ -189,7 +187,7 @@ def test_zero3_partitions_and_gathers_full_weights(wide_model_dir: Path, batch, 
     engine = ds(wide_model_dir, zero_stage=3)
     engine.train_step(batch)
     cfg = AutoConfig.from_pretrained(wide_model_dir)
-    up = dict(engine.module.named_parameters())["model.layers.1.mlp.up_proj.weight"]
+    up = dict(engine.backend.module.named_parameters())["model.layers.1.mlp.up_proj.weight"]
     assert up.numel() == 0 and up.ds_numel == cfg.intermediate_size * cfg.hidden_size  # a shard, not the tensor
     weights = snapshot(engine)
     assert weights["model.embed_tokens.weight"].shape == (cfg.vocab_size, cfg.hidden_size)
@@ -222,7 +220,7 @@ def test_save_load_continues_bitwise(model_for, batch, tmp_path: Path, stage: in
 
 
 def test_critic_values_match_and_update(tiny_model_dir: Path, batch) -> None:
-    torch_critic = TorchTrainingEngine(tiny_model_dir, role="critic", batching=MICRO4)
+    torch_critic = torch_engine(tiny_model_dir, role="critic")
     critic = ds(tiny_model_dir, role="critic", zero_stage=2)
     torch.manual_seed(7)  # the token-classification head has dropout and both backends run in train mode
     expected = torch_critic.values(batch)
@@ -238,7 +236,7 @@ def test_critic_values_match_and_update(tiny_model_dir: Path, batch) -> None:
 @pytest.mark.parametrize("stage", [2, 3])
 def test_reference_is_frozen(model_for, batch, tmp_path: Path, stage: int) -> None:
     ref = ds(model_for(stage), role="reference", zero_stage=stage)
-    expected = TorchTrainingEngine(model_for(stage), role="reference", batching=MICRO4).logprobs(batch)["logprobs"]
+    expected = torch_engine(model_for(stage), role="reference").logprobs(batch)["logprobs"]
     assert torch.allclose(ref.logprobs(batch)["logprobs"], expected, atol=1e-5, rtol=0)
     with pytest.raises(RuntimeError, match="frozen"):
         ref.train_step(batch)
@@ -247,12 +245,10 @@ def test_reference_is_frozen(model_for, batch, tmp_path: Path, stage: int) -> No
     assert torch.allclose(ref.logprobs(batch)["logprobs"], expected, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize(
-    "kw", [{"dtype": "bfloat16"}, {"batching": BatchingParams(micro_batch_size=4, bf16_autocast=True)}]
-)
+@pytest.mark.parametrize("kw", [{"dtype": "bfloat16"}, {"bf16_autocast": True}])
 def test_mixed_precision_steps(tiny_model_dir: Path, batch, kw: dict) -> None:
     engine = ds(tiny_model_dir, zero_stage=2, **kw)
-    bf16_weights = next(engine.module.parameters()).dtype == torch.bfloat16
+    bf16_weights = next(engine.backend.module.parameters()).dtype == torch.bfloat16
     assert bf16_weights == ("dtype" in kw)  # DeepSpeed bf16 = bf16 weights + fp32 master; autocast keeps fp32
     before = snapshot(engine)
     metrics = engine.train_step(batch)
@@ -261,7 +257,7 @@ def test_mixed_precision_steps(tiny_model_dir: Path, batch, kw: dict) -> None:
 
 
 # ---- two data-parallel ranks on Ray -------------------------------------------------------------------------------
-def rank_weights(engine: DeepSpeedTrainingEngine) -> dict[str, torch.Tensor]:
+def rank_weights(engine: PPOTrainer) -> dict[str, torch.Tensor]:
     """Runs inside each rank (`__ray_call__`): its full weights (a collective under ZeRO-3)."""
     return {k: v.clone() for k, v in engine.named_weights()}
 
@@ -275,20 +271,15 @@ def test_two_ranks_on_ray_stay_in_sync(ray_session, model_for, batch, tmp_path: 
     path = model_for(stage)
     spec = GroupSpec(
         name=f"ds-dp2-z{stage}",
-        engine="rlstages.engines.training.deepspeed_trainer:DeepSpeedTrainingEngine",
-        kwargs={
-            "model_path": str(path),
-            "optim": OPTIM,
-            "batching": BatchingParams(micro_batch_size=2),
-            "zero_stage": stage,
-        },
+        engine="rlstages.engines.training.core:PPOTrainer",
+        kwargs={"settings": settings(path, "deepspeed", micro_batch_size=2, zero_stage=stage)},
         num_workers=2,
         env={"TORCH_EXTENSIONS_DIR": EXT_DIR, "DS_ACCELERATOR": "cpu"},
     )
     group = ActorGroup(spec, namespace="rlstages-tests")
     try:
         rows = batch[:13]
-        initial = TorchTrainingEngine(path).logprobs(rows)["logprobs"]
+        initial = torch_engine(path).logprobs(rows)["logprobs"]
         assert torch.allclose(group.dp(600).logprobs(rows)["logprobs"], initial, atol=1e-5, rtol=0)
         per_rank = group.dp(300).train_step(rows)
         assert isinstance(per_rank, list) and len(per_rank) == 2
@@ -296,7 +287,7 @@ def test_two_ranks_on_ray_stay_in_sync(ray_session, model_for, batch, tmp_path: 
         assert per_rank[0]["entropy"] != per_rank[1]["entropy"]  # each rank's own rows
         w0, w1 = group.all(120).__ray_call__(rank_weights)
         assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
-        start = dict(TorchTrainingEngine(path).named_weights())
+        start = dict(torch_engine(path).named_weights())
         assert all(not torch.equal(w0[k], start[k]) for k in start)
 
         group.all(120).save(str(tmp_path / "ckpt"))

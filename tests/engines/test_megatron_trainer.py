@@ -1,4 +1,4 @@
-"""Megatron-Core training engine against the torch backend on the same weights: log-probs, a GRPO step
+"""The PPO trainer on the Megatron-Core backend against the torch backend on the same weights: log-probs, a GRPO step
 (first Adam moments and moved weights), save/load that continues bitwise, HF export, critic, reference;
 TP=1 in this process; TP=2, PP=2, DP=2 and PP=2 x VPP=2 as real Ray actor groups of 2 ranks over gloo.
 
@@ -18,23 +18,45 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlstages.configs.training import MegatronTrainingConfig, OptimConfig, TorchTrainingConfig
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
 from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
 from rlstages.engines.runtime.weight_sync import decode_bucket
-from rlstages.engines.training.torch_trainer import BatchingParams, OptimParams, TorchTrainingEngine
+from rlstages.engines.training.core import PPOTrainer
+from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
 
-ENGINE = "rlstages.engines.megatron.trainer:MegatronTrainingEngine"
+ENGINE = "rlstages.engines.training.core:PPOTrainer"
 PROMPTS = [Prompt(f"u{i}", f"{i}+{i}=", str(2 * i)) for i in range(4)]
 LR = 1e-4
 # Adam's first step moves each element by lr * g / (|g| + eps): a gradient within float noise of zero can
 # move by a fraction of lr, a gradient of the wrong sign moves by 2 lr. 2% of lr separates the two.
 STEP_ATOL = 2e-2 * LR
-KW = {"optim": OptimParams(lr=LR, total_steps=10), "batching": BatchingParams(micro_batch_size=4)}
+
+
+def settings(
+    path: Path,
+    backend: str = "torch",
+    converted_path: Path | None = None,
+    role: str = "actor",
+    loss: A.PolicyLossParams = A.PolicyLossParams(),
+    lr: float = LR,
+    **options,
+) -> TrainerSettings:
+    """Settings of a `backend` engine; `options` are its training config's fields (4 rows per micro-batch)."""
+    options.setdefault("micro_batch_size", 4)
+    config = MegatronTrainingConfig if backend == "megatron" else TorchTrainingConfig
+    train = config(optim=OptimConfig(lr=lr, total_steps=10), **options)
+    converted = str(converted_path) if converted_path is not None else None
+    return TrainerSettings(str(path), role=role, train=train, loss=loss, converted_path=converted)  # type: ignore[arg-type]
+
+
+def torch_engine(path: Path, **kw) -> PPOTrainer:
+    return PPOTrainer(settings(path, **kw))
 
 
 def setup_module() -> None:
@@ -67,12 +89,13 @@ def converted(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 @pytest.fixture(scope="module")
 def torch_ref(tiny_model_dir: Path, batch) -> dict:
     """The torch backend's log-probs, weights before/after one GRPO step, metrics and first moments."""
-    engine = TorchTrainingEngine(tiny_model_dir, **KW)
+    engine = torch_engine(tiny_model_dir)
     out = {"logprobs": engine.logprobs(batch), "before": snapshot(engine.named_weights())}
     out["metrics"] = engine.train_step(batch)
     out["after"] = snapshot(engine.named_weights())
-    assert engine.optimizer is not None
-    out["exp_avg"] = {n: engine.optimizer.state[p]["exp_avg"].clone() for n, p in engine.model.named_parameters()}
+    optimizer, model = engine.backend.optimizer, engine.backend.model
+    assert optimizer is not None
+    out["exp_avg"] = {n: optimizer.state[p]["exp_avg"].clone() for n, p in model.named_parameters()}
     return out
 
 
@@ -89,19 +112,18 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def megatron(path: Path, converted_path: Path | None, **kw):
-    from rlstages.engines.megatron.trainer import MegatronTrainingEngine
-
-    return MegatronTrainingEngine(path, converted_path=converted_path, **{**KW, **kw})
+def megatron(path: Path, converted_path: Path | None, **kw) -> PPOTrainer:
+    return PPOTrainer(settings(path, "megatron", converted_path, **kw))
 
 
 def hf_first_moments(engine) -> dict[str, torch.Tensor]:
     """Adam's exp_avg of a non-distributed megatron optimizer, in HF names (the converter maps any tensor)."""
     from rlstages.engines.convert import rank_mcore_to_hf
 
-    inner = engine.optimizer.chained_optimizers[0].optimizer
-    named = [(n, inner.state[p]["exp_avg"]) for n, p in engine.chunks[0].named_parameters()]
-    return snapshot(rank_mcore_to_hf(named, engine.spec))
+    backend = engine.backend
+    inner = backend.optimizer.chained_optimizers[0].optimizer
+    named = [(n, inner.state[p]["exp_avg"]) for n, p in backend.chunks[0].named_parameters()]
+    return snapshot(rank_mcore_to_hf(named, backend.spec))
 
 
 def check_against_torch(metrics: dict, torch_ref: dict) -> None:
@@ -154,14 +176,14 @@ def test_export_round_trips_to_hf(tiny_model_dir: Path, converted, batch, tmp_pa
     assert {k: v.shape for k, v in exported.items()} == {k: v.shape for k, v in hf.items()}
     engine.train_step(batch)
     engine.save_pretrained(tmp_path / "hf", tokenizer_from=tiny_model_dir)
-    reloaded = TorchTrainingEngine(tmp_path / "hf", **KW)
+    reloaded = torch_engine(tmp_path / "hf")
     mask = batch[T.RESPONSE_MASK]
     assert masked_max(reloaded.logprobs(batch)["logprobs"], engine.logprobs(batch)["logprobs"], mask) <= 1e-5
     assert max_diff(snapshot(reloaded.named_weights()), snapshot(engine.named_weights())) == 0.0
 
 
 def test_critic_and_reference(tiny_model_dir: Path, batch, tmp_path: Path) -> None:
-    critic = megatron(tiny_model_dir, None, role="critic", optim=OptimParams(lr=1e-3))  # converted in memory
+    critic = megatron(tiny_model_dir, None, role="critic", lr=1e-3)  # converted in memory
     values = critic.values(batch)
     assert values.shape == batch[T.RESPONSE_IDS].shape
     b = batch.clone()
@@ -180,14 +202,14 @@ def test_critic_and_reference(tiny_model_dir: Path, batch, tmp_path: Path) -> No
         hf_values = P.value_forward(hf_critic, batch, False)
     assert masked_max(hf_values, critic.values(batch), batch[T.RESPONSE_MASK]) <= 1e-5
     reference = megatron(tiny_model_dir, None, role="reference")
-    assert not any(p.requires_grad for c in reference.chunks for p in c.parameters())
+    assert not any(p.requires_grad for c in reference.backend.chunks for p in c.parameters())
     with pytest.raises(RuntimeError, match="frozen"):
         reference.train_step(batch)
 
 
 def test_unsupported_layouts_fail_clearly(tiny_model_dir: Path, converted) -> None:
     with pytest.raises(NotImplementedError, match="context_parallel_size"):
-        megatron(tiny_model_dir, converted["tp1"], context_parallel_size=2)
+        megatron(tiny_model_dir, converted["tp1"], context_parallel_size=2, num_workers=2)
     with pytest.raises(ValueError, match="convert again"):
         megatron(tiny_model_dir, converted["tp2"])  # a TP=2 checkpoint for a TP=1 engine
 
@@ -213,7 +235,7 @@ def run_group(name: str, path: Path, converted_path: Path, **kw) -> ActorGroup:
     spec = GroupSpec(
         name=name,
         engine=ENGINE,
-        kwargs={"model_path": str(path), "converted_path": str(converted_path), **KW, **kw},
+        kwargs={"settings": settings(path, "megatron", converted_path, num_workers=2, **kw)},
         num_workers=2,
         tp=kw.get("tensor_model_parallel_size", 1),
         pp=kw.get("pipeline_model_parallel_size", 1),
@@ -262,7 +284,7 @@ def test_pp2_ray_group_pipeline_schedule(ray_session, tiny_model_dir: Path, conv
 def test_dp2_ray_group_averages_gradients(ray_session, tiny_model_dir: Path, converted, batch) -> None:
     # seq-mean-token-mean over 8 + 8 rows: the mean of the two ranks' losses is the one-process loss
     loss = A.PolicyLossParams(loss_agg_mode="seq-mean-token-mean")
-    ref = TorchTrainingEngine(tiny_model_dir, loss=loss, **KW)
+    ref = torch_engine(tiny_model_dir, loss=loss)
     ref_metrics, ref_after = ref.train_step(batch), snapshot(ref.named_weights())
     group = run_group("megatron-dp2", tiny_model_dir, converted["tp1"], loss=loss)  # distributed optimizer, DP=2
     try:
@@ -283,7 +305,7 @@ def test_pp2_vpp2_ray_group_interleaved_schedule(ray_session, batch, tmp_path: P
     from rlstages.engines.models import build_tiny_model
 
     hf = build_tiny_model(tmp_path / "hf4", num_hidden_layers=4)  # 2 stages x 2 virtual chunks x 1 layer
-    ref = TorchTrainingEngine(hf, **KW)
+    ref = torch_engine(hf)
     ref_logprobs, ref_metrics = ref.logprobs(batch), ref.train_step(batch)
     mcore = convert_hf_to_mcore(hf, tmp_path / "mcore", pp=2, vpp=2)
     group = run_group("megatron-vpp", hf, mcore, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)

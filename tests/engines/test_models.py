@@ -13,6 +13,7 @@ import torch
 
 from rlstages.engines import types as T
 from rlstages.engines.models import build_tiny_model, ensure_model, load_causal_lm, read_model_type, registered_models
+from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -58,8 +59,8 @@ def test_custom_model_runs_rollout_and_training_in_a_ray_worker(custom_dir: Path
         name="custom-hybrid",
         engine="rlstages.engines.runtime.hybrid:HybridEngine",
         kwargs={
-            "trainer": "rlstages.engines.training.torch_trainer:TorchTrainingEngine",
-            "trainer_kwargs": {"model_path": str(custom_dir)},
+            "trainer": "rlstages.engines.training.core:PPOTrainer",
+            "trainer_kwargs": {"settings": TrainerSettings(str(custom_dir))},
             "rollout": "rlstages.engines.rollout.hf_rollout:HFRolloutEngine",
             "rollout_kwargs": {"model_path": str(custom_dir), "dtype": "float32", "apply_chat_template": False},
         },
@@ -71,7 +72,7 @@ def test_custom_model_runs_rollout_and_training_in_a_ray_worker(custom_dir: Path
     batch[T.ADVANTAGES] = torch.randn(batch[T.RESPONSE_MASK].shape) * batch[T.RESPONSE_MASK]
     metrics = group.dp(120).train_step(batch)
     assert metrics["logprob_diff"] < 1e-4 and metrics["grad_norm"] > 0
-    kind = group.handles[0].__ray_call__.remote(lambda e: type(e.trainer.model).__name__)
+    kind = group.handles[0].__ray_call__.remote(lambda e: type(e.trainer.backend.model).__name__)
     import ray
 
     assert ray.get(kind) == "ScaledQwen2ForCausalLM"

@@ -1,5 +1,5 @@
-"""Torch training engine: log-probs, GRPO update, gradient accumulation exactness, dynamic batching, critic,
-frozen reference, LR schedule, and save/load that continues bitwise. CPU only."""
+"""The PPO trainer on the torch backend: log-probs, GRPO update, gradient accumulation exactness, dynamic
+batching, critic, frozen reference, LR schedule and its horizon, and save/load that continues bitwise. CPU only."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlstages.configs.training import OptimConfig, TorchTrainingConfig
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
-from rlstages.engines.training.torch_trainer import BatchingParams, OptimParams, TorchTrainingEngine, lr_lambda
+from rlstages.engines.training.core import PPOTrainer
+from rlstages.engines.training.optim import lr_lambda
+from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
 
 PROMPTS = [Prompt(f"u{i}", f"{i}+{i}=", str(2 * i)) for i in range(4)]
@@ -30,12 +33,15 @@ def batch(tiny_model_dir: Path):
     return b
 
 
-def trainer(path: Path, **kw) -> TorchTrainingEngine:
-    batching = kw.pop("batching", BatchingParams(micro_batch_size=4))
-    return TorchTrainingEngine(path, optim=OptimParams(lr=1e-2, total_steps=10), batching=batching, **kw)
+def trainer(path: Path, role="actor", loss=A.PolicyLossParams(), num_mini_batches: int = 1, **train) -> PPOTrainer:
+    train.setdefault("micro_batch_size", 4)
+    options = TorchTrainingConfig(optim=OptimConfig(lr=1e-2, total_steps=10), **train)
+    return PPOTrainer(
+        TrainerSettings(str(path), role=role, train=options, loss=loss, num_mini_batches=num_mini_batches)
+    )
 
 
-def snapshot(engine: TorchTrainingEngine) -> dict[str, torch.Tensor]:
+def snapshot(engine: PPOTrainer) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in engine.named_weights()}
 
 
@@ -57,15 +63,16 @@ def test_grpo_step_moves_parameters_and_reports(tiny_model_dir: Path, batch) -> 
 
 
 def test_accumulation_equals_one_big_batch(tiny_model_dir: Path, batch) -> None:
-    small = trainer(tiny_model_dir, batching=BatchingParams(micro_batch_size=2))
-    big = trainer(tiny_model_dir, batching=BatchingParams(micro_batch_size=16))
+    small = trainer(tiny_model_dir, micro_batch_size=2)
+    big = trainer(tiny_model_dir, micro_batch_size=16)
     m_small, m_big = small.train_step(batch), big.train_step(batch)
     assert m_small["grad_norm"] == pytest.approx(m_big["grad_norm"], rel=1e-4)
     assert m_small["pg_loss"] == pytest.approx(m_big["pg_loss"], abs=1e-6)
-    assert small.optimizer is not None and big.optimizer is not None
-    for p_small, p_big in zip(small.model.parameters(), big.model.parameters(), strict=True):
-        grad_small = small.optimizer.state[p_small]["exp_avg"]  # (1 - beta1) x the accumulated gradient
-        grad_big = big.optimizer.state[p_big]["exp_avg"]
+    small_opt, big_opt = small.backend.optimizer, big.backend.optimizer
+    assert small_opt is not None and big_opt is not None
+    for p_small, p_big in zip(small.backend.model.parameters(), big.backend.model.parameters(), strict=True):
+        grad_small = small_opt.state[p_small]["exp_avg"]  # (1 - beta1) x the accumulated gradient
+        grad_big = big_opt.state[p_big]["exp_avg"]
         assert torch.allclose(grad_small, grad_big, atol=1e-7, rtol=1e-4)
 
 
@@ -106,21 +113,18 @@ def test_length_sorted_micro_batches_pad_less_and_restore_order(tiny_model_dir: 
 
 
 def test_dynamic_batching_same_update(tiny_model_dir: Path, batch) -> None:
-    dyn = trainer(
-        tiny_model_dir,
-        batching=BatchingParams(micro_batch_size=16, dynamic_batching=True, max_tokens_per_micro_batch=64),
-    )
-    fixed = trainer(tiny_model_dir, batching=BatchingParams(micro_batch_size=16))
+    dyn = trainer(tiny_model_dir, micro_batch_size=16, dynamic_batching=True, max_tokens_per_micro_batch=64)
+    fixed = trainer(tiny_model_dir, micro_batch_size=16)
     assert dyn.train_step(batch)["grad_norm"] == pytest.approx(fixed.train_step(batch)["grad_norm"], rel=1e-4)
 
 
 def test_mini_batches_and_epochs_take_several_optimizer_steps(tiny_model_dir: Path, batch) -> None:
-    engine = trainer(tiny_model_dir, batching=BatchingParams(micro_batch_size=4, num_mini_batches=2, ppo_epochs=2))
+    engine = trainer(tiny_model_dir, num_mini_batches=2, ppo_epochs=2)
     old = engine.logprobs(batch)["logprobs"]
     b = batch.clone()
     b[T.OLD_LOGPROBS] = old
     metrics = engine.train_step(b)
-    assert engine.scheduler is not None and engine.scheduler.last_epoch == 4
+    assert engine.backend.scheduler is not None and engine.backend.scheduler.last_epoch == 4
     assert metrics["ppo_kl"] != 0.0  # later mini-batches see a moved policy
 
 
@@ -153,7 +157,7 @@ def test_critic_values_and_update(tiny_model_dir: Path, batch) -> None:
 
 def test_reference_is_frozen(tiny_model_dir: Path, batch) -> None:
     ref = trainer(tiny_model_dir, role="reference")
-    assert not any(p.requires_grad for p in ref.model.parameters())
+    assert not any(p.requires_grad for p in ref.backend.model.parameters())
     with pytest.raises(RuntimeError, match="frozen"):
         ref.train_step(batch)
 
@@ -167,7 +171,17 @@ def test_kl_loss_and_entropy_terms(tiny_model_dir: Path, batch) -> None:
     assert metrics["kl_loss"] > 0 and metrics["entropy"] > 0
 
 
+def test_lr_schedule_horizon_counts_optimizer_steps() -> None:
+    """The schedule spans trainer steps x PPO epochs x mini-batches optimizer steps (derived in one place)."""
+    train = TorchTrainingConfig(ppo_epochs=2)
+    settings = TrainerSettings("m", train=train, num_mini_batches=3, train_steps=5)
+    assert settings.optim_steps == 30
+    fixed = TorchTrainingConfig(ppo_epochs=2, optim=OptimConfig(total_steps=4))
+    assert TrainerSettings("m", train=fixed, num_mini_batches=3, train_steps=5).optim_steps == 24
+    assert settings.optim_record()["total_steps"] == 30
+
+
 def test_lr_schedule_warmup_then_cosine() -> None:
-    f = lr_lambda(OptimParams(warmup_steps=2, schedule="cosine", total_steps=10, min_lr_ratio=0.1))
+    f = lr_lambda(OptimConfig(warmup_steps=2, schedule="cosine", min_lr_ratio=0.1), 10)
     assert [round(f(s), 3) for s in (0, 1)] == [0.5, 1.0]
     assert f(2) == pytest.approx(1.0) and f(10) == pytest.approx(0.1) and f(6) == pytest.approx(0.55)

@@ -1,0 +1,142 @@
+"""The PPO update loop, written once: `PPOTrainer` implements `rlstages.engines.base.TrainingEngine` for every
+training backend by driving a `StepBackend` (torch, DeepSpeed, Megatron; `engines.registry.TRAINING_BACKENDS`).
+
+`train_step` runs PPO epochs x mini-batches x micro-batches. Each mini-batch is one optimizer step whose
+micro-batch losses are normalised by the mini-batch's global token/sequence counts, so the accumulated
+gradient equals the mini-batch loss's gradient whatever the micro-batching. The losses are `ppo_step`'s
+(`actor_loss`, `critic_loss`); the backend only runs the micro-batches forward/backward and steps.
+
+Non-goals: anything backend-specific (sharding, pipelines, offload, checkpoint formats live in the backends).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tensordict import TensorDict
+
+from rlstages.engines import types as T
+from rlstages.engines.base import Readout, StepBackend
+from rlstages.engines.registry import training_backend
+from rlstages.engines.runtime.weight_sync import Bucket, bucketize
+from rlstages.engines.training import ppo_step as P
+from rlstages.engines.training.microbatch import by_length, micro_batches
+from rlstages.engines.training.settings import TrainerSettings
+from rlstages.engines.utils import import_object
+
+
+class PPOTrainer:
+    """An actor, critic or frozen reference on one rank of any training backend."""
+
+    def __init__(self, settings: TrainerSettings) -> None:
+        self.settings = settings
+        self.temperature = settings.temperature
+        torch.manual_seed(settings.seed)
+        self.backend: StepBackend = import_object(training_backend(settings.backend).step)(settings)
+        self.steps_done = 0
+
+    # ---- forward passes -------------------------------------------------------------------------------------
+    def _micro(self, batch: TensorDict) -> list[TensorDict]:
+        t = self.settings.train
+        return micro_batches(batch, t.micro_batch_size, t.dynamic_batching, t.max_tokens_per_micro_batch)
+
+    def _forward(self, batch: TensorDict, readout: Readout) -> list[torch.Tensor] | None:
+        """Each output of `readout` over the whole batch, [B, T] in row order (None where outputs are not here)."""
+        width = batch[T.RESPONSE_IDS].shape[1]
+        rows, restore = by_length(batch)
+        cols: list[list[torch.Tensor]] = []
+
+        def collect(mb: TensorDict, out: tuple[torch.Tensor, ...]) -> None:
+            cols.append([P.pad_cols(x, width) for x in out])
+
+        with torch.no_grad(), self.backend.resident(train=False):
+            self.backend.run(self._micro(rows), readout, collect, train=False)
+        if not self.backend.outputs_here:
+            return None
+        n = 1 if readout.values else 2
+        return [torch.cat([c[i] for c in cols])[restore] if cols else torch.zeros(0, width) for i in range(n)]
+
+    def logprobs(self, batch: TensorDict, temperature: float | None = None) -> TensorDict | None:
+        """Teacher-forced log-probs and entropy of the response tokens, [B, T] each (padded to the batch)."""
+        if temperature is not None:
+            self.temperature = temperature
+        out = self._forward(batch, Readout(temperature=self.temperature))
+        if out is None:
+            return None
+        return TensorDict({"logprobs": out[0], "entropy": out[1]}, batch_size=batch.batch_size)
+
+    def values(self, batch: TensorDict) -> torch.Tensor | None:
+        """Critic values of the response tokens, [B, T]."""
+        if self.settings.role != "critic":
+            raise RuntimeError(f"values() needs role='critic', this engine is the {self.settings.role}")
+        out = self._forward(batch, Readout(values=True))
+        return None if out is None else out[0]
+
+    # ---- training -------------------------------------------------------------------------------------------
+    def train_step(self, batch: TensorDict) -> dict[str, float]:
+        """PPO epochs x mini-batches x micro-batches; returns averaged metrics (actor or critic names)."""
+        s = self.settings
+        if not s.trainable:
+            raise RuntimeError("the reference engine is frozen: train_step is not available")
+        with self.backend.resident(train=True):
+            out = P.epochs_loop(batch, s.train.ppo_epochs, s.num_mini_batches, self._mini_step)
+        self.steps_done += 1
+        out["lr"] = self.backend.lr()
+        return out
+
+    def _mini_step(self, mini: TensorDict, check_sync: bool) -> dict[str, float]:
+        """One optimizer step: every micro-batch's loss backpropagated, then clip and step once."""
+        s = self.settings
+        norm = P.global_counts(mini)
+        critic = s.role == "critic"
+        acc: dict[str, float] = {}
+
+        def loss_of(mb: TensorDict, out: tuple[torch.Tensor, ...]) -> torch.Tensor:
+            if critic:
+                loss, metrics = P.critic_loss(out[0], mb, s.cliprange_value, s.loss.loss_agg_mode, norm)
+            else:
+                loss, metrics = P.actor_loss(out[0], out[1], mb, s.loss, norm, check_sync)
+            P.accumulate(acc, metrics, float(mb[T.RESPONSE_MASK].sum() / norm["global_tokens"]))
+            return loss
+
+        readout = Readout(values=critic, temperature=self.temperature, entropy_grad=bool(s.loss.entropy_coeff))
+        self.backend.run(self._micro(mini), readout, loss_of, train=True)
+        acc = self.backend.share(acc)
+        acc["grad_norm"] = self.backend.optimizer_step()
+        return acc
+
+    # ---- weights and state ----------------------------------------------------------------------------------
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named full tensors, one at a time (a collective where the backend shards: every rank iterates)."""
+        return self.backend.named_weights()
+
+    def weight_buckets(self, bucket_bytes: int, dtype: str) -> Iterator[Bucket]:
+        """`named_weights` in encoded buckets for streaming to rollout engines (a generator for Ray). Ranks that
+        are not the weight source take part in the gathers and yield nothing."""
+        stream = self.backend.named_weights()
+        if not self.backend.is_weight_source:
+            for _ in stream:
+                pass
+            return
+        yield from bucketize(stream, bucket_bytes, dtype)
+
+    def save_pretrained(self, path: Path, tokenizer_from: Path | None = None) -> None:
+        """An HF directory (config, safetensors, tokenizer) of the current weights, for export; call on every rank."""
+        if self.backend.save_hf(Path(path)) and tokenizer_from is not None:
+            from rlstages.engines.models import load_tokenizer
+
+            load_tokenizer(tokenizer_from).save_pretrained(str(path))
+
+    def save(self, path: Path) -> None:
+        """Model, optimizer, scheduler and RNG states in the backend's format, so `load` continues bitwise."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.backend.save(path, self.steps_done)
+
+    def load(self, path: Path) -> None:
+        """Restore what `save` wrote."""
+        steps = self.backend.load(Path(path))
+        if steps is not None:
+            self.steps_done = steps

@@ -1,0 +1,46 @@
+"""The optimizer and LR schedule shared by the torch and DeepSpeed backends (Megatron sets the same LR by hand).
+
+Non-goal: Megatron's optimizer (`engines.megatron.optim`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+
+from rlstages.configs.training import OptimConfig
+
+
+def lr_lambda(optim: OptimConfig, total_steps: int) -> Callable[[int], float]:
+    """LR factor of optimizer step `step`: linear warm-up, then constant or cosine decay to `min_lr_ratio`
+    over `total_steps` optimizer steps."""
+
+    def factor(step: int) -> float:
+        if optim.warmup_steps and step < optim.warmup_steps:
+            return (step + 1) / optim.warmup_steps
+        if optim.schedule == "constant":
+            return 1.0
+        span = max(1, total_steps - optim.warmup_steps)
+        progress = min(1.0, (step - optim.warmup_steps) / span)
+        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def adamw_kwargs(optim: OptimConfig) -> dict[str, object]:
+    """AdamW's constructor arguments from the config (torch's AdamW and DeepSpeed's CPU Adam take the same)."""
+    return {"lr": optim.lr, "betas": optim.betas, "eps": optim.eps, "weight_decay": optim.weight_decay}
+
+
+def adamw(params: Iterable[torch.nn.Parameter], optim: OptimConfig) -> torch.optim.AdamW:
+    """Torch AdamW over `params`."""
+    return torch.optim.AdamW(params, **adamw_kwargs(optim))  # type: ignore[arg-type]
+
+
+def lr_scheduler(
+    optimizer: torch.optim.Optimizer, optim: OptimConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """The schedule as a LambdaLR stepped once per optimizer step."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, total_steps))

@@ -1,0 +1,154 @@
+"""Plain-torch step backend: one process holds the HF model and its AdamW; the CPU default.
+
+`PPOTrainer` (engines/training/core.py) drives it; this module only forwards micro-batches, backpropagates,
+steps the optimizer and saves state without pickle (`state_io`). `build_model` and `hf_forward` are shared
+with the DeepSpeed backend, which wraps the same HF model.
+
+Non-goal: sharding (that is the DeepSpeed and Megatron backends).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from tensordict import TensorDict
+
+from rlstages.engines.base import OnOutput, Readout
+from rlstages.engines.models import load_causal_lm, torch_dtype
+from rlstages.engines.training import ppo_step as P
+from rlstages.engines.training import state_io
+from rlstages.engines.training.optim import adamw, lr_scheduler
+from rlstages.engines.training.settings import Role, TrainerSettings
+
+
+def build_model(model_path: str | Path, role: Role, dtype: str, model_type: str | None) -> Any:
+    """The causal LM of an actor/reference, or for a critic the same backbone with a fresh scalar value head
+    (token classification, 1 label, seeded; head dropout off so values are deterministic)."""
+    if role != "critic":
+        return load_causal_lm(model_path, dtype, model_type)
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    config = AutoConfig.from_pretrained(str(model_path), local_files_only=True, num_labels=1)
+    config.classifier_dropout = 0.0
+    torch.manual_seed(0)
+    return AutoModelForTokenClassification.from_pretrained(
+        str(model_path), config=config, dtype=torch_dtype(dtype), local_files_only=True, use_safetensors=True
+    )
+
+
+def prepare_model(model: Any, settings: TrainerSettings) -> None:
+    """Train mode (with activation checkpointing if asked) for a trainable role; frozen eval mode for the reference."""
+    if not settings.trainable:
+        model.requires_grad_(False).eval()
+        return
+    if settings.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+
+
+def hf_forward(model: Any, mb: TensorDict, readout: Readout, bf16: bool) -> tuple[torch.Tensor, ...]:
+    """The `readout` of one micro-batch through an HF model (or a wrapper that calls it)."""
+    if readout.values:
+        return (P.value_forward(model, mb, bf16),)
+    return P.causal_lm_forward(model, mb, readout.temperature, bf16, readout.entropy_grad)
+
+
+class TorchBackend:
+    """A model and its optimizer in one process; implements `rlstages.engines.base.StepBackend`."""
+
+    outputs_here = True
+    is_weight_source = True
+
+    def __init__(self, settings: TrainerSettings) -> None:
+        self.settings = settings
+        self.model = build_model(settings.model_path, settings.role, settings.dtype, settings.model_type)
+        prepare_model(self.model, settings)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        if settings.trainable:
+            self.optimizer = adamw(self.model.parameters(), settings.optim)
+            self.scheduler = lr_scheduler(self.optimizer, settings.optim, settings.optim_steps)
+
+    def run(self, mbs: list[TensorDict], readout: Readout, on_output: OnOutput, train: bool) -> None:
+        """Forward (and backward) each micro-batch in turn."""
+        if train:
+            assert self.optimizer is not None
+            self.optimizer.zero_grad(set_to_none=True)
+        for mb in mbs:
+            loss = on_output(mb, hf_forward(self.model, mb, readout, self.settings.train.bf16_autocast))
+            if train:
+                assert loss is not None
+                loss.backward()
+
+    def resident(self, train: bool) -> contextlib.AbstractContextManager[None]:
+        """Nothing to bring back: the model never leaves."""
+        return contextlib.nullcontext()
+
+    def share(self, metrics: dict[str, float]) -> dict[str, float]:
+        """One process: its metrics are the metrics."""
+        return metrics
+
+    def optimizer_step(self) -> float:
+        """Clip to `grad_clip`, step unless the norm is non-finite, advance the schedule."""
+        assert self.optimizer is not None and self.scheduler is not None
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.optim.grad_clip)
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        self.scheduler.step()
+        return float(grad_norm)
+
+    def lr(self) -> float:
+        """The scheduler's current LR."""
+        assert self.scheduler is not None
+        return float(self.scheduler.get_last_lr()[0])
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named tensors of the model, one at a time (tied weights under every name HF uses)."""
+        for name, tensor in self.model.state_dict().items():
+            yield name, tensor.detach()
+
+    def save_hf(self, path: Path) -> bool:
+        """`save_pretrained` of the model (config + safetensors)."""
+        self.model.save_pretrained(str(path), safe_serialization=True)
+        return True
+
+    def save(self, path: Path, steps_done: int) -> None:
+        """Model, optimizer, scheduler and RNG states (safetensors + JSON)."""
+        state_io.save_tensors(dict(self.model.state_dict()), path / state_io.MODEL_FILE)
+        if self.optimizer is not None and self.scheduler is not None:
+            state_io.save_optimizer(self.optimizer, path / state_io.OPTIM_FILE)
+            extra = {
+                "scheduler": self.scheduler.state_dict(),
+                "steps_done": steps_done,
+                "optim": self.settings.optim_record(),
+            }
+            state_io.atomic_write_text(path / state_io.EXTRA_FILE, json.dumps(extra, default=_no_callables))
+        state_io.save_rng(path / state_io.RNG_FILE)
+
+    def load(self, path: Path) -> int | None:
+        """Restore what `save` wrote."""
+        weights = load_file(str(path / state_io.MODEL_FILE))
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        tied = {k for k in missing if k.endswith("lm_head.weight")}
+        if set(missing) - tied or unexpected:
+            raise ValueError(
+                f"{path}: checkpoint does not match the model (missing {missing}, unexpected {unexpected})"
+            )
+        steps = None
+        if self.optimizer is not None and self.scheduler is not None:
+            state_io.load_optimizer(self.optimizer, path / state_io.OPTIM_FILE)
+            extra = json.loads((path / state_io.EXTRA_FILE).read_text())
+            self.scheduler.load_state_dict(extra["scheduler"])
+            steps = int(extra["steps_done"])
+        state_io.load_rng(path / state_io.RNG_FILE)
+        return steps
+
+
+def _no_callables(obj: Any) -> Any:
+    return None if callable(obj) else str(obj)

@@ -1,0 +1,116 @@
+"""Ray start-up and the driver's registry of live worker groups, built from the engine specs (`tasks.specs`).
+
+Tasks never receive actor handles: they look the groups up here by the run's key. If the registry is
+empty (a new process, a retried flow run), the groups are rebuilt from the config; named actors make a
+rebuild inside the same Ray cluster find the living ones.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlstages.configs.run import RunConfig
+from rlstages.engines.models import PLUGINS_ENV, import_plugins
+from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
+from rlstages.tasks.context import RunHandle
+from rlstages.tasks.placement import place, release
+from rlstages.tasks.specs import hybrid_spec, reward_model_spec, reward_spec, rollout_spec, training_spec
+
+
+@dataclass
+class Workers:
+    """The live groups of one run."""
+
+    rollout: ActorGroup
+    actor: ActorGroup
+    reward: ActorGroup
+    reference: ActorGroup | None = None
+    critic: ActorGroup | None = None
+    reward_model: ActorGroup | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def hybrid(self) -> bool:
+        """True when the actor group also hosts the rollout engines."""
+        return self.rollout is self.actor
+
+    def groups(self) -> dict[str, ActorGroup]:
+        """Every distinct group by role (a hybrid group is listed once, as the actor)."""
+        named = {
+            "rollout": self.rollout,
+            "actor": self.actor,
+            "reward": self.reward,
+            "reference": self.reference,
+            "critic": self.critic,
+            "reward_model": self.reward_model,
+        }
+        return {k: v for k, v in named.items() if v is not None}
+
+
+_REGISTRY: dict[str, Workers] = {}
+
+
+def start_ray(cfg: RunConfig) -> None:
+    """Connect to `cluster.address` / RAY_ADDRESS, or start a local Ray (no dashboard)."""
+    if cfg.cluster.mode != "ray":
+        return
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    kwargs: dict[str, Any] = {"namespace": cfg.cluster.namespace, "log_to_driver": False}
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, **kwargs)
+
+
+def build_workers(cfg: RunConfig, run: RunHandle) -> Workers:
+    """Create (or find, by name) every group of the run and remember them in the registry."""
+    if cfg.model.plugins:  # the driver and every worker import the user's registrations
+        os.environ[PLUGINS_ENV] = ",".join(cfg.model.plugins)
+        import_plugins()
+    start_ray(cfg)
+    in_process = cfg.cluster.mode == "in_process"
+    ns = cfg.cluster.namespace
+
+    def group(spec: GroupSpec | None) -> ActorGroup | None:
+        return ActorGroup(spec, ns, in_process) if spec is not None else None
+
+    specs = {"actor": training_spec(cfg, run, "actor"), "rollout": rollout_spec(cfg, run)}
+    if cfg.cluster.hybrid_engine:
+        specs["actor"] = hybrid_spec(specs["actor"], specs.pop("rollout"))
+    if cfg.uses_reference:
+        specs["reference"] = training_spec(cfg, run, "reference")
+    if cfg.critic is not None:
+        specs["critic"] = training_spec(cfg, run, "critic")
+    specs = place(cfg, run, specs)
+    actor = ActorGroup(specs["actor"], ns, in_process)
+    workers = Workers(
+        rollout=actor if cfg.cluster.hybrid_engine else ActorGroup(specs["rollout"], ns, in_process),
+        actor=actor,
+        reward=ActorGroup(reward_spec(cfg, run), ns, in_process),
+        reference=group(specs.get("reference")),
+        critic=group(specs.get("critic")),
+        reward_model=group(reward_model_spec(cfg, run)),
+    )
+    _REGISTRY[run.key] = workers
+    return workers
+
+
+def get_workers(cfg: RunConfig, run: RunHandle) -> Workers:
+    """The run's live groups (rebuilt from the config if this process has none)."""
+    return _REGISTRY.get(run.key) or build_workers(cfg, run)
+
+
+def forget_workers(run: RunHandle, kill: bool = True) -> None:
+    """Drop the run's groups (killing the actors) at the end of a run."""
+    workers = _REGISTRY.pop(run.key, None)
+    if workers is not None and kill:
+        for g in workers.groups().values():
+            g.kill()
+        release(run)

@@ -1,0 +1,206 @@
+"""From a RunConfig to engine specs: what each group runs (engine class, constructor arguments, resources).
+
+Backend-specific constructor arguments come from the backend's registry entry (`engines.registry`), not from
+an if-chain here: a rollout backend names the config fields it takes, a training backend reads its own
+options from the `TrainerSettings` built once by `trainer_settings`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from rlstages.configs.rollout import VLLMRolloutConfig
+from rlstages.configs.run import RunConfig
+from rlstages.configs.training import MegatronTrainingConfig, TorchTrainingConfig
+from rlstages.engines.algorithms import PolicyLossParams
+from rlstages.engines.registry import (
+    REWARD_ENGINES,
+    ROLLOUT_BACKENDS,
+    ROLLOUT_ENGINES,
+    TRAINING_ENGINE,
+    engine_path,
+    missing_package,
+    training_backend,
+)
+from rlstages.engines.runtime.actor_group import GroupSpec
+from rlstages.engines.training.settings import Role, TrainerSettings
+from rlstages.engines.utils import import_object
+from rlstages.tasks.context import RunHandle
+
+_COMMON_TRAINING = set(TorchTrainingConfig.model_fields) - {"backend"}
+
+
+def _model_path(cfg: RunConfig) -> str:
+    return str(cfg.model.path.resolve())
+
+
+def converted_dir(cfg: RunConfig) -> Path | None:
+    """Where the actor's Megatron-Core checkpoint is converted to (None when the actor is not Megatron)."""
+    a = cfg.actor
+    if not isinstance(a, MegatronTrainingConfig):
+        return None
+    vpp = f"-vpp{a.virtual_pipeline_model_parallel_size}" if a.virtual_pipeline_model_parallel_size else ""
+    name = f"{cfg.model.path.name}-tp{a.tensor_model_parallel_size}-pp{a.pipeline_model_parallel_size}{vpp}"
+    return (Path(".cache") / "mcore" / name).resolve()
+
+
+def missing_backend_package(cfg: RunConfig) -> str | None:
+    """A one-line error for the first chosen backend whose package this machine lacks. Only when Ray starts
+    here (a remote cluster's workers have their own packages); vLLM in its own venv (`rollout.python` or
+    .venv-vllm) is the venv's business."""
+    from rlstages.engines.rollout.vllm_rollout import default_vllm_python
+
+    if cfg.cluster.mode == "ray" and (cfg.cluster.address or os.environ.get("RAY_ADDRESS")):
+        return None
+    chosen: list[tuple[str, str]] = [("actor.backend", cfg.actor.backend)]
+    if cfg.critic is not None:
+        chosen.append(("critic.backend", cfg.critic.backend))
+    r = cfg.rollout
+    if not (isinstance(r, VLLMRolloutConfig) and (r.python or default_vllm_python())):
+        chosen.append(("rollout.backend", r.backend))
+    return next((msg for field, backend in chosen if (msg := missing_package(field, backend))), None)
+
+
+def rollout_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
+    """Rollout engine spec: the common constructor arguments plus those the backend's registry entry names."""
+    r = cfg.rollout
+    engine = engine_path(ROLLOUT_ENGINES, r.backend)
+    entry = ROLLOUT_BACKENDS[r.backend]
+    run_values = {"seed": cfg.trainer.seed, "model_type": cfg.model.model_type}
+    kwargs: dict[str, Any] = {
+        "model_path": _model_path(cfg),
+        "dtype": r.dtype,
+        "apply_chat_template": cfg.data.apply_chat_template,
+        "system_prompt": cfg.data.system_prompt,
+        **{name: getattr(r, name) for name in entry.options},
+        **{name: run_values[name] for name in entry.run_args},
+    }
+    extra: dict[str, Any] = {}
+    if entry.actor_options is not None:
+        python = getattr(r, "python", None)
+        extra = import_object(entry.actor_options)(str(python) if python else None)
+    return GroupSpec(
+        name=f"{run.name}-{run.key}-rollout",
+        engine=engine,
+        kwargs=kwargs,
+        num_workers=r.num_workers,
+        num_gpus=cfg.cluster.gpus_per_worker if cfg.cluster.num_gpus else 0.0,
+        resources=dict(cfg.cluster.rollout_resources),
+        threads=cfg.cluster.threads_per_worker,
+        omp_passive=cfg.omp_passive,
+        extra_options=extra,
+    )
+
+
+def loss_params(cfg: RunConfig) -> PolicyLossParams:
+    """The actor's loss knobs from the algorithm section."""
+    a = cfg.algorithm
+    return PolicyLossParams(
+        clip_ratio_low=a.clip_ratio_low,
+        clip_ratio_high=a.clip_ratio_high,
+        clip_ratio_c=a.clip_ratio_c,
+        loss_agg_mode=a.loss_agg_mode,
+        loss_scale_factor=a.loss_scale_factor or cfg.rollout.max_new_tokens,
+        entropy_coeff=a.entropy_coeff,
+        use_kl_loss=a.use_kl_loss,
+        kl_loss_coef=a.kl_loss_coef,
+        kl_loss_type=a.kl_loss_type,
+    )
+
+
+def trainer_settings(cfg: RunConfig, role: Role) -> TrainerSettings:
+    """The settings of the actor, critic or reference engine. Actor and critic take their config section as
+    is; the reference runs the actor's batching with its own backend (at that backend's default options),
+    micro-batch size and worker count."""
+    if role == "reference":
+        common = cfg.actor.model_dump(include=_COMMON_TRAINING)
+        common.update(micro_batch_size=cfg.reference.micro_batch_size, num_workers=cfg.reference.num_workers)
+        train = training_backend(cfg.reference.backend).options.model_validate(common)
+    else:
+        section = cfg.critic if role == "critic" else cfg.actor
+        assert section is not None
+        train = section
+    converted = converted_dir(cfg) if role == "actor" else None
+    return TrainerSettings(
+        model_path=_model_path(cfg),
+        role=role,
+        train=train,
+        loss=loss_params(cfg),
+        num_mini_batches=cfg.data.prompts_per_step // cfg.mini_batch_prompts,
+        train_steps=cfg.trainer.total_steps,
+        cliprange_value=cfg.algorithm.cliprange_value,
+        temperature=cfg.rollout.temperature or 1.0,
+        dtype=cfg.model.dtype,
+        model_type=cfg.model.model_type,
+        seed=cfg.trainer.seed,
+        converted_path=str(converted) if converted is not None else None,
+    )
+
+
+def training_spec(cfg: RunConfig, run: RunHandle, role: Role) -> GroupSpec:
+    """Actor / critic / reference spec: one `PPOTrainer` per rank, built from the role's settings."""
+    settings = trainer_settings(cfg, role)
+    train = settings.train
+    return GroupSpec(
+        name=f"{run.name}-{run.key}-{role}",
+        engine=TRAINING_ENGINE,
+        kwargs={"settings": settings},
+        num_workers=train.num_workers,
+        tp=getattr(train, "tensor_model_parallel_size", 1),
+        pp=getattr(train, "pipeline_model_parallel_size", 1),
+        num_gpus=cfg.cluster.gpus_per_worker if cfg.cluster.num_gpus else 0.0,
+        resources=dict(cfg.cluster.trainer_resources),
+        threads=cfg.cluster.threads_per_worker,
+        omp_passive=cfg.omp_passive,
+    )
+
+
+def reward_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
+    """The reward-function scorer (a process pool inside one actor)."""
+    fns = [(f.name, f.weight, dict(f.kwargs)) for f in cfg.reward.functions]
+    kwargs = {
+        "functions": fns,
+        "timeout_seconds": cfg.reward.timeout_seconds,
+        "fallback_score": cfg.reward.fallback_score,
+        "num_processes": cfg.reward.num_processes,
+    }
+    return GroupSpec(
+        name=f"{run.name}-{run.key}-reward", engine=engine_path(REWARD_ENGINES, "functions"), kwargs=kwargs
+    )
+
+
+def reward_model_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec | None:
+    """The reward model actor, when configured."""
+    rm = cfg.reward.reward_model
+    if rm is None:
+        return None
+    kwargs = {"path": str(rm.path), "micro_batch_size": rm.micro_batch_size}
+    return GroupSpec(
+        name=f"{run.name}-{run.key}-rm",
+        engine=engine_path(REWARD_ENGINES, "model"),
+        kwargs=kwargs,
+        threads=cfg.cluster.threads_per_worker,
+        omp_passive=cfg.omp_passive,
+    )
+
+
+def hybrid_spec(trainer: GroupSpec, rollout: GroupSpec) -> GroupSpec:
+    """One group whose ranks hold both the trainer and a rollout engine (`runtime.hybrid.HybridEngine`)."""
+    kwargs = {
+        "trainer": trainer.engine,
+        "trainer_kwargs": trainer.kwargs,
+        "rollout": rollout.engine,
+        "rollout_kwargs": rollout.kwargs,
+    }
+    options = {**rollout.extra_options, **trainer.extra_options}
+    return replace(
+        trainer,
+        name=trainer.name.replace("-actor", "-hybrid"),
+        engine="rlstages.engines.runtime.hybrid:HybridEngine",
+        kwargs=kwargs,
+        resources={**rollout.resources, **trainer.resources},
+        extra_options=options,
+    )
