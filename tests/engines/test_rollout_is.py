@@ -173,3 +173,43 @@ def test_is_correction_reduces_policy_gradient_bias_against_exact_on_policy():
     assert error("sequence", "truncate", 1e6) < 1e-3 * bias  # untruncated sequence IS is exact in expectation
     for level, mode, cap in [("token", "truncate", 2.0), ("sequence", "truncate", 2.0), ("token", "mask", 2.0)]:
         assert error(level, mode, cap) < 0.7 * bias, (level, mode)
+
+
+def test_actor_loss_applies_the_micro_batchs_weights():
+    """`ppo_step.actor_loss` (what every trainer calls) multiplies in `rollout_is_weights` when the batch has them."""
+    from tensordict import TensorDict
+
+    from rlstages.engines import types as TY
+    from rlstages.engines.training.ppo_step import actor_loss, global_counts
+
+    old, rollout, mask = batch(0)
+    g = torch.Generator().manual_seed(3)
+    logp, adv = old + 0.1 * torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+    mb = TensorDict({TY.RESPONSE_MASK: mask, TY.OLD_LOGPROBS: old, TY.ADVANTAGES: adv}, batch_size=[B])
+    params, norm = PolicyLossParams(), global_counts(mb)
+    plain, _ = actor_loss(logp, torch.zeros(B, T), mb, params, norm, False)
+    weights, _ = rollout_is_weights(old, rollout, mask)
+    mb[TY.ROLLOUT_IS_WEIGHTS] = weights
+    weighted, _ = actor_loss(logp, torch.zeros(B, T), mb, params, norm, False)
+    close(weighted, policy_loss(old, logp, adv, mask, params, **norm, rollout_is_weights=weights)[0])
+    assert not torch.allclose(weighted, plain)
+
+
+def test_advantage_stage_writes_weights_and_mismatch_metrics():
+    from tensordict import TensorDict
+
+    from rlstages.configs.algorithm import RolloutISConfig
+    from rlstages.engines import types as TY
+    from rlstages.tasks.advantage import rollout_correction
+
+    old, rollout, mask = batch(1)
+    fields = {TY.RESPONSE_MASK: mask, TY.OLD_LOGPROBS: old, TY.ROLLOUT_LOGPROBS: rollout}
+    off = TensorDict(dict(fields), batch_size=[B])
+    metrics = rollout_correction(off, RolloutISConfig())
+    assert TY.ROLLOUT_IS_WEIGHTS not in off.keys() and set(metrics) == {
+        "rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/logprob_abs_diff"}  # fmt: skip
+    on = TensorDict(dict(fields), batch_size=[B])
+    metrics = rollout_correction(on, RolloutISConfig(level="sequence", threshold=2.5))
+    close(on[TY.ROLLOUT_IS_WEIGHTS], rollout_is_weights(old, rollout, mask, "sequence", "truncate", 2.5)[0])
+    assert metrics["rollout_corr/is_ratio_max"] > 1 and 0 < metrics["rollout_corr/is_clipped_fraction"] < 1
+    assert rollout_correction(TensorDict({TY.RESPONSE_MASK: mask}, batch_size=[B]), RolloutISConfig()) == {}
