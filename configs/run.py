@@ -48,7 +48,9 @@ class TrainerConfig(StrictModel):
     one_step_off_policy: bool = Field(
         default=False,
         description="Generate step k+1 while the trainer updates on step k (rollout weights one update old); "
-        "needs cluster.hybrid_engine: false. Pair with algorithm.rollout_is to correct the lag.",
+        "needs cluster.hybrid_engine: false; the rollout engines then stay awake during the update (colocated "
+        "ones do not sleep). Pair with algorithm.rollout_is to correct the lag. A resumed run regenerates its "
+        "first step's rollouts with the checkpoint's weights.",
     )
 
 
