@@ -11,11 +11,18 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rlstages.engines.algorithms import policy_losses as PL
 from rlstages.engines.algorithms.advantages import _float_mask
 from rlstages.engines.algorithms.aggregation import LOSS_AGG_MODES, Count, LossAggMode, agg_loss
 from rlstages.engines.algorithms.kl import _check_kl_kind, kl_penalty
-from rlstages.engines.algorithms.policy_losses import POLICY_LOSSES, PolicyLossName
+from rlstages.engines.algorithms.policy_losses import (
+    POLICY_LOSSES,
+    PolicyLossName,
+    cispo,
+    clip_cov,
+    gspo,
+    kl_cov,
+    vanilla,
+)
 
 
 @dataclass(frozen=True)
@@ -83,15 +90,15 @@ def per_token_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The [B, T] loss of `params.name` and its metrics (see `policy_losses`)."""
     if params.name == "gspo":
-        return PL.gspo(old, logp, adv, m, params.gspo_clip_ratio_low, params.gspo_clip_ratio_high)
+        return gspo(old, logp, adv, m, params.gspo_clip_ratio_low, params.gspo_clip_ratio_high)
     if params.name == "cispo":
-        return PL.cispo(old, logp, adv, m, params.cispo_clip_ratio_low, params.cispo_clip_ratio_high)
+        return cispo(old, logp, adv, m, params.cispo_clip_ratio_low, params.cispo_clip_ratio_high)
     if params.name == "clip_cov":
         low, high = params.clip_ratio_low, params.clip_ratio_high
-        return PL.clip_cov(old, logp, adv, m, low, high, params.clip_cov_ratio, params.clip_cov_lb, params.clip_cov_ub)
+        return clip_cov(old, logp, adv, m, low, high, params.clip_cov_ratio, params.clip_cov_lb, params.clip_cov_ub)
     if params.name == "kl_cov":
-        return PL.kl_cov(old, logp, adv, m, params.kl_cov_ratio, params.kl_cov_coef)
-    return PL.vanilla(old, logp, adv, m, params.clip_ratio_low, params.clip_ratio_high, params.clip_ratio_c)
+        return kl_cov(old, logp, adv, m, params.kl_cov_ratio, params.kl_cov_coef)
+    return vanilla(old, logp, adv, m, params.clip_ratio_low, params.clip_ratio_high, params.clip_ratio_c)
 
 
 def policy_loss(
