@@ -4,6 +4,7 @@ preset with real Prefect (no server), Ray and an MLflow SQLite store. CPU only, 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -73,7 +74,8 @@ def test_two_steps_with_each_policy_loss(loss, tmp_path: Path, tiny_model_dir: P
     assert changed_tensors(cfg, tiny_model_dir) > 0
     for key in ("actor/pg_loss", "actor/ppo_kl", "actor/grad_norm", "rollout_corr/kl"):
         assert sorted(history(cfg, key)) == [1, 2], key
-    assert all(v > 0 for v in history(cfg, "actor/grad_norm").values())
+    grad_norms = history(cfg, "actor/grad_norm")
+    assert max(grad_norms.values()) > 0 and all(math.isfinite(v) for v in grad_norms.values()), grad_norms
     if loss in ("gspo", "kl_cov"):  # GSPO's 4e-4 band clips after one update; KL-Cov always penalises >= 1 token
         assert max(history(cfg, "actor/pg_clipfrac").values()) > 0
     if CASES[loss]:  # same weights in rollout and trainer at the start: ratios ~1, weights applied every step
