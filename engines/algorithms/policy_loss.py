@@ -72,10 +72,9 @@ class PolicyLossParams:
         _check_kl_kind(self.kl_loss_type)
         if self.name not in POLICY_LOSSES:
             raise ValueError(f"policy loss {self.name!r} is not one of {list(POLICY_LOSSES)}")
-        if min(self.gspo_clip_ratio_low, self.gspo_clip_ratio_high, self.cispo_clip_ratio_low) < 0:
-            raise ValueError("gspo/cispo clip ratios must be >= 0")
-        if self.cispo_clip_ratio_high < 0:
-            raise ValueError("cispo_clip_ratio_high must be >= 0")
+        for field in ("gspo_clip_ratio_low", "gspo_clip_ratio_high", "cispo_clip_ratio_low", "cispo_clip_ratio_high"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"{field}={getattr(self, field)} must be >= 0 (the band is [1-low, 1+high])")
         for field in ("clip_cov_ratio", "kl_cov_ratio"):
             if not 0 < getattr(self, field) <= 1:
                 raise ValueError(f"{field}={getattr(self, field)} must be in (0, 1]: the fraction of tokens selected")
