@@ -6,7 +6,14 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHES = ["bench.bench_rollout", "bench.bench_sync", "bench.bench_flow", "bench.bench_convert", "bench.bench_backends"]
+BENCHES = [
+    "bench.bench_rollout",
+    "bench.bench_sync",
+    "bench.bench_flow",
+    "bench.bench_convert",
+    "bench.bench_backends",
+    "bench.bench_off_policy",
+]
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""RL algorithm knobs: advantage estimator, PPO clip, loss aggregation, KL terms, DAPO options.
+"""RL algorithm knobs: advantage estimator, policy loss and its clip, loss aggregation, KL terms, DAPO options,
+rollout-trainer mismatch correction.
 
 Defaults are the papers' (verl's) defaults; new features are opt-in.
 """
@@ -12,8 +13,9 @@ from pydantic import Field
 from rlstages.configs.base import StrictModel
 
 AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLEstimator = Literal["k1", "abs", "k2", "k3"]
+PolicyLoss = Literal["vanilla", "gspo", "cispo", "clip_cov", "kl_cov"]
 
 
 class KLControlConfig(StrictModel):
@@ -33,6 +35,56 @@ class OverlongConfig(StrictModel):
     penalty_factor: float = Field(default=1.0, ge=0.0)
 
 
+class GSPOConfig(StrictModel):
+    """GSPO's clip range on the length-normalised sequence ratio (Zheng et al. 2025: 3e-4 / 4e-4)."""
+
+    clip_ratio_low: float = Field(default=3e-4, ge=0.0)
+    clip_ratio_high: float = Field(default=4e-4, ge=0.0)
+
+
+class CISPOConfig(StrictModel):
+    """CISPO's clip of the stop-gradient IS weight to [1-low, 1+high]; low >= 1 means no lower bound (the paper's)."""
+
+    clip_ratio_low: float = Field(default=1.0, ge=0.0)
+    clip_ratio_high: float = Field(default=0.28, ge=0.0)
+
+
+class ClipCovConfig(StrictModel):
+    """Clip-Cov: detach a random `ratio` of the tokens whose covariance Cov(logp, A) lies in (lb, ub)."""
+
+    ratio: float = Field(default=2e-4, gt=0.0, le=1.0, description="Fraction of response tokens detached.")
+    lb: float = Field(default=1.0, description="Covariance lower bound of the candidates.")
+    ub: float = Field(default=5.0, description="Covariance upper bound of the candidates.")
+
+
+class KLCovConfig(StrictModel):
+    """KL-Cov: add coef * |logp - old| to the top `ratio` of tokens by Cov(logp, A); no clipping."""
+
+    ratio: float = Field(default=2e-4, gt=0.0, le=1.0, description="Fraction of response tokens penalised.")
+    coef: float = Field(default=1.0, ge=0.0, description="Weight of |logp - old| on those tokens.")
+
+
+class RolloutISConfig(StrictModel):
+    """Rollout-trainer mismatch correction: weight each token's loss by pi_old(trainer) / pi_rollout.
+
+    level: none (off), token or sequence (the ratio of the whole response); mode: truncate (TIS, w = min(rho,
+    threshold)) or mask (w = rho inside [threshold_lower, threshold], 0 outside). Mismatch metrics
+    (`rollout_corr/*`) are logged whenever old log-probs are computed.
+    """
+
+    level: Literal["none", "token", "sequence"] = Field(
+        default="none",
+        description="none = off; token: rho_t = pi_old/pi_rollout per token; sequence: the response's product.",
+    )
+    mode: Literal["truncate", "mask"] = Field(
+        default="truncate", description="truncate (TIS): min(rho, threshold); mask: rho in band, else 0."
+    )
+    threshold: float = Field(default=2.0, ge=1.0, description="Cap on the IS ratio (TIS truncation / mask upper).")
+    threshold_lower: float | None = Field(
+        default=None, ge=0.0, le=1.0, description="Lower bound of the mask mode; None = 1/threshold."
+    )
+
+
 class AlgorithmConfig(StrictModel):
     """Everything that turns rollouts and rewards into a loss."""
 
@@ -43,7 +95,19 @@ class AlgorithmConfig(StrictModel):
     clip_ratio_low: float = Field(default=0.2, ge=0.0)
     clip_ratio_high: float = Field(default=0.2, ge=0.0, description="DAPO clip-higher uses 0.28.")
     clip_ratio_c: float | None = Field(default=3.0, gt=1.0, description="Dual-clip bound; None disables.")
-    loss_agg_mode: LossAggMode = "token-mean"
+    policy_loss: PolicyLoss = Field(
+        default="vanilla",
+        description="Per-token policy loss: vanilla (PPO-clip, clip_ratio_* and dual clip), gspo, cispo, clip_cov "
+        "(uses clip_ratio_low/high too) or kl_cov; each reads its own section below.",
+    )
+    gspo: GSPOConfig = GSPOConfig()
+    cispo: CISPOConfig = CISPOConfig()
+    clip_cov: ClipCovConfig = ClipCovConfig()
+    kl_cov: KLCovConfig = KLCovConfig()
+    rollout_is: RolloutISConfig = RolloutISConfig()
+    loss_agg_mode: LossAggMode = Field(
+        default="token-mean", description="token-sum: sum over tokens x DP size, no normaliser (verl 0.9.1)."
+    )
     loss_scale_factor: int | None = Field(
         default=None, description="Constant normaliser of seq-mean-token-sum-norm; None = max_new_tokens."
     )

@@ -45,6 +45,13 @@ class TrainerConfig(StrictModel):
     seed: int = 0
     output_dir: Path = Path("runs")
     run_name: str | None = None
+    one_step_off_policy: bool = Field(
+        default=False,
+        description="Generate step k+1 while the trainer updates on step k (rollout weights one update old); "
+        "needs cluster.hybrid_engine: false; the rollout engines then stay awake during the update (colocated "
+        "ones do not sleep). Pair with algorithm.rollout_is to correct the lag. A resumed run regenerates its "
+        "first step's rollouts with the checkpoint's weights.",
+    )
 
 
 class CheckpointConfig(StrictModel):
@@ -172,8 +179,14 @@ class RunConfig(StrictModel):
 
     @property
     def needs_old_logprobs(self) -> bool:
-        """Off-policy updates (several epochs or mini-batches) need a separate old-log-prob pass."""
-        return self.actor.ppo_epochs > 1 or self.mini_batch_prompts < self.data.prompts_per_step
+        """Off-policy updates (several epochs or mini-batches) need a separate old-log-prob pass, and so do
+        rollout IS weights and one-step-off-policy generation (pi_old is then not the rollout's policy)."""
+        return (
+            self.actor.ppo_epochs > 1
+            or self.mini_batch_prompts < self.data.prompts_per_step
+            or self.algorithm.rollout_is.level != "none"
+            or self.trainer.one_step_off_policy
+        )
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
@@ -203,6 +216,16 @@ def _check_algorithm(cfg: RunConfig) -> None:
         )
     if cfg.reference.enabled is False and (algo.use_kl_in_reward or algo.use_kl_loss):
         raise ValueError("a KL term is on but reference.enabled is false; the KL needs reference log-probs")
+    if algo.clip_cov.lb >= algo.clip_cov.ub:
+        raise ValueError(
+            f"algorithm.clip_cov.lb={algo.clip_cov.lb} must be < algorithm.clip_cov.ub={algo.clip_cov.ub} "
+            "(the covariance band of the tokens Clip-Cov may detach)"
+        )
+    if cfg.trainer.one_step_off_policy and cfg.cluster.hybrid_engine:
+        raise ValueError(
+            "trainer.one_step_off_policy overlaps generation with the update, so rollout and trainer must be "
+            "separate workers: set cluster.hybrid_engine: false (or one_step_off_policy: false)"
+        )
 
 
 def _check_workers(cfg: RunConfig) -> None:

@@ -15,6 +15,7 @@ A batch is a TensorDict with batch size [B] (B = prompts x n samples). Shapes, P
     token_rewards     [B, T]    float32, outcome score at the last response token (minus KL if in reward)
     advantages        [B, T]    float32
     returns           [B, T]    float32
+    rollout_is_weights [B, T]   float32, detached pi_old / pi_rollout weights (only with algorithm.rollout_is)
     scores            [B]       float32, the reward of each sample
 
 Per-row non-tensor fields (lists of str, travel with split/cat/index): uid (group id of the prompt),
@@ -48,6 +49,7 @@ TOKEN_REWARDS = "token_rewards"
 ADVANTAGES = "advantages"
 RETURNS = "returns"
 SCORES = "scores"
+ROLLOUT_IS_WEIGHTS = "rollout_is_weights"
 ROW_FIELDS = ("uid", "prompt", "response", "ground_truth")
 
 

@@ -8,6 +8,9 @@
 Each stage is a Prefect task with its own retries and timeout, dispatching to Ray actors; tasks pass the
 run handle and step, never actor handles or tensors. A dead worker makes the flow reload the last committed
 checkpoint and replay from there. No backend appears here: the registries chose them.
+
+With `trainer.one_step_off_policy`, `generate` of step k+1 runs beside the rest of step k (same DAG; the
+rollout's weights are one update old) and step k+1 starts from those rollouts; `algorithm.rollout_is` corrects.
 """
 
 import logging
@@ -36,10 +39,18 @@ class _StageTimeoutNotice(logging.Filter):
 logging.getLogger("prefect.task_runs").addFilter(_StageTimeoutNotice())
 
 
-def rl_step(s: Stages, cfg: RunConfig, run: RunHandle, step: int, kl_state: dict, ui: RunProgress) -> tuple[dict, dict]:
-    """One iteration; returns (metrics, KL-controller state after the step)."""
-    ui.stage("generate")
-    metrics = s.generate(cfg, run, step)  # colocated rollout engines sleep until the next sync
+def rl_step(
+    s: Stages, cfg: RunConfig, run: RunHandle, step: int, kl_state: dict, ui: RunProgress, ahead: dict | None = None
+) -> tuple[dict, dict, dict | None]:
+    """One iteration; returns (metrics, KL-controller state after the step, metrics of step+1's generation if it
+    ran ahead). `ahead`: this step's rollouts were generated during the last step, with these metrics."""
+    if ahead is None:
+        ui.stage("generate")
+        metrics = s.generate(cfg, run, step)  # colocated rollout engines sleep until the next sync
+    else:  # its time overlapped the last step's: kept out of this step's timing/ sum
+        metrics = {("rollout/generate_ahead_s" if k == "timing/generate_s" else k): v for k, v in ahead.items()}
+    off_policy = cfg.trainer.one_step_off_policy and step < cfg.trainer.total_steps
+    next_rollout = s.generate.submit(cfg, run, step + 1) if off_policy else None
     ui.stage("rewards / log-probs")
     futures = [s.score_rewards.submit(cfg, run, step)]
     if cfg.needs_old_logprobs or cfg.algorithm.use_kl_in_reward:
@@ -60,11 +71,12 @@ def rl_step(s: Stages, cfg: RunConfig, run: RunHandle, step: int, kl_state: dict
         ui.stage("update actor")
         metrics.update(s.update_actor(cfg, run, step))
     ui.stage("sync weights")
+    next_metrics = next_rollout.result() if next_rollout is not None else None  # sync only after it finished
     metrics.update(s.sync_weights(cfg, run, step))
     timing = sum(v for k, v in metrics.items() if k.startswith("timing/"))
     metrics["timing/step_s"] = timing
     metrics["throughput/tokens_per_s"] = metrics.get("rollout/tokens", 0.0) / max(timing, 1e-9)
-    return metrics, adv["kl_state"]
+    return metrics, adv["kl_state"], next_metrics
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -83,12 +95,13 @@ def rl_post_train(cfg: RunConfig) -> str:
         start = s.start_workers(cfg, run)
         if start.step == 0 and cfg.trainer.eval_at_start:
             s.evaluate(cfg, run, 0, mlflow_run)
-        step, kl_state, recoveries = start.step + 1, start.kl_state, 0
+        step, kl_state, recoveries, ahead = start.step + 1, start.kl_state, 0, None
         with run_progress(run.name, total, start.step) as ui:
             while step <= total:
                 try:
-                    metrics, kl_state = rl_step(s, cfg, run, step, kl_state, ui)
+                    metrics, kl_state, ahead = rl_step(s, cfg, run, step, kl_state, ui, ahead)
                 except WorkerLost:
+                    ahead = None  # the replay generates its first step again
                     recoveries += 1
                     if recoveries > cfg.prefect.max_worker_recoveries:
                         raise

@@ -1,5 +1,6 @@
 """Advantage stage (on the driver, CPU): token rewards (with KL-in-reward if on), the configured
-estimator, DAPO group filtering; merges every field into the step's training batch.
+estimator, rollout IS weights and mismatch metrics, DAPO group filtering; merges every field into the step's
+training batch.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from typing import Any
 import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from tensordict import TensorDict
 
 from rlstages.configs import RunConfig
+from rlstages.configs.algorithm import RolloutISConfig
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
 from rlstages.tasks.context import RunHandle
@@ -29,6 +32,21 @@ def initial_kl_state(cfg: RunConfig) -> dict[str, float]:
     ).state_dict()
 
 
+def rollout_correction(batch: TensorDict, rollout_is: RolloutISConfig) -> dict[str, float]:
+    """Mismatch metrics of trainer (old) vs rollout log-probs, and the IS weights into `batch` if configured."""
+    if T.OLD_LOGPROBS not in batch.keys() or T.ROLLOUT_LOGPROBS not in batch.keys():
+        return {}
+    old, rollout, mask = batch[T.OLD_LOGPROBS], batch[T.ROLLOUT_LOGPROBS], batch[T.RESPONSE_MASK]
+    metrics = {f"rollout_corr/{k}": float(v) for k, v in A.mismatch_metrics(old, rollout, mask).items()}
+    if rollout_is.level != "none":
+        weights, is_metrics = A.rollout_is_weights(
+            old, rollout, mask, rollout_is.level, rollout_is.mode, rollout_is.threshold, rollout_is.threshold_lower
+        )
+        batch[T.ROLLOUT_IS_WEIGHTS] = weights
+        metrics.update({f"rollout_corr/is_{k}": float(v) for k, v in is_metrics.items()})
+    return metrics
+
+
 @task(name="advantages", cache_policy=NO_CACHE)
 def advantages(cfg: RunConfig, run: RunHandle, step: int, kl_state: dict[str, float]) -> dict[str, Any]:
     """Build the training batch; returns {"metrics": ..., "kl_state": ...} (the controller after this step)."""
@@ -42,7 +60,7 @@ def advantages(cfg: RunConfig, run: RunHandle, step: int, kl_state: dict[str, fl
             batch[key] = T.load_batch(path)[key]
     mask = batch[T.RESPONSE_MASK]
     token_scores = A.outcome_to_token_rewards(scores, mask)
-    metrics: dict[str, float] = {}
+    metrics = rollout_correction(batch, algo.rollout_is)
     ctrl = A.make_kl_controller(algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon)
     ctrl.load_state_dict(kl_state)
     if algo.use_kl_in_reward:

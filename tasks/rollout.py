@@ -45,7 +45,9 @@ def generate(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
     seed = derive_seed(cfg.trainer.seed, step, "generate")
     batch = guard_workers(lambda: workers.rollout.dp(timeout).generate(prompts, sampling(cfg), seed))
     T.save_batch(batch, run.batch(step, "rollout"))
-    if cfg.cluster.colocate:  # free the rollout weights while the trainers work; sync_weights wakes them
+    # free the rollout weights while the trainers work (sync_weights wakes them), unless the next step's
+    # generation runs during the update (one-step off-policy)
+    if cfg.cluster.colocate and not cfg.trainer.one_step_off_policy:
         guard_workers(lambda: workers.rollout.all(timeout).sleep())
     elapsed = time.perf_counter() - start
     lengths = batch[T.RESPONSE_MASK].sum(-1)

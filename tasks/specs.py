@@ -95,6 +95,14 @@ def rollout_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
     )
 
 
+def _grad_average_size(cfg: RunConfig) -> int:
+    """Ranks the actor's gradients are averaged over (DP, times CP for Megatron): token-sum's scale."""
+    actor = cfg.actor
+    if isinstance(actor, MegatronTrainingConfig):
+        return actor.data_parallel_size * actor.context_parallel_size
+    return actor.num_workers
+
+
 def loss_params(cfg: RunConfig) -> PolicyLossParams:
     """The actor's loss knobs from the algorithm section."""
     a = cfg.algorithm
@@ -108,6 +116,17 @@ def loss_params(cfg: RunConfig) -> PolicyLossParams:
         use_kl_loss=a.use_kl_loss,
         kl_loss_coef=a.kl_loss_coef,
         kl_loss_type=a.kl_loss_type,
+        name=a.policy_loss,
+        gspo_clip_ratio_low=a.gspo.clip_ratio_low,
+        gspo_clip_ratio_high=a.gspo.clip_ratio_high,
+        cispo_clip_ratio_low=a.cispo.clip_ratio_low,
+        cispo_clip_ratio_high=a.cispo.clip_ratio_high,
+        clip_cov_ratio=a.clip_cov.ratio,
+        clip_cov_lb=a.clip_cov.lb,
+        clip_cov_ub=a.clip_cov.ub,
+        kl_cov_ratio=a.kl_cov.ratio,
+        kl_cov_coef=a.kl_cov.coef,
+        dp_size=_grad_average_size(cfg),
     )
 
 

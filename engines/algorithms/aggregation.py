@@ -12,7 +12,7 @@ from torch import Tensor
 
 from rlstages.engines.algorithms.advantages import _float_mask, masked_sum
 
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
 Count = float | Tensor  # a normaliser: Python number or an all-reduced scalar tensor
 
@@ -32,19 +32,24 @@ def agg_loss(
     loss_scale_factor: float | None = None,
     global_tokens: Count | None = None,
     global_seqs: Count | None = None,
+    dp_size: int = 1,
 ) -> Tensor:
     """Reduce a [B, T] per-token loss to a scalar (verl 0.9.1 `agg_loss`; DAPO §3.3, Dr.GRPO arXiv:2503.20783).
 
-    token-mean: sum(L*m) / N_tokens. seq-mean-token-sum: sum_i S_i / N_seqs with S_i = sum_t L*m over
-    rows with >= 1 token. seq-mean-token-mean: sum_i (S_i / n_i) / N_seqs. seq-mean-token-sum-norm:
-    seq-mean-token-sum / loss_scale_factor (default T, the padded length). N_* default to local counts;
-    pass the mini-batch totals as `global_tokens` / `global_seqs` so micro-batch losses sum to the
-    mini-batch loss (scaling by the DP world size, if DDP averages gradients, is the caller's job).
+    token-mean: sum(L*m) / N_tokens. token-sum (verl 0.9.1): sum(L*m) * dp_size, no normaliser (the
+    DP scale undoes DDP's gradient averaging, so the update is the global sum). seq-mean-token-sum:
+    sum_i S_i / N_seqs with S_i = sum_t L*m over rows with >= 1 token. seq-mean-token-mean:
+    sum_i (S_i / n_i) / N_seqs. seq-mean-token-sum-norm: seq-mean-token-sum / loss_scale_factor (default T,
+    the padded length). N_* default to local counts; pass the mini-batch totals as `global_tokens` /
+    `global_seqs` so micro-batch losses sum to the mini-batch loss (scaling the normalised modes by the DP
+    world size, if DDP averages gradients, is the caller's job; `dp_size` scales token-sum only).
     Deviation from verl: zero tokens (or a zero normaliser) gives 0, not NaN.
     """
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {mode!r}; known: {list(LOSS_AGG_MODES)}")
     m = _float_mask(mask, loss_mat)
+    if mode == "token-sum":
+        return masked_sum(loss_mat, m) * dp_size
     if mode == "token-mean":
         return _safe_div(masked_sum(loss_mat, m), m.sum() if global_tokens is None else global_tokens)
     tokens = m.sum(dim=-1)

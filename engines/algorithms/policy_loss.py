@@ -1,4 +1,5 @@
-"""The actor's policy-gradient loss: PPO-clip with DAPO clip-higher and dual clip, plus entropy and KL terms.
+"""The actor's policy-gradient loss: a per-token loss chosen by name (PPO-clip with DAPO clip-higher and dual
+clip, GSPO, CISPO, Clip-Cov, KL-Cov), rollout IS weights, aggregation, plus entropy and KL terms.
 
 Non-goal: the critic's loss (`value_loss`) and advantage estimation (`advantages`).
 """
@@ -10,9 +11,18 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rlstages.engines.algorithms.advantages import _float_mask, masked_mean
+from rlstages.engines.algorithms.advantages import _float_mask
 from rlstages.engines.algorithms.aggregation import LOSS_AGG_MODES, Count, LossAggMode, agg_loss
 from rlstages.engines.algorithms.kl import _check_kl_kind, kl_penalty
+from rlstages.engines.algorithms.policy_losses import (
+    POLICY_LOSSES,
+    PolicyLossName,
+    cispo,
+    clip_cov,
+    gspo,
+    kl_cov,
+    vanilla,
+)
 
 
 @dataclass(frozen=True)
@@ -20,7 +30,9 @@ class PolicyLossParams:
     """Knobs of `policy_loss`; defaults are PPO's (eps 0.2) with dual clip c=3 and no entropy/KL terms.
 
     DAPO clip-higher: clip_ratio_high=0.28. Dr.GRPO: loss_agg_mode="seq-mean-token-sum-norm" with a
-    fixed loss_scale_factor. `clip_ratio_c=None` disables dual clip.
+    fixed loss_scale_factor. `clip_ratio_c=None` disables dual clip. `name` picks the per-token loss; the
+    gspo_* / cispo_* / clip_cov_* / kl_cov_* fields are read only by that loss (`clip_cov` also uses
+    clip_ratio_low/high). `dp_size` scales token-sum aggregation (see `agg_loss`).
     """
 
     clip_ratio_low: float = 0.2
@@ -32,6 +44,17 @@ class PolicyLossParams:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "k3"
+    name: PolicyLossName = "vanilla"
+    gspo_clip_ratio_low: float = 3e-4
+    gspo_clip_ratio_high: float = 4e-4
+    cispo_clip_ratio_low: float = 1.0
+    cispo_clip_ratio_high: float = 0.28
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-4
+    kl_cov_coef: float = 1.0
+    dp_size: int = 1
 
     def __post_init__(self) -> None:
         """Reject settings that would silently train wrong, with the fix in the message."""
@@ -47,6 +70,34 @@ class PolicyLossParams:
         if self.loss_scale_factor is not None and self.loss_scale_factor <= 0:
             raise ValueError(f"loss_scale_factor must be > 0 or None (= padded length), got {self.loss_scale_factor}")
         _check_kl_kind(self.kl_loss_type)
+        if self.name not in POLICY_LOSSES:
+            raise ValueError(f"policy loss {self.name!r} is not one of {list(POLICY_LOSSES)}")
+        for field in ("gspo_clip_ratio_low", "gspo_clip_ratio_high", "cispo_clip_ratio_low", "cispo_clip_ratio_high"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"{field}={getattr(self, field)} must be >= 0 (the band is [1-low, 1+high])")
+        for field in ("clip_cov_ratio", "kl_cov_ratio"):
+            if not 0 < getattr(self, field) <= 1:
+                raise ValueError(f"{field}={getattr(self, field)} must be in (0, 1]: the fraction of tokens selected")
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(f"clip_cov_lb={self.clip_cov_lb} must be < clip_cov_ub={self.clip_cov_ub}")
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+
+
+def per_token_loss(
+    params: PolicyLossParams, old: Tensor, logp: Tensor, adv: Tensor, m: Tensor
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The [B, T] loss of `params.name` and its metrics (see `policy_losses`)."""
+    if params.name == "gspo":
+        return gspo(old, logp, adv, m, params.gspo_clip_ratio_low, params.gspo_clip_ratio_high)
+    if params.name == "cispo":
+        return cispo(old, logp, adv, m, params.cispo_clip_ratio_low, params.cispo_clip_ratio_high)
+    if params.name == "clip_cov":
+        low, high = params.clip_ratio_low, params.clip_ratio_high
+        return clip_cov(old, logp, adv, m, low, high, params.clip_cov_ratio, params.clip_cov_lb, params.clip_cov_ub)
+    if params.name == "kl_cov":
+        return kl_cov(old, logp, adv, m, params.kl_cov_ratio, params.kl_cov_coef)
+    return vanilla(old, logp, adv, m, params.clip_ratio_low, params.clip_ratio_high, params.clip_ratio_c)
 
 
 def policy_loss(
@@ -60,12 +111,13 @@ def policy_loss(
     *,
     entropy: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
+    rollout_is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO-clip (Schulman et al. 2017, arXiv:1707.06347, Eq. 7) with DAPO clip-higher and dual clip.
+    """The policy loss `params.name` (default PPO-clip with clip-higher and dual clip; see `policy_losses`).
 
-    rho = exp(clamp(logp - old, -20, 20)); L = max(-A*rho, -A*clip(rho, 1-low, 1+high)); for A < 0 the
-    dual clip (Ye et al. 2020, arXiv:1912.09729) takes min(L, -A*c). Aggregated by `agg_loss`. Optional
-    terms, as verl's actor adds them: `- entropy_coeff * agg(entropy)` (pass per-token `entropy`) and
+    The per-token loss is multiplied by `rollout_is_weights` (detached pi_old / pi_rollout, after clipping
+    and before aggregation, as verl 0.9 does) when given, then aggregated by `agg_loss`. Optional terms,
+    as verl's actor adds them: `- entropy_coeff * agg(entropy)` (pass per-token `entropy`) and
     `+ kl_loss_coef * agg(kl_penalty(logp, ref, kl_loss_type))` if `use_kl_loss` (pass `ref_logprobs`).
     Metrics (detached): pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, and entropy / kl_loss / kl_coef
     when those terms are present.
@@ -74,29 +126,17 @@ def policy_loss(
         ValueError: if params ask for an entropy or KL term whose input tensor was not passed.
     """
     m = _float_mask(response_mask, logprobs)
-    log_ratio = torch.clamp(logprobs - old_logprobs, -20.0, 20.0)
-    ratio = torch.exp(log_ratio)
-    loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * torch.clamp(ratio, 1.0 - params.clip_ratio_low, 1.0 + params.clip_ratio_high)
-    loss_clip = torch.maximum(loss_unclipped, loss_clipped)
-    per_token = loss_clip
-    clipfrac_lower = torch.zeros((), dtype=m.dtype, device=m.device)
-    if params.clip_ratio_c is not None:
-        loss_dual = -advantages * params.clip_ratio_c
-        negative = advantages < 0
-        per_token = torch.where(negative, torch.minimum(loss_clip, loss_dual), loss_clip)
-        clipfrac_lower = masked_mean(((loss_clip > loss_dual) & negative).to(m.dtype), m)
+    per_token, pg = per_token_loss(params, old_logprobs, logprobs, advantages, m)
+    if rollout_is_weights is not None:
+        per_token = per_token * rollout_is_weights.detach()
 
     def agg(values: Tensor) -> Tensor:
-        return agg_loss(values, m, params.loss_agg_mode, params.loss_scale_factor, global_tokens, global_seqs)
+        return agg_loss(
+            values, m, params.loss_agg_mode, params.loss_scale_factor, global_tokens, global_seqs, params.dp_size
+        )
 
     loss = agg(per_token)
-    metrics = {
-        "pg_loss": loss.detach(),
-        "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).to(m.dtype), m).detach(),
-        "pg_clipfrac_lower": clipfrac_lower.detach(),
-        "ppo_kl": masked_mean(-log_ratio, m).detach(),
-    }
+    metrics = {"pg_loss": loss.detach(), **{k: v.detach() for k, v in pg.items()}}
     if params.entropy_coeff != 0 and entropy is None:
         raise ValueError("entropy_coeff != 0 needs per-token `entropy` (entropy_from_logits) in policy_loss")
     if entropy is not None:

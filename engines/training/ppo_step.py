@@ -82,13 +82,15 @@ def actor_loss(
     norm: dict[str, torch.Tensor],
     check_sync: bool,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO-clip loss of one micro-batch (+ entropy / KL terms) and its metrics; `logprob_diff` when checking
-    the trainer against the rollout engine (before the first optimizer step of a train step).
+    """Policy loss of one micro-batch (+ entropy / KL terms, times the batch's rollout IS weights if it has
+    them) and its metrics; `logprob_diff` when checking the trainer against the rollout engine (before the
+    first optimizer step of a train step).
     """
     logp_dev = logp.device
     mask = mb[T.RESPONSE_MASK].to(logp_dev)
     old = mb[T.OLD_LOGPROBS].to(logp_dev) if T.OLD_LOGPROBS in mb.keys() else logp.detach()
     ref = mb[T.REF_LOGPROBS].to(logp_dev) if params.use_kl_loss else None
+    is_weights = mb[T.ROLLOUT_IS_WEIGHTS].to(logp_dev) if T.ROLLOUT_IS_WEIGHTS in mb.keys() else None
     loss, pg = A.policy_loss(
         old,
         logp,
@@ -98,10 +100,13 @@ def actor_loss(
         **norm,
         entropy=entropy if params.entropy_coeff else None,
         ref_logprobs=ref,
+        rollout_is_weights=is_weights,
     )
     metrics = {k: float(v) for k, v in pg.items()}
     metrics["entropy"] = float(
-        A.agg_loss(entropy.detach(), mask, params.loss_agg_mode, params.loss_scale_factor, **norm)
+        A.agg_loss(
+            entropy.detach(), mask, params.loss_agg_mode, params.loss_scale_factor, **norm, dp_size=params.dp_size
+        )
     )
     if check_sync and T.ROLLOUT_LOGPROBS in mb.keys():
         diff = (logp.detach() - mb[T.ROLLOUT_LOGPROBS].to(logp_dev)).abs()
