@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlstages.configs.training import OptimConfig, TorchTrainingConfig
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
-from rlstages.engines.training.torch_trainer import BatchingParams, OptimParams, TorchTrainingEngine
+from rlstages.engines.training.core import PPOTrainer
+from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
 
 PROMPTS = [Prompt(f"u{i}", f"{i}+{i}=", str(2 * i)) for i in range(4)]
@@ -35,11 +37,12 @@ def batch(tiny_model_dir: Path):
 
 
 def step(path: Path, batch, micro: int, **loss) -> tuple[dict[str, float], list[torch.Tensor]]:
-    optim, batching = OptimParams(lr=1e-2, total_steps=10), BatchingParams(micro_batch_size=micro)
-    engine = TorchTrainingEngine(path, optim=optim, batching=batching, loss=A.PolicyLossParams(**loss))
+    options = TorchTrainingConfig(optim=OptimConfig(lr=1e-2, total_steps=10), micro_batch_size=micro)
+    engine = PPOTrainer(TrainerSettings(str(path), train=options, loss=A.PolicyLossParams(**loss)))
     metrics = engine.train_step(batch)
-    assert engine.optimizer is not None
-    return metrics, [engine.optimizer.state[p]["exp_avg"].clone() for p in engine.model.parameters()]
+    backend = engine.backend
+    assert backend.optimizer is not None
+    return metrics, [backend.optimizer.state[p]["exp_avg"].clone() for p in backend.model.parameters()]
 
 
 @pytest.mark.parametrize(
