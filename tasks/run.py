@@ -17,6 +17,7 @@ from prefect.artifacts import create_link_artifact
 from prefect.cache_policies import NO_CACHE
 
 from rlstages.configs import RunConfig, config_hash, to_yaml
+from rlstages.configs.loader import flatten
 from rlstages.configs.run import RUN_NAME
 from rlstages.configs.training import MegatronTrainingConfig
 from rlstages.engines.models import ensure_model
@@ -27,6 +28,7 @@ from rlstages.tasks.checkpoint import driver_state, latest_checkpoint, restore_e
 from rlstages.tasks.context import RunHandle
 from rlstages.tasks.data import cursor
 from rlstages.tasks.policies import guard_workers
+from rlstages.tasks.preflight import check_import_allowed
 from rlstages.tasks.rollout import sync_weights
 from rlstages.tasks.workers import build_workers, converted_dir, forget_workers, get_workers
 
@@ -98,6 +100,7 @@ def prepare_run(cfg: RunConfig) -> RunHandle:
     """Create or reopen the run directory (a different config for an existing run is refused); build the model."""
     from prefect.runtime import flow_run
 
+    check_import_allowed(cfg)  # a deployment's run imports only what the deployment allows
     path = resolve_run_dir(cfg, str(flow_run.id) if flow_run.id else None)
     run = RunHandle(name=path.name, run_dir=str(path.resolve()))
     path.mkdir(parents=True, exist_ok=True)
@@ -113,7 +116,10 @@ def start_tracking(cfg: RunConfig, run: RunHandle) -> str:
     from prefect.runtime import flow_run
 
     flow_run_id = str(flow_run.id) if flow_run.id else None
-    run_id = tracking.start_or_resume(cfg, run.name, _state(run).get("mlflow_run_id"), flow_run_id)
+    recorded = _state(run).get("mlflow_run_id")
+    if recorded is not None:
+        check_same_config(cfg, recorded)
+    run_id = tracking.start_or_resume(cfg, run.name, recorded, flow_run_id)
     write_state(run, mlflow_run_id=run_id, status="RUNNING")
     create_link_artifact(
         key=re.sub(r"[^a-z0-9-]", "-", f"mlflow-{run.name.lower()}")[:60],
@@ -122,6 +128,22 @@ def start_tracking(cfg: RunConfig, run: RunHandle) -> str:
         description="the MLflow record of this training run",
     )
     return run_id
+
+
+_PLACE_KEYS = ("trainer.output_dir", "trainer.run_name", "checkpoint.resume")
+
+
+def check_same_config(cfg: RunConfig, mlflow_run_id: str) -> None:
+    """Never reopen an MLflow run under another config: every param it recorded (the flattened config) must
+    match this config's value (keys it does not have, e.g. a newer release's defaulted fields, are not compared)."""
+    recorded = tracking.client(cfg).get_run(mlflow_run_id).data.params
+    ours = flatten(cfg.model_dump(mode="json"))
+    for key, value in sorted(recorded.items()):
+        if key in ours and key not in _PLACE_KEYS and ours[key][:6000] != value:
+            raise ValueError(
+                f"MLflow run {mlflow_run_id} recorded {key}={value!r}, this config has {ours[key][:80]!r}; "
+                "it is not reopened under another config (choose another trainer.run_name)"
+            )
 
 
 @task(name="start_workers", cache_policy=NO_CACHE)
