@@ -110,7 +110,8 @@ def convert_command(
     debug: Debug = False,
 ) -> None:
     """Convert an HF checkpoint to Megatron-Core rank files (cached: a re-run on the same inputs is free)."""
-    _run(debug, lambda: check_conversion_inputs(hf_dir, out_dir, tp, pp, vpp, transformer_impl, checksum, overwrite))
+    _run(debug, lambda: check_conversion_inputs(
+        hf_dir, out_dir, tp, pp, vpp, transformer_impl, checksum, overwrite, dist_checkpoint))  # fmt: skip
     result = _run(debug, lambda: convert_flow(
         str(hf_dir), str(out_dir), tp, pp, vpp, verify, transformer_impl, dist_checkpoint, checksum,  # type: ignore[arg-type]
         progress=True, overwrite=overwrite))  # fmt: skip

@@ -103,6 +103,7 @@ def check_conversion_inputs(
     transformer_impl: str = "local",
     checksum: str = "crc32",
     overwrite: bool = False,
+    dist_checkpoint: bool = False,
 ) -> None:
     """Fail fast, before any flow run, on a bad HF directory, config or parallel layout (one-line errors)."""
     new_checksum(checksum)
@@ -111,7 +112,12 @@ def check_conversion_inputs(
         raise FileNotFoundError(f"{hf}: HF model directory not found")
     ConversionSpec.from_hf_config(read_hf_config(hf), tp, pp, vpp, transformer_impl)  # type: ignore[arg-type]
     hf_weight_files(hf)
-    check_replaceable(Path(out_dir), overwrite)
+    out = Path(out_dir)
+    if out.is_dir() and any(out.iterdir()) and ours(out):  # the same conversion again is a cache hit, not a clash
+        options = {"transformer_impl": transformer_impl, "dist_checkpoint": dist_checkpoint, "checksum": checksum}
+        check_replaceable(out, overwrite, conversion_key(str(hf), str(out), tp, pp, vpp, **options))
+    else:
+        check_replaceable(out, overwrite)
 
 
 def ours(out: Path) -> bool:
