@@ -20,6 +20,7 @@ from prefect.artifacts import create_markdown_artifact
 from rich.console import Console
 from rich.markup import escape
 
+from rlstages.flows.cli.quiet import one_line
 from rlstages.tasks.convert import (
     check_conversion_inputs,
     check_export_inputs,
@@ -136,7 +137,7 @@ def export_command(
 def _run(debug: bool, action: Any) -> Any:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if debug else "WARNING")
     if not debug:
-        from rlstages.flows.cli.main import quiet_prefect
+        from rlstages.flows.cli.quiet import quiet_prefect
 
         quiet_prefect(debug)
     try:
@@ -145,6 +146,5 @@ def _run(debug: bool, action: Any) -> Any:
         if debug:
             raise
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
-        line = "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
-        err.print(f"[bold red]error:[/] {escape(line)}", soft_wrap=True, highlight=False)
+        err.print(f"[bold red]error:[/] {escape(one_line(message))}", soft_wrap=True, highlight=False)
         raise typer.Exit(2) from None

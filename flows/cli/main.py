@@ -5,8 +5,6 @@ Bad input is a one-line error naming the file or field and a non-zero exit; `--d
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -16,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from rlstages.configs import ConfigError, RunConfig, load_config, to_yaml
+from rlstages.flows.cli.quiet import one_line, quiet_prefect
 
 app = typer.Typer(
     help="RL post-training of LLMs as a Prefect workflow over Ray, recorded in MLflow.",
@@ -33,33 +32,9 @@ Overrides = Annotated[list[str] | None, typer.Argument(help="Dotted overrides: a
 Debug = Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")]
 
 
-class _NoTracebacks(logging.Filter):
-    """Without --debug a failed run is our one-line error: Prefect's ERROR records (with tracebacks) are dropped."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno < logging.ERROR and not record.exc_info
-
-
-def quiet_prefect(debug: bool) -> None:
-    """Prefect logs at WARNING and, without --debug, drops its error records (our one line says it)."""
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if debug else "WARNING")
-    if debug:
-        return
-    logging.getLogger("ray").setLevel(logging.WARNING)
-    import prefect  # noqa: F401 - configures its logging handlers, which get the filter below
-
-    quiet = _NoTracebacks()
-    for name in ("prefect", "prefect.flow_runs", "prefect.task_runs", "prefect.engine", "prefect.runner"):
-        logger = logging.getLogger(name)
-        logger.addFilter(quiet)
-        for handler in logger.handlers:
-            handler.addFilter(quiet)
-
-
 def fail(message: str, code: int = 1) -> None:
     """Print a one-line error and exit non-zero."""
-    line = "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
-    err.print(f"[bold red]error:[/] {escape(line)}", soft_wrap=True, highlight=False)
+    err.print(f"[bold red]error:[/] {escape(one_line(message))}", soft_wrap=True, highlight=False)
     raise typer.Exit(code)
 
 
