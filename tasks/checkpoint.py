@@ -8,6 +8,7 @@ exist for `latest_checkpoint`, so a crash at any point leaves the previous one l
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -146,11 +147,10 @@ def save_checkpoint(cfg: RunConfig, run: RunHandle, step: int, driver_state: dic
         _write(cfg, run, tmp, step, driver_state)
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)  # the previous committed checkpoint stays the newest
-        cause = root_cause(exc)
-        if isinstance(cause, OSError):  # e.g. ENOSPC inside a worker: say it in one line
-            reason = f"{os.strerror(cause.errno)}" if cause.errno else str(cause)
+        code = _storage_errno(root_cause(exc))
+        if code is not None:  # e.g. the disk filled up inside a worker: say it in one line
             raise OSError(
-                cause.errno, f"checkpoint step {step} not committed ({reason}); the previous one is intact"
+                code, f"checkpoint step {step} not committed ({os.strerror(code)}); the previous one is intact"
             ) from exc
         raise
     shutil.rmtree(final, ignore_errors=True)  # an uncommitted or corrupt leftover of a crashed attempt
@@ -164,6 +164,17 @@ def save_checkpoint(cfg: RunConfig, run: RunHandle, step: int, driver_state: dic
         tracking.log_file(cfg, driver_state["mlflow_run_id"], final / MANIFEST, f"checkpoints/step_{step:06d}")
     prune(run, cfg.checkpoint.keep)
     return str(final / MANIFEST)
+
+
+def _storage_errno(cause: BaseException) -> int | None:
+    """The errno of a storage failure (OSError, or a writer's error that carries one in its text: safetensors)."""
+    if isinstance(cause, OSError) and cause.errno:
+        return cause.errno
+    text = str(cause)
+    for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO):
+        if os.strerror(code) in text or f"code: {code}," in text:
+            return code
+    return None
 
 
 def _write(cfg: RunConfig, run: RunHandle, tmp: Path, step: int, driver_state: dict[str, Any]) -> None:
