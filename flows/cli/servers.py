@@ -308,7 +308,7 @@ def down_command(state_dir: StateDir = Path(".rlstages")) -> None:
     except ValueError as exc:
         _fail(str(exc), 2)
     if not result:
-        out.print(f"no servers recorded in {state_dir}")
+        out.print(f"no servers recorded in {escape(str(state_dir))}")
     for name, stopped in result.items():
         out.print(f"{name}: {'stopped' if stopped else '[red]still running[/]'}")
     if not all(result.values()):
@@ -323,7 +323,7 @@ def status_command(state_dir: StateDir = Path(".rlstages")) -> None:
     except ValueError as exc:
         _fail(str(exc), 2)
     if not servers:
-        out.print(f"no servers recorded in {state_dir}")
+        out.print(f"no servers recorded in {escape(str(state_dir))}")
         return
     table = Table("server", "url", "pid", "process", "health")
     for s in servers.values():

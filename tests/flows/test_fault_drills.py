@@ -157,24 +157,28 @@ def _clean_env() -> dict[str, str]:
 
 
 def _cli(tmp: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """The CLI in its own process group; whatever it leaves behind (a local Ray) is killed by that group."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rlstages.flows.cli", *args],
-        cwd=tmp,
-        env={**_clean_env(), "PREFECT_HOME": str(tmp / ".prefect"), **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=900)
-    finally:
+    """The CLI in its own process group, output in files (a killed driver's Ray children would hold pipes open);
+    whatever it leaves behind (the local Ray of a killed driver) is killed by that group."""
+    out, err = tmp / f"{args[0]}.out", tmp / f"{args[0]}.err"
+    with out.open("w") as fo, err.open("w") as fe:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rlstages.flows.cli", *args],
+            cwd=tmp,
+            env={**_clean_env(), "PREFECT_HOME": str(tmp / ".prefect"), **env},
+            stdin=subprocess.DEVNULL,
+            stdout=fo,
+            stderr=fe,
+            text=True,
+            start_new_session=True,
+        )
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the group we created: an orphaned raylet/GCS of a killed driver
-        except ProcessLookupError:
-            pass
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+            proc.wait(timeout=1200)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # only the group we created
+            except ProcessLookupError:
+                pass
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out.read_text(), err.read_text())
 
 
 def test_sigkill_during_a_checkpoint_commit_then_resume(reference, tiny_model_dir: Path, tmp_path: Path) -> None:
