@@ -5,7 +5,6 @@ colocated default of `cluster.hybrid_engine`) and split workers (bucketed numpy 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import ray
@@ -62,7 +61,6 @@ def measure(path: Path, local: PPOTrainer, dtype: str) -> list[tuple[str, float,
 def main(hidden: int = 512, layers: int = 8, vocab: int = 16384) -> None:
     """Sync a ~40M-parameter model into fp32 and bf16 rollout engines."""
     torch.set_num_threads(1)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     path = small_model(hidden, layers, vocab, name="bench-sync")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     local = PPOTrainer(TrainerSettings(str(path)))

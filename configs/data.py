@@ -43,3 +43,8 @@ class DataConfig(StrictModel):
     apply_chat_template: bool = True
     system_prompt: str | None = None
     shuffle: bool = True
+    overlong_prompts: Literal["error", "truncate"] = Field(
+        default="error",
+        description="Prompts longer than the model's context minus rollout.max_new_tokens: error refuses the run "
+        "before it starts (naming the row); truncate keeps each such prompt's last tokens.",
+    )

@@ -24,9 +24,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. actor.optim.lr=1e-6")
     key, raw = text.split("=", 1)
-    path = [p for p in key.strip().split(".") if p]
-    if not path:
+    path = key.strip().split(".")
+    if not key.strip():
         raise ConfigError(f"override {text!r}: empty key")
+    if any(not p.strip() for p in path):
+        raise ConfigError(f"override {text!r}: empty segment in {key.strip()!r}; expected dotted names like a.b.c")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
@@ -65,7 +67,11 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{path}: no such config file")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); save the config as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -148,13 +154,32 @@ _NOT_HASHED = {"trainer": {"output_dir", "run_name"}, "checkpoint": {"resume"}}
 
 def config_hash(cfg: RunConfig) -> str:
     """A short, stable digest of what the run computes (canonical JSON; location and start mode excluded;
-    fields at their defaults left out, so a new release's new defaulted field keeps old runs resumable)."""
+    fields at their defaults left out, so a new release's new defaulted field keeps old runs resumable).
+    Union tags (`backend`, `kind`) are always in: they are defaults of their own classes, yet choose the engine."""
     data = cfg.model_dump(mode="json", exclude_defaults=True)
+    _keep_tags(cfg.model_dump(mode="json"), data)
     for section, keys in _NOT_HASHED.items():
         for key in keys:
             data.get(section, {}).pop(key, None)
     blob = json.dumps(data, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def _keep_tags(full: Any, sparse: dict[str, Any]) -> None:
+    """Copy every `backend`/`kind` of the full dump into the sparse one (creating the sections on the way)."""
+    if not isinstance(full, dict):
+        return
+    for key, value in full.items():
+        if key in _TAGS and isinstance(value, str):
+            sparse[key] = value
+        elif isinstance(value, dict) and _has_tag(value):
+            node = sparse.setdefault(key, {})
+            if isinstance(node, dict):
+                _keep_tags(value, node)
+
+
+def _has_tag(tree: Any) -> bool:
+    return isinstance(tree, dict) and any(k in _TAGS or _has_tag(v) for k, v in tree.items())
 
 
 def to_yaml(cfg: RunConfig) -> str:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlstages.configs.algorithm import AlgorithmConfig
 from rlstages.configs.base import StrictModel
@@ -16,6 +17,7 @@ from rlstages.configs.reward import RewardConfig
 from rlstages.configs.rollout import RolloutConfig, rollout_tp
 from rlstages.configs.training import MegatronTrainingConfig, ReferenceConfig, TrainingConfig
 
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}")
 GROUP_ESTIMATORS = {"grpo", "rloo", "reinforce_pp_baseline"}
 StageName = Literal[
     "start_tracking",
@@ -43,8 +45,18 @@ class TrainerConfig(StrictModel):
     eval_every: int = Field(default=0, ge=0, description="0 = only at start and end.")
     eval_at_start: bool = True
     seed: int = 0
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        default="stop",
+        description="A step whose loss or grad norm is NaN/inf: stop fails the run (MLflow FAILED, stage tagged) "
+        "before the weights are synced or checkpointed; skip logs `train/rejected_steps` and goes on (the "
+        "trainers do not apply a non-finite gradient).",
+    )
     output_dir: Path = Path("runs")
-    run_name: str | None = None
+    run_name: str | None = Field(
+        default=None,
+        description="Directory name under output_dir (letters, digits, '_' and '-'; at most 100); "
+        "None = run-<config hash>.",
+    )
     one_step_off_policy: bool = Field(
         default=False,
         description="Generate step k+1 while the trainer updates on step k (rollout weights one update old); "
@@ -52,6 +64,16 @@ class TrainerConfig(StrictModel):
         "ones do not sleep). Pair with algorithm.rollout_is to correct the lag. A resumed run regenerates its "
         "first step's rollouts with the checkpoint's weights.",
     )
+
+    @field_validator("run_name")
+    @classmethod
+    def _safe_name(cls, name: str | None) -> str | None:
+        if name is not None and not RUN_NAME.fullmatch(name):
+            raise ValueError(
+                f"{name!r} is not a run name: use 1-100 letters, digits, '_' and '-', starting with a letter or "
+                "digit (no '/', '.', spaces; omit the field for run-<config hash>)"
+            )
+        return name
 
 
 class CheckpointConfig(StrictModel):
@@ -65,6 +87,11 @@ class CheckpointConfig(StrictModel):
         description="auto: an existing run directory continues from its last checkpoint; fresh: every flow run "
         "gets its own directory `<run_name>-<flow run id>` (a retry of that flow run resumes it); never: an "
         "existing run directory is an error.",
+    )
+    on_corrupt: Literal["error", "fallback"] = Field(
+        default="error",
+        description="A committed checkpoint whose files fail their checksums: error stops resume/eval naming it; "
+        "fallback says so and uses the newest older checkpoint that verifies.",
     )
 
 

@@ -18,7 +18,9 @@ import typer
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from rich.console import Console
+from rich.markup import escape
 
+from rlstages.flows.cli.quiet import one_line
 from rlstages.tasks.convert import (
     check_conversion_inputs,
     check_export_inputs,
@@ -42,11 +44,12 @@ def convert_flow(
     dist_checkpoint: bool = False,
     checksum: Literal["crc32", "sha256", "none"] = "crc32",
     progress: bool = False,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Convert (cached) and optionally check logits parity; returns the output path and the parity report."""
     out = convert_checkpoint(
         hf_dir, out_dir, tp, pp, vpp, transformer_impl=transformer_impl, dist_checkpoint=dist_checkpoint,
-        checksum=checksum, progress=progress,
+        checksum=checksum, progress=progress, overwrite=overwrite,
     )  # fmt: skip
     parity = verify_conversion(hf_dir, out) if verify else None
     lines = [f"**{Path(hf_dir).name}** -> `{out}` with TP={tp} PP={pp} VPP={vpp or 1} ({transformer_impl})"]
@@ -102,14 +105,18 @@ def convert_command(
         bool, typer.Option("--dist-checkpoint", help="Also write megatron-core dist_checkpointing.")
     ] = False,
     checksum: Annotated[str, typer.Option(help="Manifest checksum: crc32, sha256 (slower) or none.")] = "crc32",
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace an existing output that is another conversion of ours.")
+    ] = False,
     debug: Debug = False,
 ) -> None:
     """Convert an HF checkpoint to Megatron-Core rank files (cached: a re-run on the same inputs is free)."""
-    _run(debug, lambda: check_conversion_inputs(hf_dir, out_dir, tp, pp, vpp, transformer_impl, checksum))
+    _run(debug, lambda: check_conversion_inputs(
+        hf_dir, out_dir, tp, pp, vpp, transformer_impl, checksum, overwrite, dist_checkpoint))  # fmt: skip
     result = _run(debug, lambda: convert_flow(
         str(hf_dir), str(out_dir), tp, pp, vpp, verify, transformer_impl, dist_checkpoint, checksum,  # type: ignore[arg-type]
-        progress=True))  # fmt: skip
-    err.print(f"[green]converted[/]: {result['out_dir']}")
+        progress=True, overwrite=overwrite))  # fmt: skip
+    err.print(f"[green]converted[/]: {escape(str(result['out_dir']))}")
     if result["parity"]:
         p = result["parity"]
         err.print(f"[green]parity ok[/]: max |diff| {p['max_abs_diff']:.2e}, argmax {p['argmax_agreement']:.0%}")
@@ -124,16 +131,20 @@ def export_command(
     """Export a Megatron-Core checkpoint (any TP/PP) to an HF model directory."""
     _run(debug, lambda: check_export_inputs(mcore_dir, out_dir, overwrite))
     out = _run(debug, lambda: export_flow(str(mcore_dir), str(out_dir), overwrite, progress=True))
-    err.print(f"[green]exported[/]: {out}")
+    err.print(f"[green]exported[/]: {escape(str(out))}")
 
 
 def _run(debug: bool, action: Any) -> Any:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if debug else "WARNING")
+    if not debug:
+        from rlstages.flows.cli.quiet import quiet_prefect
+
+        quiet_prefect(debug)
     try:
         return action()
     except (OSError, ValueError, KeyError, AssertionError) as exc:
         if debug:
             raise
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
-        err.print(f"[bold red]error:[/] {message}", soft_wrap=True, highlight=False)
+        err.print(f"[bold red]error:[/] {escape(one_line(message))}", soft_wrap=True, highlight=False)
         raise typer.Exit(2) from None

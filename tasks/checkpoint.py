@@ -8,6 +8,7 @@ exist for `latest_checkpoint`, so a crash at any point leaves the previous one l
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -24,7 +25,7 @@ from rlstages.engines.training.state_io import atomic_write_text
 from rlstages.tasks import tracking
 from rlstages.tasks.context import RunHandle
 from rlstages.tasks.faults import maybe_fail
-from rlstages.tasks.policies import guard_workers
+from rlstages.tasks.policies import guard_workers, root_cause
 from rlstages.tasks.workers import get_workers
 
 MANIFEST = "manifest.json"
@@ -56,29 +57,80 @@ def checkpoint_dir(run: RunHandle, step: int) -> Path:
     return run.checkpoints / f"step_{step:06d}"
 
 
+class CheckpointError(ValueError):
+    """A committed checkpoint that cannot be used; the message names the directory and why."""
+
+
 def read_manifest(path: Path, verify: bool = False) -> dict[str, Any] | None:
     """The manifest of a checkpoint directory, or None when it is not committed (or, with verify, corrupt)."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError):
+        return checked_manifest(path, verify)
+    except CheckpointError:
         return None
+
+
+def checked_manifest(path: Path, verify: bool = True) -> dict[str, Any] | None:
+    """The manifest of `path`; None when no manifest was committed; CheckpointError naming the file when the
+    manifest is unreadable or (with verify) a listed file is missing, truncated or altered."""
+    target = path / MANIFEST
+    if not target.is_file():
+        return None
+    try:
+        manifest = json.loads(target.read_text())
+        step = int(manifest["step"])
+        files = dict(manifest["files"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable ({type(exc).__name__}: {exc})") from None
     if verify:
-        for rel, digest in manifest.get("files", {}).items():
+        for rel, digest in files.items():
             f = path / rel
-            if not f.is_file() or _sha256(f) != digest:
-                return None
-    return manifest
+            if not f.is_file():
+                raise CheckpointError(f"checkpoint {path}: {rel} is listed in {MANIFEST} but missing")
+            if _sha256(f) != digest:
+                raise CheckpointError(
+                    f"checkpoint {path}: {rel} does not match its sha256 in {MANIFEST} (truncated or altered)"
+                )
+    return {**manifest, "step": step}
 
 
-def latest_checkpoint(run: RunHandle, verify: bool = False) -> tuple[int, Path] | None:
-    """The newest committed checkpoint as (step, dir), or None."""
+def latest_checkpoint(run: RunHandle, verify: bool = False, on_corrupt: str = "error") -> tuple[int, Path] | None:
+    """The newest committed checkpoint as (step, dir), or None. A directory without a manifest is an interrupted
+    commit (reported, skipped); a corrupt one (with verify) raises CheckpointError, or with
+    on_corrupt="fallback" is reported and the next older one is tried."""
     if not run.checkpoints.is_dir():
         return None
     for path in sorted(run.checkpoints.glob("step_*"), reverse=True):
-        manifest = read_manifest(path, verify)
-        if manifest is not None:
-            return int(manifest["step"]), path
+        try:
+            manifest = checked_manifest(path, verify)
+        except CheckpointError as exc:
+            if on_corrupt != "fallback":
+                raise CheckpointError(f"{exc}; set checkpoint.on_corrupt=fallback to use an older one") from None
+            _warn(f"{exc}; falling back to an older checkpoint (checkpoint.on_corrupt=fallback)")
+            continue
+        if manifest is None:
+            _warn(f"checkpoint {path}: no {MANIFEST} (an interrupted commit); it is ignored")
+            continue
+        return int(manifest["step"]), path
     return None
+
+
+def verify_checkpoint(path: Path) -> int:
+    """The step of a committed, intact checkpoint directory (what `eval --checkpoint` accepts); else an error."""
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path}: no such directory")
+    manifest = checked_manifest(path, verify=True)
+    if manifest is None:
+        raise CheckpointError(f"checkpoint {path}: no {MANIFEST}; not a committed checkpoint")
+    return int(manifest["step"])
+
+
+def _warn(message: str) -> None:
+    import logging
+    import sys
+
+    logging.getLogger("rlstages.checkpoint").warning(message)
+    sys.stderr.write(f"warning: {message}\n")
+    sys.stderr.flush()
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE)
@@ -86,21 +138,24 @@ def save_checkpoint(cfg: RunConfig, run: RunHandle, step: int, driver_state: dic
     """Commit a checkpoint of every trainable engine plus the driver state; returns the manifest path."""
     maybe_fail(run, "checkpoint", step)
     final = checkpoint_dir(run, step)
-    if read_manifest(final) is not None:
-        return str(final / MANIFEST)  # idempotent: a retried task finds its work done
+    if read_manifest(final, verify=True) is not None:
+        return str(final / MANIFEST)  # idempotent: a retried task finds its work done (and intact)
     tmp = run.checkpoints / f".step_{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    workers = get_workers(cfg, run)
-    timeout = cfg.prefect.policy("checkpoint").timeout_seconds
-    guard_workers(lambda: workers.actor.all(timeout).save(str(tmp / "actor")))
-    if workers.critic is not None:
-        critic = workers.critic
-        guard_workers(lambda: critic.all(timeout).save(str(tmp / "critic")))
-    atomic_write_text(tmp / DRIVER_STATE, json.dumps({**driver_state, "step": step}, indent=2))
-    _fsync_tree(tmp)
-    shutil.rmtree(final, ignore_errors=True)  # an uncommitted leftover of a crashed attempt
+    try:
+        _write(cfg, run, tmp, step, driver_state)
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)  # the previous committed checkpoint stays the newest
+        code = _storage_errno(root_cause(exc))
+        if code is not None:  # e.g. the disk filled up inside a worker: say it in one line
+            raise OSError(
+                code, f"checkpoint step {step} not committed ({os.strerror(code)}); the previous one is intact"
+            ) from exc
+        raise
+    shutil.rmtree(final, ignore_errors=True)  # an uncommitted or corrupt leftover of a crashed attempt
     os.replace(tmp, final)
+    maybe_fail(run, "checkpoint_commit", step)  # drills: a crash between the rename and the manifest
     tracking.flush()  # the steps up to this one are in MLflow before the checkpoint is committed
     files = {str(p.relative_to(final)): _sha256(p) for p in sorted(final.rglob("*")) if p.is_file()}
     manifest = {"step": step, "created": time.time(), "files": files, **driver_state}
@@ -109,6 +164,29 @@ def save_checkpoint(cfg: RunConfig, run: RunHandle, step: int, driver_state: dic
         tracking.log_file(cfg, driver_state["mlflow_run_id"], final / MANIFEST, f"checkpoints/step_{step:06d}")
     prune(run, cfg.checkpoint.keep)
     return str(final / MANIFEST)
+
+
+def _storage_errno(cause: BaseException) -> int | None:
+    """The errno of a storage failure (OSError, or a writer's error that carries one in its text: safetensors)."""
+    if isinstance(cause, OSError) and cause.errno:
+        return cause.errno
+    text = str(cause)
+    for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO):
+        if os.strerror(code) in text or f"code: {code}," in text:
+            return code
+    return None
+
+
+def _write(cfg: RunConfig, run: RunHandle, tmp: Path, step: int, driver_state: dict[str, Any]) -> None:
+    """Every engine's state and the driver state into `tmp`, fsynced."""
+    workers = get_workers(cfg, run)
+    timeout = cfg.prefect.policy("checkpoint").timeout_seconds
+    guard_workers(lambda: workers.actor.all(timeout).save(str(tmp / "actor")))
+    if workers.critic is not None:
+        critic = workers.critic
+        guard_workers(lambda: critic.all(timeout).save(str(tmp / "critic")))
+    atomic_write_text(tmp / DRIVER_STATE, json.dumps({**driver_state, "step": step}, indent=2))
+    _fsync_tree(tmp)
 
 
 def prune(run: RunHandle, keep: int) -> None:

@@ -16,6 +16,7 @@ from rlstages.engines.models import PLUGINS_ENV, import_plugins
 from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
 from rlstages.tasks.context import RunHandle
 from rlstages.tasks.placement import place, release
+from rlstages.tasks.ray_auth import init_local_ray
 from rlstages.tasks.specs import hybrid_spec, reward_model_spec, reward_spec, rollout_spec, training_spec
 
 
@@ -61,12 +62,11 @@ def start_ray(cfg: RunConfig) -> None:
     if ray.is_initialized():
         return
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     kwargs: dict[str, Any] = {"namespace": cfg.cluster.namespace, "log_to_driver": False}
-    if address:
+    if address:  # the cluster's own auth applies (a token file or RAY_AUTH_TOKEN enables it here)
         ray.init(address=address, **kwargs)
-    else:
-        ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, **kwargs)
+    else:  # ours: token auth on, 127.0.0.1 only
+        init_local_ray(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, **kwargs)
 
 
 def build_workers(cfg: RunConfig, run: RunHandle) -> Workers:

@@ -30,7 +30,7 @@ from rlstages.engines.convert import (
     read_hf_config,
     read_manifest,
 )
-from rlstages.engines.convert.manifest import MANIFEST
+from rlstages.engines.convert.manifest import FORMAT, verify_manifest
 from rlstages.engines.convert.safetensors_io import new_checksum
 from rlstages.engines.megatron.dist_ckpt import dist_checkpoint_writer
 from rlstages.tasks.policies import retry_condition
@@ -102,6 +102,8 @@ def check_conversion_inputs(
     vpp: int | None,
     transformer_impl: str = "local",
     checksum: str = "crc32",
+    overwrite: bool = False,
+    dist_checkpoint: bool = False,
 ) -> None:
     """Fail fast, before any flow run, on a bad HF directory, config or parallel layout (one-line errors)."""
     new_checksum(checksum)
@@ -111,16 +113,54 @@ def check_conversion_inputs(
     ConversionSpec.from_hf_config(read_hf_config(hf), tp, pp, vpp, transformer_impl)  # type: ignore[arg-type]
     hf_weight_files(hf)
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not (out / MANIFEST).is_file():
-        raise FileExistsError(f"{out}: exists and is not a conversion output; refusing to replace it")
+    if out.is_dir() and any(out.iterdir()) and ours(out):  # the same conversion again is a cache hit, not a clash
+        options = {"transformer_impl": transformer_impl, "dist_checkpoint": dist_checkpoint, "checksum": checksum}
+        check_replaceable(out, overwrite, conversion_key(str(hf), str(out), tp, pp, vpp, **options))
+    else:
+        check_replaceable(out, overwrite)
+
+
+def ours(out: Path) -> bool:
+    """True when `out` holds a complete conversion written by `rlstages convert` (its manifest says so)."""
+    try:
+        manifest = read_manifest(out)
+    except (FileNotFoundError, ValueError, OSError):
+        return False
+    return manifest.get("format") == FORMAT and manifest.get("direction", "hf_to_mcore") == "hf_to_mcore"
+
+
+def check_replaceable(out: Path, overwrite: bool, key: str | None = None) -> None:
+    """An existing, non-empty output may be replaced only when it is provably our conversion and the user asked
+    (`--overwrite`); the same conversion (same cache key) is left as it is."""
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out}: exists and is not a directory; refusing to replace it")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if not ours(out):
+        raise FileExistsError(f"{out}: exists and is not an rlstages conversion output; refusing to replace it")
+    if key is not None and holds_conversion(out, key):
+        return
+    if not overwrite:
+        raise FileExistsError(f"{out}: holds another conversion; pass --overwrite to replace it")
 
 
 def check_export_inputs(mcore_dir: str | Path, out_dir: str | Path, overwrite: bool) -> None:
-    """Fail fast on a directory that is not a complete conversion, or an output that exists."""
-    read_manifest(mcore_dir)
-    ConversionSpec.load(mcore_dir)
-    if Path(out_dir).exists() and not overwrite:
+    """Fail fast on a directory that is not a complete, intact conversion of a registered template, or an
+    output that exists. Checksums pass before any name from the directory's metadata is looked up."""
+    verify_manifest(mcore_dir)
+    ConversionSpec.load(mcore_dir, import_module=False)
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
         raise FileExistsError(f"{out_dir}: already exists; pass --overwrite to replace it")
+    if out.exists() and any(out.iterdir()) and not _exported_by_us(out):
+        raise FileExistsError(f"{out_dir}: exists and is not an rlstages export; refusing to replace it")
+
+
+def _exported_by_us(out: Path) -> bool:
+    try:
+        return read_manifest(out).get("direction") == "mcore_to_hf"
+    except (FileNotFoundError, ValueError, OSError):
+        return False
 
 
 def _cache_key(context: TaskRunContext, params: dict[str, Any]) -> str:
@@ -152,15 +192,16 @@ def convert_checkpoint(
     dist_checkpoint: bool = False,
     checksum: str = "crc32",
     progress: bool = False,
+    overwrite: bool = False,
 ) -> str:
-    """HF directory -> Megatron-Core rank files in `out_dir` (replacing an older conversion there)."""
+    """HF directory -> Megatron-Core rank files in `out_dir` (replacing an older conversion of ours there only
+    with `overwrite`)."""
     options = {"transformer_impl": transformer_impl, "dist_checkpoint": dist_checkpoint, "checksum": checksum}
     key = conversion_key(hf_dir, out_dir, tp, pp, vpp, **options)
     out = Path(out_dir)
     if holds_conversion(out, key):
         return str(out)  # made by an earlier run whose Prefect record is gone: nothing to do
-    if out.exists() and any(out.iterdir()) and not (out / MANIFEST).is_file():
-        raise FileExistsError(f"{out}: exists and is not a conversion output; refusing to replace it")
+    check_replaceable(out, overwrite, key)
     with _progress_bar(progress, f"convert {Path(hf_dir).name} -> tp{tp} pp{pp}") as report:
         convert_hf_to_mcore(
             hf_dir, out, tp, pp, vpp, transformer_impl=transformer_impl,  # type: ignore[arg-type]

@@ -41,7 +41,7 @@ def is_transient(exc: BaseException | None) -> bool:
     """True for failures a retry can fix: timeouts, connection loss, transient I/O, Ray object loss."""
     if exc is None or isinstance(exc, WorkerLost):
         return False
-    cause = _unwrap(exc)
+    cause = root_cause(exc)
     if isinstance(cause, TimeoutError | ConnectionError):
         return True
     if isinstance(cause, _NEVER):
@@ -52,7 +52,7 @@ def is_transient(exc: BaseException | None) -> bool:
     return name in {"GetTimeoutError", "ObjectLostError", "RaySystemError", "OwnerDiedError", "TransientError"}
 
 
-def _unwrap(exc: BaseException) -> BaseException:
+def root_cause(exc: BaseException) -> BaseException:
     """The user exception inside a RayTaskError, else the exception itself."""
     cause = getattr(exc, "cause", None)
     return cause if isinstance(cause, BaseException) else exc

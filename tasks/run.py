@@ -17,6 +17,8 @@ from prefect.artifacts import create_link_artifact
 from prefect.cache_policies import NO_CACHE
 
 from rlstages.configs import RunConfig, config_hash, to_yaml
+from rlstages.configs.loader import flatten
+from rlstages.configs.run import RUN_NAME
 from rlstages.configs.training import MegatronTrainingConfig
 from rlstages.engines.models import ensure_model
 from rlstages.engines.training.state_io import atomic_write_text
@@ -26,6 +28,7 @@ from rlstages.tasks.checkpoint import driver_state, latest_checkpoint, restore_e
 from rlstages.tasks.context import RunHandle
 from rlstages.tasks.data import cursor
 from rlstages.tasks.policies import guard_workers
+from rlstages.tasks.preflight import check_import_allowed
 from rlstages.tasks.rollout import sync_weights
 from rlstages.tasks.workers import build_workers, converted_dir, forget_workers, get_workers
 
@@ -44,14 +47,27 @@ class StartPoint:
 def run_dir(cfg: RunConfig) -> Path:
     """`trainer.output_dir / run_name` (run_name defaults to `run-<config hash>`)."""
     name = cfg.trainer.run_name or f"run-{config_hash(cfg)}"
-    if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
-        raise ValueError(f"trainer.run_name {name!r}: use letters, digits, '.', '_' and '-' only")
+    if not RUN_NAME.fullmatch(name):  # the schema checks it too; a constructed config may skip the schema
+        raise ValueError(f"trainer.run_name {name!r}: use letters, digits, '_' and '-' only")
     return cfg.trainer.output_dir / name
 
 
 def _state(run: RunHandle) -> dict[str, Any]:
-    path = run.path / RUN_STATE
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return read_state(run.path)
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """The run-state file of a run directory ({} when there is none); one-line error when it is damaged."""
+    state = path / RUN_STATE
+    if not state.is_file():
+        return {}
+    try:
+        data = json.loads(state.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{state}: damaged run-state file ({exc}); move it away to start over") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{state}: damaged run-state file (expected a JSON object)")
+    return data
 
 
 def write_state(run: RunHandle, **updates: Any) -> None:
@@ -70,9 +86,8 @@ def resolve_run_dir(cfg: RunConfig, flow_run_id: str | None = None) -> Path:
             raise FileExistsError(
                 f"{path} already holds a run and checkpoint.resume=never; choose another trainer.run_name"
             )
-        state = path / RUN_STATE
-        old = json.loads(state.read_text()).get("config_hash") if state.is_file() else None
-        if old is not None and old != config_hash(cfg):
+        old = read_state(path).get("config_hash")
+        if old != config_hash(cfg):  # a run dir with no recorded hash is not provably this config's
             raise ValueError(
                 f"{path} holds a run of another config (hash {old}, this one {config_hash(cfg)}); resume it with "
                 f"`rlstages resume {path}` or choose another trainer.run_name"
@@ -85,11 +100,12 @@ def prepare_run(cfg: RunConfig) -> RunHandle:
     """Create or reopen the run directory (a different config for an existing run is refused); build the model."""
     from prefect.runtime import flow_run
 
+    check_import_allowed(cfg)  # a deployment's run imports only what the deployment allows
     path = resolve_run_dir(cfg, str(flow_run.id) if flow_run.id else None)
     run = RunHandle(name=path.name, run_dir=str(path.resolve()))
     path.mkdir(parents=True, exist_ok=True)
+    write_state(run, config_hash=config_hash(cfg))  # first: a config.yaml always has its hash beside it
     atomic_write_text(path / "config.yaml", to_yaml(cfg))
-    write_state(run, config_hash=config_hash(cfg))
     ensure_model(cfg.model.path, cfg.model.provider, cfg.model.tiny.model_dump() if cfg.model.tiny else None)
     return run
 
@@ -100,15 +116,34 @@ def start_tracking(cfg: RunConfig, run: RunHandle) -> str:
     from prefect.runtime import flow_run
 
     flow_run_id = str(flow_run.id) if flow_run.id else None
-    run_id = tracking.start_or_resume(cfg, run.name, _state(run).get("mlflow_run_id"), flow_run_id)
+    recorded = _state(run).get("mlflow_run_id")
+    if recorded is not None:
+        check_same_config(cfg, recorded)
+    run_id = tracking.start_or_resume(cfg, run.name, recorded, flow_run_id)
     write_state(run, mlflow_run_id=run_id, status="RUNNING")
     create_link_artifact(
-        key=f"mlflow-{run.name.lower().replace('_', '-')}"[:60],
+        key=re.sub(r"[^a-z0-9-]", "-", f"mlflow-{run.name.lower()}")[:60],
         link=tracking.run_link(cfg, run_id),
         link_text=f"MLflow run {run_id}",
         description="the MLflow record of this training run",
     )
     return run_id
+
+
+_PLACE_KEYS = ("trainer.output_dir", "trainer.run_name", "checkpoint.resume")
+
+
+def check_same_config(cfg: RunConfig, mlflow_run_id: str) -> None:
+    """Never reopen an MLflow run under another config: every param it recorded (the flattened config) must
+    match this config's value (keys it does not have, e.g. a newer release's defaulted fields, are not compared)."""
+    recorded = tracking.client(cfg).get_run(mlflow_run_id).data.params
+    ours = flatten(cfg.model_dump(mode="json"))
+    for key, value in sorted(recorded.items()):
+        if key in ours and key not in _PLACE_KEYS and ours[key][:6000] != value:
+            raise ValueError(
+                f"MLflow run {mlflow_run_id} recorded {key}={value!r}, this config has {ours[key][:80]!r}; "
+                "it is not reopened under another config (choose another trainer.run_name)"
+            )
 
 
 @task(name="start_workers", cache_policy=NO_CACHE)
@@ -122,7 +157,8 @@ def start_workers(cfg: RunConfig, run: RunHandle) -> StartPoint:
 
 
 def _restore(cfg: RunConfig, run: RunHandle) -> StartPoint:
-    found = latest_checkpoint(run, verify=True)  # fresh: only this flow run's earlier attempt wrote here
+    # fresh: only this flow run's earlier attempt wrote here
+    found = latest_checkpoint(run, verify=True, on_corrupt=cfg.checkpoint.on_corrupt)
     if found is None:
         return StartPoint(step=0, kl_state=initial_kl_state(cfg), checkpoint=None)
     step, path = found
@@ -160,6 +196,7 @@ def convert_for_training(cfg: RunConfig, run: RunHandle) -> str | None:
             a.tensor_model_parallel_size,
             a.pipeline_model_parallel_size,
             a.virtual_pipeline_model_parallel_size,
+            overwrite=True,  # our own cache directory: an older conversion of ours there is replaced
         )
     )
 

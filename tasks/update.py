@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 from prefect import task
@@ -11,7 +12,7 @@ from rlstages.configs import RunConfig
 from rlstages.engines import types as T
 from rlstages.engines.runtime.actor_group import ActorGroup
 from rlstages.tasks.context import RunHandle
-from rlstages.tasks.faults import maybe_fail
+from rlstages.tasks.faults import maybe_fail, nan_due
 from rlstages.tasks.policies import guard_workers
 from rlstages.tasks.workers import get_workers
 
@@ -22,14 +23,39 @@ def _train(cfg: RunConfig, run: RunHandle, step: int, group: ActorGroup, stage: 
     batch = T.load_batch(run.batch(step, "train"))
     if batch.batch_size[0] == 0:
         return {f"{prefix}/skipped": 1.0}
+    if nan_due(run, stage, step):  # drill: a step whose loss is NaN
+        field = T.RETURNS if prefix == "critic" else T.ADVANTAGES
+        batch[field] = batch[field] * float("nan")
     timeout = cfg.prefect.policy(stage).timeout_seconds
     results = guard_workers(lambda: group.dp(timeout).train_step(batch))
     per_rank = results if isinstance(results, list) else [results]
     metrics = {f"{prefix}/{k}": sum(r[k] for r in per_rank) / len(per_rank) for k in per_rank[0]}
+    metrics.update(reject_nonfinite(cfg, stage, step, metrics))
     metrics[f"timing/{stage}_s"] = time.perf_counter() - start
     tokens = float(batch[T.ATTENTION_MASK].sum())
     metrics[f"throughput/{stage}_tokens_per_s"] = tokens / max(metrics[f"timing/{stage}_s"], 1e-9)
     return metrics
+
+
+class NonFiniteStep(ValueError):
+    """A train step whose loss or gradient norm is NaN/inf (never retried: the same batch fails again)."""
+
+
+def reject_nonfinite(cfg: RunConfig, stage: str, step: int, metrics: dict[str, float]) -> dict[str, float]:
+    """Refuse a step with a non-finite loss or grad norm: raise (trainer.on_nonfinite=stop, before the weights
+    are synced or checkpointed) or count it in `train/rejected_steps` (skip; the trainers do not apply it)."""
+    train = cfg.critic if stage == "update_critic" else cfg.actor
+    # DeepSpeed reports NaN for a grad norm it did not compute (ZeRO > 0) and handles overflow itself
+    norms = "grad_norm" if train is None or train.backend != "deepspeed" else "\0"
+    bad = sorted(k for k, v in metrics.items() if ("loss" in k or norms in k) and not math.isfinite(v))
+    if not bad:
+        return {}
+    if cfg.trainer.on_nonfinite == "stop":
+        raise NonFiniteStep(
+            f"{stage} at step {step}: non-finite {', '.join(bad)}; the step is rejected and the run stops "
+            "(trainer.on_nonfinite=skip goes on without it)"
+        )
+    return {"train/rejected_steps": 1.0}
 
 
 @task(name="update_critic", cache_policy=NO_CACHE)

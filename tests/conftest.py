@@ -17,7 +17,6 @@ for key, value in {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
-    "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
     "OMP_NUM_THREADS": "1",
     "OMP_WAIT_POLICY": "PASSIVE",
@@ -50,11 +49,13 @@ def tiny_model_dir(session_tmp: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray for the session (2 CPUs, no dashboard)."""
+    """One local Ray for the session (2 CPUs, no dashboard; token auth on, 127.0.0.1 only)."""
     import ray
 
+    from rlstages.tasks.ray_auth import init_local_ray
+
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, namespace="rlstages-tests", log_to_driver=False)
+        init_local_ray(num_cpus=2, include_dashboard=False, namespace="rlstages-tests", log_to_driver=False)
     yield ray
     ray.shutdown()
 

@@ -129,13 +129,18 @@ class ConversionSpec:
         }
 
     @classmethod
-    def load(cls, directory: str | Path) -> ConversionSpec:
-        """Read `mcore_config.json` of a converted directory."""
+    def load(cls, directory: str | Path, import_module: bool = True) -> ConversionSpec:
+        """Read `mcore_config.json` of a converted directory. With `import_module=False` the template must be
+        registered already: the `template_module` the file names is never imported (untrusted metadata)."""
         path = Path(directory) / SPEC_FILE
         if not path.is_file():
             raise FileNotFoundError(f"{path}: not found; expected a directory written by convert_hf_to_mcore")
-        data = json.loads(path.read_text())
-        template = get_template(data["template"], data.get("template_module"))
+        try:
+            data = json.loads(path.read_text())
+            name = str(data["template"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}: not a conversion spec ({type(exc).__name__}: {exc})") from None
+        template = get_template(name, data.get("template_module") if import_module else None)
         return cls(
             template, data["hf_config"], data["mcore"], data["tp"], data["pp"], data["vpp"],
             data["transformer_impl"], data["hf_vocab_size"],

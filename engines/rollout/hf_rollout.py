@@ -85,6 +85,9 @@ class HFRolloutEngine:
         if self.needs_weights:
             raise RuntimeError("rollout engine woke from sleep without new weights: call update_weights first")
         prompt_ids = format_prompts(self.tokenizer, prompts, self.apply_chat_template, self.system_prompt)
+        room = int(getattr(self.model.config, "max_position_embeddings", 0) or 0) - sampling.max_new_tokens
+        if room > 0:  # data.overlong_prompts=truncate (pre-flight refused them otherwise): keep the last tokens
+            prompt_ids = [ids[-room:] for ids in prompt_ids]
         rows = [ids for ids in prompt_ids for _ in range(sampling.n)]
         torch.manual_seed(seed)
         responses: list[list[int]] = []

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 if TYPE_CHECKING:
@@ -110,6 +111,27 @@ def plot_curves(tracking_uri: str, runs: list[RunRecord], metric: str, png: Path
     return png
 
 
+def check_store_exists(uri: str) -> None:
+    """A local tracking store must exist already: reading it must not create an empty database or directory."""
+    from urllib.parse import urlparse
+
+    parsed = urlparse(uri)
+    if parsed.scheme.startswith("sqlite"):
+        path = Path(uri.split(":///", 1)[1]) if ":///" in uri else None
+        if path is not None and str(path) != ":memory:" and not path.is_file():
+            raise FileNotFoundError(f"--tracking-uri {uri}: no such database file {path}")
+    elif parsed.scheme in ("", "file"):
+        path = Path(parsed.path if parsed.scheme == "file" else uri)
+        if not path.is_dir():
+            raise FileNotFoundError(f"--tracking-uri {uri}: no such MLflow store directory {path}")
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    line = "; ".join(part.strip() for part in message.splitlines() if part.strip())
+    err.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
 def compare_command(
     experiment: Annotated[
         str | None, typer.Argument(help="Experiment name (default: the most recently active).")
@@ -131,14 +153,19 @@ def compare_command(
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
     metrics = metric or ["reward/mean", "eval/reward_mean"]
     try:
+        check_store_exists(uri)
         exp_id, exp_name = experiment_id(uri, experiment)
         runs = experiment_runs(uri, exp_id, max_runs, filter_string)
     except Exception as exc:  # noqa: BLE001 - one line for a bad URI, experiment or filter
-        err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2) from None
+        _fail(str(exc), 2)
     if not runs:
         err.print(f"experiment {exp_name!r} has no runs" + (f" matching {filter_string!r}" if filter_string else ""))
         raise typer.Exit(1)
+    if metric:
+        known = sorted({k for r in runs for k in r.latest})
+        unknown = [m for m in metric if m not in known]
+        if unknown:
+            _fail(f"--metric {unknown[0]!r}: no run of {exp_name!r} logged it; metrics: {', '.join(known[:30])}", 2)
     table = compare_table(uri, runs, metrics, maximize=not minimize)
     table.title = f"experiment {exp_name} ({uri})"
     out.print(table)

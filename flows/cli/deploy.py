@@ -24,6 +24,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from rlstages.configs import ConfigError, RunConfig, config_hash, load_config
 
@@ -133,8 +134,10 @@ def serve_training(
     crash_after: int = 300,
     paused: bool = False,
     description: str | None = None,
+    allow_imports: tuple[str, ...] = (),
 ) -> None:
-    """Register the deployment `rl-post-train/<name>` and serve its runs until interrupted (schedules pause)."""
+    """Register the deployment `rl-post-train/<name>` and serve its runs until interrupted (schedules pause).
+    Runs may import only the modules in `allow_imports` (fixed here, inherited by every run's process)."""
     if heartbeat < 30:
         raise ValueError(f"--heartbeat must be at least 30 s (Prefect's minimum), got {heartbeat}")
     if crash_after and crash_after <= heartbeat:
@@ -146,7 +149,9 @@ def serve_training(
     from prefect.runner import Runner
 
     from rlstages.flows.train import rl_post_train
+    from rlstages.tasks.preflight import ALLOWED_IMPORTS_ENV
 
+    os.environ[ALLOWED_IMPORTS_ENV] = ",".join(allow_imports)  # set at deploy time; a run's parameters cannot
     if not os.environ.get("PREFECT_API_URL"):
         err.print("[yellow]PREFECT_API_URL is not set[/]: serving against a temporary local Prefect server "
                   "(schedules live only as long as this process; `rlstages server up` starts a real one)")  # fmt: skip
@@ -198,15 +203,30 @@ def deploy_command(
         int, typer.Option(help="Mark a run Crashed after this many silent seconds (0: no automation).")
     ] = 300,
     paused: Annotated[bool, typer.Option(help="Register the schedule paused.")] = False,
+    allow_import: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allow-import",
+            help="A module (and its submodules) runs may import: reward module:function, model.plugins. Repeatable; "
+            "none = only built-ins.",
+        ),
+    ] = None,
 ) -> None:
     """Serve the training flow of CONFIG as a deployment with a schedule (concurrency limit 1)."""
+    from rlstages.tasks.preflight import ALLOWED_IMPORTS_ENV, preflight
+
+    allowed = tuple(allow_import or ())
     try:
         cfg = load_config(config, overrides or [])
+        os.environ[ALLOWED_IMPORTS_ENV] = ",".join(allowed)
+        preflight(cfg, measure_prompts=False)  # the deployment's own defaults pass every check, incl. the list
         schedules = schedules_for(cron, interval, anchor, timezone)
         if not (cron or interval):
             err.print("no --cron/--interval: the deployment runs only when triggered (prefect deployment run)")
         description = f"{config} ({cfg.algorithm.adv_estimator}, {cfg.model.path.name}, resume={cfg.checkpoint.resume})"
-        serve_training(cfg, name or config.stem, schedules, on_overlap, heartbeat, crash_after, paused, description)
+        serve_training(
+            cfg, name or config.stem, schedules, on_overlap, heartbeat, crash_after, paused, description, allowed
+        )
     except (ConfigError, ValueError) as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None

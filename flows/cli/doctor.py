@@ -183,7 +183,6 @@ def ray_cluster(address: str | None, timeout: float = 90.0) -> list[Check]:
     env = {
         **os.environ,
         "RLSTAGES_PROBE_ADDRESS": address,
-        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
     }
     try:
         proc = subprocess.run(

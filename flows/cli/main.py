@@ -5,8 +5,6 @@ Bad input is a one-line error naming the file or field and a non-zero exit; `--d
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -16,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from rlstages.configs import ConfigError, RunConfig, load_config, to_yaml
+from rlstages.flows.cli.quiet import one_line, quiet_prefect
 
 app = typer.Typer(
     help="RL post-training of LLMs as a Prefect workflow over Ray, recorded in MLflow.",
@@ -33,16 +32,15 @@ Overrides = Annotated[list[str] | None, typer.Argument(help="Dotted overrides: a
 Debug = Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")]
 
 
-def _quiet_prefect(debug: bool) -> None:
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if debug else "WARNING")
-    if not debug:
-        logging.getLogger("ray").setLevel(logging.WARNING)
-
-
 def fail(message: str, code: int = 1) -> None:
     """Print a one-line error and exit non-zero."""
-    err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True, highlight=False)
+    err.print(f"[bold red]error:[/] {escape(one_line(message))}", soft_wrap=True, highlight=False)
     raise typer.Exit(code)
+
+
+def warn(message: str) -> None:
+    """Print a one-line warning (the run goes on)."""
+    err.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True, highlight=False)
 
 
 def _load(path: Path, overrides: list[str] | None) -> RunConfig:
@@ -70,24 +68,32 @@ def _guard(debug: bool, action) -> object:  # type: ignore[no-untyped-def]
 
 
 def _precheck(cfg: RunConfig) -> None:
-    """Refuse, before any flow starts, a run directory that holds another config or a backend whose package
-    is missing here (one-line errors)."""
+    """Refuse, before any flow starts: every pre-flight check (model, data, imports, prompts, faults), a run
+    directory that holds another config or a damaged checkpoint, a backend whose package is missing here."""
+    from rlstages.tasks.preflight import preflight
+
+    for message in preflight(cfg):
+        warn(message)
+    from rlstages.tasks.checkpoint import latest_checkpoint
+    from rlstages.tasks.context import RunHandle
     from rlstages.tasks.run import resolve_run_dir
     from rlstages.tasks.workers import missing_backend_package
 
+    if cfg.checkpoint.resume != "fresh":
+        path = resolve_run_dir(cfg)
+        if (path / "config.yaml").is_file():  # the run continues: its newest checkpoint must be sound
+            latest_checkpoint(RunHandle(path.name, str(path)), verify=True, on_corrupt=cfg.checkpoint.on_corrupt)
     problem = missing_backend_package(cfg)
     if problem:
         raise ValueError(problem)
-    if cfg.checkpoint.resume != "fresh":
-        resolve_run_dir(cfg)
 
 
 @app.command()
 def run(config: ConfigArg, overrides: Overrides = None, debug: Debug = False) -> None:
     """Run (or continue) the training flow of CONFIG on the configured cluster."""
     cfg = _load(config, overrides)
-    _quiet_prefect(debug)
     _guard(debug, lambda: _precheck(cfg))
+    quiet_prefect(debug)
     from rlstages.flows.train import rl_post_train
 
     policy = _guard(debug, lambda: rl_post_train(cfg))
@@ -110,7 +116,8 @@ def resume(
             "checkpoint.resume=auto",
         ],
     )
-    _quiet_prefect(debug)
+    _guard(debug, lambda: _precheck(cfg))
+    quiet_prefect(debug)
     from rlstages.flows.train import rl_post_train
 
     policy = _guard(debug, lambda: rl_post_train(cfg))
@@ -129,10 +136,11 @@ def eval_command(
     if not saved.is_file():
         fail(f"{run_dir}: not a run directory (no config.yaml)", 2)
     cfg = _load(saved, [f"trainer.output_dir={run_dir.resolve().parent}", f"trainer.run_name={run_dir.name}"])
-    _quiet_prefect(debug)
+    chosen = _guard(debug, lambda: _eval_checkpoint(cfg, run_dir, checkpoint))
+    quiet_prefect(debug)
     from rlstages.flows.evaluate import evaluate_checkpoint
 
-    metrics = _guard(debug, lambda: evaluate_checkpoint(cfg, str(checkpoint) if checkpoint else None, not sample))
+    metrics = _guard(debug, lambda: evaluate_checkpoint(cfg, str(chosen), not sample))
     assert isinstance(metrics, dict)
     from rich.table import Table
 
@@ -140,6 +148,28 @@ def eval_command(
     for key, value in metrics.items():
         table.add_row(key, f"{value:.4f}")
     out.print(table)
+
+
+def _eval_checkpoint(cfg: RunConfig, run_dir: Path, checkpoint: Path | None) -> Path:
+    """Pre-flight of `eval`: the model and data, and a committed, intact checkpoint of this run's config."""
+    from rlstages.configs import config_hash
+    from rlstages.tasks.checkpoint import CheckpointError, checked_manifest, latest_checkpoint, verify_checkpoint
+    from rlstages.tasks.context import RunHandle
+    from rlstages.tasks.preflight import preflight
+
+    preflight(cfg, measure_prompts=False)
+    if checkpoint is None:
+        found = latest_checkpoint(RunHandle(run_dir.name, str(run_dir.resolve())), True, cfg.checkpoint.on_corrupt)
+        if found is None:
+            raise CheckpointError(f"{run_dir}: no committed checkpoint to evaluate")
+        return found[1]
+    verify_checkpoint(checkpoint)
+    recorded = (checked_manifest(checkpoint, verify=False) or {}).get("config_hash")
+    if recorded is not None and recorded != config_hash(cfg):
+        raise CheckpointError(
+            f"--checkpoint {checkpoint}: a checkpoint of another config (hash {recorded}), not of {run_dir}"
+        )
+    return checkpoint
 
 
 @config_app.command("show")

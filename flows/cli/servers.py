@@ -21,10 +21,11 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 STATE_FILE = "servers.json"
@@ -217,7 +218,14 @@ def read_state(state_dir: Path) -> dict[str, Server]:
     path = state_dir / STATE_FILE
     if not path.is_file():
         return {}
-    return {k: Server(**v) for k, v in json.loads(path.read_text()).items()}
+    try:
+        raw = json.loads(path.read_text())
+        return {str(k): Server(**v) for k, v in raw.items()}
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, AttributeError) as exc:
+        raise ValueError(
+            f"{path}: damaged server state file ({type(exc).__name__}); stop the servers by the PIDs in their logs "
+            "and remove the file"
+        ) from None
 
 
 def down(state_dir: Path) -> dict[str, bool]:
@@ -238,6 +246,23 @@ def healthy(server: Server, timeout: float = 3.0) -> bool:
         return False
 
 
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and localhost."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
 server_app = typer.Typer(help="Local Prefect and MLflow servers (UIs on 127.0.0.1).", no_args_is_help=True)
 StateDir = Annotated[Path, typer.Option("--dir", help="Where the servers keep their data, logs and PIDs.")]
 
@@ -253,11 +278,19 @@ def up_command(
     host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
 ) -> None:
     """Start a Prefect server and an MLflow server in the background and wait until both answer."""
+    if not is_loopback(host):
+        err.print(
+            f"[yellow]warning:[/] --host {escape(host)} exposes Prefect and MLflow, which have no authentication "
+            "here, to every machine that reaches it; put them behind an authenticating proxy (docs/production.md)",
+            highlight=False,
+            soft_wrap=True,
+        )
     try:
         servers = up(state_dir, prefect_port, mlflow_port, mlflow_backend, host)
+    except ValueError as exc:
+        _fail(str(exc), 2)
     except (RuntimeError, TimeoutError) as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False)
-        raise typer.Exit(1) from None
+        _fail(str(exc), 1)
     table = Table("server", "UI", "pid", "log")
     for s in servers.values():
         table.add_row(s.name, s.url, str(s.pid), s.log)
@@ -270,9 +303,12 @@ def up_command(
 @server_app.command("down")
 def down_command(state_dir: StateDir = Path(".rlstages")) -> None:
     """Stop the servers `up` started (by their recorded PIDs)."""
-    result = down(state_dir)
+    try:
+        result = down(state_dir)
+    except ValueError as exc:
+        _fail(str(exc), 2)
     if not result:
-        out.print(f"no servers recorded in {state_dir}")
+        out.print(f"no servers recorded in {escape(str(state_dir))}")
     for name, stopped in result.items():
         out.print(f"{name}: {'stopped' if stopped else '[red]still running[/]'}")
     if not all(result.values()):
@@ -282,9 +318,12 @@ def down_command(state_dir: StateDir = Path(".rlstages")) -> None:
 @server_app.command("status")
 def status_command(state_dir: StateDir = Path(".rlstages")) -> None:
     """Show whether the recorded servers run and answer."""
-    servers = read_state(state_dir)
+    try:
+        servers = read_state(state_dir)
+    except ValueError as exc:
+        _fail(str(exc), 2)
     if not servers:
-        out.print(f"no servers recorded in {state_dir}")
+        out.print(f"no servers recorded in {escape(str(state_dir))}")
         return
     table = Table("server", "url", "pid", "process", "health")
     for s in servers.values():

@@ -63,7 +63,7 @@ def test_second_run_is_a_cache_hit(hf_dir: Path, tmp_path: Path, count_conversio
     assert second["out_dir"] == str(out)
     assert len(count_conversions) == 1, "cache hit must do no work"
     assert (out / "manifest.json").stat().st_mtime_ns == stamp
-    convert_flow(str(hf_dir), str(out), tp=1, pp=1)  # another layout is another key
+    convert_flow(str(hf_dir), str(out), tp=1, pp=1, overwrite=True)  # another layout is another key
     assert len(count_conversions) == 2
 
 
@@ -83,7 +83,7 @@ def test_changed_input_is_converted_again(hf_dir: Path, tmp_path: Path, count_co
     convert_hf_to_mcore(hf, out)
     config = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
-    convert_hf_to_mcore(hf, out)
+    convert_hf_to_mcore(hf, out, overwrite=True)
     assert len(count_conversions) == 2
     assert json.loads((out / "mcore_config.json").read_text())["mcore"]["layernorm_epsilon"] == 1e-5
 
@@ -132,3 +132,49 @@ def test_cli_bad_input_is_one_line(hf_dir: Path, tmp_path: Path) -> None:
     assert not_converted.exit_code == 2 and "manifest.json: missing" in not_converted.output
     for result in (bad, missing, not_converted):
         assert len(result.output.strip().splitlines()) == 1, result.output  # no traceback, no Prefect noise
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_convert_replaces_only_our_conversion_and_only_when_asked(hf_dir: Path, tmp_path: Path) -> None:
+    runner = CliRunner()
+    checkpoint = tmp_path / "runs" / "r" / "checkpoints" / "step_000002"  # a run's checkpoint has a manifest.json
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "manifest.json").write_text(json.dumps({"step": 2, "files": {}}))
+    (checkpoint / "driver_state.json").write_text("{}")
+    before = _tree(checkpoint)
+    refused = runner.invoke(_app(), ["convert", str(hf_dir), str(checkpoint), "--overwrite"])
+    assert refused.exit_code == 2 and "is not an rlstages conversion output" in refused.output
+    assert _tree(checkpoint) == before
+    out = tmp_path / "m"
+    assert runner.invoke(_app(), ["convert", str(hf_dir), str(out), "--tp", "2"]).exit_code == 0
+    ours = _tree(out)
+    again = runner.invoke(_app(), ["convert", str(hf_dir), str(out), "--tp", "2"])  # the same conversion: a no-op
+    assert again.exit_code == 0 and _tree(out) == ours
+    other = runner.invoke(_app(), ["convert", str(hf_dir), str(out), "--tp", "1"])
+    assert other.exit_code == 2 and "holds another conversion; pass --overwrite" in other.output
+    assert _tree(out) == ours
+    replaced = runner.invoke(_app(), ["convert", str(hf_dir), str(out), "--tp", "1", "--overwrite"])
+    assert replaced.exit_code == 0 and json.loads((out / "mcore_config.json").read_text())["tp"] == 1
+
+
+def test_export_never_imports_a_template_module_from_metadata(hf_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    from rlstages.engines.convert.manifest import write_manifest
+
+    marker = tmp_path / "imported"
+    (tmp_path / "evil_template.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mcore = tmp_path / "mcore"
+    assert CliRunner().invoke(_app(), ["convert", str(hf_dir), str(mcore)]).exit_code == 0
+    spec = json.loads((mcore / "mcore_config.json").read_text())
+    evil = {**spec, "template": "evil", "template_module": "evil_template"}
+    (mcore / "mcore_config.json").write_text(json.dumps(evil))
+    tampered = CliRunner().invoke(_app(), ["export", str(mcore), str(tmp_path / "back")])
+    assert tampered.exit_code == 2 and "mcore_config.json" in tampered.output  # checksums fail first
+    manifest = json.loads((mcore / "manifest.json").read_text())
+    write_manifest(mcore, {k: v for k, v in manifest.items() if k not in {"files", "format", "checksum"}}, {}, "sha256")
+    unregistered = CliRunner().invoke(_app(), ["export", str(mcore), str(tmp_path / "back")])
+    assert unregistered.exit_code == 2 and "no conversion template for model_type 'evil'" in unregistered.output
+    assert not marker.exists() and not (tmp_path / "back").exists()

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from rlstages.flows.cli import servers as srv
+from rlstages.tasks.ray_auth import secure_env
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -39,7 +40,6 @@ def base_env(**extra: str) -> dict[str, str]:
     env.update(
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         PREFECT_LOGGING_LEVEL="INFO",
-        RAY_AUTH_MODE="disabled",
         RAY_USAGE_STATS_ENABLED="0",
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
@@ -47,6 +47,7 @@ def base_env(**extra: str) -> dict[str, str]:
         OMP_NUM_THREADS="1",
         COLUMNS="400",
     )
+    env.update(secure_env(local=False))  # the clusters we start check Ray's auth token
     env.update(extra)
     return env
 

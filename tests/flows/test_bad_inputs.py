@@ -1,0 +1,322 @@
+"""Bad input at the command line, table-driven: every case exits 2 with one line naming the field or file, and
+leaves every pre-existing file (run directories, checkpoints, the MLflow database and its FINISHED run)
+byte-for-byte as it was, with no new run directory. The commands run in-process (typer's CliRunner); all of
+them fail in the pre-flight, before a run directory, Ray, Prefect or MLflow starts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACKING = "sqlite:///mlflow.db"
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every file and directory under `root` with its content digest (directories as 'dir')."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        rel = str(path.relative_to(root))
+        if rel.startswith(".prefect"):
+            continue
+        out[rel] = "dir" if path.is_dir() else _sha(path)
+    return out
+
+
+def fake_checkpoint(run: Path, step: int, config_hash: str) -> Path:
+    """A committed checkpoint in the on-disk format of rlstages.tasks.checkpoint (files, then a manifest)."""
+    path = run / "checkpoints" / f"step_{step:06d}"
+    (path / "actor").mkdir(parents=True)
+    (path / "actor" / "model.safetensors").write_bytes(b"weights of step %d" % step)
+    state = {"data_cursor": 4 * step, "kl_state": {}, "mlflow_run_id": None, "config_hash": config_hash}
+    (path / "driver_state.json").write_text(json.dumps({**state, "step": step}))
+    files = {str(p.relative_to(path)): _sha(p) for p in sorted(path.rglob("*")) if p.is_file()}
+    (path / "manifest.json").write_text(json.dumps({"step": step, "created": 0.0, "files": files, **state}))
+    return path
+
+
+def jsonl_config(path: Path, **source: str) -> str:
+    """Overrides that switch the base config to a JSONL data source."""
+    items = ", ".join(f"{k}: {v}" for k, v in {"kind": "jsonl", "train_path": str(path), **source}.items())
+    return "data.source={" + items + "}"
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Path]:
+    """A working directory holding a finished run (MLflow FINISHED), damaged runs, bad models and data files."""
+    import yaml
+
+    from rlstages.configs import config_hash, load_config, to_yaml
+    from rlstages.configs.loader import flatten
+    from rlstages.tasks.tracking import client
+
+    work = tmp_path_factory.mktemp("bad-inputs")
+    base = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+    base["model"].update(path=str(tiny_model_dir), provider="local")
+    base["tracking"].update(tracking_uri=TRACKING, log_model=False)
+    (work / "base.yaml").write_text(yaml.safe_dump(base))
+    old = Path.cwd()
+    os.chdir(work)
+    try:
+        cfg = load_config(work / "base.yaml", ["trainer.run_name=done"])
+        digest = config_hash(cfg)
+        c = client(cfg)
+        exp = c.create_experiment(cfg.tracking.experiment)
+        finished = c.create_run(exp, run_name="done")
+        for key, value in list(flatten(cfg.model_dump(mode="json")).items())[:90]:
+            c.log_param(finished.info.run_id, key, value[:6000])
+        c.set_terminated(finished.info.run_id, "FINISHED")
+        for name in ("done", "corrupt", "badmanifest", "badstate", "empty", "uncommitted"):
+            run = work / "runs" / name
+            run.mkdir(parents=True)
+            state = {"config_hash": digest, "mlflow_run_id": finished.info.run_id, "status": "FINISHED"}
+            (run / "run_state.json").write_text(json.dumps(state))
+            (run / "config.yaml").write_text(to_yaml(load_config(work / "base.yaml", [f"trainer.run_name={name}"])))
+            if name != "empty":
+                fake_checkpoint(run, 1, digest)
+                fake_checkpoint(run, 2, digest)
+        (work / "runs/corrupt/checkpoints/step_000002/actor/model.safetensors").write_bytes(b"bit rot")
+        (work / "runs/badmanifest/checkpoints/step_000002/manifest.json").write_text("{not json")
+        (work / "runs/badstate/run_state.json").write_text("{oops")
+        (work / "runs/uncommitted/checkpoints/step_000002/manifest.json").unlink()
+        fake_checkpoint(work / "other", 3, "0123456789ab")
+        _bad_models(work, tiny_model_dir)
+        _bad_data(work)
+        (work / "foreign").mkdir()
+        (work / "foreign" / "notes.txt").write_text("mine")
+        (work / "a-file").write_text("not a directory")
+        (work / ".rlstages").mkdir()
+        (work / ".rlstages" / "servers.json").write_text('{"prefect": {"pid": "x"')
+        (work / "mlruns-file").write_text("x")
+        yield work
+    finally:
+        os.chdir(old)
+
+
+def _bad_models(work: Path, good: Path) -> None:
+    def copy(name: str) -> Path:
+        dest = work / "models" / name
+        shutil.copytree(good, dest)
+        return dest
+
+    (copy("no-config") / "config.json").unlink()
+    (copy("bad-json") / "config.json").write_text("{nope")
+    (copy("list-json") / "config.json").write_text("[1, 2]")
+    for f in copy("no-weights").glob("*.safetensors"):
+        f.unlink()
+    weights = next(copy("truncated").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    next(copy("garbage").glob("*.safetensors")).write_bytes(b"\xff" * 64)
+    (copy("bad-index") / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"x": "model-00002-of-00002.safetensors"}})
+    )
+    (work / "models" / "a-file.bin").write_text("x")
+
+
+def _bad_data(work: Path) -> None:
+    data = work / "data"
+    data.mkdir()
+    (data / "good.jsonl").write_text('{"prompt": "1+1?", "answer": "2"}\n')
+    (data / "empty.jsonl").write_text("\n\n")
+    (data / "latin1.jsonl").write_bytes('{"prompt": "caf\xe9", "answer": "1"}\n'.encode("latin-1"))
+    (data / "broken.jsonl").write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": \n')
+    (data / "noanswer.jsonl").write_text('{"prompt": "1+1?"}\n')
+    (data / "list.jsonl").write_text("[1, 2]\n")
+    (data / "long.jsonl").write_text(json.dumps({"prompt": "7 " * 700, "answer": "7"}) + "\n")
+    (work / "latin1.yaml").write_bytes("# caf\xe9\nmodel: {}\n".encode("latin-1"))
+    (work / "broken.yaml").write_text("model: [unclosed\n")
+    (work / "list.yaml").write_text("- a\n- b\n")
+
+
+B = "base.yaml"
+M = "models"
+D = "data"
+
+# (case id, argv, environment, text the one line must contain)
+CASES: list[tuple[str, list[str], dict[str, str], str]] = [
+    # the config file and its overrides
+    ("missing-config", ["run", "nope.yaml"], {}, "nope.yaml: no such config file"),
+    ("non-utf8-config", ["run", "latin1.yaml"], {}, "latin1.yaml: not UTF-8"),
+    ("broken-yaml", ["run", "broken.yaml"], {}, "broken.yaml: line"),
+    ("yaml-list", ["run", "list.yaml"], {}, "expected a mapping"),
+    ("override-no-equals", ["run", B, "rollout.n"], {}, "expected KEY=VALUE"),
+    ("override-double-dot", ["run", B, "trainer..run_name=x"], {}, "empty segment"),
+    ("override-trailing-dot", ["run", B, "rollout.n.=4"], {}, "empty segment"),
+    ("override-empty-key", ["run", B, "=4"], {}, "empty key"),
+    ("unknown-key", ["run", B, "trainer.colour=red"], {}, "trainer.colour: unknown key"),
+    ("wrong-type", ["run", B, "rollout.n=one"], {}, "rollout.n: Input should be a valid integer"),
+    ("zero-steps", ["run", B, "trainer.total_steps=0"], {}, "trainer.total_steps"),
+    ("grpo-n1", ["run", B, "rollout.n=1"], {}, "needs rollout.n > 1"),
+    ("gae-no-critic", ["run", B, "algorithm.adv_estimator=gae"], {}, "add a `critic:` section"),
+    ("micro-batch", ["run", B, "actor.micro_batch_size=5"], {}, "actor.micro_batch_size=5 must divide"),
+    ("resume-mode", ["run", B, "checkpoint.resume=sometimes"], {}, "checkpoint.resume"),
+    ("on-corrupt", ["run", B, "checkpoint.on_corrupt=maybe"], {}, "checkpoint.on_corrupt"),
+    ("on-nonfinite", ["run", B, "trainer.on_nonfinite=ignore"], {}, "trainer.on_nonfinite"),
+    ("overlong-policy", ["run", B, "data.overlong_prompts=cut"], {}, "data.overlong_prompts"),
+    ("no-rewards", ["run", B, "reward.functions=[]"], {}, "reward.functions"),
+    ("sglang-on-cpu", ["run", B, "rollout.backend=sglang"], {}, "rollout.backend=sglang needs GPUs"),
+    # run names (schema: `config show` refuses them too)
+    ("name-dotdot", ["run", B, "trainer.run_name=.."], {}, "trainer.run_name: '..' is not a run name"),
+    ("name-dot", ["run", B, "trainer.run_name=a.b"], {}, "trainer.run_name: 'a.b' is not a run name"),
+    ("name-slash", ["run", B, "trainer.run_name=a/b"], {}, "trainer.run_name: 'a/b' is not a run name"),
+    ("name-up", ["run", B, "trainer.run_name=../done"], {}, "trainer.run_name"),
+    ("name-empty", ["run", B, "trainer.run_name="], {}, "trainer.run_name: '' is not a run name"),
+    ("name-space", ["run", B, "trainer.run_name=a b"], {}, "trainer.run_name"),
+    ("name-long", ["run", B, "trainer.run_name=" + "x" * 101], {}, "trainer.run_name"),
+    ("show-name-dotdot", ["config", "show", B, "trainer.run_name=.."], {}, "trainer.run_name"),
+    ("show-name-empty", ["config", "show", B, "trainer.run_name="], {}, "trainer.run_name"),
+    # the model directory
+    ("model-missing", ["run", B, "model.path=models/none"], {}, "model.path: models/none does not exist"),
+    ("model-is-file", ["run", B, "model.path=models/a-file.bin"], {}, "a-file.bin is not a directory"),
+    ("model-no-config", ["run", B, f"model.path={M}/no-config"], {}, "no-config/config.json is missing"),
+    ("model-bad-json", ["run", B, f"model.path={M}/bad-json"], {}, "bad-json/config.json is not valid JSON"),
+    ("model-list-json", ["run", B, f"model.path={M}/list-json"], {}, "list-json/config.json is not an HF config"),
+    ("model-no-weights", ["run", B, f"model.path={M}/no-weights"], {}, "no-weights has no *.safetensors"),
+    ("model-truncated", ["run", B, f"model.path={M}/truncated"], {}, "is truncated"),
+    ("model-garbage", ["run", B, f"model.path={M}/garbage"], {}, "is not a readable safetensors file"),
+    ("model-index", ["run", B, f"model.path={M}/bad-index"], {}, "model-00002-of-00002.safetensors is named"),
+    ("reward-model", ["run", B, "reward.reward_model={path: models/none}"], {}, "reward.reward_model.path"),
+    # data files
+    ("data-missing", ["run", B, jsonl_config(Path("data/none.jsonl"))], {}, "data.source.train_path"),
+    ("data-empty", ["run", B, jsonl_config(Path("data/empty.jsonl"))], {}, "empty.jsonl has no rows"),
+    ("data-latin1", ["run", B, jsonl_config(Path("data/latin1.jsonl"))], {}, "latin1.jsonl is not UTF-8"),
+    ("data-broken", ["run", B, jsonl_config(Path("data/broken.jsonl"))], {}, "broken.jsonl:2 is not JSON"),
+    ("data-no-answer", ["run", B, jsonl_config(Path("data/noanswer.jsonl"))], {}, "noanswer.jsonl:1 lacks 'answer'"),
+    ("data-not-object", ["run", B, jsonl_config(Path("data/list.jsonl"))], {}, "list.jsonl:1 lacks"),
+    ("data-key", ["run", B, jsonl_config(Path("data/good.jsonl"), prompt_key="question")], {}, "lacks 'question'"),
+    (
+        "data-eval-missing",
+        ["run", B, jsonl_config(Path("data/good.jsonl"), eval_path="data/none.jsonl")],
+        {},
+        "data.source.eval_path",
+    ),
+    ("prompt-too-long", ["run", B, jsonl_config(Path("data/long.jsonl"))], {}, "prompt(s) longer than 504 tokens"),
+    ("no-room", ["run", B, "rollout.max_new_tokens=600"], {}, "rollout.max_new_tokens: 600 leaves no room"),
+    # code the config names
+    ("reward-unknown", ["run", B, "reward.functions=[{name: nope}]"], {}, "unknown reward function 'nope'"),
+    ("reward-module", ["run", B, "reward.functions=[{name: 'no_such_mod:f'}]"], {}, "cannot import module"),
+    ("reward-attr", ["run", B, "reward.functions=[{name: 'json:nope'}]"], {}, "has no attribute 'nope'"),
+    ("reward-not-callable", ["run", B, "reward.functions=[{name: 'os:sep'}]"], {}, "is not callable"),
+    ("reward-malformed", ["run", B, "reward.functions=[{name: ':f'}]"], {}, "expected 'package.module:function'"),
+    ("plugin-missing", ["run", B, "model.plugins=[no_such_plugin]"], {}, "model.plugins.0"),
+    # fault injection spec
+    ("faults-garbage", ["run", B], {"RLSTAGES_FAULTS": "garbage"}, "RLSTAGES_FAULTS: 'garbage'"),
+    ("faults-step", ["run", B], {"RLSTAGES_FAULTS": "generate@x:fatal"}, "RLSTAGES_FAULTS"),
+    ("faults-stage", ["run", B], {"RLSTAGES_FAULTS": "nostage@1:fatal"}, "unknown stage 'nostage'"),
+    ("faults-kind", ["run", B], {"RLSTAGES_FAULTS": "generate@1:explode"}, "unknown kind 'explode'"),
+    # existing runs: never overwritten by another config, damaged ones said loudly
+    ("other-config", ["run", B, "trainer.run_name=done", "rollout.n=8"], {}, "holds a run of another config"),
+    ("other-actor-backend", ["run", B, "trainer.run_name=done", "actor.backend=megatron"], {}, "another config"),
+    ("other-rollout-backend", ["run", B, "trainer.run_name=done", "rollout.backend=vllm"], {}, "another config"),
+    ("resume-never", ["run", B, "trainer.run_name=done", "checkpoint.resume=never"], {}, "already holds a run"),
+    ("output-is-file", ["run", B, "trainer.output_dir=a-file"], {}, "trainer.output_dir: a-file exists"),
+    ("run-corrupt", ["run", B, "trainer.run_name=corrupt"], {}, "actor/model.safetensors does not match its sha256"),
+    ("resume-not-a-run", ["resume", "foreign"], {}, "foreign: not a run directory"),
+    ("resume-corrupt", ["resume", "runs/corrupt"], {}, "step_000002: actor/model.safetensors does not match"),
+    ("resume-bad-manifest", ["resume", "runs/badmanifest"], {}, "step_000002: manifest.json is unreadable"),
+    ("resume-bad-state", ["resume", "runs/badstate"], {}, "run_state.json: damaged run-state file"),
+    ("eval-not-a-run", ["eval", "foreign"], {}, "foreign: not a run directory"),
+    ("eval-corrupt", ["eval", "runs/corrupt"], {}, "does not match its sha256"),
+    ("eval-no-checkpoint", ["eval", "runs/empty"], {}, "runs/empty: no committed checkpoint"),
+    ("eval-ckpt-missing", ["eval", "runs/done", "--checkpoint", "runs/done/nope"], {}, "nope: no such directory"),
+    (
+        "eval-ckpt-uncommitted",
+        ["eval", "runs/uncommitted", "--checkpoint", "runs/uncommitted/checkpoints/step_000002"],
+        {},
+        "no manifest.json; not a committed checkpoint",
+    ),
+    (
+        "eval-ckpt-corrupt",
+        ["eval", "runs/done", "--checkpoint", "runs/corrupt/checkpoints/step_000002"],
+        {},
+        "does not match its sha256",
+    ),
+    (
+        "eval-ckpt-other-config",
+        ["eval", "runs/done", "--checkpoint", "other/checkpoints/step_000003"],
+        {},
+        "a checkpoint of another config",
+    ),
+    # conversion
+    ("convert-missing", ["convert", "models/none", "out"], {}, "models/none: HF model directory not found"),
+    ("convert-markup", ["convert", "a[/]b", "out"], {}, "a[/]b: HF model directory not found"),
+    (
+        "convert-into-checkpoint",
+        ["convert", "MODEL", "runs/done/checkpoints/step_000002"],
+        {},
+        "step_000002: exists and is not an rlstages conversion output",
+    ),
+    ("convert-into-foreign", ["convert", "MODEL", "foreign"], {}, "foreign: exists and is not an rlstages conversion"),
+    ("convert-into-file", ["convert", "MODEL", "a-file"], {}, "a-file: exists and is not a directory"),
+    ("export-not-converted", ["export", "foreign", "out"], {}, "foreign is not a complete conversion output"),
+    # servers and comparisons
+    ("server-status-broken", ["server", "status"], {}, "servers.json: damaged server state file"),
+    ("server-down-broken", ["server", "down"], {}, "servers.json: damaged server state file"),
+    ("compare-no-db", ["compare", "--tracking-uri", "sqlite:///nope.db"], {}, "no such database file nope.db"),
+    ("compare-no-store", ["compare", "--tracking-uri", "missing-store"], {}, "no such MLflow store directory"),
+    ("compare-store-file", ["compare", "--tracking-uri", "mlruns-file"], {}, "no such MLflow store directory"),
+    ("compare-experiment", ["compare", "nope", "--tracking-uri", TRACKING], {}, "no experiment 'nope'"),
+    (
+        "compare-metric",
+        ["compare", "rlstages-tiny", "--tracking-uri", TRACKING, "--metric", "reward/nope"],
+        {},
+        "--metric 'reward/nope'",
+    ),
+    # deployments import only their allow-list
+    (
+        "deploy-not-allowed",
+        ["deploy", B, "reward.functions=[{name: 'json:dumps'}]", "--allow-import", "my_rewards"],
+        {},
+        "module 'json' is not on this deployment's import allow-list",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def cli():
+    from rlstages.flows.cli.main import app
+
+    return app
+
+
+@pytest.mark.parametrize(("case", "argv", "env", "needle"), CASES, ids=[c[0] for c in CASES])
+def test_bad_input_exits_2_in_one_line_and_changes_nothing(
+    case: str, argv: list[str], env: dict[str, str], needle: str, workspace: Path, cli, tiny_model_dir: Path
+) -> None:
+    argv = [str(tiny_model_dir) if a == "MODEL" else a for a in argv]
+    before = snapshot(workspace)
+    old = Path.cwd()
+    os.chdir(workspace)
+    try:
+        result = CliRunner().invoke(cli, argv, env={"RLSTAGES_FAULTS": "", "COLUMNS": "2000", **env})
+    finally:
+        os.chdir(old)
+        os.environ.pop("RLSTAGES_ALLOWED_IMPORTS", None)  # `deploy` sets it for its serve process
+    lines = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("warning:")]
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert needle in lines[0], lines[0]
+    assert snapshot(workspace) == before  # nothing created, replaced or removed (run dirs, MLflow DB included)
+
+
+def test_the_table_is_large_enough() -> None:
+    assert len(CASES) >= 60 and len({c[0] for c in CASES}) == len(CASES)
+
+
+def test_the_finished_mlflow_run_stays_finished(workspace: Path) -> None:
+    from rlstages.tasks.tracking import MlflowClient
+
+    state = json.loads((workspace / "runs" / "done" / "run_state.json").read_text())
+    run = MlflowClient(tracking_uri=f"sqlite:///{workspace / 'mlflow.db'}").get_run(state["mlflow_run_id"])
+    assert run.info.status == "FINISHED"

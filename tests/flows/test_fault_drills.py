@@ -1,0 +1,203 @@
+"""Fault drills on the real training flow (tiny random model, real Prefect without a server, real Ray, a real
+MLflow SQLite store): the disk fills up during a checkpoint, a step's loss is NaN, and the flow process is
+SIGKILLed between a checkpoint's rename and its manifest. Each time the previous checkpoint stays intact
+and is the one a resume uses, so the resumed run ends bitwise equal to an uninterrupted one.
+Needs root for the tmpfs drill (mount). CPU only, several minutes: `pytest tests/flows/test_fault_drills.py`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from mlflow import MlflowClient
+from safetensors.torch import load_file
+
+from rlstages.configs import RunConfig, load_config
+from rlstages.flows.train import rl_post_train
+from rlstages.tasks.checkpoint import MANIFEST, latest_checkpoint
+from rlstages.tasks.context import RunHandle
+from rlstages.tasks.update import NonFiniteStep
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def overrides(tmp: Path, model_dir: Path, name: str) -> list[str]:
+    return [
+        f"model.path={model_dir}",
+        "model.provider=local",
+        f"trainer.output_dir={tmp / 'runs'}",
+        f"trainer.run_name={name}",
+        f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
+        "tracking.log_model=false",
+        "prefect.default.retry_delay_seconds=0",
+    ]
+
+
+def tiny_cfg(tmp: Path, model_dir: Path, name: str, *extra: str) -> RunConfig:
+    return load_config(ROOT / "configs" / "tiny.yaml", [*overrides(tmp, model_dir, name), *extra])
+
+
+def final_weights(cfg: RunConfig) -> dict[str, torch.Tensor]:
+    return load_file(str(cfg.trainer.output_dir / str(cfg.trainer.run_name) / "final" / "model.safetensors"))
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def mlflow_run(cfg: RunConfig):
+    c = MlflowClient(cfg.tracking.tracking_uri)
+    exp = c.get_experiment_by_name(cfg.tracking.experiment)
+    runs = c.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{cfg.trainer.run_name}'")
+    assert len(runs) == 1, f"expected one MLflow run for {cfg.trainer.run_name}, got {len(runs)}"
+    return c, runs[0]
+
+
+def reward_steps(cfg: RunConfig) -> list[int]:
+    c, run = mlflow_run(cfg)
+    return [m.step for m in c.get_metric_history(run.info.run_id, "reward/mean")]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model_dir: Path, ray_session, prefect_harness):
+    """An uninterrupted 2-step run the drills are compared with."""
+    tmp = tmp_path_factory.mktemp("drills")
+    cfg = tiny_cfg(tmp, tiny_model_dir, "reference")
+    rl_post_train(cfg)
+    return tmp, cfg
+
+
+@pytest.fixture
+def faults(monkeypatch):
+    def set_faults(spec: str) -> None:
+        monkeypatch.setenv("RLSTAGES_FAULTS", spec)
+
+    return set_faults
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_disk_full_during_a_checkpoint_keeps_the_previous_one_and_resume_uses_it(
+    reference, tiny_model_dir: Path
+) -> None:
+    tmp, ref_cfg = reference
+    one = _dir_bytes(ref_cfg.trainer.output_dir / "reference" / "checkpoints" / "step_000001")
+    cfg = tiny_cfg(tmp, tiny_model_dir, "diskfull")
+    checkpoints = cfg.trainer.output_dir / "diskfull" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    size_kib = (one * 3 // 2) // 1024 + 1  # room for one checkpoint, not for a second beside it
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(checkpoints)], check=True)
+    try:
+        with pytest.raises(OSError, match=r"checkpoint step 2 not committed \(No space left on device\)"):
+            rl_post_train(cfg)
+        run = RunHandle("diskfull", str(checkpoints.parent))
+        found = latest_checkpoint(run, verify=True)
+        assert found is not None and found[0] == 1  # intact (checksums verified) and still the newest
+        assert not list(checkpoints.glob(".step_*.tmp")) and not (checkpoints / "step_000002").exists()
+        _, failed = mlflow_run(cfg)
+        assert failed.info.status == "FAILED" and failed.data.tags["rlstages.failed_stage"] == "checkpoint"
+        subprocess.run(["mount", "-o", "remount,size=64m", str(checkpoints)], check=True)  # space is back
+        rl_post_train(cfg)  # resumes from step 1 into the same MLflow run
+        _, finished = mlflow_run(cfg)
+        assert finished.info.status == "FINISHED" and finished.info.run_id == failed.info.run_id
+        assert reward_steps(cfg) == [1, 2]
+        assert same(final_weights(ref_cfg), final_weights(cfg))
+    finally:
+        subprocess.run(["umount", str(checkpoints)], check=False)
+
+
+def test_nan_loss_stops_the_run_before_the_weights_are_synced_or_saved(reference, tiny_model_dir: Path, faults) -> None:
+    tmp, ref_cfg = reference
+    cfg = tiny_cfg(tmp, tiny_model_dir, "nanstop")
+    faults("update_actor@2:nan")
+    with pytest.raises(NonFiniteStep, match="update_actor at step 2: non-finite actor/"):
+        rl_post_train(cfg)
+    _, run = mlflow_run(cfg)
+    assert run.info.status == "FAILED" and run.data.tags["rlstages.failed_stage"] == "update_actor"
+    assert "non-finite" in run.data.tags["rlstages.error"]
+    found = latest_checkpoint(RunHandle("nanstop", str(cfg.trainer.output_dir / "nanstop")), verify=True)
+    assert found is not None and found[0] == 1
+    ref_step1 = ref_cfg.trainer.output_dir / "reference" / "checkpoints" / "step_000001" / "actor"
+    ours = load_file(str(found[1] / "actor" / "model.safetensors"))
+    assert same(load_file(str(ref_step1 / "model.safetensors")), ours)
+    rl_post_train(cfg)  # the fault fired once: a resume from step 1 finishes as if nothing happened
+    assert same(final_weights(ref_cfg), final_weights(cfg))
+
+
+def test_nan_loss_skipped_leaves_the_weights_unchanged(reference, tiny_model_dir: Path, faults) -> None:
+    tmp, ref_cfg = reference
+    cfg = tiny_cfg(tmp, tiny_model_dir, "nanskip", "trainer.on_nonfinite=skip")
+    faults("update_actor@2:nan")
+    rl_post_train(cfg)
+    step1 = cfg.trainer.output_dir / "nanskip" / "checkpoints" / "step_000001" / "actor" / "model.safetensors"
+    before = load_file(str(step1)) if step1.is_file() else None
+    after = final_weights(cfg)
+    ref_step1 = ref_cfg.trainer.output_dir / "reference" / "checkpoints" / "step_000001" / "actor"
+    assert same(load_file(str(ref_step1 / "model.safetensors")), after)  # step 2 was not applied
+    assert before is None or same(before, after)
+    c, run = mlflow_run(cfg)
+    assert run.info.status == "FINISHED"
+    assert [(m.step, m.value) for m in c.get_metric_history(run.info.run_id, "train/rejected_steps")] == [(2, 1.0)]
+    assert not same(final_weights(ref_cfg), after)  # the reference did learn at step 2
+
+
+def _clean_env() -> dict[str, str]:
+    drop = {"RAY_ADDRESS", "RLSTAGES_FAULTS", "RLSTAGES_ALLOWED_IMPORTS", "PREFECT_API_URL"}
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+def _cli(tmp: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """The CLI in its own process group, output in files (a killed driver's Ray children would hold pipes open);
+    whatever it leaves behind (the local Ray of a killed driver) is killed by that group."""
+    out, err = tmp / f"{args[0]}.out", tmp / f"{args[0]}.err"
+    with out.open("w") as fo, err.open("w") as fe:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rlstages.flows.cli", *args],
+            cwd=tmp,
+            env={**_clean_env(), "PREFECT_HOME": str(tmp / ".prefect"), **env},
+            stdin=subprocess.DEVNULL,
+            stdout=fo,
+            stderr=fe,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            proc.wait(timeout=1200)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # only the group we created
+            except ProcessLookupError:
+                pass
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out.read_text(), err.read_text())
+
+
+def test_sigkill_during_a_checkpoint_commit_then_resume(reference, tiny_model_dir: Path, tmp_path: Path) -> None:
+    _, ref_cfg = reference
+    config = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+    (tmp_path / "drill.yaml").write_text(yaml.safe_dump(config))
+    cfg = load_config(tmp_path / "drill.yaml", overrides(tmp_path, tiny_model_dir, "killed"))
+    killed = _cli(tmp_path, "run", "drill.yaml", *overrides(tmp_path, tiny_model_dir, "killed"),
+                  env={"RLSTAGES_FAULTS": "checkpoint_commit@2:sigkill"})  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    run_dir = cfg.trainer.output_dir / "killed"
+    half = run_dir / "checkpoints" / "step_000002"
+    assert half.is_dir() and not (half / MANIFEST).exists()  # renamed, never committed
+    assert json.loads((run_dir / "run_state.json").read_text())["status"] == "RUNNING"
+    resumed = _cli(tmp_path, "resume", str(run_dir), env={"RLSTAGES_FAULTS": ""})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step_000002: no manifest.json (an interrupted commit); it is ignored" in resumed.stderr
+    found = latest_checkpoint(RunHandle("killed", str(run_dir)), verify=True)
+    assert found is not None and found[0] == 2 and (found[1] / MANIFEST).is_file()
+    _, run = mlflow_run(cfg)
+    assert run.info.status == "FINISHED" and reward_steps(cfg) == [1, 2]
+    assert same(final_weights(ref_cfg), final_weights(cfg))

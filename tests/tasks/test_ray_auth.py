@@ -1,0 +1,50 @@
+"""A Ray we start is closed: token authentication on (a 0600 token file is created), every server of its process
+tree listens on 127.0.0.1, and a client with a wrong token is refused. Real Ray in a subprocess (~30 s)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = r"""
+import json, os, subprocess, sys
+import psutil, ray
+from rlstages.tasks.ray_auth import init_local_ray
+init_local_ray(num_cpus=1, include_dashboard=False, log_to_driver=False)
+
+@ray.remote
+def probe():
+    return os.environ.get("RAY_AUTH_MODE"), ray.util.get_node_ip_address()
+
+mode, ip = ray.get(probe.remote())
+me = psutil.Process()
+tree = {me.pid} | {p.pid for p in me.children(recursive=True)}
+listening = sorted({c.laddr.ip for c in psutil.net_connections("inet") if c.status == "LISTEN" and c.pid in tree})
+address = ray.get_runtime_context().gcs_address
+env = {**os.environ, "RAY_AUTH_TOKEN": "0" * 64, "RAY_AUTH_MODE": "token"}
+env.pop("RAY_AUTH_TOKEN_PATH", None)
+intruder = subprocess.run(
+    [sys.executable, "-c", f"import ray; ray.init(address={address!r}); print('CONNECTED')"],
+    capture_output=True, text=True, timeout=120, env=env,
+)
+tail = intruder.stdout + intruder.stderr[-400:]
+print(json.dumps({"mode": mode, "ip": ip, "listening": listening, "intruder": tail}))
+ray.shutdown()
+"""
+
+
+def test_local_ray_has_token_auth_and_listens_on_loopback_only(tmp_path: Path) -> None:
+    token = tmp_path / "ray" / "auth_token"
+    env = {k: v for k, v in os.environ.items() if k not in {"RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"}}
+    env["RAY_AUTH_TOKEN_PATH"] = str(token)
+    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["mode"] == "token" and report["ip"] == "127.0.0.1"
+    assert report["listening"] and all(ip in {"127.0.0.1", "::ffff:127.0.0.1"} for ip in report["listening"]), report
+    assert "CONNECTED" not in report["intruder"] and "auth" in report["intruder"].lower(), report["intruder"]
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and len(token.read_text()) == 64
