@@ -69,7 +69,10 @@ def start_ray(cfg: RunConfig) -> None:
         return
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    kwargs: dict[str, Any] = {"namespace": cfg.cluster.namespace, "log_to_driver": False}
+    level = cfg.cluster.worker_log_level
+    kwargs: dict[str, Any] = {"namespace": cfg.cluster.namespace, "log_to_driver": level != "off"}
+    if level != "off":  # the actors' Python logging at this level; their lines reach the driver's stderr
+        kwargs["logging_config"] = ray.LoggingConfig(log_level=level)
     if address:
         ray.init(address=address, **kwargs)
     else:
