@@ -56,10 +56,14 @@ def flow_run_name() -> str:
     """The flow run's name: the training run's name (`trainer.run_name`, else `run-<config hash>`)."""
     from prefect.runtime import flow_run
 
+    return run_name_of(flow_run.parameters.get("cfg"))
+
+
+def run_name_of(cfg: Any) -> str:
+    """The run name of a config given as a RunConfig or (from a deployment) as its JSON dict."""
     from rlstages.configs import RunConfig
     from rlstages.tasks.run import run_dir
 
-    cfg = flow_run.parameters.get("cfg")
     try:
         return run_dir(cfg if isinstance(cfg, RunConfig) else RunConfig.model_validate(cfg)).name
     except Exception:  # noqa: BLE001 - a name must never fail the run; validation reports a bad config

@@ -21,7 +21,7 @@ from rlstages.flows.progress import RunProgress, flow_run_name, run_progress
 from rlstages.flows.stages import MAX_PARALLEL_STAGES, Metrics, Stages
 from rlstages.tasks.context import RunHandle
 from rlstages.tasks.policies import WorkerLost, failed_stage
-from rlstages.tasks.run import close_run, convert_for_training, driver_snapshot
+from rlstages.tasks.run import close_run, convert_for_training, driver_snapshot, link_mlflow_run
 from rlstages.tasks.tracking import log_step
 
 
@@ -81,6 +81,7 @@ def rl_post_train(cfg: RunConfig) -> str:
     s = Stages.configured(cfg)
     run = s.prepare_run(cfg)
     mlflow_run_id = s.start_tracking(cfg, run)
+    link_mlflow_run(cfg, run, mlflow_run_id)  # the flow run's Artifacts tab links to the MLflow run
     total = cfg.trainer.total_steps
     try:
         convert_for_training(cfg, run)  # HF -> Megatron-Core, cached; a no-op for other backends

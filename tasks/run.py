@@ -96,19 +96,23 @@ def prepare_run(cfg: RunConfig) -> RunHandle:
 
 @task(name="start_tracking", cache_policy=NO_CACHE)
 def start_tracking(cfg: RunConfig, run: RunHandle) -> str:
-    """Create the MLflow run, or reattach to the one this run directory recorded; link it from Prefect."""
+    """Create the MLflow run, or reattach to the one this run directory recorded."""
     from prefect.runtime import flow_run
 
     flow_run_id = str(flow_run.id) if flow_run.id else None
     run_id = tracking.start_or_resume(cfg, run.name, _state(run).get("mlflow_run_id"), flow_run_id)
     write_state(run, mlflow_run_id=run_id, status="RUNNING")
+    return run_id
+
+
+def link_mlflow_run(cfg: RunConfig, run: RunHandle, mlflow_run_id: str) -> None:
+    """A Prefect link artifact to the MLflow run; called by the flow, so the flow run's Artifacts tab shows it."""
     create_link_artifact(
         key=f"mlflow-{run.name.lower().replace('_', '-')}"[:60],
-        link=tracking.run_link(cfg, run_id),
-        link_text=f"MLflow run {run_id}",
+        link=tracking.run_link(cfg, mlflow_run_id),
+        link_text=f"MLflow run {mlflow_run_id}",
         description="the MLflow record of this training run",
     )
-    return run_id
 
 
 @task(name="start_workers", cache_policy=NO_CACHE)

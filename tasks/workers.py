@@ -7,6 +7,7 @@ rebuild inside the same Ray cluster find the living ones.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -73,10 +74,13 @@ def start_ray(cfg: RunConfig) -> None:
     kwargs: dict[str, Any] = {"namespace": cfg.cluster.namespace, "log_to_driver": level != "off"}
     if level != "off":  # the actors' Python logging at this level; their lines reach the driver's stderr
         kwargs["logging_config"] = ray.LoggingConfig(log_level=level)
+    root = logging.getLogger()
+    handlers, root_level = root.handlers[:], root.level
     if address:
         ray.init(address=address, **kwargs)
     else:
         ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, **kwargs)
+    root.handlers[:], root.level = handlers, root_level  # logging_config is for the actors: the driver keeps its own
 
 
 def _model_path(cfg: RunConfig) -> str:
