@@ -138,7 +138,12 @@ class PrefectConfig(StrictModel):
 
     default: StagePolicy = StagePolicy()
     stages: dict[StageName, StagePolicy] = Field(default_factory=dict)
-    max_concurrent_stages: int = Field(default=4, ge=1)
+    max_concurrent_stages: int = Field(
+        default=4,
+        ge=1,
+        description="The read-only stages of a step (rewards, old/reference log-probs, critic values) run at most "
+        "this many at once; 4 such stages exist.",
+    )
     max_worker_recoveries: int = Field(
         default=3, ge=0, description="Worker deaths the flow recovers from (reload + replay) before it fails."
     )
