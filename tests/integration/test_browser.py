@@ -141,9 +141,13 @@ def test_mlflow_run_page_shows_params_metrics_and_artifacts(runs: tuple[Run, Run
     run_url = f"{base}/#/experiments/{a.experiment_id}/runs/{a.mlflow_run_id}"
     histories: list[dict[str, Any]] = []
 
-    def record(response: Any) -> None:  # the chart's own data requests
+    images: list[str] = []
+
+    def record(response: Any) -> None:  # the chart's own data requests, the PNG the preview loads
         if "metrics/get-history" in response.url and "reward%2Fmean" in response.url and response.ok:
             histories.append(response.json())
+        if "reward_curve.png" in response.url and response.ok:
+            images.append(response.headers.get("content-type", ""))
 
     page.on("response", record)
     model_training_view(page, base)
@@ -166,7 +170,8 @@ def test_mlflow_run_page_shows_params_metrics_and_artifacts(runs: tuple[Run, Run
     page.goto(f"{run_url}/artifacts")
     page.get_by_text("plots", exact=True).first.click()
     page.get_by_text("reward_curve.png").first.click()
-    page.locator("img[src*='reward_curve.png']").first.wait_for()
+    page.wait_for_timeout(3000)
+    assert any(kind.startswith("image/png") for kind in images), images  # the reward-curve PNG, previewed
     page.get_by_text("eval", exact=True).first.click()
     page.get_by_text("samples_step_000002.json").first.click()
     page.get_by_text("ground_truth").first.wait_for()  # the samples table's columns
