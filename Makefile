@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed's JIT-built ops (shm comm, cpu_adam: ~80 s each) are built once and cached here (git-ignored).
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup setup-test demo test test-all lint smoke bench clean
+.PHONY: setup setup-test browser-env demo test test-py312 test-all lint smoke bench clean
 
 # On a CPU machine pip is held to the local CPU wheel of torch; a GPU machine keeps its own CUDA build.
 TORCH_PIN := $(if $(shell command -v nvidia-smi 2>/dev/null),,-c constraints-cpu.txt)
@@ -38,7 +38,11 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -q $(TORCH_PIN) -e ".[dev,deepspeed,megatron]"
 	touch $@
 
-setup-test: $(VENV)/.installed-test
+# Debian's Chromium for the browser test (tests/integration/test_browser.py); playwright (dev extra) drives it.
+browser-env:
+	bash scripts/browser_env.sh
+
+setup-test: $(VENV)/.installed-test browser-env
 	-$(MAKE) vllm-env
 
 demo: setup
@@ -47,8 +51,12 @@ demo: setup
 smoke: setup
 	$(BIN)/rlstages run configs/tiny.yaml
 
-test: setup-test
+# The torch-free unit tests on Python 3.12 first, then the whole suite on 3.11 (its summary is the last line).
+test: setup-test test-py312
 	$(BIN)/python -m pytest -q
+
+test-py312:
+	bash scripts/py312_tests.sh .venv-py312
 
 test-all: setup-test
 	$(BIN)/python -m pytest -q -m "not gpu"

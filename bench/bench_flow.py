@@ -53,7 +53,7 @@ def bare_loop(cfg, steps: int) -> float:  # type: ignore[no-untyped-def]
     for step in range(1, steps + 1):
         rollout.generate.fn(cfg, handle, step)
         reward.score_rewards.fn(cfg, handle, step)
-        kl = advantage.advantages.fn(cfg, handle, step, kl)["kl_state"]
+        kl = advantage.advantages.fn(cfg, handle, step, kl).kl_state
         update.update_actor.fn(cfg, handle, step)
         rollout.sync_weights.fn(cfg, handle, step)
         marks.append(time.perf_counter())

@@ -98,11 +98,22 @@ class CheckpointConfig(StrictModel):
 class TrackingConfig(StrictModel):
     """MLflow: where runs go and what is logged besides metrics."""
 
-    tracking_uri: str = "sqlite:///mlflow.db"
+    tracking_uri: str | None = Field(
+        default=None,
+        description="MLflow tracking URI. Set here it wins; None = MLFLOW_TRACKING_URI, else sqlite:///mlflow.db.",
+    )
     experiment: str = "rlstages"
     log_samples: int = Field(default=16, ge=0, description="Eval samples kept in the table per evaluation.")
-    log_model: bool = True
-    registered_model_name: str | None = None
+    log_model: bool = Field(
+        default=True,
+        description="Log the final policy as an MLflow transformers model, from its directory (no load in the "
+        "driver). The presets of models over 1B parameters turn it off.",
+    )
+    registered_model_name: str | None = Field(
+        default=None,
+        description="Register the logged policy under this name; alias `best` marks the version of the "
+        "checkpoint with the best held-out reward, `latest` the final policy.",
+    )
 
 
 class ClusterConfig(StrictModel):
@@ -129,6 +140,11 @@ class ClusterConfig(StrictModel):
         "one hybrid worker does all the torch work, else passive.",
     )
     namespace: str = "rlstages"
+    worker_log_level: Literal["off", "ERROR", "WARNING", "INFO", "DEBUG"] = Field(
+        default="WARNING",
+        description="Python logging of the Ray actors at this level and above, and their stdout/stderr, shown in the "
+        "driver's log; off = none.",
+    )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     placement_group: bool = Field(
         default=False, description="Reserve one bundle per rank up front (colocated roles share bundle i)."
@@ -156,7 +172,12 @@ class PrefectConfig(StrictModel):
 
     default: StagePolicy = StagePolicy()
     stages: dict[StageName, StagePolicy] = Field(default_factory=dict)
-    max_concurrent_stages: int = Field(default=4, ge=1)
+    max_concurrent_stages: int = Field(
+        default=4,
+        ge=1,
+        description="The read-only stages of a step (rewards, old/reference log-probs, critic values) run at most "
+        "this many at once; 4 such stages exist.",
+    )
     max_worker_recoveries: int = Field(
         default=3, ge=0, description="Worker deaths the flow recovers from (reload + replay) before it fails."
     )

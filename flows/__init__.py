@@ -11,6 +11,8 @@ for _key, _value in {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_DEDUP_LOGS": "0",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-    "PREFECT_LOGGING_LEVEL": "WARNING",
+    # INFO: the run log (one line per step, evaluations, checkpoint commits, retries, recoveries) reaches the
+    # terminal and the Prefect UI's log pane; successful task runs' "Finished" lines stay out of the terminal
+    "PREFECT_LOGGING_LEVEL": "INFO",
 }.items():
     os.environ.setdefault(_key, _value)

@@ -1,27 +1,97 @@
-"""What a person watches while a run goes: a rich progress bar (step i/N, stage, reward, tokens/s) and a
-Prefect progress artifact.
+"""What a person watches while a run goes: a rich progress bar (step i/N, stage, reward, tokens/s), a Prefect
+progress artifact, and the run log: one line per step (step, reward, KL, tokens/s, time, stage timings) for
+headless logs and Prefect's log pane, plus evaluations, checkpoint commits and recoveries.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
 
+from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.exceptions import MissingContextError
+from prefect.logging.handlers import PrefectConsoleHandler
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 ARTIFACT_EVERY_S = 10.0  # each Prefect artifact update is an API round trip (~50 ms): throttle it
+KL_KEYS = ("actor/kl_loss", "actor/reward_kl_in_reward", "actor/ppo_kl")  # the KL a run is steered by, first found
+
+
+class _StageTimeoutNotice(logging.Filter):
+    """Prefect warns that thread-run tasks' timeouts cannot interrupt blocking calls; ours block only in
+    `ray.get(..., timeout=)`, which does fire, so the warning is noise here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeouts in worker threads cannot interrupt" not in record.getMessage()
+
+
+class _ConsoleChatter(logging.Filter):
+    """Keeps each successful task run's "Finished in state Completed()" out of the terminal (the Prefect UI
+    still gets it): ten of them a step would bury the one step line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == "prefect.task_runs" and record.getMessage().startswith("Finished in state Comp"))
+
+
+logging.getLogger("prefect.task_runs").addFilter(_StageTimeoutNotice())
+for _handler in logging.getLogger().handlers:
+    if isinstance(_handler, PrefectConsoleHandler):
+        _handler.addFilter(_ConsoleChatter())
+
+
+def run_logger() -> logging.Logger | logging.LoggerAdapter[logging.Logger]:
+    """The Prefect run logger (its lines show in the UI's log pane), or a plain logger outside a run."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger("rlstages")
+
+
+def flow_run_name() -> str:
+    """The flow run's name: the training run's name (`trainer.run_name`, else `run-<config hash>`)."""
+    from prefect.runtime import flow_run
+
+    return run_name_of(flow_run.parameters.get("cfg"))
+
+
+def run_name_of(cfg: Any) -> str:
+    """The run name of a config given as a RunConfig or (from a deployment) as its JSON dict."""
+    from rlstages.configs import RunConfig
+    from rlstages.tasks.run import run_dir
+
+    try:
+        return run_dir(cfg if isinstance(cfg, RunConfig) else RunConfig.model_validate(cfg)).name
+    except Exception:  # noqa: BLE001 - a name must never fail the run; validation reports a bad config
+        return "rl-post-train"
+
+
+def step_line(step: int, total: int, metrics: dict[str, float]) -> str:
+    """The per-step log line: step, reward, KL, tokens/s, time, and where the time went."""
+    kl = next((metrics[k] for k in KL_KEYS if k in metrics), float("nan"))
+    stages = sorted(
+        ((k.removeprefix("timing/").removesuffix("_s"), v) for k, v in metrics.items() if k.startswith("timing/")),
+        key=lambda kv: -kv[1],
+    )
+    where = ", ".join(f"{name} {sec:.2f}s" for name, sec in stages if name != "step")
+    return (
+        f"step {step}/{total} reward {metrics.get('reward/mean', float('nan')):.4f} kl {kl:.4g} "
+        f"tokens/s {metrics.get('throughput/tokens_per_s', 0.0):,.0f} time {metrics.get('timing/step_s', 0.0):.2f}s"
+        f" ({where})"
+    )
 
 
 class RunProgress:
-    """Step progress of one run, in the terminal and in Prefect."""
+    """Step progress of one run, in the terminal, in Prefect's log pane and as a Prefect artifact."""
 
     def __init__(self, progress: Progress, task_id: Any, total: int, artifact_id: Any) -> None:
         self.progress, self.task_id, self.total, self.artifact_id = progress, task_id, total, artifact_id
         self._artifact_at = time.monotonic()
+        self.log = run_logger()
 
     def stage(self, name: str) -> None:
         """Show the stage being run."""
@@ -32,10 +102,29 @@ class RunProgress:
         reward = metrics.get("reward/mean", float("nan"))
         tps = metrics.get("throughput/tokens_per_s", 0.0)
         self.progress.update(self.task_id, completed=step, stage="", info=f"reward {reward:.3f} | {tps:,.0f} tok/s")
+        self.log.info(step_line(step, self.total, metrics))
         now = time.monotonic()
         if self.artifact_id is not None and (step == self.total or now - self._artifact_at >= ARTIFACT_EVERY_S):
             update_progress_artifact(self.artifact_id, progress=100.0 * step / self.total)
             self._artifact_at = now
+
+    def evaluated(self, step: int, metrics: dict[str, float]) -> None:
+        """Log a held-out evaluation."""
+        self.log.info(
+            f"evaluation at step {step}: held-out reward {metrics.get('eval/reward_mean', float('nan')):.4f} "
+            f"accuracy {metrics.get('eval/accuracy', float('nan')):.3f}"
+        )
+
+    def committed(self, step: int, manifest: str) -> None:
+        """Log a committed checkpoint."""
+        self.log.info(f"checkpoint of step {step} committed: {manifest}")
+
+    def recovering(self, step: int, lost: BaseException, attempt: int, limit: int) -> None:
+        """Log a worker loss and the recovery that follows (reload the last checkpoint, replay)."""
+        self.log.warning(
+            f"worker lost at step {step} ({lost}); recovery {attempt}/{limit}: rebuilding the workers from the "
+            "last committed checkpoint and replaying"
+        )
 
 
 @contextlib.contextmanager

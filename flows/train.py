@@ -13,37 +13,40 @@ With `trainer.one_step_off_policy`, `generate` of step k+1 runs beside the rest 
 rollout's weights are one update old) and step k+1 starts from those rollouts; `algorithm.rollout_is` corrects.
 """
 
-import logging
+from dataclasses import dataclass
 
 from prefect import flow
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from rlstages.configs import RunConfig
-from rlstages.flows.progress import RunProgress, run_progress
-from rlstages.flows.stages import Stages
+from rlstages.flows.progress import RunProgress, flow_run_name, run_progress
+from rlstages.flows.stages import MAX_PARALLEL_STAGES, Metrics, Stages
 from rlstages.tasks.context import RunHandle
 from rlstages.tasks.policies import WorkerLost, failed_stage
-from rlstages.tasks.run import close_run, convert_for_training, driver_snapshot
+from rlstages.tasks.run import close_run, convert_for_training, driver_snapshot, link_mlflow_run
 from rlstages.tasks.tracking import log_step
 
 
-class _StageTimeoutNotice(logging.Filter):
-    """Prefect warns that thread-run tasks' timeouts cannot interrupt blocking calls; ours block only in
-    `ray.get(..., timeout=)`, which does fire, so the warning is noise here."""
+@dataclass(frozen=True)
+class StepResult:
+    """One iteration's metrics (every stage's, merged) and the KL controller's state after it."""
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Timeouts in worker threads cannot interrupt" not in record.getMessage()
-
-
-logging.getLogger("prefect.task_runs").addFilter(_StageTimeoutNotice())
+    metrics: Metrics
+    kl_state: dict[str, float]
+    ahead: Metrics | None = None  # metrics of step+1's generation when it ran during this step (off-policy)
 
 
 def rl_step(
-    s: Stages, cfg: RunConfig, run: RunHandle, step: int, kl_state: dict, ui: RunProgress, ahead: dict | None = None
-) -> tuple[dict, dict, dict | None]:
-    """One iteration; returns (metrics, KL-controller state after the step, metrics of step+1's generation if it
-    ran ahead). `ahead`: this step's rollouts were generated during the last step, with these metrics."""
+    s: Stages,
+    cfg: RunConfig,
+    run: RunHandle,
+    step: int,
+    kl_state: dict[str, float],
+    ui: RunProgress,
+    ahead: Metrics | None = None,
+) -> StepResult:
+    """One iteration of the DAG above. `ahead`: this step's rollouts were generated during the last step."""
     if ahead is None:
         ui.stage("generate")
         metrics = s.generate(cfg, run, step)  # colocated rollout engines sleep until the next sync
@@ -52,18 +55,18 @@ def rl_step(
     off_policy = cfg.trainer.one_step_off_policy and step < cfg.trainer.total_steps
     next_rollout = s.generate.submit(cfg, run, step + 1) if off_policy else None
     ui.stage("rewards / log-probs")
-    futures = [s.score_rewards.submit(cfg, run, step)]
+    readers = [s.score_rewards]
     if cfg.needs_old_logprobs or cfg.algorithm.use_kl_in_reward:
-        futures.append(s.actor_logprobs.submit(cfg, run, step))
+        readers.append(s.actor_logprobs)
     if cfg.uses_reference:
-        futures.append(s.ref_logprobs.submit(cfg, run, step))
+        readers.append(s.ref_logprobs)
     if cfg.critic is not None:
-        futures.append(s.critic_values.submit(cfg, run, step))
-    for future in futures:
-        metrics.update(future.result())
+        readers.append(s.critic_values)
+    for result in s.together(readers, cfg, run, step):  # at most prefect.max_concurrent_stages at once
+        metrics.update(result)
     ui.stage("advantages")
     adv = s.advantages(cfg, run, step, kl_state)
-    metrics.update(adv["metrics"])
+    metrics.update(adv.metrics)
     if cfg.critic is not None:
         ui.stage("update critic")
         metrics.update(s.update_critic(cfg, run, step))
@@ -76,58 +79,67 @@ def rl_step(
     timing = sum(v for k, v in metrics.items() if k.startswith("timing/"))
     metrics["timing/step_s"] = timing
     metrics["throughput/tokens_per_s"] = metrics.get("rollout/tokens", 0.0) / max(timing, 1e-9)
-    return metrics, adv["kl_state"], next_metrics
+    return StepResult(metrics, adv.kl_state, next_metrics)
 
 
 def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
-@flow(name="rl-post-train", task_runner=ThreadPoolTaskRunner(max_workers=4), validate_parameters=True)
+@flow(
+    name="rl-post-train",
+    flow_run_name=flow_run_name,
+    task_runner=ThreadPoolTaskRunner(max_workers=MAX_PARALLEL_STAGES),
+    validate_parameters=True,
+)
 def rl_post_train(cfg: RunConfig) -> str:
     """Train a policy with RL as configured; resumes its run directory's last checkpoint. Returns the policy dir."""
     s = Stages.configured(cfg)
     run = s.prepare_run(cfg)
-    mlflow_run = s.start_tracking(cfg, run)
+    mlflow_run_id = s.start_tracking(cfg, run)
+    link_mlflow_run(cfg, run, mlflow_run_id)  # the flow run's Artifacts tab links to the MLflow run
     total = cfg.trainer.total_steps
     try:
         convert_for_training(cfg, run)  # HF -> Megatron-Core, cached; a no-op for other backends
         start = s.start_workers(cfg, run)
         if start.step == 0 and cfg.trainer.eval_at_start:
-            s.evaluate(cfg, run, 0, mlflow_run)
+            s.evaluate(cfg, run, 0, mlflow_run_id)
         step, kl_state, recoveries, ahead = start.step + 1, start.kl_state, 0, None
         with run_progress(run.name, total, start.step) as ui:
             while step <= total:
                 try:
-                    metrics, kl_state, ahead = rl_step(s, cfg, run, step, kl_state, ui, ahead)
-                except WorkerLost:
+                    result = rl_step(s, cfg, run, step, kl_state, ui, ahead)
+                except WorkerLost as lost:
                     ahead = None  # the replay generates its first step again
                     recoveries += 1
                     if recoveries > cfg.prefect.max_worker_recoveries:
                         raise
+                    ui.recovering(step, lost, recoveries, cfg.prefect.max_worker_recoveries)
                     start = s.recover_workers(cfg, run)  # replay from the last committed checkpoint
                     step, kl_state = start.step + 1, start.kl_state
                     continue
-                log_step(cfg, mlflow_run, step, metrics)
-                ui.step_done(step, metrics)
+                kl_state, ahead = result.kl_state, result.ahead
+                log_step(cfg, mlflow_run_id, step, result.metrics)
+                ui.step_done(step, result.metrics)
                 if _due(step, cfg.trainer.eval_every, total):
                     ui.stage("evaluate")
-                    s.evaluate(cfg, run, step, mlflow_run)
+                    ui.evaluated(step, s.evaluate(cfg, run, step, mlflow_run_id))
                 if _due(step, cfg.checkpoint.every, total):
                     ui.stage("checkpoint")
-                    s.checkpoint(cfg, run, step, driver_snapshot(cfg, step, kl_state, mlflow_run))
+                    state = driver_snapshot(cfg, step, kl_state, mlflow_run_id)
+                    ui.committed(step, s.checkpoint(cfg, run, step, state))
                 step += 1
-        policy = s.export_policy(cfg, run, mlflow_run)
+        policy = s.export_policy(cfg, run, mlflow_run_id)
     except BaseException as exc:
         stage = failed_stage(flow_run.id)
         close_run(
             cfg,
             run,
-            mlflow_run,
+            mlflow_run_id,
             "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED",
             f"{type(exc).__name__}: {exc}",
             stage,
         )
         raise
-    close_run(cfg, run, mlflow_run, "FINISHED")
+    close_run(cfg, run, mlflow_run_id, "FINISHED")
     return policy

@@ -6,7 +6,7 @@ training batch.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import NamedTuple
 
 import torch
 from prefect import task
@@ -18,6 +18,14 @@ from rlstages.configs.algorithm import RolloutISConfig
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
 from rlstages.tasks.context import RunHandle
+
+
+class AdvantageResult(NamedTuple):
+    """What the advantage stage returns: its metrics and the KL controller's state after this step."""
+
+    metrics: dict[str, float]
+    kl_state: dict[str, float]
+
 
 _FIELDS = {"actor_logprobs": T.OLD_LOGPROBS, "ref_logprobs": T.REF_LOGPROBS, "critic_values": T.VALUES}
 
@@ -48,8 +56,8 @@ def rollout_correction(batch: TensorDict, rollout_is: RolloutISConfig) -> dict[s
 
 
 @task(name="advantages", cache_policy=NO_CACHE)
-def advantages(cfg: RunConfig, run: RunHandle, step: int, kl_state: dict[str, float]) -> dict[str, Any]:
-    """Build the training batch; returns {"metrics": ..., "kl_state": ...} (the controller after this step)."""
+def advantages(cfg: RunConfig, run: RunHandle, step: int, kl_state: dict[str, float]) -> AdvantageResult:
+    """Build the training batch; returns its metrics and the KL controller after this step."""
     start = time.perf_counter()
     algo = cfg.algorithm
     batch = T.load_batch(run.batch(step, "rollout"))
@@ -97,4 +105,4 @@ def advantages(cfg: RunConfig, run: RunHandle, step: int, kl_state: dict[str, fl
             "timing/advantages_s": time.perf_counter() - start,
         }
     )
-    return {"metrics": metrics, "kl_state": ctrl.state_dict()}
+    return AdvantageResult(metrics, ctrl.state_dict())

@@ -7,6 +7,7 @@ rebuild inside the same Ray cluster find the living ones.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,11 +63,17 @@ def start_ray(cfg: RunConfig) -> None:
     if ray.is_initialized():
         return
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
-    kwargs: dict[str, Any] = {"namespace": cfg.cluster.namespace, "log_to_driver": False}
+    level = cfg.cluster.worker_log_level
+    kwargs: dict[str, Any] = {"namespace": cfg.cluster.namespace, "log_to_driver": level != "off"}
+    if level != "off":  # the actors' Python logging at this level; their lines reach the driver's stderr
+        kwargs["logging_config"] = ray.LoggingConfig(log_level=level)
+    root = logging.getLogger()
+    handlers, root_level = root.handlers[:], root.level
     if address:  # the cluster's own auth applies (a token file or RAY_AUTH_TOKEN enables it here)
         ray.init(address=address, **kwargs)
     else:  # ours: token auth on, 127.0.0.1 only
         init_local_ray(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, **kwargs)
+    root.handlers[:], root.level = handlers, root_level  # logging_config is for the actors: the driver keeps its own
 
 
 def build_workers(cfg: RunConfig, run: RunHandle) -> Workers:

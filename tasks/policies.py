@@ -10,6 +10,7 @@ errors are never retried.
 from __future__ import annotations
 
 import errno
+import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -63,12 +64,28 @@ def is_worker_death(exc: BaseException) -> bool:
     return type(exc).__name__ in {"RayActorError", "ActorDiedError", "ActorUnavailableError", "ActorUnschedulableError"}
 
 
+def stage_logger() -> logging.Logger | logging.LoggerAdapter[logging.Logger]:
+    """The Prefect run logger of the current task or flow run (shown in the UI), else a plain logger."""
+    from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger("rlstages")
+
+
 def retry_condition(task: Any, task_run: Any, state: Any) -> bool:
-    """Prefect `retry_condition_fn`: retry only transient faults."""
+    """Prefect `retry_condition_fn`: retry only transient faults (and say which it was in the run log)."""
     try:
         state.result()
     except BaseException as exc:  # noqa: BLE001 - we classify whatever the stage raised
-        return is_transient(exc)
+        transient = is_transient(exc)
+        verdict = "transient: retried" if transient else "not transient: not retried"
+        if isinstance(exc, WorkerLost):
+            verdict = "worker lost: the flow recovers from the last checkpoint"
+        stage_logger().warning(f"{task_run.name} failed ({type(exc).__name__}: {exc}); {verdict}")
+        return transient
     return False
 
 

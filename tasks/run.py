@@ -24,10 +24,10 @@ from rlstages.engines.models import ensure_model
 from rlstages.engines.training.state_io import atomic_write_text
 from rlstages.tasks import tracking
 from rlstages.tasks.advantage import initial_kl_state
-from rlstages.tasks.checkpoint import driver_state, latest_checkpoint, restore_engines
+from rlstages.tasks.checkpoint import driver_state, latest_checkpoint, read_manifest, restore_engines
 from rlstages.tasks.context import RunHandle
 from rlstages.tasks.data import cursor
-from rlstages.tasks.policies import guard_workers
+from rlstages.tasks.policies import guard_workers, stage_logger
 from rlstages.tasks.preflight import check_import_allowed
 from rlstages.tasks.rollout import sync_weights
 from rlstages.tasks.workers import build_workers, converted_dir, forget_workers, get_workers
@@ -112,7 +112,7 @@ def prepare_run(cfg: RunConfig) -> RunHandle:
 
 @task(name="start_tracking", cache_policy=NO_CACHE)
 def start_tracking(cfg: RunConfig, run: RunHandle) -> str:
-    """Create the MLflow run, or reattach to the one this run directory recorded; link it from Prefect."""
+    """Create the MLflow run, or reattach to the one this run directory recorded."""
     from prefect.runtime import flow_run
 
     flow_run_id = str(flow_run.id) if flow_run.id else None
@@ -121,13 +121,17 @@ def start_tracking(cfg: RunConfig, run: RunHandle) -> str:
         check_same_config(cfg, recorded)
     run_id = tracking.start_or_resume(cfg, run.name, recorded, flow_run_id)
     write_state(run, mlflow_run_id=run_id, status="RUNNING")
+    return run_id
+
+
+def link_mlflow_run(cfg: RunConfig, run: RunHandle, mlflow_run_id: str) -> None:
+    """A Prefect link artifact to the MLflow run; called by the flow, so the flow run's Artifacts tab shows it."""
     create_link_artifact(
         key=re.sub(r"[^a-z0-9-]", "-", f"mlflow-{run.name.lower()}")[:60],
-        link=tracking.run_link(cfg, run_id),
-        link_text=f"MLflow run {run_id}",
+        link=tracking.run_link(cfg, mlflow_run_id),
+        link_text=f"MLflow run {mlflow_run_id}",
         description="the MLflow record of this training run",
     )
-    return run_id
 
 
 _PLACE_KEYS = ("trainer.output_dir", "trainer.run_name", "checkpoint.resume")
@@ -213,9 +217,21 @@ def driver_snapshot(cfg: RunConfig, step: int, kl_state: dict[str, float], mlflo
 
 @task(name="export_policy", cache_policy=NO_CACHE)
 def export_policy(cfg: RunConfig, run: RunHandle, mlflow_run_id: str) -> str:
-    """Write the final policy as an HF directory and log it to MLflow as a transformers model."""
-    out = run.path / "final"
-    tmp = run.path / ".final.tmp"
+    """Write the final policy as an HF directory and log it to MLflow from that path (no load in the driver);
+    with a registered model name, alias `final` marks it and `best` the checkpoint with the best held-out reward.
+    """
+    out = _save_hf(cfg, run, "final")
+    if cfg.tracking.log_model:
+        version = tracking.log_policy(cfg, mlflow_run_id, out, step=cfg.trainer.total_steps)
+        if version is not None:
+            tracking.set_alias(cfg, "final", version)
+            _register_best(cfg, run, mlflow_run_id, version)
+    return str(out)
+
+
+def _save_hf(cfg: RunConfig, run: RunHandle, name: str) -> Path:
+    """The actor's current weights as an HF directory `run_dir/name` (written beside, then renamed)."""
+    out, tmp = run.path / name, run.path / f".{name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     workers = get_workers(cfg, run)
     timeout = cfg.prefect.policy("checkpoint").timeout_seconds
@@ -223,9 +239,31 @@ def export_policy(cfg: RunConfig, run: RunHandle, mlflow_run_id: str) -> str:
     guard_workers(lambda: workers.actor.all(timeout).save_pretrained(str(tmp), str(cfg.model.path.resolve())))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    if cfg.tracking.log_model:
-        tracking.log_policy(cfg, mlflow_run_id, out)
-    return str(out)
+    return out
+
+
+def best_checkpoint(cfg: RunConfig, run: RunHandle, mlflow_run_id: str) -> tuple[int, Path] | None:
+    """The kept checkpoint with the highest held-out reward (the later one on a tie), or None."""
+    rewards = dict(tracking.metric_history(cfg, mlflow_run_id, "eval/reward_mean"))
+    kept = []
+    for path in sorted(run.checkpoints.glob("step_*")) if run.checkpoints.is_dir() else []:
+        manifest = read_manifest(path)
+        if manifest is not None and int(manifest["step"]) in rewards:
+            kept.append((int(manifest["step"]), path))
+    return max(kept, key=lambda sp: (rewards[sp[0]], sp[0]), default=None)
+
+
+def _register_best(cfg: RunConfig, run: RunHandle, mlflow_run_id: str, final_version: str) -> None:
+    best = best_checkpoint(cfg, run, mlflow_run_id)
+    if best is None:
+        return
+    step, path = best
+    version = final_version
+    if step != cfg.trainer.total_steps:  # an earlier checkpoint was better: export and register it too
+        restore_engines(cfg, run, path)
+        version = tracking.log_policy(cfg, mlflow_run_id, _save_hf(cfg, run, "best"), "best_policy", step) or version
+    tracking.set_alias(cfg, "best", version)
+    stage_logger().info(f"registry alias best -> version {version} (checkpoint of step {step})")
 
 
 def close_run(

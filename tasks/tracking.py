@@ -7,8 +7,14 @@ on worker threads never depend on a thread's "active run".
 
 from __future__ import annotations
 
+import contextlib
+import getpass
+import importlib
+import os
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,17 +22,25 @@ from typing import Any
 import mlflow
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
+from mlflow.utils import mlflow_tags
 
 from rlstages.configs import RunConfig, config_hash, flatten, to_yaml
 
 STEP_KEY = "progress/step"
 _LAST_STEP: dict[str, int] = {}
 _PENDING: list[Any] = []
+DEFAULT_URI = "sqlite:///mlflow.db"
+
+
+def tracking_uri(cfg: RunConfig | None = None) -> str:
+    """`tracking.tracking_uri` when the config sets one (it wins), else MLFLOW_TRACKING_URI, else ./mlflow.db."""
+    configured = cfg.tracking.tracking_uri if cfg is not None else None
+    return configured or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
 
 
 def client(cfg: RunConfig) -> MlflowClient:
-    """A client for the configured tracking URI."""
-    return MlflowClient(tracking_uri=cfg.tracking.tracking_uri)
+    """A client for the run's tracking URI (see `tracking_uri`)."""
+    return MlflowClient(tracking_uri=tracking_uri(cfg))
 
 
 def _git_commit() -> str:
@@ -37,11 +51,32 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "unknown"
+
+
+def system_tags(commit: str) -> dict[str, str]:
+    """MLflow's own `mlflow.source.*` / `mlflow.user` tags (the UI's source and user columns read them)."""
+    tags = {
+        mlflow_tags.MLFLOW_SOURCE_NAME: os.path.basename(sys.argv[0]) or "rlstages",
+        mlflow_tags.MLFLOW_SOURCE_TYPE: "LOCAL",
+        mlflow_tags.MLFLOW_USER: _user(),
+    }
+    if commit != "unknown":
+        tags[mlflow_tags.MLFLOW_GIT_COMMIT] = commit
+    return tags
+
+
 def run_tags(cfg: RunConfig, flow_run_id: str | None) -> dict[str, str]:
-    """The tags experiments are compared by."""
+    """The tags experiments are compared by, plus MLflow's system tags."""
+    commit = _git_commit()
     return {
+        **system_tags(commit),
         "rlstages.config_hash": config_hash(cfg),
-        "rlstages.git_commit": _git_commit(),
+        "rlstages.git_commit": commit,
         "rlstages.model": str(cfg.model.path.name),
         "rlstages.algorithm": cfg.algorithm.adv_estimator,
         "rlstages.rollout_backend": cfg.rollout.backend,
@@ -159,21 +194,54 @@ def log_file(cfg: RunConfig, run_id: str, path: Path, artifact_dir: str) -> None
     client(cfg).log_artifact(run_id, str(path), artifact_dir)
 
 
-def log_policy(cfg: RunConfig, run_id: str, hf_dir: Path) -> None:
-    """The final policy as an MLflow transformers model, from its local HF directory."""
+def log_policy(cfg: RunConfig, run_id: str, hf_dir: Path, name: str = "policy", step: int | None = None) -> str | None:
+    """An HF directory as an MLflow transformers model, logged from its path (the driver never loads the
+    weights); registered under `tracking.registered_model_name` when set. Returns the registry version or None.
+    """
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
-    mlflow.set_tracking_uri(cfg.tracking.tracking_uri)
-    with mlflow.start_run(run_id=run_id):
-        mlflow.transformers.log_model(
-            transformers_model={"model": model, "tokenizer": tokenizer},
-            name="policy",
+    mlflow.set_tracking_uri(tracking_uri(cfg))
+    with mlflow.start_run(run_id=run_id), _pipeline_classes():
+        info = mlflow.transformers.log_model(
+            transformers_model=str(hf_dir),
+            name=name,
             task="text-generation",
+            step=step or 0,
             registered_model_name=cfg.tracking.registered_model_name,
             pip_requirements=[f"transformers=={transformers.__version__}", "torch", "safetensors"],
         )
+    version = getattr(info, "registered_model_version", None)
+    return str(version) if version is not None else None
+
+
+@contextlib.contextmanager
+def _pipeline_classes() -> Iterator[None]:
+    """MLflow 3.17 logs a checkpoint path by reading `check_task(task)[1]["impl"].__name__`, but transformers 5
+    names the pipeline class as a dotted string there; resolve it to the class while the model is logged."""
+    from transformers import pipelines
+
+    original = pipelines.check_task
+
+    def check_task(task: str) -> Any:
+        name, meta, options = original(task)
+        impl = meta.get("impl")
+        if isinstance(impl, str):
+            module, _, cls = impl.rpartition(".")
+            meta = {**meta, "impl": getattr(importlib.import_module(module), cls)}
+        return name, meta, options
+
+    pipelines.check_task = check_task  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        pipelines.check_task = original  # type: ignore[assignment]
+
+
+def set_alias(cfg: RunConfig, alias: str, version: str) -> None:
+    """Point registry alias `alias` of `tracking.registered_model_name` at `version`."""
+    name = cfg.tracking.registered_model_name
+    if name is not None:
+        client(cfg).set_registered_model_alias(name, alias, version)
 
 
 def set_tags(cfg: RunConfig, run_id: str, tags: dict[str, str]) -> None:
@@ -190,7 +258,8 @@ def end(cfg: RunConfig, run_id: str, status: str) -> None:
 def run_link(cfg: RunConfig, run_id: str) -> str:
     """A URL of the run in the MLflow UI (`mlflow ui` on 127.0.0.1:5000 for a SQLite store)."""
     run = client(cfg).get_run(run_id)
-    base = cfg.tracking.tracking_uri if cfg.tracking.tracking_uri.startswith("http") else "http://127.0.0.1:5000"
+    uri = tracking_uri(cfg)
+    base = uri if uri.startswith("http") else "http://127.0.0.1:5000"
     return f"{base.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
 
 

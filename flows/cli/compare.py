@@ -1,15 +1,18 @@
 """`rlstages compare`: the runs of an MLflow experiment side by side, and their reward curves in one PNG.
 
-    rlstages compare rlstages-tiny --metric reward/mean --png compare.png
+    rlstages compare rlstages-tiny --metric reward/mean --png compare.png --html compare.html
 
 One column per run: status, steps, wall time, final and best value of each metric, the tags runs are
 compared by, and every config key (MLflow params are the flattened config) whose value differs between
 the runs. The MLflow UI shows the same runs (same tags, same metric names); for a tracking server the
-command prints the link to its compare view.
+command prints the link to its compare view. `--html` writes one self-contained page (the curves of every
+metric overlaid as inline SVG, the metric table and the config diff) that opens without any server.
 """
 
 from __future__ import annotations
 
+import html
+import io
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn
@@ -86,6 +89,13 @@ def _status(status: str) -> str:
 
 def plot_curves(tracking_uri: str, runs: list[RunRecord], metric: str, png: Path) -> Path:
     """Overlay `metric` against step for every run; write a PNG."""
+    png.parent.mkdir(parents=True, exist_ok=True)
+    png.write_bytes(_curves(tracking_uri, runs, metric, "png"))
+    return png
+
+
+def _curves(tracking_uri: str, runs: list[RunRecord], metric: str, fmt: str) -> bytes:
+    """The overlaid curves of `metric` as an image file's bytes (png or svg)."""
     import matplotlib
 
     from rlstages.tasks.tracking import metric_series
@@ -105,10 +115,60 @@ def plot_curves(tracking_uri: str, runs: list[RunRecord], metric: str, png: Path
         ax.legend(loc="best", fontsize=8)
     ax.set_title(metric)
     fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png)
+    buf = io.BytesIO()
+    fig.savefig(buf, format=fmt)
     plt.close(fig)
-    return png
+    return buf.getvalue()
+
+
+def html_report(tracking_uri: str, experiment: str, runs: list[RunRecord], metrics: list[str]) -> str:
+    """One self-contained HTML page: each metric's curves overlaid (inline SVG), final/best values, the tags
+    runs are compared by and the config keys that differ. No scripts, no links out: it opens from a file."""
+    from rlstages.tasks.tracking import metric_series
+
+    e = html.escape
+    head = "".join(f"<th>{e(r.name)}</th>" for r in runs)
+
+    def row(label: str, cells: list[str]) -> str:
+        return f"<tr><th>{e(label)}</th>" + "".join(f"<td>{e(c)}</td>" for c in cells) + "</tr>"
+
+    rows = [
+        row("run id", [r.run_id for r in runs]),
+        row("status", [r.status for r in runs]),
+        row("steps", [_fmt(r.latest.get("progress/step")) for r in runs]),
+        row("wall time", [_duration(r.wall_seconds) for r in runs]),
+    ]
+    for key in metrics:
+        series = [metric_series(tracking_uri, r.run_id, key) for r in runs]
+        rows.append(row(f"{key} final", [_fmt(s[-1][1]) if s else "-" for s in series]))
+        rows.append(row(f"{key} best", [_fmt(max(v for _, v in s)) if s else "-" for s in series]))
+    for tag in (*TAG_ROWS, "rlstages.failed_stage"):
+        if any(tag in r.tags for r in runs):
+            rows.append(row(tag.removeprefix("rlstages."), [r.tags.get(tag, "-") for r in runs]))
+    diff = differing_params(runs)
+    diff_rows = [row(k, [r.params.get(k, "-") for r in runs]) for k in diff] or [row("config", ["same"] * len(runs))]
+    charts = "".join(
+        f"<figure><figcaption>{e(m)}</figcaption>{_svg(_curves(tracking_uri, runs, m, 'svg'))}</figure>"
+        for m in metrics
+    )
+    style = (
+        "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}th,td{border:1px solid #ccc;"
+        "padding:3px 8px;text-align:left}figure{display:inline-block;margin:0 1em 1em 0}"
+    )
+    return (
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>rlstages compare: {e(experiment)}'
+        f"</title><style>{style}</style></head><body><h1>Experiment {e(experiment)}</h1>"
+        f"<p>{len(runs)} runs from {e(tracking_uri)}</p><h2>Curves</h2>{charts}"
+        f'<h2>Runs</h2><table id="runs"><tr><th></th>{head}</tr>{"".join(rows)}</table>'
+        f'<h2>Config diff</h2><table id="config-diff"><tr><th>key</th>{head}</tr>{"".join(diff_rows)}</table>'
+        "</body></html>\n"
+    )
+
+
+def _svg(data: bytes) -> str:
+    """Matplotlib's SVG without its XML prolog and doctype, for inlining in HTML."""
+    text = data.decode()
+    return text[text.index("<svg") :]
 
 
 def check_store_exists(uri: str) -> None:
@@ -146,11 +206,14 @@ def compare_command(
     filter_string: Annotated[str, typer.Option("--filter", help="MLflow search filter, e.g. \"tags.x = 'y'\".")] = "",
     minimize: Annotated[bool, typer.Option(help="Lower is better for the 'best' rows.")] = False,
     png: Annotated[Path | None, typer.Option(help="Also write the overlaid curves of the first metric here.")] = None,
+    html_out: Annotated[
+        Path | None, typer.Option("--html", help="Also write one self-contained HTML page (curves, config diff).")
+    ] = None,
 ) -> None:
     """Print the runs of an MLflow experiment side by side (config differences, metrics, steps, time, status)."""
-    from rlstages.tasks.tracking import compare_link, experiment_id, experiment_runs
+    from rlstages.tasks.tracking import DEFAULT_URI, compare_link, experiment_id, experiment_runs
 
-    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
     metrics = metric or ["reward/mean", "eval/reward_mean"]
     try:
         check_store_exists(uri)
@@ -174,3 +237,7 @@ def compare_command(
         out.print(f"MLflow UI: {link}", highlight=False, soft_wrap=True)
     if png is not None:
         out.print(f"curves of {metrics[0]}: {plot_curves(uri, runs, metrics[0], png)}", highlight=False)
+    if html_out is not None:
+        html_out.parent.mkdir(parents=True, exist_ok=True)
+        html_out.write_text(html_report(uri, exp_name, runs, metrics), encoding="utf-8")
+        out.print(f"report: {html_out}", highlight=False)

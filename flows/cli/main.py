@@ -20,7 +20,7 @@ app = typer.Typer(
     help="RL post-training of LLMs as a Prefect workflow over Ray, recorded in MLflow.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    add_completion=False,
+    add_completion=True,  # `rlstages --install-completion` (bash, zsh, fish, PowerShell)
 )
 config_app = typer.Typer(help="Inspect configs.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
@@ -30,6 +30,26 @@ out = Console()
 ConfigArg = Annotated[Path, typer.Argument(help="YAML config (e.g. configs/demo.yaml).")]
 Overrides = Annotated[list[str] | None, typer.Argument(help="Dotted overrides: actor.optim.lr=1e-6 rollout.n=8")]
 Debug = Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")]
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            out.print(f"rlstages {version('rlstages')}", highlight=False)
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            out.print("rlstages (not installed)", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """RL post-training of LLMs as a Prefect workflow over Ray, recorded in MLflow."""
 
 
 def fail(message: str, code: int = 1) -> None:

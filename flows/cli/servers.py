@@ -87,6 +87,7 @@ def start_prefect(home: Path, port: int, host: str = "127.0.0.1", ui: bool = Tru
         "PREFECT_SERVER_UI_ENABLED": "true" if ui else "false",
         "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
         "PREFECT_SERVER_DATABASE_TIMEOUT": "30",  # SQLite waits for its lock instead of answering 503 when busy
+        "PREFECT_UI_API_URL": f"http://{host}:{port}/api",  # else the UI calls the default port 4200
     }
     cmd = [str(_BIN / "prefect"), "server", "start", "--host", host, "--port", str(port)]
     log = home / "prefect-server.log"

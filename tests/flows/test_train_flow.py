@@ -53,7 +53,7 @@ def mlflow_run(cfg: RunConfig):
 def base(tmp_path_factory, tiny_model_dir: Path, ray_session, prefect_harness):
     """An uninterrupted 2-step run every other test compares against."""
     tmp = tmp_path_factory.mktemp("flow")
-    cfg = tiny_cfg(tmp, tiny_model_dir, "base", "tracking.log_model=true")
+    cfg = tiny_cfg(tmp, tiny_model_dir, "base", "tracking.log_model=true", "tracking.registered_model_name=tiny-policy")
     policy = rl_post_train(cfg)
     return tmp, cfg, Path(policy)
 
@@ -94,7 +94,42 @@ def test_two_steps_learn_and_are_recorded(base, tiny_model_dir: Path) -> None:
     assert found is not None and found[0] == 2
     assert (policy / "config.json").is_file() and (policy / "tokenizer.json").is_file()
     models = client.search_logged_models([run.info.experiment_id])
-    assert [(m.name, m.source_run_id) for m in models] == [("policy", run.info.run_id)]  # the MLflow model
+    assert ("policy", run.info.run_id) in [(m.name, m.source_run_id) for m in models]  # the MLflow model
+    tags = run.data.tags
+    assert tags["mlflow.source.type"] == "LOCAL" and tags["mlflow.user"] and tags["mlflow.source.name"]
+    assert tags["mlflow.source.git.commit"] == tags["rlstages.git_commit"]
+
+
+def test_registry_aliases_mark_the_final_and_the_best_checkpoint(base) -> None:
+    _, cfg, _ = base
+    client, run = mlflow_run(cfg)
+    rewards = {int(m.step): m.value for m in client.get_metric_history(run.info.run_id, "eval/reward_mean")}
+    best_step = max((1, 2), key=lambda s: (rewards[s], s))  # the checkpoints kept: steps 1 and 2
+    final = client.get_model_version_by_alias("tiny-policy", "final")
+    best = client.get_model_version_by_alias("tiny-policy", "best")
+    assert final.run_id == best.run_id == run.info.run_id
+    assert (best.version == final.version) == (best_step == 2)
+    logged = {m.name: m for m in client.search_logged_models([run.info.experiment_id])}
+    assert set(logged) == ({"policy"} if best_step == 2 else {"policy", "best_policy"})
+
+
+def test_task_runs_are_named_by_stage_and_step(base) -> None:
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    async def names() -> tuple[list[str], list[str]]:
+        async with get_client() as client:
+            flows = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["base"])))
+            tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flows[0].id]}))
+            return [f.name for f in flows], [t.name for t in tasks]
+
+    import asyncio
+
+    flow_names, task_names = asyncio.run(names())
+    assert flow_names == ["base"]  # the flow run is named after the training run
+    for stage in ("generate", "score_rewards", "advantages", "update_actor", "sync_weights", "checkpoint"):
+        assert {f"{stage}[step=1]", f"{stage}[step=2]"} <= set(task_names), (stage, sorted(task_names))
+    assert "evaluate[step=0]" in task_names and "export_policy" in task_names
 
 
 def test_transient_fault_is_retried(base, tiny_model_dir: Path, faults) -> None:

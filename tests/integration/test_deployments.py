@@ -100,7 +100,7 @@ def test_schedule_fires_and_completes_a_run_with_a_retried_stage(nightly, prefec
     assert "auto-scheduled" in first["tags"] and "rlstages" in first["tags"]
     expected = dt.datetime.fromisoformat(first["expected_start_time"]).replace(tzinfo=None)
     assert abs((expected - nightly["anchor"]).total_seconds()) < 1  # the first tick of --interval/--anchor
-    generate = [t for t in prefect_api.task_runs(first["id"]) if t["name"].startswith("generate-")]
+    generate = [t for t in prefect_api.task_runs(first["id"]) if t["name"] == "generate[step=1]"]
     assert len(generate) == 1 and generate[0]["run_count"] == 2  # failed once, retried in place, completed
     assert generate[0]["state_type"] == "COMPLETED"
     assert nightly["mlflow_after_first"]["state"] == "FINISHED"

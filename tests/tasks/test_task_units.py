@@ -66,8 +66,8 @@ def test_advantage_stage_matches_the_estimator(tmp_path: Path) -> None:
     torch.testing.assert_close(train[T.ADVANTAGES], expected)
     assert train[T.ADVANTAGES][0, 0] > 0 > train[T.ADVANTAGES][1, 0]  # the right answer of group a is favoured
     assert train[T.ADVANTAGES][2:].abs().max() == 0  # group b is all-correct: no signal
-    assert out["metrics"]["batch/kept_fraction"] == 1.0
-    assert out["kl_state"] == initial_kl_state(cfg)  # no KL in reward: the controller is untouched
+    assert out.metrics["batch/kept_fraction"] == 1.0
+    assert out.kl_state == initial_kl_state(cfg)  # no KL in reward: the controller is untouched
 
 
 def test_advantage_stage_filters_constant_groups(tmp_path: Path) -> None:
@@ -77,7 +77,7 @@ def test_advantage_stage_filters_constant_groups(tmp_path: Path) -> None:
     out = advantages.fn(cfg, run, 2, initial_kl_state(cfg))
     train = T.load_batch(run.batch(2, "train"))
     assert T.get_rows(train, "uid") == ["a", "a"]
-    assert out["metrics"]["batch/kept_fraction"] == 0.5
+    assert out.metrics["batch/kept_fraction"] == 0.5
 
 
 @pytest.mark.parametrize(
@@ -115,8 +115,10 @@ def test_retry_condition_reads_the_prefect_state() -> None:
 
 
 def test_backoff_grows_geometrically(tmp_path: Path) -> None:
-    policy = config(tmp_path).prefect.policy("generate").model_copy(
-        update={"retries": 3, "retry_delay_seconds": 2.0, "backoff_factor": 3.0}
+    policy = (
+        config(tmp_path)
+        .prefect.policy("generate")
+        .model_copy(update={"retries": 3, "retry_delay_seconds": 2.0, "backoff_factor": 3.0})
     )
     assert backoff_delays(policy) == [2.0, 6.0, 18.0]
     assert backoff_delays(policy.model_copy(update={"retries": 0})) == []
