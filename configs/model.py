@@ -1,4 +1,4 @@
-"""Where the policy comes from: a local HF directory, built on first use when a provider says how."""
+"""Where the policy comes from: a local HF directory (built on first use when a provider says how) or a hub id."""
 
 from __future__ import annotations
 
@@ -35,9 +35,11 @@ class ModelArchitecture(StrictModel):
 
 
 class ModelConfig(StrictModel):
-    """The policy model. `path` is a local HF directory; `provider` builds it there on first use."""
+    """The policy model. `path` is a local HF directory (`provider` builds it there on first use) or a hub id
+    `org/name`, resolved through the Hugging Face cache (HF_HOME, HF_HUB_OFFLINE) at `revision`."""
 
-    path: Path
+    path: Path = Field(description="A local HF model directory, or a hub id such as Qwen/Qwen2.5-0.5B-Instruct.")
+    revision: str | None = Field(default=None, description="Hub branch, tag or commit of a hub id (default main).")
     provider: Literal["local", "smollm2-gguf", "tiny-random"] = "local"
     tiny: TinyModelSpec | None = None
     architecture: ModelArchitecture | None = None

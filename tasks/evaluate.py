@@ -16,7 +16,7 @@ from rlstages.engines import types as T
 from rlstages.engines.types import SamplingParams
 from rlstages.tasks import tracking
 from rlstages.tasks.context import RunHandle, derive_seed
-from rlstages.tasks.data import eval_prompts
+from rlstages.tasks.data import eval_prompts, tokenizer_path
 from rlstages.tasks.policies import guard_workers
 from rlstages.tasks.reward import score_batch
 from rlstages.tasks.rollout import sampling
@@ -32,7 +32,7 @@ def run_eval(
     params = sampling(cfg, evaluation=True)
     if greedy:
         params = SamplingParams(n=1, temperature=0.0, max_new_tokens=params.max_new_tokens, stop=params.stop)
-    prompts = eval_prompts(cfg.data)
+    prompts = eval_prompts(cfg.data, tokenizer_path(cfg))
     seed = derive_seed(cfg.trainer.seed, step, "evaluate")
     guard_workers(lambda: workers.rollout.all(timeout).wake())
     batch = guard_workers(lambda: workers.rollout.dp(timeout).generate(prompts, params, seed))

@@ -24,10 +24,10 @@ from rlstages.tasks import tracking
 from rlstages.tasks.advantage import initial_kl_state
 from rlstages.tasks.checkpoint import driver_state, latest_checkpoint, restore_engines
 from rlstages.tasks.context import RunHandle
-from rlstages.tasks.data import cursor
+from rlstages.tasks.data import cursor, data_record
 from rlstages.tasks.policies import guard_workers
 from rlstages.tasks.rollout import sync_weights
-from rlstages.tasks.workers import build_workers, converted_dir, forget_workers, get_workers
+from rlstages.tasks.workers import build_workers, converted_dir, forget_workers, get_workers, model_dir
 
 RUN_STATE = "run_state.json"
 
@@ -90,7 +90,8 @@ def prepare_run(cfg: RunConfig) -> RunHandle:
     path.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path / "config.yaml", to_yaml(cfg))
     write_state(run, config_hash=config_hash(cfg))
-    ensure_model(cfg.model.path, cfg.model.provider, cfg.model.tiny.model_dump() if cfg.model.tiny else None)
+    tiny = cfg.model.tiny.model_dump() if cfg.model.tiny else None
+    ensure_model(cfg.model.path, cfg.model.provider, tiny, cfg.model.revision)
     return run
 
 
@@ -100,7 +101,10 @@ def start_tracking(cfg: RunConfig, run: RunHandle) -> str:
     from prefect.runtime import flow_run
 
     flow_run_id = str(flow_run.id) if flow_run.id else None
+    fresh = _state(run).get("mlflow_run_id") is None
     run_id = tracking.start_or_resume(cfg, run.name, _state(run).get("mlflow_run_id"), flow_run_id)
+    if fresh:
+        tracking.log_dataset(cfg, run_id, data_record(cfg))
     write_state(run, mlflow_run_id=run_id, status="RUNNING")
     create_link_artifact(
         key=f"mlflow-{run.name.lower().replace('_', '-')}"[:60],
@@ -155,7 +159,7 @@ def convert_for_training(cfg: RunConfig, run: RunHandle) -> str | None:
     assert isinstance(a, MegatronTrainingConfig)
     return str(
         convert_checkpoint(
-            str(cfg.model.path.resolve()),
+            model_dir(cfg),
             str(out),
             a.tensor_model_parallel_size,
             a.pipeline_model_parallel_size,
@@ -183,7 +187,7 @@ def export_policy(cfg: RunConfig, run: RunHandle, mlflow_run_id: str) -> str:
     workers = get_workers(cfg, run)
     timeout = cfg.prefect.policy("checkpoint").timeout_seconds
     # every rank takes part (gathering sharded weights is a collective); the engines write from one rank
-    guard_workers(lambda: workers.actor.all(timeout).save_pretrained(str(tmp), str(cfg.model.path.resolve())))
+    guard_workers(lambda: workers.actor.all(timeout).save_pretrained(str(tmp), model_dir(cfg)))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     if cfg.tracking.log_model:

@@ -76,8 +76,14 @@ def start_ray(cfg: RunConfig) -> None:
         ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, **kwargs)
 
 
-def _model_path(cfg: RunConfig) -> str:
-    return str(cfg.model.path.resolve())
+def model_dir(cfg: RunConfig) -> str:
+    """The policy's local directory: `model.path`, or a hub id's snapshot in the HF cache."""
+    from rlstages.engines.models import resolve_model_path
+
+    return str(resolve_model_path(str(cfg.model.path), cfg.model.revision))
+
+
+_model_path = model_dir
 
 
 def converted_dir(cfg: RunConfig) -> Path | None:
@@ -116,6 +122,8 @@ def rollout_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
         "apply_chat_template": cfg.data.apply_chat_template,
         "system_prompt": cfg.data.system_prompt,
     }
+    if cfg.data.chat_template:
+        kwargs["chat_template"] = cfg.data.chat_template
     extra: dict[str, Any] = {}
     if isinstance(r, HFRolloutConfig):
         kwargs.update(batch_size=r.batch_size, model_type=cfg.model.model_type)

@@ -70,14 +70,16 @@ def _guard(debug: bool, action) -> object:  # type: ignore[no-untyped-def]
 
 
 def _precheck(cfg: RunConfig) -> None:
-    """Refuse, before any flow starts, a run directory that holds another config or a backend whose package
-    is missing here (one-line errors)."""
+    """Refuse, before any flow starts, a run directory that holds another config, a backend whose package
+    is missing here, or bad data (one-line errors)."""
+    from rlstages.tasks.data import check_data
     from rlstages.tasks.run import resolve_run_dir
     from rlstages.tasks.workers import missing_backend_package
 
     problem = missing_backend_package(cfg)
     if problem:
         raise ValueError(problem)
+    check_data(cfg)
     if cfg.checkpoint.resume != "fresh":
         resolve_run_dir(cfg)
 
