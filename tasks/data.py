@@ -332,7 +332,10 @@ def tokenizer_path(cfg: RunConfig) -> str | None:
         return None
     from rlstages.engines.models import resolve_model_path
 
-    return str(resolve_model_path(str(cfg.model.path), cfg.model.revision))
+    path = resolve_model_path(str(cfg.model.path), cfg.model.revision)
+    if cfg.model.provider != "local" and not (path / "config.json").is_file():
+        return None  # a provider builds the model on first use; the flow filters once it exists
+    return str(path)
 
 
 def check_data(cfg: RunConfig) -> None:

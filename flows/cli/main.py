@@ -124,9 +124,10 @@ def eval_command(
     run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
     checkpoint: Annotated[Path | None, typer.Option(help="A checkpoint dir; default the newest.")] = None,
     sample: Annotated[bool, typer.Option(help="Sample as in training instead of greedy.")] = False,
+    k: Annotated[int | None, typer.Option("--k", min=1, help="Samples per prompt for mean@k / pass@k.")] = None,
     debug: Debug = False,
 ) -> None:
-    """Greedy pass@1 on the held-out prompts of a run's checkpoint."""
+    """Greedy accuracy on the held-out prompts of a run's checkpoint (and mean@k / pass@k with --k)."""
     saved = run_dir / "config.yaml"
     if not saved.is_file():
         fail(f"{run_dir}: not a run directory (no config.yaml)", 2)
@@ -134,7 +135,7 @@ def eval_command(
     _quiet_prefect(debug)
     from rlstages.flows.evaluate import evaluate_checkpoint
 
-    metrics = _guard(debug, lambda: evaluate_checkpoint(cfg, str(checkpoint) if checkpoint else None, not sample))
+    metrics = _guard(debug, lambda: evaluate_checkpoint(cfg, str(checkpoint) if checkpoint else None, not sample, k))
     assert isinstance(metrics, dict)
     from rich.table import Table
 

@@ -183,3 +183,16 @@ def test_steps_are_deterministic_resume_mid_epoch_and_wrap_into_epochs(tmp_path:
     assert first[:7] != first[7:14]  # reshuffled per epoch
     other = [p.ground_truth for s in range(1, 6) for p in D.prompts_for_step(cfg, s, seed=4)]
     assert other != first
+
+
+def test_addition_task_two_digit_and_multi_step() -> None:
+    import re
+
+    two = DataConfig(source={"kind": "addition", "min_operand": 10, "max_operand": 99}, prompts_per_step=1)
+    for row in D.load_rows(two, "train")[:200]:
+        a, b = map(int, re.findall(r"\d+", row.text))
+        assert 10 <= a <= 99 and 10 <= b <= 99 and row.ground_truth == str(a + b)
+    three = DataConfig(source={"kind": "addition", "terms": 3, "template": "Compute {expr}."}, prompts_per_step=1)
+    for row in D.load_rows(three, "eval"):
+        terms = list(map(int, re.findall(r"\d+", row.text)))
+        assert len(terms) == 3 and row.ground_truth == str(sum(terms))
