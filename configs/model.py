@@ -34,6 +34,18 @@ class ModelArchitecture(StrictModel):
     vocab_size: int
 
 
+class LoraSettings(StrictModel):
+    """LoRA adapters (the `peft` library) on the actor, torch backend: the base stays frozen and is also the
+    reference policy (adapter disabled); rollouts get merged weights; checkpoints hold the adapter."""
+
+    rank: int = Field(default=16, ge=1)
+    alpha: float = Field(default=32.0, gt=0.0, description="Scale = alpha / rank.")
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    target_modules: tuple[str, ...] = Field(
+        default=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), min_length=1
+    )
+
+
 class ModelConfig(StrictModel):
     """The policy model. `path` is a local HF directory (`provider` builds it there on first use) or a hub id
     `org/name`, resolved through the Hugging Face cache (HF_HOME, HF_HUB_OFFLINE) at `revision`."""
@@ -47,6 +59,7 @@ class ModelConfig(StrictModel):
         default=None, description="Model-registry key; defaults to config.json's model_type."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    lora: LoraSettings | None = Field(default=None, description="Train LoRA adapters instead of all weights.")
     plugins: tuple[str, ...] = Field(
         default=(), description="Modules every worker imports first, e.g. one that calls register_model(...)."
     )

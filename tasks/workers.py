@@ -220,6 +220,8 @@ def training_spec(cfg: RunConfig, run: RunHandle, role: str) -> GroupSpec:
         kwargs.update({k: v for k, v in train.model_dump().items() if k not in _COMMON_TRAINING})
     if backend == "megatron" and role == "actor":
         kwargs["converted_path"] = str(converted_dir(cfg))
+    if cfg.model.lora is not None and role == "actor":
+        kwargs["lora_params"] = cfg.model.lora.model_dump()
     tp = getattr(train, "tensor_model_parallel_size", 1) if role != "reference" else 1
     pp = getattr(train, "pipeline_model_parallel_size", 1) if role != "reference" else 1
     workers = cfg.reference.num_workers if role == "reference" else train.num_workers
@@ -300,7 +302,7 @@ def build_workers(cfg: RunConfig, run: RunHandle) -> Workers:
     specs = {"actor": training_spec(cfg, run, "actor"), "rollout": rollout_spec(cfg, run)}
     if cfg.cluster.hybrid_engine:
         specs["actor"] = hybrid_spec(specs["actor"], specs.pop("rollout"))
-    if cfg.uses_reference:
+    if cfg.uses_reference and cfg.model.lora is None:  # under LoRA the actor's frozen base is the reference
         specs["reference"] = training_spec(cfg, run, "reference")
     if cfg.critic is not None:
         specs["critic"] = training_spec(cfg, run, "critic")

@@ -22,7 +22,7 @@ from tensordict import TensorDict
 
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
-from rlstages.engines.models import load_causal_lm, torch_dtype
+from rlstages.engines.models import load_causal_lm, lora, torch_dtype
 from rlstages.engines.runtime.weight_sync import Bucket, bucketize
 from rlstages.engines.training import ppo_step as P
 from rlstages.engines.training import state_io
@@ -104,6 +104,7 @@ class TorchTrainingEngine:
         dtype: str = "float32",
         model_type: str | None = None,
         seed: int = 0,
+        lora_params: dict[str, Any] | None = None,
     ) -> None:
         torch.manual_seed(seed)
         self.role, self.batching, self.loss, self.temperature = role, batching, loss, temperature
@@ -111,6 +112,8 @@ class TorchTrainingEngine:
         self.model = build_model(model_path, role, dtype, model_type)
         if batching.gradient_checkpointing and role != "reference":
             self.model.gradient_checkpointing_enable()
+        if lora_params is not None and role == "actor":  # LoRA hook: adapters on a frozen base (models/lora.py)
+            self.model = lora.wrap_lora(self.model, lora_params)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if role == "reference":
@@ -118,7 +121,7 @@ class TorchTrainingEngine:
         else:
             self.model.train()
             self.optimizer = torch.optim.AdamW(
-                self.model.parameters(),
+                lora.trainable_parameters(self.model),
                 lr=optim.lr,
                 betas=optim.betas,
                 eps=optim.eps,
@@ -140,17 +143,19 @@ class TorchTrainingEngine:
         return micro_batches(batch, size, b.dynamic_batching, b.max_tokens_per_micro_batch)
 
     @torch.no_grad()
-    def logprobs(self, batch: TensorDict, temperature: float | None = None) -> TensorDict:
-        """Teacher-forced log-probs and entropy of the response tokens, [B, T] each (padded to the batch)."""
+    def logprobs(self, batch: TensorDict, temperature: float | None = None, base: bool = False) -> TensorDict:
+        """Teacher-forced log-probs and entropy of the response tokens, [B, T] each (padded to the batch);
+        `base`: under the frozen base (LoRA adapter disabled), i.e. the reference policy."""
         if temperature is not None:
             self.temperature = temperature
         width = batch[T.RESPONSE_IDS].shape[1]
         rows, restore = by_length(batch)
         logps, ents = [], []
-        for mb in self._micro(rows, self.batching.micro_batch_size):
-            lp, ent = self._forward(mb)
-            logps.append(P.pad_cols(lp, width))
-            ents.append(P.pad_cols(ent, width))
+        with lora.forward_as(self.model, base):
+            for mb in self._micro(rows, self.batching.micro_batch_size):
+                lp, ent = self._forward(mb)
+                logps.append(P.pad_cols(lp, width))
+                ents.append(P.pad_cols(ent, width))
         out = {"logprobs": torch.cat(logps)[restore], "entropy": torch.cat(ents)[restore]}
         return TensorDict(out, batch_size=batch.batch_size)
 
@@ -196,8 +201,7 @@ class TorchTrainingEngine:
     # ---- weights and state ----------------------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named tensors of the model, one at a time (tied weights under every name HF uses)."""
-        for name, tensor in self.model.state_dict().items():
-            yield name, tensor.detach()
+        yield from lora.named_weights(self.model)  # merged W + BA under LoRA
 
     def weight_buckets(self, bucket_bytes: int, dtype: str) -> Iterator[Bucket]:
         """`named_weights` in encoded buckets for streaming to rollout engines (a generator for Ray)."""
@@ -205,7 +209,7 @@ class TorchTrainingEngine:
 
     def save_pretrained(self, path: Path, tokenizer_from: Path | None = None) -> None:
         """An HF directory (config, safetensors, tokenizer) of the current weights, for export."""
-        self.model.save_pretrained(str(path), safe_serialization=True)
+        lora.save_pretrained(self.model, path)  # under LoRA: merged weights, and the adapter in path/adapter
         if tokenizer_from is not None:
             from rlstages.engines.models import load_tokenizer
 
@@ -215,7 +219,7 @@ class TorchTrainingEngine:
         """Model, optimizer, scheduler and RNG states (safetensors + JSON), so `load` continues bitwise."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        state_io.save_tensors(dict(self.model.state_dict()), path / state_io.MODEL_FILE)
+        state_io.save_tensors(lora.trainable_state(self.model), path / state_io.MODEL_FILE)  # adapter under LoRA
         if self.optimizer is not None and self.scheduler is not None:
             state_io.save_optimizer(self.optimizer, path / state_io.OPTIM_FILE)
             extra = {
@@ -230,7 +234,7 @@ class TorchTrainingEngine:
         """Restore what `save` wrote."""
         path = Path(path)
         weights = load_file(str(path / state_io.MODEL_FILE))
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        missing, unexpected = lora.load_trainable_state(self.model, weights)
         tied = {k for k in missing if k.endswith("lm_head.weight")}
         if set(missing) - tied or unexpected:
             raise ValueError(
