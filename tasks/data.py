@@ -123,6 +123,7 @@ def _open_dataset(cfg: DatasetsDataConfig, path: str, split: str) -> tuple[Any, 
     """Open one split as a `datasets.Dataset`: local files, a save_to_disk directory, or a hub name (cache)."""
     import datasets
 
+    datasets.disable_progress_bars()  # one-line errors and quiet checks, not progress bars on stderr
     files = _local_files(path)
     try:
         if files:
