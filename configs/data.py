@@ -1,4 +1,6 @@
-"""Prompt sources: the synthetic addition task of the demo, or JSONL files of prompt/answer rows."""
+"""Prompt sources: the synthetic addition task of the demo, JSONL files of prompt/answer rows, or any
+Hugging Face `datasets` source (parquet / JSON / arrow files, a saved dataset dir, a cached hub dataset),
+with verl's RL parquet schema as the default column layout."""
 
 from __future__ import annotations
 
@@ -11,14 +13,22 @@ from rlstages.configs.base import StrictModel
 
 
 class AdditionTaskConfig(StrictModel):
-    """Seeded synthetic prompts "What is a + b? Reply with only the number." with a, b in [1, max_operand]."""
+    """Seeded synthetic prompts "What is a + b? Reply with only the number." with a, b in [1, max_operand].
+
+    `terms` > 2 makes a multi-step sum ("What is a + b + c?"); `min_operand` lifts the operands (two-digit
+    addition is `min_operand: 10, max_operand: 99`)."""
 
     kind: Literal["addition"] = "addition"
     max_operand: int = Field(default=20, ge=1)
+    min_operand: int = Field(default=1, ge=0)
+    terms: int = Field(default=2, ge=2, le=8)
     num_train: int = Field(default=4000, ge=1)
     num_eval: int = Field(default=64, ge=1)
     seed: int = 0
-    template: str = "What is {a} + {b}? Reply with only the number."
+    template: str = Field(
+        default="What is {a} + {b}? Reply with only the number.",
+        description="`{a}`, `{b}` (two terms), or `{expr}` (the terms joined by ' + ', any number of terms).",
+    )
 
 
 class JsonlDataConfig(StrictModel):
@@ -31,7 +41,29 @@ class JsonlDataConfig(StrictModel):
     answer_key: str = "answer"
 
 
-DataSource = Annotated[AdditionTaskConfig | JsonlDataConfig, Field(discriminator="kind")]
+class DatasetsDataConfig(StrictModel):
+    """Rows read with the Hugging Face `datasets` library; the default columns are verl's RL parquet schema.
+
+    `path` is a local file or glob (.parquet, .json, .jsonl, .arrow, .csv), a directory written by
+    `Dataset.save_to_disk`, or a hub dataset name (read from the local HF cache when HF_DATASETS_OFFLINE=1 or
+    HF_HUB_OFFLINE=1). A dotted key reads inside a struct column (`reward_model.ground_truth`).
+    """
+
+    kind: Literal["datasets"] = "datasets"
+    path: str
+    eval_path: str | None = Field(default=None, description="Held-out rows; default: `path` at `eval_split`.")
+    name: str | None = Field(default=None, description="A hub dataset's config name (subset).")
+    revision: str | None = None
+    train_split: str = "train"
+    eval_split: str = Field(default="test", description="Used when `path` holds splits (hub or save_to_disk).")
+    prompt_key: str = Field(default="prompt", description="A string, or a list of chat messages {role, content}.")
+    answer_key: str = "reward_model.ground_truth"
+    data_source_key: str | None = "data_source"
+    extra_info_key: str | None = "extra_info"
+    default_data_source: str = Field(default="", description="For rows without a data_source column.")
+
+
+DataSource = Annotated[AdditionTaskConfig | JsonlDataConfig | DatasetsDataConfig, Field(discriminator="kind")]
 
 
 class DataConfig(StrictModel):
@@ -41,10 +73,20 @@ class DataConfig(StrictModel):
     prompts_per_step: int = Field(ge=1, description="Prompts per training step (verl's train_batch_size).")
     eval_prompts: int = Field(default=64, ge=1)
     apply_chat_template: bool = True
+    chat_template: str | None = Field(
+        default=None, description="A Jinja chat template that replaces the tokenizer's own."
+    )
     system_prompt: str | None = None
     shuffle: bool = True
-    overlong_prompts: Literal["error", "truncate"] = Field(
+    max_prompt_length: int | None = Field(
+        default=None,
+        ge=1,
+        description="Prompt tokens (after the chat template) allowed; longer ones are handled as "
+        "`overlong_prompts` says. Prompts that do not fit the model's context minus rollout.max_new_tokens are "
+        "handled the same way, whatever this is.",
+    )
+    overlong_prompts: Literal["error", "drop", "truncate"] = Field(
         default="error",
-        description="Prompts longer than the model's context minus rollout.max_new_tokens: error refuses the run "
-        "before it starts (naming the row); truncate keeps each such prompt's last tokens.",
+        description="error: refuse the run before it starts, naming the row; drop: skip them and count them "
+        "(data/dropped_prompts); truncate: keep each such prompt's last tokens (context limit only).",
     )

@@ -1,4 +1,4 @@
-"""Where the policy comes from: a local HF directory, built on first use when a provider says how."""
+"""Where the policy comes from: a local HF directory (built on first use when a provider says how) or a hub id."""
 
 from __future__ import annotations
 
@@ -34,10 +34,24 @@ class ModelArchitecture(StrictModel):
     vocab_size: int
 
 
-class ModelConfig(StrictModel):
-    """The policy model. `path` is a local HF directory; `provider` builds it there on first use."""
+class LoraSettings(StrictModel):
+    """LoRA adapters (the `peft` library) on the actor, torch backend: the base stays frozen and is also the
+    reference policy (adapter disabled); rollouts get merged weights; checkpoints hold the adapter."""
 
-    path: Path
+    rank: int = Field(default=16, ge=1)
+    alpha: float = Field(default=32.0, gt=0.0, description="Scale = alpha / rank.")
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    target_modules: tuple[str, ...] = Field(
+        default=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), min_length=1
+    )
+
+
+class ModelConfig(StrictModel):
+    """The policy model. `path` is a local HF directory (`provider` builds it there on first use) or a hub id
+    `org/name`, resolved through the Hugging Face cache (HF_HOME, HF_HUB_OFFLINE) at `revision`."""
+
+    path: Path = Field(description="A local HF model directory, or a hub id such as Qwen/Qwen2.5-0.5B-Instruct.")
+    revision: str | None = Field(default=None, description="Hub branch, tag or commit of a hub id (default main).")
     provider: Literal["local", "smollm2-gguf", "tiny-random"] = "local"
     tiny: TinyModelSpec | None = None
     architecture: ModelArchitecture | None = None
@@ -45,6 +59,7 @@ class ModelConfig(StrictModel):
         default=None, description="Model-registry key; defaults to config.json's model_type."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    lora: LoraSettings | None = Field(default=None, description="Train LoRA adapters instead of all weights.")
     plugins: tuple[str, ...] = Field(
         default=(), description="Modules every worker imports first, e.g. one that calls register_model(...)."
     )

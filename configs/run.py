@@ -12,6 +12,7 @@ from pydantic import Field, field_validator, model_validator
 from rlstages.configs.algorithm import AlgorithmConfig
 from rlstages.configs.base import StrictModel
 from rlstages.configs.data import DataConfig
+from rlstages.configs.evaluation import EvalConfig
 from rlstages.configs.model import ModelConfig
 from rlstages.configs.reward import RewardConfig
 from rlstages.configs.rollout import RolloutConfig, rollout_tp
@@ -192,6 +193,7 @@ class RunConfig(StrictModel):
 
     model: ModelConfig
     data: DataConfig
+    evaluation: EvalConfig = EvalConfig()
     rollout: RolloutConfig
     actor: TrainingConfig
     critic: TrainingConfig | None = None
@@ -247,6 +249,11 @@ class RunConfig(StrictModel):
 
 def _check_algorithm(cfg: RunConfig) -> None:
     algo = cfg.algorithm
+    if cfg.model.lora is not None and cfg.actor.backend != "torch":
+        raise ValueError(
+            f"model.lora trains adapters on the torch backend only; got actor.backend={cfg.actor.backend} "
+            "(use actor.backend: torch, or remove model.lora)"
+        )
     if algo.adv_estimator in GROUP_ESTIMATORS and cfg.rollout.n < 2:
         raise ValueError(
             f"algorithm.adv_estimator={algo.adv_estimator} compares samples within a prompt's group, so it "

@@ -55,9 +55,9 @@ class TrainingEngine(Protocol):
     With several ranks (sharded or pipelined backends) every rank calls every method at once; methods that
     return data return None (or yield nothing) on ranks that do not hold the result."""
 
-    def logprobs(self, batch: TensorDict, temperature: float | None = None) -> TensorDict | None:
+    def logprobs(self, batch: TensorDict, temperature: float | None = None, base: bool = False) -> TensorDict | None:
         """Teacher-forced log-probs (and entropy) of `response_ids`: a batch with `logprobs`, `entropy` [B, T].
-        `temperature` replaces the engine's (None keeps it)."""
+        `temperature` replaces the engine's (None keeps it); `base` reads the frozen base under LoRA."""
         ...
 
     def values(self, batch: TensorDict) -> torch.Tensor | None:
@@ -98,6 +98,7 @@ class Readout:
     values: bool = False
     temperature: float = 1.0
     entropy_grad: bool = False
+    base: bool = False  # under the frozen base (a LoRA adapter disabled): the reference policy
 
 
 # Called once per micro-batch with its outputs (the `Readout`); returns the micro-batch's loss when training.

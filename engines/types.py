@@ -19,7 +19,7 @@ A batch is a TensorDict with batch size [B] (B = prompts x n samples). Shapes, P
     scores            [B]       float32, the reward of each sample
 
 Per-row non-tensor fields (lists of str, travel with split/cat/index): uid (group id of the prompt),
-prompt, response, ground_truth.
+prompt, response, ground_truth, data_source, extra_info (a JSON object as text).
 
 Non-goal: knowing about models or tokenizers.
 """
@@ -50,16 +50,23 @@ ADVANTAGES = "advantages"
 RETURNS = "returns"
 SCORES = "scores"
 ROLLOUT_IS_WEIGHTS = "rollout_is_weights"
-ROW_FIELDS = ("uid", "prompt", "response", "ground_truth")
+ROW_FIELDS = ("uid", "prompt", "response", "ground_truth", "data_source", "extra_info")
 
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt row as it leaves the data stage: its group id, text, and the answer to check against."""
+    """One prompt row as it leaves the data stage: its group id, text, and the answer to check against.
+
+    `messages` (chat turns `{"role", "content"}`) replace `text` for the chat template when given; `text`
+    is then the last user turn. `data_source` and `extra_info` (JSON object text) reach the reward function.
+    """
 
     uid: str
     text: str
     ground_truth: str
+    messages: tuple[dict[str, str], ...] = ()
+    data_source: str = ""
+    extra_info: str = "{}"
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,10 @@
 
 import os
 
-# Defaults for a machine with no hub and no Prefect Cloud; the user's environment wins.
+# Defaults for a machine with no Prefect Cloud; the user's environment wins. Hugging Face's offline mode is the
+# user's to set (HF_HUB_OFFLINE=1): hub model ids then resolve from the local cache only.
 for _key, _value in {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_DEDUP_LOGS": "0",

@@ -55,7 +55,8 @@ def convert_flow(
     lines = [f"**{Path(hf_dir).name}** -> `{out}` with TP={tp} PP={pp} VPP={vpp or 1} ({transformer_impl})"]
     if parity is not None:
         lines.append(
-            f"parity: max |diff| {parity['max_abs_diff']:.2e}, argmax agreement {parity['argmax_agreement']:.0%}"
+            f"parity: max |diff| {parity['max_abs_diff']:.2e} vs fp64 HF (tolerance {parity['tolerance']:.2e}; "
+            f"HF's own fp32 error {parity['hf_fp32_diff']:.2e}), argmax agreement {parity['argmax_agreement']:.0%}"
         )
     _artifact("conversion", "\n\n".join(lines))
     return {"out_dir": out, "parity": parity}
@@ -119,7 +120,10 @@ def convert_command(
     err.print(f"[green]converted[/]: {escape(str(result['out_dir']))}")
     if result["parity"]:
         p = result["parity"]
-        err.print(f"[green]parity ok[/]: max |diff| {p['max_abs_diff']:.2e}, argmax {p['argmax_agreement']:.0%}")
+        err.print(
+            f"[green]parity ok[/]: max |diff| {p['max_abs_diff']:.2e} vs fp64 HF (tolerance {p['tolerance']:.2e}, "
+            f"HF fp32 error {p['hf_fp32_diff']:.2e}), argmax {p['argmax_agreement']:.0%}"
+        )
 
 
 def export_command(

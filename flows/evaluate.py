@@ -1,4 +1,5 @@
-"""Evaluate a run's checkpoint (or its final policy's checkpoint): greedy pass@1 on the held-out prompts."""
+"""Evaluate a run's checkpoint (or its final policy's checkpoint): greedy accuracy on the held-out prompts,
+and mean@k / pass@k of k samples per prompt when k > 1 (per data source when there are several)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,11 @@ from rlstages.tasks.workers import build_workers, forget_workers
 
 
 @flow(name="rl-evaluate", validate_parameters=True)
-def evaluate_checkpoint(cfg: RunConfig, checkpoint: str | None = None, greedy: bool = True) -> dict[str, float]:
-    """Load a committed checkpoint (default: the run's newest) into fresh workers and score held-out prompts."""
+def evaluate_checkpoint(
+    cfg: RunConfig, checkpoint: str | None = None, greedy: bool = True, k: int | None = None
+) -> dict[str, float]:
+    """Load a committed checkpoint (default: the run's newest) into fresh workers and score held-out prompts
+    (greedy, and k samples each when k > 1; k defaults to `evaluation.k`)."""
     path = run_dir(cfg)
     run = RunHandle(name=path.name, run_dir=str(path.resolve()))
     if checkpoint is None:
@@ -32,7 +36,7 @@ def evaluate_checkpoint(cfg: RunConfig, checkpoint: str | None = None, greedy: b
     try:
         restore_engines(cfg, run, ckpt)
         sync_weights.fn(cfg, run, step)
-        metrics, _ = run_eval(cfg, run, step, greedy=greedy)
+        metrics, _ = run_eval(cfg, run, step, greedy=greedy, k=k)
     finally:
         forget_workers(run, kill=True)
     return {"step": float(step), **metrics}

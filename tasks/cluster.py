@@ -91,7 +91,7 @@ def build_workers(cfg: RunConfig, run: RunHandle) -> Workers:
     specs = {"actor": training_spec(cfg, run, "actor"), "rollout": rollout_spec(cfg, run)}
     if cfg.cluster.hybrid_engine:
         specs["actor"] = hybrid_spec(specs["actor"], specs.pop("rollout"))
-    if cfg.uses_reference:
+    if cfg.uses_reference and cfg.model.lora is None:  # under LoRA the actor's frozen base is the reference
         specs["reference"] = training_spec(cfg, run, "reference")
     if cfg.critic is not None:
         specs["critic"] = training_spec(cfg, run, "critic")

@@ -24,11 +24,16 @@ def _write(run: RunHandle, step: int, stage: str, key: str, value: TensorDict | 
     T.save_batch(TensorDict({key: tensor}, batch_size=[tensor.shape[0]]), run.batch(step, stage))  # type: ignore[attr-defined]
 
 
-def _logprobs(cfg: RunConfig, run: RunHandle, step: int, group: ActorGroup, stage: str, key: str) -> dict[str, float]:
+def _logprobs(
+    cfg: RunConfig, run: RunHandle, step: int, group: ActorGroup, stage: str, key: str, base: bool = False
+) -> dict[str, float]:
     start = time.perf_counter()
     batch = T.load_batch(run.batch(step, "rollout"))
     timeout = cfg.prefect.policy(stage).timeout_seconds
-    out = guard_workers(lambda: group.dp(timeout).logprobs(batch))
+    if base:  # the actor's frozen LoRA base serves as the reference
+        out = guard_workers(lambda: group.dp(timeout).logprobs(batch, None, True))
+    else:
+        out = guard_workers(lambda: group.dp(timeout).logprobs(batch))
     _write(run, step, stage, key, out["logprobs"])
     metrics = {f"timing/{stage}_s": time.perf_counter() - start}
     if stage == "actor_logprobs":
@@ -48,7 +53,10 @@ def actor_logprobs(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float
 @task(name="ref_logprobs", cache_policy=NO_CACHE)
 def ref_logprobs(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
     """Log-probs of the rollouts under the frozen reference policy."""
-    group = get_workers(cfg, run).reference
+    workers = get_workers(cfg, run)
+    if cfg.model.lora is not None:  # no second copy of the weights: the actor with its adapter disabled
+        return _logprobs(cfg, run, step, workers.actor, "ref_logprobs", T.REF_LOGPROBS, base=True)
+    group = workers.reference
     assert group is not None, "ref_logprobs runs only when the reference is enabled"
     return _logprobs(cfg, run, step, group, "ref_logprobs", T.REF_LOGPROBS)
 

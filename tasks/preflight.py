@@ -234,7 +234,7 @@ def check_prompt_lengths(cfg: RunConfig) -> list[str]:
         )
     from rlstages.tasks.data import load_rows
 
-    rows = [(split, i, text) for split in ("train", "eval") for i, (text, _) in enumerate(load_rows(cfg.data, split))]
+    rows = [(split, i, row.text) for split in ("train", "eval") for i, row in enumerate(load_rows(cfg.data, split))]
     system = len((cfg.data.system_prompt or "").encode())
     # a token covers at least one byte for the tokenizers we use: short prompts need no tokenizer
     suspects = [r for r in rows if len(r[2].encode()) + system + TEMPLATE_SLACK > limit]

@@ -4,6 +4,7 @@ on one bad sample: failures and timeouts get the fallback score and are counted.
 
 from __future__ import annotations
 
+import json
 import time
 
 import torch
@@ -26,7 +27,9 @@ def score_batch(
     """Scores [B] of a rollout batch and the reward metrics (functions + reward model + overlong penalty)."""
     prompts, responses = T.get_rows(batch, "prompt"), T.get_rows(batch, "response")
     truths = T.get_rows(batch, "ground_truth")
-    result = guard_workers(lambda: workers.reward.one(0, timeout).score(prompts, responses, truths))
+    sources = T.get_rows(batch, "data_source") if "data_source" in batch.keys() else None
+    infos = [json.loads(x) for x in T.get_rows(batch, "extra_info")] if "extra_info" in batch.keys() else None
+    result = guard_workers(lambda: workers.reward.one(0, timeout).score(prompts, responses, truths, sources, infos))
     scores = torch.tensor(result.scores, dtype=torch.float32)
     metrics = dict(result.metrics)
     metrics["reward/accuracy"] = float((scores > 0).float().mean())

@@ -12,7 +12,7 @@ from rlstages.engines import types as T
 from rlstages.engines.runtime.weight_sync import sync_weights_local, sync_weights_ray
 from rlstages.engines.types import SamplingParams
 from rlstages.tasks.context import RunHandle, derive_seed
-from rlstages.tasks.data import prompts_for_step
+from rlstages.tasks.data import prompts_for_step, tokenizer_path
 from rlstages.tasks.faults import maybe_fail
 from rlstages.tasks.policies import guard_workers
 from rlstages.tasks.workers import get_workers
@@ -38,7 +38,7 @@ def sampling(cfg: RunConfig, evaluation: bool = False) -> SamplingParams:
 def generate(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
     """Sample `rollout.n` responses for the step's prompts (seeded by run seed, step); writes rollout batch."""
     start = time.perf_counter()
-    prompts = prompts_for_step(cfg.data, step, cfg.trainer.seed)
+    prompts = prompts_for_step(cfg.data, step, cfg.trainer.seed, tokenizer_path(cfg))
     workers = get_workers(cfg, run)
     maybe_fail(run, "generate", step, workers)
     timeout = cfg.prefect.policy("generate").timeout_seconds

@@ -26,11 +26,11 @@ from rlstages.tasks import tracking
 from rlstages.tasks.advantage import initial_kl_state
 from rlstages.tasks.checkpoint import driver_state, latest_checkpoint, read_manifest, restore_engines
 from rlstages.tasks.context import RunHandle
-from rlstages.tasks.data import cursor
+from rlstages.tasks.data import cursor, data_record
 from rlstages.tasks.policies import guard_workers, stage_logger
 from rlstages.tasks.preflight import check_import_allowed
 from rlstages.tasks.rollout import sync_weights
-from rlstages.tasks.workers import build_workers, converted_dir, forget_workers, get_workers
+from rlstages.tasks.workers import build_workers, converted_dir, forget_workers, get_workers, model_dir
 
 RUN_STATE = "run_state.json"
 
@@ -106,7 +106,8 @@ def prepare_run(cfg: RunConfig) -> RunHandle:
     path.mkdir(parents=True, exist_ok=True)
     write_state(run, config_hash=config_hash(cfg))  # first: a config.yaml always has its hash beside it
     atomic_write_text(path / "config.yaml", to_yaml(cfg))
-    ensure_model(cfg.model.path, cfg.model.provider, cfg.model.tiny.model_dump() if cfg.model.tiny else None)
+    tiny = cfg.model.tiny.model_dump() if cfg.model.tiny else None
+    ensure_model(cfg.model.path, cfg.model.provider, tiny, cfg.model.revision)
     return run
 
 
@@ -120,6 +121,8 @@ def start_tracking(cfg: RunConfig, run: RunHandle) -> str:
     if recorded is not None:
         check_same_config(cfg, recorded)
     run_id = tracking.start_or_resume(cfg, run.name, recorded, flow_run_id)
+    if recorded is None:
+        tracking.log_dataset(cfg, run_id, data_record(cfg))
     write_state(run, mlflow_run_id=run_id, status="RUNNING")
     return run_id
 
@@ -195,7 +198,7 @@ def convert_for_training(cfg: RunConfig, run: RunHandle) -> str | None:
     assert isinstance(a, MegatronTrainingConfig)
     return str(
         convert_checkpoint(
-            str(cfg.model.path.resolve()),
+            model_dir(cfg),
             str(out),
             a.tensor_model_parallel_size,
             a.pipeline_model_parallel_size,
@@ -236,7 +239,7 @@ def _save_hf(cfg: RunConfig, run: RunHandle, name: str) -> Path:
     workers = get_workers(cfg, run)
     timeout = cfg.prefect.policy("checkpoint").timeout_seconds
     # every rank takes part (gathering sharded weights is a collective); the engines write from one rank
-    guard_workers(lambda: workers.actor.all(timeout).save_pretrained(str(tmp), str(cfg.model.path.resolve())))
+    guard_workers(lambda: workers.actor.all(timeout).save_pretrained(str(tmp), model_dir(cfg)))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out

@@ -33,8 +33,14 @@ from rlstages.tasks.context import RunHandle
 _COMMON_TRAINING = set(TorchTrainingConfig.model_fields) - {"backend"}
 
 
-def _model_path(cfg: RunConfig) -> str:
-    return str(cfg.model.path.resolve())
+def model_dir(cfg: RunConfig) -> str:
+    """The policy's local directory: `model.path`, or a hub id's snapshot in the HF cache."""
+    from rlstages.engines.models import resolve_model_path
+
+    return str(resolve_model_path(str(cfg.model.path), cfg.model.revision))
+
+
+_model_path = model_dir
 
 
 def converted_dir(cfg: RunConfig) -> Path | None:
@@ -78,6 +84,8 @@ def rollout_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
         **{name: getattr(r, name) for name in entry.options},
         **{name: run_values[name] for name in entry.run_args},
     }
+    if cfg.data.chat_template:
+        kwargs["chat_template"] = cfg.data.chat_template
     extra: dict[str, Any] = {}
     if entry.actor_options is not None:
         python = getattr(r, "python", None)
@@ -156,6 +164,7 @@ def trainer_settings(cfg: RunConfig, role: Role) -> TrainerSettings:
         model_type=cfg.model.model_type,
         seed=cfg.trainer.seed,
         converted_path=str(converted) if converted is not None else None,
+        lora=cfg.model.lora.model_dump() if cfg.model.lora is not None and role == "actor" else None,
     )
 
 

@@ -105,6 +105,46 @@ def start_or_resume(cfg: RunConfig, run_name: str, run_id: str | None, flow_run_
     return rid
 
 
+def log_dataset(cfg: RunConfig, run_id: str, record: dict[str, dict[str, Any]]) -> None:
+    """Record each split as an MLflow dataset input (source, content digest; runs compare by data) and the
+    row counts, including prompts dropped by the length filter, as `data/*` metrics at step 0."""
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+
+    inputs, rows = [], []
+    now = int(time.time() * 1000)
+    for split, info in record.items():
+        ds = MetaDataset(
+            _dataset_source(str(info["source"])), name=f"{split}: {info['source']}"[:500], digest=info["digest"]
+        )
+        inputs.append(DatasetInput(ds._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", split)]))
+        rows += [Metric(f"data/{split}_rows", float(info["rows"]), now, 0)]
+        rows += [Metric(f"data/{split}_dropped_prompts", float(info["dropped"]), now, 0)]
+    c = client(cfg)
+    c.log_inputs(run_id, datasets=inputs)
+    c.log_batch(run_id, metrics=rows)
+
+
+def _dataset_source(where: str) -> Any:
+    """A local file's source, a hub dataset's, or a code source naming a synthetic dataset."""
+    path = where.split(" [")[0]
+    if path.startswith("hub dataset "):
+        from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
+
+        return HuggingFaceDatasetSource(path=path.removeprefix("hub dataset "))
+    if Path(path).exists():
+        import warnings
+
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
+
+        with warnings.catch_warnings():  # "can be interpreted in multiple ways": both are the local source
+            warnings.simplefilter("ignore", UserWarning)
+            return resolve_dataset_source(str(Path(path).resolve()))
+    from mlflow.data.code_dataset_source import CodeDatasetSource
+
+    return CodeDatasetSource(tags={"source": where})
+
+
 def last_logged_step(cfg: RunConfig, run_id: str) -> int:
     """The newest step MLflow already holds for this run (0 if none)."""
     history = client(cfg).get_metric_history(run_id, STEP_KEY)

@@ -1,6 +1,7 @@
 """Models: the registry of model types and their loaders (`registry`), and the providers that build a model
 directory on first use (`providers`)."""
 
+from rlstages.engines.models.hub import hub_cache_dir, is_hub_id, resolve_model_path
 from rlstages.engines.models.providers import build_smollm2, build_tiny_model, ensure_model
 from rlstages.engines.models.registry import (
     PLUGINS_ENV,
@@ -20,11 +21,14 @@ __all__ = [
     "build_tiny_model",
     "eos_token_ids",
     "ensure_model",
+    "hub_cache_dir",
+    "is_hub_id",
     "import_plugins",
     "load_causal_lm",
     "load_tokenizer",
     "read_model_type",
     "register_model",
     "registered_models",
+    "resolve_model_path",
     "torch_dtype",
 ]

@@ -14,13 +14,21 @@ from typing import Any
 
 import torch
 
+from rlstages.engines.models.hub import resolve_model_path
 from rlstages.engines.models.registry import read_model_type
 
 
-def ensure_model(path: str | Path, provider: str, tiny: dict[str, Any] | None = None) -> Path:
-    """Build the model directory on first use (`tiny-random`, `smollm2-gguf`); `local` only checks it."""
+def ensure_model(
+    path: str | Path, provider: str, tiny: dict[str, Any] | None = None, revision: str | None = None
+) -> Path:
+    """Build the model directory on first use (`tiny-random`, `smollm2-gguf`); `local` checks it (a hub id is
+    resolved through the HF cache first). Returns the directory the model loads from."""
+    if provider == "local":
+        path = resolve_model_path(path, revision)
+        read_model_type(path)
+        return path
     path = Path(path)
-    if provider == "local" or (path / "config.json").is_file():
+    if (path / "config.json").is_file():
         read_model_type(path)
         return path
     builders = {"tiny-random": lambda out: build_tiny_model(out, **(tiny or {})), "smollm2-gguf": build_smollm2}

@@ -113,3 +113,49 @@ def digit_ratio(prompt: str, response: str, ground_truth: str, **extra: Any) -> 
     """Fraction of the response's characters that are digits: a dense toy reward for smoke runs on tiny
     random models (verl's digit-completion idea), where an exact checker would always score 0."""
     return sum(ch.isdigit() for ch in response) / len(response) if response else 0.0
+
+
+_GSM8K_ANSWER = re.compile(r"#### *(-?[0-9.,]+)")
+GSM8K_SOURCES = frozenset({"openai/gsm8k", "gsm8k"})
+# verl's math family: math-verify handles \boxed{}, $...$ and plain answers alike.
+MATH_SOURCES = frozenset(
+    {
+        "lighteval/MATH",
+        "DigitalLearningGmbH/MATH-lighteval",
+        "HuggingFaceH4/MATH-500",
+        "math",
+        "math_dapo",
+        "math_dapo_reasoning",
+        "numina_aops_forum",
+        "numina_synthetic_math",
+        "numina_amc_aime",
+        "numina_synthetic_amc",
+        "numina_cn_k12",
+        "numina_olympiads",
+        "aime24",
+        "aime25",
+    }
+)
+
+
+def gsm8k(prompt: str, response: str, ground_truth: str, **extra: Any) -> float:
+    """1.0 if the response's last `#### answer` (GSM8K's format) equals the numeric ground truth, else 0.0."""
+    found = _GSM8K_ANSWER.findall(response)
+    if not found:
+        return 0.0
+    answer = found[-1].replace(",", "").rstrip(".")
+    try:
+        return 1.0 if float(answer) == float(ground_truth.replace(",", "").strip()) else 0.0
+    except ValueError:
+        return 0.0
+
+
+def by_data_source(prompt: str, response: str, ground_truth: str, data_source: str = "", **extra: Any) -> float:
+    """Verl's default reward dispatch by the row's `data_source`: GSM8K's `#### answer`, math-verify for the
+    math family (MATH, MATH-500, DAPO, Numina, AIME); any other source raises ValueError naming it."""
+    if data_source in GSM8K_SOURCES:
+        return gsm8k(prompt, response, ground_truth)
+    if data_source in MATH_SOURCES or data_source.startswith(("aime", "math")):
+        return math_verify(prompt, response, ground_truth, **{k: v for k, v in extra.items() if k == "timeout_seconds"})
+    known = ", ".join(sorted(GSM8K_SOURCES | MATH_SOURCES))
+    raise ValueError(f"by_data_source: no built-in reward for data_source {data_source!r} (known: {known})")

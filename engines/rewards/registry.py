@@ -3,12 +3,17 @@
 The registry holds strings, not functions, so naming a reward imports only its own module (and so that a
 worker process can resolve the same name). Add an entry to `REWARD_FUNCTIONS` to register a built-in.
 
-Non-goals: calling the functions, timeouts, weighting (see `rlstages.engines.rewards.scorer`).
+Two signatures are accepted: the project's `fn(prompt, response, ground_truth, **extra)` and verl's
+`compute_score(data_source, solution_str, ground_truth, extra_info=None)`; `call_reward_fn` tells them apart by
+parameter names and passes each what it takes.
+
+Non-goals: timeouts and weighting (see `rlstages.engines.rewards.scorer`).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +25,12 @@ REWARD_FUNCTIONS: dict[str, str] = {
     "exact_match": "rlstages.engines.rewards.functions:exact_match",
     "boxed_format": "rlstages.engines.rewards.functions:boxed_format",
     "digit_ratio": "rlstages.engines.rewards.functions:digit_ratio",
+    "gsm8k": "rlstages.engines.rewards.functions:gsm8k",
+    "by_data_source": "rlstages.engines.rewards.functions:by_data_source",
 }
+
+# Built-ins that compare against a ground truth: data checks refuse rows without one when these are used.
+NEEDS_GROUND_TRUTH = frozenset({"last_integer", "math_verify", "exact_match", "gsm8k", "by_data_source"})
 
 
 def _import_target(target: str, name: str) -> RewardFn:
@@ -59,3 +69,37 @@ def resolve_reward_fn(name: str) -> RewardFn:
         known = ", ".join(sorted(REWARD_FUNCTIONS))
         raise ValueError(f"unknown reward function {name!r}; registered: {known} (or give 'package.module:function')")
     return _import_target(target, name)
+
+
+def _is_verl_style(fn: RewardFn) -> bool:
+    """True for verl's `compute_score(data_source, solution_str, ground_truth, extra_info)` signature."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "solution_str" in params or next(iter(params), "") == "data_source"
+
+
+def call_reward_fn(
+    fn: RewardFn,
+    prompt: str,
+    response: str,
+    ground_truth: str,
+    data_source: str = "",
+    extra_info: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Call a reward function of either signature; per-sample `data_source`/`extra_info` go to the project's
+    functions as keywords only when they accept them (named or `**extra`)."""
+    if _is_verl_style(fn):
+        return fn(
+            data_source=data_source, solution_str=response, ground_truth=ground_truth, extra_info=extra_info, **kwargs
+        )
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    open_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    context = {"data_source": data_source, "extra_info": extra_info or {}}
+    extra = {k: v for k, v in context.items() if open_kw or k in params}
+    return fn(prompt, response, ground_truth, **extra, **kwargs)

@@ -34,7 +34,7 @@ from typing import Any
 
 from pebble import ProcessPool
 
-from rlstages.engines.rewards.registry import RewardFn, resolve_reward_fn
+from rlstages.engines.rewards.registry import RewardFn, call_reward_fn, resolve_reward_fn
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +88,18 @@ def _normalize(name: str, out: Any) -> dict[str, float]:
     return values
 
 
-def _call_reward(name: str, kwargs: dict[str, Any], prompt: str, response: str, ground_truth: str) -> dict[str, float]:
+def _call_reward(
+    name: str,
+    kwargs: dict[str, Any],
+    prompt: str,
+    response: str,
+    ground_truth: str,
+    data_source: str = "",
+    extra_info: dict[str, Any] | None = None,
+) -> dict[str, float]:
     """Worker task: run one reward function on one sample and return its normalized result."""
-    return _normalize(name, _resolve_cached(name)(prompt, response, ground_truth, **kwargs))
+    fn = _resolve_cached(name)
+    return _normalize(name, call_reward_fn(fn, prompt, response, ground_truth, data_source, extra_info, **kwargs))
 
 
 @dataclass
@@ -189,12 +198,22 @@ class RewardScorer:
                 return False
         return True
 
-    def score(self, prompts: list[str], responses: list[str], ground_truths: list[str]) -> ScoreResult:
-        """Score each (prompt, response, ground truth); failed or timed-out calls get the fallback score."""
-        if not len(prompts) == len(responses) == len(ground_truths):
+    def score(
+        self,
+        prompts: list[str],
+        responses: list[str],
+        ground_truths: list[str],
+        data_sources: list[str] | None = None,
+        extra_infos: list[dict[str, Any]] | None = None,
+    ) -> ScoreResult:
+        """Score each (prompt, response, ground truth), with the row's data source and extra info when given;
+        failed or timed-out calls get the fallback score."""
+        data_sources = data_sources or [""] * len(prompts)
+        extra_infos = extra_infos or [{} for _ in prompts]
+        if not len(prompts) == len(responses) == len(ground_truths) == len(data_sources) == len(extra_infos):
             raise ValueError(
-                f"prompts, responses and ground_truths differ in length: "
-                f"{len(prompts)}, {len(responses)}, {len(ground_truths)}"
+                f"prompts, responses, ground_truths, data_sources and extra_infos differ in length: "
+                f"{len(prompts)}, {len(responses)}, {len(ground_truths)}, {len(data_sources)}, {len(extra_infos)}"
             )
         if self._closed:
             raise RuntimeError("RewardScorer.score called after close()")
@@ -202,7 +221,7 @@ class RewardScorer:
         futures: dict[str, list[Future]] = {name: [] for name, _, _ in self.functions}
         for i in range(n):
             for name, _, kwargs in self.functions:
-                args = (name, kwargs, prompts[i], responses[i], ground_truths[i])
+                args = (name, kwargs, prompts[i], responses[i], ground_truths[i], data_sources[i], extra_infos[i])
                 futures[name].append(self._schedule(args))
         if not self._wait_all([f for column in futures.values() for f in column]):
             logger.warning("reward pool made no progress for %.1f s; replacing it", self._stall_seconds)

@@ -19,20 +19,30 @@ from rlstages.engines import types as T
 from rlstages.engines.types import Prompt
 
 
+def chat_messages(prompt: Prompt, system_prompt: str | None) -> list[dict[str, str]]:
+    """The chat turns of a prompt: its own messages (verl's `prompt` column) or one user turn of its text;
+    `system_prompt` is put first unless the messages already start with a system turn."""
+    messages = [dict(m) for m in prompt.messages] or [{"role": "user", "content": prompt.text}]
+    if system_prompt and messages[0].get("role") != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
 def format_prompts(
     tokenizer: Any, prompts: Sequence[Prompt], apply_chat_template: bool, system_prompt: str | None
 ) -> list[list[int]]:
-    """Token ids of each prompt: the chat template with a generation prompt when asked and available."""
+    """Token ids of each prompt: the chat template with a generation prompt when asked and available
+    (chat messages without a template are joined by newlines)."""
     use_chat = apply_chat_template and getattr(tokenizer, "chat_template", None)
     out: list[list[int]] = []
     for p in prompts:
         if use_chat:
-            messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-            messages.append({"role": "user", "content": p.text})
+            messages = chat_messages(p, system_prompt)
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
-            ids = tokenizer(p.text, add_special_tokens=True)["input_ids"]
+            text = "\n".join(m["content"] for m in p.messages) if p.messages else p.text
+            ids = tokenizer(text, add_special_tokens=True)["input_ids"]
         out.append(list(ids))
     return out
 
@@ -89,5 +99,7 @@ def build_rollout_batch(
         "prompt": [prompts[i // n].text for i in range(len(responses))],
         "response": list(texts),
         "ground_truth": [prompts[i // n].ground_truth for i in range(len(responses))],
+        "data_source": [prompts[i // n].data_source for i in range(len(responses))],
+        "extra_info": [prompts[i // n].extra_info for i in range(len(responses))],
     }
     return T.make_batch(tensors, rows)

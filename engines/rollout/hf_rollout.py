@@ -66,11 +66,14 @@ class HFRolloutEngine:
         batch_size: int = 64,
         apply_chat_template: bool = True,
         system_prompt: str | None = None,
+        chat_template: str | None = None,
         model_type: str | None = None,
     ) -> None:
         self.model_path = Path(model_path)
         self.model = load_causal_lm(model_path, dtype, model_type).eval()
         self.tokenizer = load_tokenizer(model_path)
+        if chat_template:  # the configured template replaces the tokenizer's own
+            self.tokenizer.chat_template = chat_template
         self.batch_size = batch_size
         self.apply_chat_template = apply_chat_template
         self.system_prompt = system_prompt

@@ -35,6 +35,7 @@ class SGLangRolloutEngine:
         max_model_len: int = 1024,
         apply_chat_template: bool = True,
         system_prompt: str | None = None,
+        chat_template: str | None = None,
         seed: int = 0,
     ) -> None:
         import sglang
@@ -46,6 +47,8 @@ class SGLangRolloutEngine:
         self.bucket_bytes = ipc.DEFAULT_BUCKET_BYTES
         model_path = str(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        if chat_template:  # the configured template replaces the tokenizer's own
+            self.tokenizer.chat_template = chat_template
         eos = self.tokenizer.eos_token_id
         self.eos_ids = {int(eos)} if eos is not None else set()
         pad = self.tokenizer.pad_token_id

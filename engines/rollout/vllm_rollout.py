@@ -77,6 +77,7 @@ class VLLMRolloutEngine:
         max_model_len: int = 1024,
         apply_chat_template: bool = True,
         system_prompt: str | None = None,
+        chat_template: str | None = None,
         seed: int = 0,
         cpu_kvcache_space_gb: int = 1,
     ) -> None:
@@ -92,6 +93,8 @@ class VLLMRolloutEngine:
         self.system_prompt = system_prompt
         self.bucket_bytes = ipc.DEFAULT_BUCKET_BYTES
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        if chat_template:  # the configured template replaces the tokenizer's own
+            self.tokenizer.chat_template = chat_template
         self.eos_ids = _eos_ids(self.tokenizer, model_path)
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else min(self.eos_ids, default=0)

@@ -68,18 +68,21 @@ class GroupSpec:
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_TOP_PAD_": str(1 << 28)}
 
 
+# The Hugging Face settings a worker inherits from the driver (also on a remote cluster's nodes).
+HF_ENV = ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT")
+
+
 def worker_env(threads: int, extra: dict[str, str] | None = None, omp_passive: bool = True) -> dict[str, str]:
     """Environment of a worker process: N torch threads (idle ones sleep at once when `omp_passive`, so
-    concurrent workers do not spin against each other), offline hubs, and a glibc heap that keeps freed
-    memory (no page-fault storm on large tensors)."""
+    concurrent workers do not spin against each other), the user's Hugging Face settings (cache, offline
+    mode: inherited, not forced), and a glibc heap that keeps freed memory (no page-fault storm on large tensors)."""
     env = {
         **KEEP_FREED_MEMORY,
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
         "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
     }
+    env.update({k: os.environ[k] for k in HF_ENV if k in os.environ})
     if omp_passive:
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     if os.environ.get("RLSTAGES_PLUGINS"):  # the user's model registrations (rlstages.engines.models.import_plugins)

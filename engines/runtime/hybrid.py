@@ -64,8 +64,10 @@ class HybridEngine:
         return {"sync/buckets": 0.0, "sync/tensors": float(count), "timing/sync_weights_s": time.perf_counter() - start}
 
     # ---- trainer side -----------------------------------------------------------------------------------------
-    def logprobs(self, batch: TensorDict, temperature: float | None = None) -> TensorDict:
-        """Teacher-forced log-probs with the trainer."""
+    def logprobs(self, batch: TensorDict, temperature: float | None = None, base: bool = False) -> TensorDict:
+        """Teacher-forced log-probs with the trainer (`base`: its frozen LoRA base, the reference policy)."""
+        if base:
+            return self.trainer.logprobs(batch, temperature, base=True)
         return self.trainer.logprobs(batch, temperature)
 
     def values(self, batch: TensorDict) -> torch.Tensor:

@@ -58,11 +58,12 @@ class PPOTrainer:
         n = 1 if readout.values else 2
         return [torch.cat([c[i] for c in cols])[restore] if cols else torch.zeros(0, width) for i in range(n)]
 
-    def logprobs(self, batch: TensorDict, temperature: float | None = None) -> TensorDict | None:
-        """Teacher-forced log-probs and entropy of the response tokens, [B, T] each (padded to the batch)."""
+    def logprobs(self, batch: TensorDict, temperature: float | None = None, base: bool = False) -> TensorDict | None:
+        """Teacher-forced log-probs and entropy of the response tokens, [B, T] each (padded to the batch);
+        `base`: under the frozen base (LoRA adapter disabled), i.e. the reference policy."""
         if temperature is not None:
             self.temperature = temperature
-        out = self._forward(batch, Readout(temperature=self.temperature))
+        out = self._forward(batch, Readout(temperature=self.temperature, base=base))
         if out is None:
             return None
         return TensorDict({"logprobs": out[0], "entropy": out[1]}, batch_size=batch.batch_size)

@@ -34,6 +34,7 @@ class TrainerSettings:
     model_type: str | None = None
     seed: int = 0
     converted_path: str | None = None  # a pre-converted checkpoint of the model (Megatron), None = convert here
+    lora: dict[str, Any] | None = None  # LoRA adapters on the actor (`configs.model.LoraConfig` dumped), torch only
 
     @property
     def backend(self) -> str:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from tensordict import TensorDict
 
 from rlstages.engines.base import OnOutput, Readout
-from rlstages.engines.models import load_causal_lm, torch_dtype
+from rlstages.engines.models import load_causal_lm, lora, torch_dtype
 from rlstages.engines.training import ppo_step as P
 from rlstages.engines.training import state_io
 from rlstages.engines.training.optim import adamw, lr_scheduler
@@ -69,10 +69,12 @@ class TorchBackend:
         self.settings = settings
         self.model = build_model(settings.model_path, settings.role, settings.dtype, settings.model_type)
         prepare_model(self.model, settings)
+        if settings.lora is not None and settings.role == "actor":  # adapters on a frozen base (models/lora.py)
+            self.model = lora.wrap_lora(self.model, settings.lora)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if settings.trainable:
-            self.optimizer = adamw(self.model.parameters(), settings.optim)
+            self.optimizer = adamw(lora.trainable_parameters(self.model), settings.optim)
             self.scheduler = lr_scheduler(self.optimizer, settings.optim, settings.optim_steps)
 
     def run(self, mbs: list[TensorDict], readout: Readout, on_output: OnOutput, train: bool) -> None:
@@ -80,11 +82,12 @@ class TorchBackend:
         if train:
             assert self.optimizer is not None
             self.optimizer.zero_grad(set_to_none=True)
-        for mb in mbs:
-            loss = on_output(mb, hf_forward(self.model, mb, readout, self.settings.train.bf16_autocast))
-            if train:
-                assert loss is not None
-                loss.backward()
+        with lora.forward_as(self.model, readout.base):
+            for mb in mbs:
+                loss = on_output(mb, hf_forward(self.model, mb, readout, self.settings.train.bf16_autocast))
+                if train:
+                    assert loss is not None
+                    loss.backward()
 
     def resident(self, train: bool) -> contextlib.AbstractContextManager[None]:
         """Nothing to bring back: the model never leaves."""
@@ -109,18 +112,18 @@ class TorchBackend:
         return float(self.scheduler.get_last_lr()[0])
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named tensors of the model, one at a time (tied weights under every name HF uses)."""
-        for name, tensor in self.model.state_dict().items():
-            yield name, tensor.detach()
+        """HF-named tensors of the model, one at a time (tied weights under every name HF uses; merged W + BA
+        under LoRA)."""
+        yield from lora.named_weights(self.model)
 
     def save_hf(self, path: Path) -> bool:
         """`save_pretrained` of the model (config + safetensors)."""
-        self.model.save_pretrained(str(path), safe_serialization=True)
+        lora.save_pretrained(self.model, path)  # under LoRA: merged weights, and the adapter in path/adapter
         return True
 
     def save(self, path: Path, steps_done: int) -> None:
         """Model, optimizer, scheduler and RNG states (safetensors + JSON)."""
-        state_io.save_tensors(dict(self.model.state_dict()), path / state_io.MODEL_FILE)
+        state_io.save_tensors(lora.trainable_state(self.model), path / state_io.MODEL_FILE)  # adapter under LoRA
         if self.optimizer is not None and self.scheduler is not None:
             state_io.save_optimizer(self.optimizer, path / state_io.OPTIM_FILE)
             extra = {
@@ -134,7 +137,7 @@ class TorchBackend:
     def load(self, path: Path) -> int | None:
         """Restore what `save` wrote."""
         weights = load_file(str(path / state_io.MODEL_FILE))
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        missing, unexpected = lora.load_trainable_state(self.model, weights)
         tied = {k for k in missing if k.endswith("lm_head.weight")}
         if set(missing) - tied or unexpected:
             raise ValueError(

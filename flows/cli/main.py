@@ -88,12 +88,14 @@ def _guard(debug: bool, action) -> object:  # type: ignore[no-untyped-def]
 
 
 def _precheck(cfg: RunConfig) -> None:
-    """Refuse, before any flow starts: every pre-flight check (model, data, imports, prompts, faults), a run
-    directory that holds another config or a damaged checkpoint, a backend whose package is missing here."""
+    """Refuse, before any flow starts: every pre-flight check (model, data rows, imports, prompts, faults), a
+    run directory that holds another config or a damaged checkpoint, a backend whose package is missing here."""
+    from rlstages.tasks.data import check_data
     from rlstages.tasks.preflight import preflight
 
     for message in preflight(cfg):
         warn(message)
+    check_data(cfg)  # every row of a datasets/JSONL source: file, row and column named
     from rlstages.tasks.checkpoint import latest_checkpoint
     from rlstages.tasks.context import RunHandle
     from rlstages.tasks.run import resolve_run_dir
@@ -149,9 +151,10 @@ def eval_command(
     run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
     checkpoint: Annotated[Path | None, typer.Option(help="A checkpoint dir; default the newest.")] = None,
     sample: Annotated[bool, typer.Option(help="Sample as in training instead of greedy.")] = False,
+    k: Annotated[int | None, typer.Option("--k", min=1, help="Samples per prompt for mean@k / pass@k.")] = None,
     debug: Debug = False,
 ) -> None:
-    """Greedy pass@1 on the held-out prompts of a run's checkpoint."""
+    """Greedy accuracy on the held-out prompts of a run's checkpoint (and mean@k / pass@k with --k)."""
     saved = run_dir / "config.yaml"
     if not saved.is_file():
         fail(f"{run_dir}: not a run directory (no config.yaml)", 2)
@@ -160,7 +163,7 @@ def eval_command(
     quiet_prefect(debug)
     from rlstages.flows.evaluate import evaluate_checkpoint
 
-    metrics = _guard(debug, lambda: evaluate_checkpoint(cfg, str(chosen), not sample))
+    metrics = _guard(debug, lambda: evaluate_checkpoint(cfg, str(chosen), not sample, k))
     assert isinstance(metrics, dict)
     from rich.table import Table
 
