@@ -27,7 +27,7 @@ from rlstages.tasks.context import RunHandle
 from rlstages.tasks.data import cursor
 from rlstages.tasks.policies import guard_workers
 from rlstages.tasks.rollout import sync_weights
-from rlstages.tasks.workers import build_workers, converted_dir, forget_workers, get_workers
+from rlstages.tasks.workers import build_workers, converted_dir, forget_workers, get_workers, rebuild_workers
 
 RUN_STATE = "run_state.json"
 
@@ -133,12 +133,11 @@ def _restore(cfg: RunConfig, run: RunHandle) -> StartPoint:
 
 @task(name="recover_workers", cache_policy=NO_CACHE, retries=1)
 def recover_workers(cfg: RunConfig, run: RunHandle) -> StartPoint:
-    """After a worker died: rebuild every group, reload the last committed checkpoint (or the initial
-    weights), sync the rollout engines; the flow replays from the returned step.
+    """After a worker died: rebuild every group (placement reserved again on the cluster as it is now),
+    reload the last committed checkpoint (or the initial weights), sync the rollout engines; the flow replays
+    from the returned step.
     """
-    workers = get_workers(cfg, run)
-    for group in workers.groups().values():
-        group.rebuild()
+    rebuild_workers(cfg, run)
     start = _restore(cfg, run)
     sync_weights.fn(cfg, run, start.step)
     return start
