@@ -10,11 +10,13 @@ Placement groups are on whenever GPUs are requested (`ClusterConfig.use_placemen
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 from rlstages.configs import RunConfig
 from rlstages.configs.rollout import rollout_tp
-from rlstages.engines.runtime.actor_group import GroupSpec, Placement
+from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec, Placement
 from rlstages.tasks.context import RunHandle
 
 RESERVED_ROLES = ("actor", "rollout", "reference", "critic")
@@ -119,3 +121,37 @@ def release(run: RunHandle) -> None:
             remove_placement_group(ray.util.get_placement_group(pg_name(run, key)))
         except ValueError:
             continue
+
+
+def _where(engine: object) -> dict[str, object]:
+    """Runs inside a rank: its node address and the fake/real GPU ids Ray assigned it."""
+    import os
+
+    import ray
+
+    ctx = ray.get_runtime_context()
+    return {
+        "node_ip": ray.util.get_node_ip_address(),
+        "node_id": ctx.get_node_id(),
+        "gpu_ids": [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])],
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "local_rank": os.environ.get("LOCAL_RANK"),
+    }
+
+
+def report(groups: dict[str, ActorGroup], path: Path, timeout: float = 120.0) -> list[dict[str, object]]:
+    """Where every rank of every group runs (node, GPU ids), appended to `path` as one JSON list per build
+    (`placement.json` in the run dir: the latest build is the last entry)."""
+    import ray
+
+    rows: list[dict[str, object]] = []
+    for role, group in groups.items():
+        if group.in_process:
+            continue
+        found = ray.get([h.__ray_call__.remote(_where) for h in group.handles], timeout=timeout)
+        rows += [{"role": role, "rank": rank, **info} for rank, info in enumerate(found)]
+    builds = json.loads(path.read_text()) if path.is_file() else []
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps([*builds, rows], indent=1))
+    tmp.replace(path)
+    return rows

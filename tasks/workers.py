@@ -21,7 +21,7 @@ from rlstages.engines.registry import REWARD_ENGINES, ROLLOUT_ENGINES, TRAINING_
 from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
 from rlstages.engines.training.torch_trainer import BatchingParams, OptimParams
 from rlstages.tasks.context import RunHandle
-from rlstages.tasks.placement import place, release
+from rlstages.tasks.placement import place, release, report
 
 _COMMON_TRAINING = set(TorchTrainingConfig.model_fields)
 
@@ -308,6 +308,8 @@ def build_workers(cfg: RunConfig, run: RunHandle) -> Workers:
         reward_model=group(reward_model_spec(cfg, run)),
     )
     _REGISTRY[run.key] = workers
+    if cfg.cluster.use_placement_group and not in_process:  # what runs where, for operators and the cluster tests
+        report(workers.groups(), run.path / "placement.json")
     return workers
 
 
