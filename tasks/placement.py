@@ -38,7 +38,8 @@ def _bundle(cfg: RunConfig, specs: list[GroupSpec], width: int = 1) -> dict[str,
 
 
 def _shortage(bundles: list[dict[str, float]], available: dict[str, float]) -> str:
-    """`not enough GPUs: need X, have Y` (or CPUs / a custom resource) for the first resource that is short."""
+    """`not enough GPUs: need X, have Y` (or CPUs / a custom resource) for the first resource that is short;
+    `available` = what is free on the alive nodes (other reservations of the run hold the rest)."""
     need: dict[str, float] = {}
     for b in bundles:
         for key, value in b.items():
@@ -64,10 +65,10 @@ def _reserve(name: str, bundles: list[dict[str, float]], strategy: str, timeout:
         ray.get(pg.ready(), timeout=timeout)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
-        have = ray.cluster_resources()  # alive nodes only
+        free, total = ray.available_resources(), ray.cluster_resources()  # alive nodes only
         raise ValueError(
-            f"cluster: {_shortage(bundles, have)} (cannot reserve {len(bundles)} bundles of {bundles[0]}, "
-            f"{strategy}, within {timeout:g}s; the cluster has {have}); lower the worker counts, "
+            f"cluster: {_shortage(bundles, free)} (cannot reserve {len(bundles)} bundles of {bundles[0]}, "
+            f"{strategy}, within {timeout:g}s; free {free}, in total {total}); lower the worker counts, "
             "cluster.cpus_per_bundle, or add nodes"
         ) from None
 

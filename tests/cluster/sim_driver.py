@@ -110,11 +110,22 @@ def sync(model: str) -> dict[str, Any]:
         rollout.kill()
 
 
+def short() -> dict[str, Any]:
+    """A layout the cluster cannot hold: the clear error, in bounded time."""
+    from rlstages.tasks.placement import _reserve
+
+    try:
+        _reserve("sim-short", [{"CPU": 0.1, "GPU": 4.0}] * 3, "PACK", 20)
+    except ValueError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
 if __name__ == "__main__":
     import ray.cloudpickle
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     ray.init(address=os.environ["RAY_ADDRESS"], namespace=NS, log_to_driver=False, logging_level="ERROR")
     scenario = sys.argv[1]
-    result = spanning() if scenario == "spanning" else sync(sys.argv[2])
+    result = {"spanning": spanning, "short": short}[scenario]() if scenario != "sync" else sync(sys.argv[2])
     print(json.dumps(result))
