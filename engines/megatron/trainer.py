@@ -37,11 +37,11 @@ from tensordict import TensorDict
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
 from rlstages.engines.megatron import cuda_shim
+from rlstages.engines.megatron import optim as MO
+from rlstages.engines.megatron import parallel as MP
 from rlstages.engines.models import torch_dtype
 from rlstages.engines.registry import has_module
 from rlstages.engines.runtime.weight_sync import Bucket, bucketize
-from rlstages.engines.training import megatron_optim as MO
-from rlstages.engines.training import megatron_parallel as MP
 from rlstages.engines.training import ppo_step as P
 from rlstages.engines.training import state_io
 from rlstages.engines.training.microbatch import micro_batches
