@@ -146,7 +146,8 @@ def report(groups: dict[str, ActorGroup], path: Path, timeout: float = 120.0) ->
     import ray
 
     rows: list[dict[str, object]] = []
-    for role, group in groups.items():
+    named = {id(g): (role, g) for role, g in groups.items()}  # a hybrid group (rollout is actor) once, as actor
+    for role, group in named.values():
         if group.in_process:
             continue
         found = ray.get([h.__ray_call__.remote(_where) for h in group.handles], timeout=timeout)
