@@ -147,8 +147,11 @@ class ClusterConfig(StrictModel):
         "driver's log; off = none.",
     )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    placement_group: bool = Field(
-        default=False, description="Reserve one bundle per rank up front (colocated roles share bundle i)."
+    placement_group: bool | None = Field(
+        default=None,
+        description="Reserve one bundle per rank up front (colocated roles share bundle i). None = on whenever "
+        "GPUs are requested (cluster.num_gpus > 0); false with GPUs is refused (colocated roles would each ask "
+        "Ray for their own GPUs).",
     )
     cpus_per_bundle: float = Field(default=1.0, gt=0.0, description="CPUs reserved in each placement bundle.")
     placement_timeout_seconds: float = Field(default=60.0, gt=0.0)
@@ -156,6 +159,25 @@ class ClusterConfig(StrictModel):
         default_factory=dict, description="Extra custom Ray resources each rollout worker needs (node pinning)."
     )
     trainer_resources: dict[str, float] = Field(default_factory=dict)
+    weight_sync: Literal["auto", "collective", "object_store"] = Field(
+        default="auto",
+        description="Split placement's trainer -> rollout transport: collective = a torch.distributed broadcast "
+        "group (gloo on CPU, NCCL on GPUs) from the trainer's source rank to every rollout worker, buckets "
+        "streamed; object_store = buckets through Ray's object store. auto = collective for the hf rollout, "
+        "object_store for vllm/sglang (their own venv/torch, their own update paths). The hybrid engine copies "
+        "in-process either way.",
+    )
+    rendezvous_timeout_seconds: float = Field(
+        default=300.0,
+        gt=0.0,
+        description="How long a multi-rank group waits for its rank 0 to be scheduled and publish its "
+        "torch.distributed address (a clear error instead of a hang when the cluster lacks the resources).",
+    )
+
+    @property
+    def use_placement_group(self) -> bool:
+        """Placement groups reserve the layout: on when asked, and always when GPUs are requested."""
+        return self.placement_group if self.placement_group is not None else self.num_gpus > 0
 
 
 class StagePolicy(StrictModel):
@@ -345,6 +367,26 @@ def _check_layout(cfg: RunConfig) -> None:
     _check_gpus(cfg)
 
 
+def gpu_slots(cfg: RunConfig) -> dict[str, int]:
+    """GPU slots (ranks x their tensor-parallel width) each role of the layout needs; the hybrid engine's
+    rollout lives in the actor's ranks, so it adds none of its own."""
+    roles = {"actor": cfg.actor.num_workers}
+    if not cfg.cluster.hybrid_engine:
+        roles["rollout"] = cfg.rollout.num_workers * rollout_tp(cfg.rollout)
+    if cfg.critic is not None:
+        roles["critic"] = cfg.critic.num_workers
+    if cfg.uses_reference:
+        roles["reference"] = cfg.reference.num_workers
+    return roles
+
+
+def gpus_needed(cfg: RunConfig) -> float:
+    """GPUs the layout takes: colocated roles share bundle i (max over roles), split roles add up."""
+    slots = gpu_slots(cfg).values()
+    per = cfg.cluster.gpus_per_worker
+    return (max(slots) if cfg.cluster.colocate else sum(slots)) * per
+
+
 def _check_gpus(cfg: RunConfig) -> None:
     cluster = cfg.cluster
     if cluster.hybrid_engine and (not cluster.colocate or cfg.rollout.num_workers != cfg.actor.num_workers):
@@ -353,22 +395,25 @@ def _check_gpus(cfg: RunConfig) -> None:
             f"cluster.colocate: true and rollout.num_workers == actor.num_workers (got {cfg.rollout.num_workers} "
             f"and {cfg.actor.num_workers})"
         )
-    rollout_workers = cfg.rollout.num_workers * rollout_tp(cfg.rollout)
-    roles = {"actor": cfg.actor.num_workers, "rollout": rollout_workers}
-    if cfg.critic is not None:
-        roles["critic"] = cfg.critic.num_workers
-    if cfg.uses_reference:
-        roles["reference"] = cfg.reference.num_workers
     if cluster.num_gpus == 0:
         if cfg.rollout.backend == "sglang":
             raise ValueError("rollout.backend=sglang needs GPUs (cluster.num_gpus=0); SGLang has no CPU build")
         return
+    roles = gpu_slots(cfg)
+    layout = ", ".join(f"{k}={v}" for k, v in roles.items())
     per = cluster.gpus_per_worker
-    needed = max(roles.values()) * per if cluster.colocate else sum(roles.values()) * per
+    if cluster.placement_group is False and cluster.mode == "ray":
+        alone = sum(roles.values()) * per
+        raise ValueError(
+            f"cluster.placement_group=false with cluster.num_gpus={cluster.num_gpus}: without placement groups "
+            f"every role asks Ray for its own GPUs ({layout} GPU slots x {per:g} = {alone:g}), so colocated roles "
+            "cannot share a GPU and a short cluster leaves actors pending forever; remove the setting (GPUs turn "
+            "placement groups on) or set it to true"
+        )
+    needed = gpus_needed(cfg)
     if needed > cluster.num_gpus:
-        layout = ", ".join(f"{k}={v}" for k, v in roles.items())
         mode = "colocated (max over roles)" if cluster.colocate else "split (sum over roles)"
         raise ValueError(
-            f"the layout asks for {needed:g} GPUs ({layout} workers x {per:g} GPU, {mode}) but "
+            f"the layout asks for {needed:g} GPUs ({layout} GPU slots x {per:g} GPU, {mode}) but "
             f"cluster.num_gpus={cluster.num_gpus}; lower the worker counts or set cluster.colocate: true"
         )

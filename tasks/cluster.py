@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rlstages.configs.run import RunConfig
 from rlstages.engines.models import PLUGINS_ENV, import_plugins
 from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
 from rlstages.tasks.context import RunHandle
-from rlstages.tasks.placement import place, release
+from rlstages.tasks.placement import place, release, report
 from rlstages.tasks.ray_auth import init_local_ray
 from rlstages.tasks.specs import hybrid_spec, reward_model_spec, reward_spec, rollout_spec, training_spec
 
@@ -95,7 +95,8 @@ def build_workers(cfg: RunConfig, run: RunHandle) -> Workers:
         specs["reference"] = training_spec(cfg, run, "reference")
     if cfg.critic is not None:
         specs["critic"] = training_spec(cfg, run, "critic")
-    specs = place(cfg, run, specs)
+    timeout = cfg.cluster.rendezvous_timeout_seconds
+    specs = place(cfg, run, {k: replace(v, rendezvous_timeout=timeout) for k, v in specs.items()})
     actor = ActorGroup(specs["actor"], ns, in_process)
     workers = Workers(
         rollout=actor if cfg.cluster.hybrid_engine else ActorGroup(specs["rollout"], ns, in_process),
@@ -106,12 +107,27 @@ def build_workers(cfg: RunConfig, run: RunHandle) -> Workers:
         reward_model=group(reward_model_spec(cfg, run)),
     )
     _REGISTRY[run.key] = workers
+    if cfg.cluster.use_placement_group and not in_process:  # what runs where, for operators and the cluster tests
+        report(workers.groups(), run.path / "placement.json")
     return workers
 
 
 def get_workers(cfg: RunConfig, run: RunHandle) -> Workers:
     """The run's live groups (rebuilt from the config if this process has none)."""
     return _REGISTRY.get(run.key) or build_workers(cfg, run)
+
+
+def rebuild_workers(cfg: RunConfig, run: RunHandle) -> Workers:
+    """After a worker death: kill every group, release the reservations and place the layout again on what
+    the cluster has now (a node added since is used; too little left is `not enough GPUs: need X, have Y`)."""
+    workers = _REGISTRY.pop(run.key, None)
+    if workers is not None:
+        for g in workers.groups().values():
+            g.kill()
+        for g in workers.groups().values():
+            g.wait_released()
+    release(run)
+    return build_workers(cfg, run)
 
 
 def forget_workers(run: RunHandle, kill: bool = True) -> None:

@@ -9,7 +9,7 @@ from prefect.cache_policies import NO_CACHE
 
 from rlstages.configs import RunConfig
 from rlstages.engines import types as T
-from rlstages.engines.runtime.weight_sync import sync_weights_local, sync_weights_ray
+from rlstages.engines.runtime.weight_sync import CollectiveSync, sync_weights_local, sync_weights_ray
 from rlstages.engines.types import SamplingParams
 from rlstages.tasks.context import RunHandle, derive_seed
 from rlstages.tasks.data import prompts_for_step, tokenizer_path
@@ -18,6 +18,13 @@ from rlstages.tasks.policies import guard_workers
 from rlstages.tasks.workers import get_workers
 
 BUCKET_BYTES = 256 << 20
+_COLLECTIVE: dict[str, CollectiveSync] = {}  # run key -> the driver's sync groups (rebuilt actors get new ones)
+
+
+def collective_sync(cfg: RunConfig) -> bool:
+    """Whether split placement syncs through a broadcast group (`cluster.weight_sync`)."""
+    mode = cfg.cluster.weight_sync
+    return mode == "collective" or (mode == "auto" and cfg.rollout.backend == "hf")
 
 
 def sampling(cfg: RunConfig, evaluation: bool = False) -> SamplingParams:
@@ -74,9 +81,14 @@ def sync_weights(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
     guard_workers(lambda: workers.rollout.all(timeout).wake())
     if workers.rollout.in_process:
         return sync_weights_local(workers.actor.handles[0], workers.rollout.handles, BUCKET_BYTES, cfg.rollout.dtype)
-    actor = workers.actor
+    actor, source = workers.actor, workers.actor.collect_ranks()[0]
+    if collective_sync(cfg):
+        sync = _COLLECTIVE.setdefault(run.key, CollectiveSync())
+        return guard_workers(
+            lambda: sync.sync(actor.handles, source, workers.rollout.handles, BUCKET_BYTES, cfg.rollout.dtype, timeout)
+        )
     return guard_workers(
         lambda: sync_weights_ray(
-            actor.handles, actor.collect_ranks()[0], workers.rollout.handles, BUCKET_BYTES, cfg.rollout.dtype, timeout
+            actor.handles, source, workers.rollout.handles, BUCKET_BYTES, cfg.rollout.dtype, timeout
         )
     )

@@ -30,7 +30,14 @@ from rlstages.tasks.data import cursor, data_record
 from rlstages.tasks.policies import guard_workers, stage_logger
 from rlstages.tasks.preflight import check_import_allowed
 from rlstages.tasks.rollout import sync_weights
-from rlstages.tasks.workers import build_workers, converted_dir, forget_workers, get_workers, model_dir
+from rlstages.tasks.workers import (
+    build_workers,
+    converted_dir,
+    forget_workers,
+    get_workers,
+    model_dir,
+    rebuild_workers,
+)
 
 RUN_STATE = "run_state.json"
 
@@ -176,12 +183,11 @@ def _restore(cfg: RunConfig, run: RunHandle) -> StartPoint:
 
 @task(name="recover_workers", cache_policy=NO_CACHE, retries=1)
 def recover_workers(cfg: RunConfig, run: RunHandle) -> StartPoint:
-    """After a worker died: rebuild every group, reload the last committed checkpoint (or the initial
-    weights), sync the rollout engines; the flow replays from the returned step.
+    """After a worker died: rebuild every group (placement reserved again on the cluster as it is now),
+    reload the last committed checkpoint (or the initial weights), sync the rollout engines; the flow replays
+    from the returned step.
     """
-    workers = get_workers(cfg, run)
-    for group in workers.groups().values():
-        group.rebuild()
+    rebuild_workers(cfg, run)
     start = _restore(cfg, run)
     sync_weights.fn(cfg, run, start.step)
     return start

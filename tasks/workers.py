@@ -4,7 +4,7 @@ live groups (`tasks.cluster`) and config -> engine spec (`tasks.specs`).
 
 from __future__ import annotations
 
-from rlstages.tasks.cluster import Workers, build_workers, forget_workers, get_workers, start_ray
+from rlstages.tasks.cluster import Workers, build_workers, forget_workers, get_workers, rebuild_workers, start_ray
 from rlstages.tasks.specs import (
     converted_dir,
     hybrid_spec,
@@ -31,6 +31,7 @@ __all__ = [
     "reward_model_spec",
     "reward_spec",
     "rollout_spec",
+    "rebuild_workers",
     "start_ray",
     "trainer_settings",
     "training_spec",

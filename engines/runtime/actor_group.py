@@ -21,6 +21,15 @@ from typing import Any
 
 from tensordict import TensorDict
 
+from rlstages.engines.runtime.rendezvous import (
+    KEY_ENV,
+    bundle_nodes,
+    forget_master,
+    local_ranks,
+    node_ip,
+    publish_master,
+    wait_master,
+)
 from rlstages.engines.types import chunk_for_ranks, concat
 from rlstages.engines.utils import free_port, import_object
 
@@ -51,6 +60,7 @@ class GroupSpec:
     env: dict[str, str] = field(default_factory=dict)
     extra_options: dict[str, Any] = field(default_factory=dict)
     placement: Placement = Placement()
+    rendezvous_timeout: float = 300.0
 
     @property
     def dp(self) -> int:
@@ -115,11 +125,30 @@ class ActorGroup:
             return
         import ray
 
-        remote_cls = ray.remote(cls)
-        self.handles = [
+        remote_cls = ray.remote(_with_rendezvous(cls))
+        key = self._rendezvous_key()
+        try:  # a living rank 0 (a retried task finds it by name) keeps its published address
+            ray.get_actor(self._actor_name(0), namespace=self.namespace)
+        except ValueError:
+            forget_master(key)
+        self._locals = self._local_ranks()
+        first = remote_cls.options(**self._options(0)).remote(**self.spec.kwargs)
+        if self.spec.num_workers > 1:
+            self._master = wait_master(key, first, self.spec.name, self.spec.rendezvous_timeout)
+        self.handles = [first] + [
             remote_cls.options(**self._options(rank)).remote(**self.spec.kwargs)
-            for rank in range(self.spec.num_workers)
+            for rank in range(1, self.spec.num_workers)
         ]
+
+    def _rendezvous_key(self) -> str:
+        return f"{self.namespace}/{self.spec.name}"
+
+    def _local_ranks(self) -> list[tuple[int, int]]:
+        """(LOCAL_RANK, LOCAL_WORLD_SIZE) of every rank: per node when a placement group fixes the nodes."""
+        p = self.spec.placement
+        if p.group_name is None or not p.bundle_indices:
+            return local_ranks([None] * self.spec.num_workers)
+        return local_ranks(bundle_nodes(p.group_name, p.bundle_indices))
 
     def _options(self, rank: int) -> dict[str, Any]:
         spec = self.spec
@@ -150,17 +179,22 @@ class ActorGroup:
         return {k: v for k, v in options.items() if v is not None}
 
     def _dist_env(self, rank: int) -> dict[str, str]:
-        """torch.distributed wiring of a rank: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT (rank 0 listens)."""
-        if not hasattr(self, "_master"):
-            self._master = (_node_ip(), free_port())
-        addr, port = self._master
-        return {
+        """torch.distributed wiring of a rank: RANK, WORLD_SIZE, LOCAL_RANK/LOCAL_WORLD_SIZE (per node), and
+        MASTER_ADDR/PORT: rank 0 picks them on its own node (`rendezvous.publish_master`), the others get them."""
+        local = getattr(self, "_locals", None) or local_ranks([None] * self.spec.num_workers)
+        env = {
             "RANK": str(rank),
             "WORLD_SIZE": str(self.spec.num_workers),
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": addr,
-            "MASTER_PORT": str(port),
+            "LOCAL_RANK": str(local[rank][0]),
+            "LOCAL_WORLD_SIZE": str(local[rank][1]),
+            KEY_ENV: self._rendezvous_key(),
         }
+        if rank == 0:
+            return env
+        if not hasattr(self, "_master"):
+            self._master = (node_ip(), free_port())
+        env["MASTER_ADDR"], env["MASTER_PORT"] = self._master[0], str(self._master[1])
+        return env
 
     def alive(self, timeout: float = 30.0) -> bool:
         """True when every rank answers; False when any actor died."""
@@ -187,28 +221,50 @@ class ActorGroup:
             except ValueError:
                 pass
         self.handles = []
+        if hasattr(self, "_master"):
+            del self._master  # a fresh rendezvous for the next process group
+        try:
+            forget_master(self._rendezvous_key())
+        except Exception:  # noqa: BLE001 - the GCS is gone with the cluster: nothing to forget
+            pass
+
+    def wait_released(self, timeout: float = 60.0) -> None:
+        """Block until the GCS has released every rank's name (killed actors), so a rebuild gets new actors."""
+        if self.in_process:
+            return
+        import time
+
+        import ray
+
+        deadline = time.monotonic() + timeout  # the GCS forgets dead names asynchronously (slower under load)
+        for rank in range(self.spec.num_workers):
+            while time.monotonic() < deadline:
+                try:
+                    ray.get_actor(self._actor_name(rank), namespace=self.namespace)
+                except ValueError:
+                    break
+                time.sleep(0.1)
+            else:
+                raise TimeoutError(f"group {self.spec.name}: rank {rank}'s dead actor name was not released")
 
     def rebuild(self) -> None:
         """Replace every rank with a fresh actor (after a death); state must be reloaded by the caller."""
         self.kill()
-        if hasattr(self, "_master"):
-            del self._master  # a fresh rendezvous port for the new process group
-        if not self.in_process:
-            import time
-
-            import ray
-
-            deadline = time.monotonic() + 60.0  # the GCS forgets dead names asynchronously (slower under load)
-            for rank in range(self.spec.num_workers):
-                while time.monotonic() < deadline:
-                    try:
-                        ray.get_actor(self._actor_name(rank), namespace=self.namespace)
-                    except ValueError:
-                        break
-                    time.sleep(0.1)
-                else:
-                    raise TimeoutError(f"group {self.spec.name}: rank {rank}'s dead actor name was not released")
+        self.wait_released()
         self._build()
+
+    def nodes(self, timeout: float = 60.0) -> list[str]:
+        """The node id each rank runs on (placement checks, tests)."""
+        if self.in_process:
+            return ["local"] * len(self.handles)
+        import ray
+
+        def where(engine: Any) -> str:  # runs inside the actor
+            import ray as r
+
+            return str(r.get_runtime_context().get_node_id())
+
+        return list(ray.get([h.__ray_call__.remote(where) for h in self.handles], timeout=timeout))
 
     # ---- dispatch -------------------------------------------------------------------------------------------
     def all(self, timeout: float | None = None) -> _Dispatch:
@@ -284,14 +340,17 @@ class _Dispatch:
         return call
 
 
-def _node_ip() -> str:
-    """This node's address for torch.distributed rendezvous (loopback when Ray is not running)."""
-    try:
-        import ray
+def _with_rendezvous(cls: type) -> type:
+    """`cls` whose constructor first publishes rank 0's rendezvous (a subclass defined here, so Ray ships it
+    by value; the engine class stays a plain class)."""
 
-        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-    except Exception:  # noqa: BLE001
-        return "127.0.0.1"
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        publish_master()
+        cls.__init__(self, *args, **kwargs)
+
+    ranked = type(cls.__name__, (cls,), {"__init__": __init__, "__doc__": cls.__doc__})
+    ranked.__qualname__ = f"_with_rendezvous.<locals>.{cls.__name__}"
+    return ranked
 
 
 def _split_list(items: Sequence[Any], parts: int) -> list[list[Any]]:

@@ -5,7 +5,8 @@ and encoded as numpy (bf16 travels as an int16 view), so Ray moves them zero-cop
 store; each rollout rank decodes a bucket and calls its engine's `update_weights`. At most two buckets
 are in flight, so no process ever holds a second full copy of the model.
 
-Non-goal: NCCL/IPC transports (GPU backends bring their own through their engines' update paths).
+For split placement there is also a collective transport (`CollectiveSync`, below): a broadcast group of the
+trainer's source rank and the rollout workers, gloo on CPU and NCCL on GPUs. Non-goal: CUDA IPC handles.
 """
 
 from __future__ import annotations
@@ -110,3 +111,188 @@ def sync_weights_local(trainer: Any, rollouts: list[Any], bucket_bytes: int, dty
         "sync/tensors": float(tensors),
         "timing/sync_weights_s": time.perf_counter() - start,
     }
+
+
+# ---- collective transport (split placement): torch.distributed broadcast, trainer rank -> rollout ranks -------
+#
+# verl / OpenRLHF's split-placement sync: a process group of its own joins the trainer's source rank (rank 0
+# of the group, it hosts the store) and every rollout worker; gloo on CPU, NCCL on GPUs
+# (`rendezvous.collective_backend`). Per bucket the source broadcasts a header (meta length, payload length),
+# the JSON meta (name, dtype, shape, offset) and one flat byte payload; receivers view their copy of the payload
+# as the named tensors and hand them to `engine.update_weights` (the HF engine copies each into its parameter).
+# One bucket at a time on both sides: no process holds a second full copy of the model. Every trainer rank
+# walks `named_weights()` in step, because gathering sharded weights (ZeRO-3, TP/PP) is a collective itself.
+
+_SYNC_GROUPS: dict[str, tuple[Any, int]] = {}  # inside a worker process: group name -> (process group, rank)
+
+
+def sync_endpoint(engine: Any) -> tuple[str, int]:
+    """Runs in the source trainer rank: this node's address and a port free here, for the sync group's store."""
+    from rlstages.engines.runtime.rendezvous import node_ip
+    from rlstages.engines.utils import free_port
+
+    addr = node_ip()
+    return addr, free_port(addr)
+
+
+def join_sync_group(engine: Any, name: str, addr: str, port: int, rank: int, world: int, timeout: float) -> int:
+    """Runs in every member: join the sync group `name` (rank 0 hosts its TCP store) and keep it here."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from rlstages.engines.runtime.rendezvous import collective_backend, node_ip
+
+    if name in _SYNC_GROUPS:
+        return rank
+    delta = datetime.timedelta(seconds=timeout)
+    store = dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=delta)
+    if collective_backend() == "nccl":  # pragma: no cover - GPU only
+        group: Any = dist.ProcessGroupNCCL(dist.PrefixStore(name, store), rank, world)
+    else:
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = delta
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=node_ip())]
+        group = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, world, options)
+    _SYNC_GROUPS[name] = (group, rank)
+    return rank
+
+
+def leave_sync_group(engine: Any, name: str) -> None:
+    """Drop a sync group (its peers are gone or replaced)."""
+    _SYNC_GROUPS.pop(name, None)
+
+
+def _broadcast(group: Any, tensor: torch.Tensor) -> None:
+    group.broadcast(tensor, 0).wait()
+
+
+def _pack(bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bucket as (meta bytes, one flat byte payload)."""
+    import json
+
+    meta, chunks, offset = [], [], 0
+    for name, tensor in bucket:
+        raw = tensor.contiguous().reshape(-1).view(torch.uint8)
+        meta.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset])
+        chunks.append(raw)
+        offset += raw.numel()
+    payload = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8), payload
+
+
+def _unpack(meta: torch.Tensor, payload: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    import json
+
+    for name, dtype, shape, offset in json.loads(bytes(meta.numpy()).decode()):
+        kind = getattr(torch, dtype)
+        size = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=kind).element_size()
+        yield name, payload[offset : offset + size].view(kind).reshape(shape)
+
+
+def send_weights(engine: Any, name: str | None, bucket_bytes: int, dtype: str) -> dict[str, float]:
+    """Runs in every trainer rank; the one holding the sync group `name` (the source) broadcasts the buckets,
+    the others only take part in the gathers of `named_weights()`."""
+    group = _SYNC_GROUPS[name][0] if name is not None else None
+    header = torch.zeros(2, dtype=torch.int64)
+    buckets = tensors = 0
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal bucket, size, buckets
+        meta, payload = _pack(bucket)
+        header[0], header[1] = meta.numel(), payload.numel()
+        _broadcast(group, header)
+        _broadcast(group, meta)
+        _broadcast(group, payload)
+        bucket, size, buckets = [], 0, buckets + 1
+
+    for key, tensor in engine.named_weights():
+        if group is None:
+            continue
+        t = tensor.detach().to(DTYPES[dtype])
+        bucket.append((key, t))
+        size += t.numel() * t.element_size()
+        tensors += 1
+        if size >= bucket_bytes:
+            flush()
+    if group is not None:
+        if bucket:
+            flush()
+        header.zero_()
+        _broadcast(group, header)  # the end
+    return {"sync/buckets": float(buckets), "sync/tensors": float(tensors)}
+
+
+def receive_weights(engine: Any, name: str) -> int:
+    """Runs in every rollout rank: receive buckets from the source until the end header, loading each into the
+    engine as it arrives. Returns the number of tensors loaded."""
+    group = _SYNC_GROUPS[name][0]
+    header = torch.zeros(2, dtype=torch.int64)
+    count = 0
+    while True:
+        _broadcast(group, header)
+        meta_len, payload_len = int(header[0]), int(header[1])
+        if meta_len == 0:
+            return count
+        meta = torch.empty(meta_len, dtype=torch.uint8)
+        payload = torch.empty(payload_len, dtype=torch.uint8)
+        _broadcast(group, meta)
+        _broadcast(group, payload)
+        named = list(_unpack(meta, payload))
+        engine.update_weights(iter(named))
+        count += len(named)
+        del named, payload
+
+
+class CollectiveSync:
+    """The driver's side of collective sync: builds the group once per set of live actors (a rebuilt group
+    gets a new one) and runs one broadcast round per `sync`."""
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[str, ...], str] = {}
+
+    @staticmethod
+    def _ids(handles: list[Any]) -> tuple[str, ...]:
+        return tuple(h._actor_id.hex() for h in handles)
+
+    def _group(self, source: Any, rollouts: list[Any], timeout: float) -> str:
+        import uuid
+
+        import ray
+
+        ids = self._ids([source, *rollouts])
+        if ids in self._groups:
+            return self._groups[ids]
+        name = f"wsync-{uuid.uuid4().hex[:12]}"
+        addr, port = ray.get(source.__ray_call__.remote(sync_endpoint), timeout=timeout)
+        world = 1 + len(rollouts)
+        refs = [
+            h.__ray_call__.remote(join_sync_group, name, addr, port, r, world, timeout)
+            for r, h in enumerate([source, *rollouts])
+        ]
+        ray.get(refs, timeout=timeout)
+        self._groups = {ids: name}  # older groups belong to dead actors
+        return name
+
+    def sync(
+        self, trainers: list[Any], source: int, rollouts: list[Any], bucket_bytes: int, dtype: str, timeout: float
+    ) -> dict[str, float]:
+        """Broadcast the source trainer rank's weights to every rollout rank."""
+        import ray
+
+        start = time.perf_counter()
+        name = self._group(trainers[source], rollouts, timeout)
+        sends = [
+            t.__ray_call__.remote(send_weights, name if r == source else None, bucket_bytes, dtype)
+            for r, t in enumerate(trainers)
+        ]
+        receives = [h.__ray_call__.remote(receive_weights, name) for h in rollouts]
+        try:
+            out = ray.get(sends, timeout=timeout)[source]
+            ray.get(receives, timeout=timeout)
+        except BaseException:
+            self._groups = {}  # a broken round leaves the group's streams out of step: the next sync builds anew
+            raise
+        return {**out, "timing/sync_weights_s": time.perf_counter() - start}

@@ -1,0 +1,202 @@
+"""The GPU-cluster path driven for real on a simulated cluster (`conftest.sim_cluster`: Ray head + 2 worker nodes
+in network namespaces, 4 fake GPUs and 1 CPU each, token auth on). Tiny models; gloo instead of NCCL.
+
+What holds: a group spanning both nodes joins its process group from rank 0's own address and passes a
+collective; collective weight sync from a trainer on node 1 to rollout workers on node 2 leaves log-probs
+within 1e-4 after every sync; an impossible layout fails with "not enough GPUs: need X, have Y"; the split
+DeepSpeed + rollout layout runs 2 steps with trainer ranks on one node and rollout on the other (checkpoints
+committed to the run dir on the host filesystem); the Megatron layout (TP2 x PP2, hybrid engine) runs across
+both nodes; killing a worker node mid-run is recovered on the capacity left plus a node added meanwhile.
+Flow runs are `rlstages run` subprocesses (the pytest process's own Ray is never touched).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from sim_support import BIN, REPO, SimCluster, run_driver
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(3600)]
+
+TINY = str(REPO / "configs" / "tiny.yaml")
+
+
+def flow(cluster: SimCluster, tmp: Path, model: Path, name: str, *overrides: str) -> list[str]:
+    """`rlstages run tiny.yaml` against the cluster, tracked in a SQLite MLflow store in `tmp`."""
+    return [
+        str(BIN / "rlstages"),
+        "run",
+        TINY,
+        f"model.path={model}",
+        "model.provider=local",
+        f"trainer.output_dir={tmp / 'runs'}",
+        f"trainer.run_name={name}",
+        f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
+        "tracking.log_model=false",
+        "trainer.eval_at_start=false",
+        "cluster.num_gpus=8",
+        "cluster.cpus_per_bundle=0.2",
+        "prefect.default.retry_delay_seconds=0",
+        *overrides,
+    ]
+
+
+def mlflow_run(tmp: Path, name: str):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("rlstages-tiny")
+    (found,) = client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{name}'")
+    return client, found
+
+
+def placements(tmp: Path, name: str) -> list[list[dict]]:
+    """Every build's placement rows (role, rank, node_ip, gpu_ids) from the run dir."""
+    return json.loads((tmp / "runs" / name / "placement.json").read_text())
+
+
+def gpu_holders(rows: list[dict]) -> dict[tuple[str, str], list[str]]:
+    held: dict[tuple[str, str], list[str]] = {}
+    for row in rows:
+        for gpu in row["gpu_ids"]:
+            held.setdefault((row["node_ip"], gpu), []).append(row["role"])
+    return held
+
+
+def test_group_spanning_nodes_rendezvous_at_rank_0(sim_cluster: SimCluster) -> None:
+    out = run_driver(sim_cluster, "spanning")
+    ranks = out["ranks"]
+    assert [r["sum"] for r in ranks] == [10.0] * 4  # all_reduce of rank + 1 over both nodes
+    assert {r["ip"] for r in ranks} == {sim_cluster.node_ip(1), sim_cluster.node_ip(2)}
+    assert all(r["MASTER_ADDR"] == ranks[0]["ip"] != out["driver_ip"] for r in ranks)  # rank 0's node
+    assert [(r["LOCAL_RANK"], r["LOCAL_WORLD_SIZE"]) for r in ranks] == [("0", "2"), ("1", "2")] * 2
+    assert all(r["CUDA_VISIBLE_DEVICES"] in {"0", "1", "2", "3"} and r["cuda"] is False for r in ranks)
+
+
+def test_weight_sync_between_nodes(sim_cluster: SimCluster, tiny_model_dir: Path) -> None:
+    out = run_driver(sim_cluster, "sync", str(tiny_model_dir))
+    assert out["trainer_ip"] == sim_cluster.node_ip(1)
+    assert out["rollout_ips"] == [sim_cluster.node_ip(2)] * 2
+    assert len(out["diffs"]) == 2 and max(out["diffs"]) < 1e-4 < min(out["stale"])
+
+
+def test_impossible_layout_says_not_enough_gpus(sim_cluster: SimCluster) -> None:
+    error = run_driver(sim_cluster, "short")["error"]
+    assert error is not None and "not enough GPUs: need 12, have 8" in error
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs `pip install .[deepspeed]`")
+def test_split_deepspeed_layout(sim_cluster: SimCluster, tiny_model_dir: Path, tmp_path: Path) -> None:
+    cmd = flow(
+        sim_cluster,
+        tmp_path,
+        tiny_model_dir,
+        "split",
+        "actor.backend=deepspeed",
+        "actor.zero_stage=2",
+        "actor.num_workers=2",
+        "rollout.num_workers=2",
+        "cluster.colocate=false",
+        "cluster.trainer_resources={sim_node_1: 0.2}",
+        "cluster.rollout_resources={sim_node_2: 0.2}",
+        "cluster.placement_timeout_seconds=300",
+    )
+    run = subprocess.run(cmd, env=sim_cluster.env(), cwd=tmp_path, capture_output=True, text=True, timeout=3000)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    client, found = mlflow_run(tmp_path, "split")
+    assert found.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(found.info.run_id, "reward/mean")] == [1, 2]
+    diffs = client.get_metric_history(found.info.run_id, "rollout/logprob_diff")
+    assert diffs and max(m.value for m in diffs) < 1e-4  # collective sync each step
+    (rows,) = placements(tmp_path, "split")
+    nodes = {role: {r["node_ip"] for r in rows if r["role"] == role} for role in ("actor", "rollout")}
+    assert nodes == {"actor": {sim_cluster.node_ip(1)}, "rollout": {sim_cluster.node_ip(2)}}
+    assert all(len(roles) == 1 for roles in gpu_holders(rows).values())  # split: one role per fake GPU
+    committed = sorted(p.name for p in (tmp_path / "runs" / "split" / "checkpoints").iterdir())
+    assert committed == ["step_000001", "step_000002"]
+    assert all((tmp_path / "runs" / "split" / "checkpoints" / c / "manifest.json").is_file() for c in committed)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs `pip install .[megatron]`")
+def test_megatron_layout_across_nodes(sim_cluster: SimCluster, tiny_model_dir: Path, tmp_path: Path) -> None:
+    cmd = flow(
+        sim_cluster,
+        tmp_path,
+        tiny_model_dir,
+        "mcore",
+        "actor.backend=megatron",
+        "actor.tensor_model_parallel_size=2",
+        "actor.pipeline_model_parallel_size=2",
+        "actor.num_workers=4",
+        "rollout.num_workers=4",
+        "cluster.hybrid_engine=true",
+        "cluster.colocate=true",
+        "cluster.placement_strategy=SPREAD",
+        "algorithm.use_kl_loss=true",
+        "reference.backend=torch",
+        "reference.num_workers=1",
+        "cluster.placement_timeout_seconds=300",
+    )
+    run = subprocess.run(cmd, env=sim_cluster.env(), cwd=tmp_path, capture_output=True, text=True, timeout=3000)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    client, found = mlflow_run(tmp_path, "mcore")
+    assert found.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(found.info.run_id, "reward/mean")] == [1, 2]
+    (rows,) = placements(tmp_path, "mcore")
+    actor = [r for r in rows if r["role"] == "actor"]
+    assert {r["node_ip"] for r in actor} == {sim_cluster.node_ip(1), sim_cluster.node_ip(2)}  # TP/PP span nodes
+    for roles in gpu_holders(rows).values():  # colocated: a fake GPU holds at most one rank of each role
+        assert len(roles) == len(set(roles)), roles
+    committed = sorted(p.name for p in (tmp_path / "runs" / "mcore" / "checkpoints").iterdir())
+    assert committed == ["step_000001", "step_000002"]  # shards written by ranks on both nodes, one commit
+
+
+def test_node_lost_mid_run_is_rebuilt_on_a_new_node(
+    sim_cluster: SimCluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # each group takes a whole node's 4 fake GPUs: after a node dies the run needs the node added meanwhile
+    cmd = flow(
+        sim_cluster,
+        tmp_path,
+        tiny_model_dir,
+        "lost",
+        "trainer.total_steps=3",
+        "trainer.eval_every=0",  # evaluation only at the end: the node dies inside a step's stages
+        "cluster.colocate=false",
+        "cluster.gpus_per_worker=4",
+        "cluster.placement_timeout_seconds=420",
+    )
+    log = tmp_path / "lost.log"
+    with log.open("w") as fh:
+        proc = subprocess.Popen(cmd, env=sim_cluster.env(), cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        first = tmp_path / "runs" / "lost" / "checkpoints" / "step_000001" / "manifest.json"
+        deadline = time.monotonic() + 1500
+        while not first.is_file():
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, "step 1 was not committed in time"
+            time.sleep(1)
+        (before,) = placements(tmp_path, "lost")
+        victim = next(r["node_ip"] for r in before if r["role"] == "actor")
+        index = 1 if victim == sim_cluster.node_ip(1) else 2
+        killed = sim_cluster.script("kill-node", str(index))
+        assert killed.returncode == 0, killed.stderr
+        added = sim_cluster.script("add-node", "3", timeout=900)
+        assert added.returncode == 0, added.stderr
+        proc.wait(timeout=2400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, log.read_text()[-5000:]
+    client, found = mlflow_run(tmp_path, "lost")
+    assert found.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(found.info.run_id, "reward/mean")] == [1, 2, 3]
+    builds = placements(tmp_path, "lost")
+    assert len(builds) >= 2  # the recovery placed the layout again
+    assert sim_cluster.node_ip(3) in {r["node_ip"] for r in builds[-1]}  # ... using the node added later
+    assert victim not in {r["node_ip"] for r in builds[-1]}
