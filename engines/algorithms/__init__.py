@@ -39,7 +39,12 @@ from rlstages.engines.algorithms.kl import (
     kl_penalty,
     make_kl_controller,
 )
-from rlstages.engines.algorithms.logits import entropy_from_logits, logprobs_from_logits
+from rlstages.engines.algorithms.logits import (
+    chunked_entropy,
+    chunked_logprobs,
+    entropy_from_logits,
+    logprobs_from_logits,
+)
 from rlstages.engines.algorithms.policy_loss import PolicyLossParams, policy_loss
 from rlstages.engines.algorithms.value_loss import value_loss
 
@@ -55,6 +60,8 @@ __all__ = [
     "PolicyLossParams",
     "agg_loss",
     "apply_kl_in_reward",
+    "chunked_entropy",
+    "chunked_logprobs",
     "compute_advantages",
     "compute_gae",
     "compute_grpo",
