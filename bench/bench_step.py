@@ -167,15 +167,73 @@ def logprob_kernels() -> None:
            f"peak +{c['peak_mb']:.0f} MB vs +{p['peak_mb']:.0f} MB")  # fmt: skip
 
 
+HEAPS = {  # glibc settings of a worker: the shipped one keeps every freed block; "bounded" caps what it keeps
+    "keep": "rlstages.engines.runtime.actor_group:KEEP_FREED_MEMORY",
+    "bounded": "rlstages.engines.runtime.actor_group:BOUNDED_HEAP",
+}
+
+
+def heap_worker() -> dict[str, float]:
+    """Two demo-shaped GRPO updates (64 rows, micro-batches of 16, bf16 autocast) of SmolLM2-135M in this
+    process: the second step's seconds and the process's peak RSS."""
+    from rlstages.engines import types as T
+    from rlstages.engines.rollout.batching import build_rollout_batch
+    from rlstages.engines.training.torch_trainer import BatchingParams, OptimParams, TorchTrainingEngine
+    from rlstages.engines.types import Prompt
+
+    torch.set_num_threads(2)
+    engine = TorchTrainingEngine(
+        MODEL_DIR, optim=OptimParams(lr=1e-5), batching=BatchingParams(micro_batch_size=16, bf16_autocast=True),
+        temperature=0.7,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    prompts = [Prompt(f"u{i}", "x", "0") for i in range(8)]
+    prompt_ids = [torch.randint(100, 49000, (PROMPT,), generator=g).tolist() for _ in prompts]
+    lengths = torch.randint(8, RESPONSE + 1, (64,), generator=g).tolist()
+    responses = [torch.randint(100, 49000, (n,), generator=g).tolist() for n in lengths]
+    batch = build_rollout_batch(prompts, prompt_ids, responses, [[-1.0] * n for n in lengths], [""] * 64, 8, 0)
+    batch[T.ADVANTAGES] = torch.randn(batch[T.RESPONSE_MASK].shape, generator=g) * batch[T.RESPONSE_MASK]
+    engine.train_step(batch)
+    start = time.perf_counter()
+    engine.train_step(batch)
+    return {"seconds": time.perf_counter() - start, "peak_mb": _status_kb("VmHWM") / 1024}
+
+
+def heap_settings() -> None:
+    """The update under each allocator setting, each in a fresh process with that environment."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from rlstages.engines.utils import import_object
+
+    out = {}
+    for name, ref in HEAPS.items():
+        env = {**os.environ, **import_object(ref)}
+        done = subprocess.run([sys.executable, "-m", "bench.bench_step", "--heap"], env=env, capture_output=True,
+                              text=True, check=True)  # fmt: skip
+        out[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    k, b = out["keep"], out["bounded"]
+    record("heap_bounded_time", b["seconds"] / k["seconds"], "<= 1.1",
+           f"update {b['seconds']:.1f} s vs {k['seconds']:.1f} s (bounded / keep-all heap)")  # fmt: skip
+    record("heap_bounded_memory", b["peak_mb"] / k["peak_mb"], "<= 0.8",
+           f"peak RSS {b['peak_mb']:.0f} MB vs {k['peak_mb']:.0f} MB (bounded / keep-all heap)")  # fmt: skip
+
+
 def main() -> None:
     """Measure the matmul baseline, then the step and generation, in this process with 2 threads."""
     import json
     import sys
 
+    if sys.argv[1:2] == ["--heap"]:
+        print(json.dumps(heap_worker()))
+        return
     if sys.argv[1:2] == ["--logprob"]:
         print(json.dumps(logprob_worker(sys.argv[2])))
         return
     logprob_kernels()
+    heap_settings()
     from rlstages.engines.models import ensure_model
     from rlstages.engines.models.registry import load_causal_lm
 

@@ -94,6 +94,12 @@ class ClusterConfig(StrictModel):
         "same time); spin busy-waits briefly first (~1.7x faster for a lone busy worker); auto = spin when "
         "one hybrid worker does all the torch work, else passive.",
     )
+    heap: Literal["keep", "bounded"] = Field(
+        default="keep",
+        description="glibc heap of the workers: keep every freed block (no page faults re-touching large "
+        "tensors; the heap only grows) or bounded (blocks >= 64 MB are returned when freed, the free top is "
+        "trimmed past 256 MB: a lower peak for some re-faulting).",
+    )
     namespace: str = "rlstages"
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     placement_group: bool = Field(

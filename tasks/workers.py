@@ -149,6 +149,7 @@ def rollout_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
         resources=dict(cfg.cluster.rollout_resources),
         threads=cfg.cluster.threads_per_worker,
         omp_passive=cfg.omp_passive,
+        heap=cfg.cluster.heap,
         extra_options=extra,
     )
 
@@ -226,6 +227,7 @@ def training_spec(cfg: RunConfig, run: RunHandle, role: str) -> GroupSpec:
         resources=dict(cfg.cluster.trainer_resources),
         threads=cfg.cluster.threads_per_worker,
         omp_passive=cfg.omp_passive,
+        heap=cfg.cluster.heap,
     )
 
 
@@ -255,6 +257,7 @@ def reward_model_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec | None:
         kwargs=kwargs,
         threads=cfg.cluster.threads_per_worker,
         omp_passive=cfg.omp_passive,
+        heap=cfg.cluster.heap,
     )
 
 
