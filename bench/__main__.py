@@ -6,6 +6,7 @@ None is a test.
 
     python -m bench                   # all
     python -m bench trl step          # some (short names or bench.bench_<name> modules)
+    python -m bench --markdown        # bench/results.json as the README's table
     BENCH_TRL_STEPS=5 python -m bench trl
 """
 
@@ -41,14 +42,32 @@ def machine() -> dict[str, object]:
     }
 
 
+def bench_env() -> dict[str, str]:
+    """The benches' environment: offline hubs, a Prefect home of their own (not ~/.prefect), and a generous
+    start-up timeout for Prefect's temporary server (a loaded machine restarts it in a loop otherwise)."""
+    defaults = {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PREFECT_HOME": tempfile.mkdtemp(prefix="rlstages-bench-prefect-"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "900",
+    }
+    return {**defaults, **os.environ}
+
+
 def main() -> None:
     """Run the benches named on the command line (default: all) in separate processes; print and save."""
+    if sys.argv[1:] == ["--markdown"]:
+        print(markdown(json.loads(OUT.read_text())))
+        return
     names = [n if n.startswith("bench.") else f"bench.bench_{n}" for n in (sys.argv[1:] or BENCHES)]
     info = machine()
     print(f"machine: {json.dumps(info)}", flush=True)
     fd, tmp = tempfile.mkstemp(prefix="rlstages-bench-", suffix=".jsonl")
     os.close(fd)
-    env = {**os.environ, RESULTS_ENV: tmp}
+    env = {**bench_env(), RESULTS_ENV: tmp}
     for name in names:
         if not (Path(__file__).resolve().parent / f"{name.removeprefix('bench.')}.py").is_file():
             print(f"skip {name}: not present")
@@ -70,6 +89,18 @@ def main() -> None:
     merged = [p for p in previous if p["name"] not in {r["name"] for r in rows}] + rows
     OUT.write_text(json.dumps(merged, indent=1) + "\n")
     print(f"wrote {OUT} ({len(rows)} figures measured now, {len(merged)} in all)")
+
+
+def markdown(rows: list[dict]) -> str:  # type: ignore[type-arg]
+    """bench/results.json as the README's table (figure, ratio, goal, met, load when measured, detail)."""
+    lines = ["| figure | ratio | goal | met | load (1 min) | detail |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        mark = {True: "✓", False: "✗", None: "–"}[r["ok"]]
+        load = f"{r['load_avg'][0]:.1f}"
+        lines.append(f"| `{r['name']}` | {r['ratio']:.3g} | {r['goal'] or '—'} | {mark} | {load} | {r['detail']} |")
+    speeds = sorted({r.get("machine_gflops_float32") for r in rows if r.get("machine_gflops_float32")})
+    lines.append(f"\nMachine speed when measured (plain fp32 matmul): {', '.join(f'{s} GFLOP/s' for s in speeds)}.")
+    return "\n".join(lines)
 
 
 def _machine_line(info: dict[str, object]) -> str:

@@ -139,9 +139,9 @@ def run_trl(steps: int, tmp: Path) -> dict[str, float]:
 
 def _side(name: str, steps: int) -> dict[str, float]:
     """Run one side in a fresh process, sampling its tree's PSS; its result is the last stdout line."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from bench.__main__ import bench_env
+
+    env = bench_env()
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
         cmd = [sys.executable, "-m", "bench.bench_trl", "--side", name, str(steps), out.name]
         proc = subprocess.Popen(cmd, env=env)
