@@ -5,9 +5,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from prefect.utilities.annotations import opaque
+
 from rlstages.configs import RunConfig
 from rlstages.tasks import advantage, checkpoint, evaluate, logprobs, reward, rollout, run, update
 from rlstages.tasks.policies import with_policy
+
+
+class _Stage:
+    """A stage task called with its config wrapped in `opaque`: Prefect hands the task the same RunConfig but
+    does not walk its ~150 fields looking for futures (input tracking and input resolution each did, on every
+    call: most of Prefect's own CPU time per stage). A config holds no futures, so nothing is lost."""
+
+    def __init__(self, task: Any) -> None:
+        self.task = task
+
+    def __call__(self, cfg: RunConfig, *args: Any, **kwargs: Any) -> Any:
+        return self.task(opaque(cfg), *args, **kwargs)
+
+    def submit(self, cfg: RunConfig, *args: Any, **kwargs: Any) -> Any:
+        """Run the stage in the flow's task runner (a future)."""
+        return self.task.submit(opaque(cfg), *args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -36,13 +54,13 @@ class Stages:
         """Every stage task with `cfg.prefect`'s policy for it."""
 
         def p(t: Any, name: str) -> Any:
-            return with_policy(t, cfg.prefect.policy(name))
+            return _Stage(with_policy(t, cfg.prefect.policy(name)))
 
         return cls(
-            prepare_run=run.prepare_run,
+            prepare_run=_Stage(run.prepare_run),
             start_tracking=p(run.start_tracking, "start_tracking"),
             start_workers=p(run.start_workers, "start_workers"),
-            recover_workers=run.recover_workers,
+            recover_workers=_Stage(run.recover_workers),
             generate=p(rollout.generate, "generate"),
             score_rewards=p(reward.score_rewards, "score_rewards"),
             actor_logprobs=p(logprobs.actor_logprobs, "actor_logprobs"),
