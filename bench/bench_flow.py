@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import report, small_model
+from bench.common import record, report, small_model
 
 
 def _config(tmp: Path, model: Path, name: str, steps: int, tokens: int):  # type: ignore[no-untyped-def]
@@ -94,6 +94,12 @@ def main(steps: int = 6) -> None:
             flow.append(flow_iterations(_config(tmp, model, f"flow{hidden}-{rep}", steps, tokens), steps))
         case = f"hidden {hidden} x {layers}, 8 prompts x 4 x {tokens} tokens ({min(flow) - min(bare):+.3f} s/it)"
         rows.append((case, min(flow), min(bare), "<= 1.05"))
+        record(
+            "flow_tiny" if hidden == SIZES[0][0] else "flow_small",
+            min(flow) / min(bare),
+            "<= 1.05",
+            f"{min(flow):.3f} vs {min(bare):.3f} s/it ({min(flow) - min(bare):+.3f} s), hidden {hidden}",
+        )
     report("flow iteration vs bare loop of the same stage calls (ratio = flow / bare)", rows)
     ray.shutdown()
 

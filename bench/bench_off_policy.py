@@ -16,7 +16,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import report, small_model
+from bench.common import record, report, small_model
 
 
 def _config(tmp: Path, model: Path, name: str, steps: int, off_policy: bool):  # type: ignore[no-untyped-def]
@@ -84,6 +84,7 @@ def main(steps: int = 6) -> None:
         "step time, one-step off-policy vs synchronous (ratio = off / sync), hidden 128 x 4, 8 prompts x 4 x 32 tok",
         [(f"{steps} steps, split layout, token TIS", off[0], sync[0], "< 1 (overlap)")],
     )
+    record("off_policy_step_time", off[0] / sync[0], "<= 1.0", "one-step off-policy / synchronous, split layout")
     table = Table("run", "reward/mean per step", "mean", "rollout_corr/kl per step", title="reward curves")
     for name, rows in (("sync", results[False]), ("off-policy", results[True])):
         for i, (_, reward, kl) in enumerate(rows):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.common import best_of, report, small_model
+from bench.common import best_of, record, report, small_model
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
 from rlstages.engines.types import Prompt, SamplingParams
 
@@ -50,7 +50,9 @@ def main(batch: int = 32, new_tokens: int = 48) -> None:
         "HF rollout engine vs model.generate (throughput ratio = baseline/ours; goal >= 0.95)",
         [(f"{batch} x {new_tokens} tokens, {tokens / ours_s:,.0f} tok/s", ours_s, base_s, "base/ours >= 0.95")],
     )
-    print(f"throughput ratio (engine / raw generate): {base_s / ours_s:.3f}")
+    record(
+        "rollout_engine_throughput", base_s / ours_s, ">= 0.95", f"{tokens / ours_s:,.0f} tok/s, engine / raw generate"
+    )
 
 
 if __name__ == "__main__":

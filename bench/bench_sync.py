@@ -1,18 +1,19 @@
 """Trainer -> rollout weight sync vs a plain in-process state-dict copy of the same weights into a model of the
 rollout dtype (goal: ratio <= 2.0). Two layouts: the hybrid engine (trainer and rollout in one worker, the
-colocated default of `cluster.hybrid_engine`) and split workers (bucketed numpy through Ray's object store).
+colocated default of `cluster.hybrid_engine`) and split workers (`cluster.hybrid_engine=false`): the split
+figure calls the flow's own `sync_weights` stage, so it measures whichever sync the config selects.
 `python -m bench.bench_sync`"""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import ray
 import torch
 
-from bench.common import best_of, report, small_model
+from bench.common import best_of, record, report, small_model
 from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
-from rlstages.engines.runtime.weight_sync import sync_weights_ray
 from rlstages.engines.training.core import PPOTrainer
 from rlstages.engines.training.settings import TrainerSettings
 
@@ -24,13 +25,38 @@ def _group(name: str, engine: str, **kwargs: object) -> ActorGroup:
     return ActorGroup(GroupSpec(name=name, engine=engine, kwargs=dict(kwargs)), "bench")
 
 
+def split_sync(path: Path, dtype: str) -> float:
+    """Seconds of the flow's `sync_weights` stage with trainer and rollout in separate workers."""
+    from rlstages.configs import load_config
+    from rlstages.tasks import rollout, run
+    from rlstages.tasks.workers import build_workers, forget_workers
+
+    tmp = Path(tempfile.mkdtemp(prefix="rlstages-bench-sync-"))
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(
+        root / "configs" / "tiny.yaml",
+        [
+            f"model.path={path}",
+            "model.provider=local",
+            f"rollout.dtype={dtype}",
+            "cluster.hybrid_engine=false",
+            f"trainer.output_dir={tmp}",
+            f"trainer.run_name=sync-{dtype}",
+            f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
+        ],
+    )
+    handle = run.prepare_run.fn(cfg)
+    build_workers(cfg, handle)
+    seconds = best_of(lambda: rollout.sync_weights.fn(cfg, handle, 1))
+    forget_workers(handle)
+    return seconds
+
+
 def measure(path: Path, local: PPOTrainer, dtype: str) -> list[tuple[str, float, float, str]]:
     """Rows for one rollout dtype: hybrid (inside the worker, and including the Ray call) and split workers."""
-    model = local.backend.model  # type: ignore[attr-defined]
-    params = sum(p.numel() for p in model.parameters()) / 1e6
+    weights = dict(local.named_weights())
+    params = sum(v.numel() for v in weights.values()) / 1e6
     rollout_kwargs = {"model_path": str(path), "dtype": dtype, "apply_chat_template": False}
-    trainer = _group(f"bench-trainer-{dtype}", TRAINER, settings=TrainerSettings(str(path)))
-    rollout = _group(f"bench-rollout-{dtype}", ROLLOUT, **rollout_kwargs)
     hybrid = _group(
         f"bench-hybrid-{dtype}",
         "rlstages.engines.runtime.hybrid:HybridEngine",
@@ -39,22 +65,25 @@ def measure(path: Path, local: PPOTrainer, dtype: str) -> list[tuple[str, float,
         rollout=ROLLOUT,
         rollout_kwargs=rollout_kwargs,
     )
-    split = best_of(lambda: sync_weights_ray(trainer.handles, 0, rollout.handles, 256 << 20, dtype, 600))
     with_call = best_of(lambda: ray.get(hybrid.handles[0].sync_local.remote()))
     inner = ray.get(hybrid.handles[0].sync_local.remote())["timing/sync_weights_s"]
-    target = {k: v.to(getattr(torch, dtype), copy=True) for k, v in model.state_dict().items()}
+    hybrid.kill()
+    split = split_sync(path, dtype)
+    target = {k: v.to(getattr(torch, dtype), copy=True) for k, v in weights.items()}
 
     def state_dict_copy() -> None:
-        for name, tensor in model.state_dict().items():
+        for name, tensor in weights.items():
             target[name].copy_(tensor)
 
     base = best_of(state_dict_copy)
-    for group in (trainer, rollout, hybrid):
-        group.kill()
+    short = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
+    record(f"sync_hybrid_{short}", with_call / base, "<= 2.0", f"{params:.0f}M params, incl. the Ray call")
+    record(f"sync_split_{short}" if dtype != "bfloat16" else "sync_split", split / base, "<= 2.0",
+           f"{params:.0f}M params, trainer and rollout in separate workers, {dtype}")  # fmt: skip
     return [
         (f"hybrid engine (in the worker), {params:.0f}M, {dtype}", inner, base, "<= 2.0"),
         (f"hybrid engine (incl. Ray call), {params:.0f}M, {dtype}", with_call, base, "<= 2.0"),
-        (f"split workers via Ray, {params:.0f}M, {dtype}", split, base, "(none)"),
+        (f"split workers (the configured sync), {params:.0f}M, {dtype}", split, base, "<= 2.0"),
     ]
 
 
@@ -64,7 +93,7 @@ def main(hidden: int = 512, layers: int = 8, vocab: int = 16384) -> None:
     path = small_model(hidden, layers, vocab, name="bench-sync")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     local = PPOTrainer(TrainerSettings(str(path)))
-    rows = measure(path, local, "float32") + measure(path, local, "bfloat16")
+    rows = measure(path, local, "bfloat16") + measure(path, local, "float32")
     report("weight sync vs in-process state-dict copy (ratio = ours / baseline)", rows)
     ray.shutdown()
 

@@ -1,7 +1,10 @@
-"""Shared bench helpers: a small model built from a config, timing, and a results table."""
+"""Shared bench helpers: a small model built from a config, timing, the machine's speed, and the results
+each bench records (one JSON line per figure, collected by `python -m bench` into bench/results.json)."""
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import tempfile
 import time
@@ -11,6 +14,8 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+
+RESULTS_ENV = "RLSTAGES_BENCH_RESULTS"  # a JSON-lines file `python -m bench` hands every bench process
 
 
 def small_model(hidden: int = 256, layers: int = 4, vocab: int = 2048, name: str = "bench-model") -> Path:
@@ -48,3 +53,110 @@ def report(title: str, rows: list[tuple[str, float, float, str]]) -> None:
     for case, ours, base, goal in rows:
         table.add_row(case, f"{ours:.3f}", f"{base:.3f}", f"{ours / base:.3f}", goal)
     Console().print(table)
+
+
+def goal_met(ratio: float, goal: str | None) -> bool | None:
+    """Whether `ratio` meets a goal written "<= x" or ">= x" (None: no goal, informative only)."""
+    if not goal:
+        return None
+    op, _, value = goal.partition(" ")
+    return ratio <= float(value) if op == "<=" else ratio >= float(value)
+
+
+def record(name: str, ratio: float, goal: str | None, detail: str = "") -> dict[str, Any]:
+    """Record one figure (a ratio against a baseline of the same run) for `python -m bench`'s table.
+
+    Appended to the file named by $RLSTAGES_BENCH_RESULTS when a bench runs under `python -m bench`; always
+    printed, so a bench run alone still shows it.
+    """
+    row = {
+        "name": name,
+        "ratio": round(float(ratio), 4),
+        "goal": goal,
+        "ok": goal_met(ratio, goal),
+        "detail": detail,
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
+    }
+    print(f"[bench] {json.dumps(row)}", flush=True)
+    out = os.environ.get(RESULTS_ENV)
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return row
+
+
+def matmul_flops(dtype: str = "float32", n: int = 1024, seconds: float = 1.0) -> float:
+    """FLOP/s of a plain square matmul (2*n^3 per product) in `dtype` with this process's threads: the
+    machine's compute speed, the baseline of bench_step and the figure stated beside every result."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
+    out = torch.empty(n, n, dtype=dt)
+    torch.mm(a, b, out=out)  # warm-up
+    best = float("inf")
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or best == float("inf"):
+        start = time.perf_counter()
+        torch.mm(a, b, out=out)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def memory_bandwidth(mb: int = 256, seconds: float = 1.0) -> float:
+    """Bytes/s of a large tensor copy (read + write), the bound on streaming weights through the cores."""
+    import torch
+
+    src = torch.empty(mb << 18, dtype=torch.float32).fill_(1.0)  # mb MB
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or best == float("inf"):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.nbytes / best
+
+
+class PssSampler:
+    """Peak PSS summed over a process and all its descendants, sampled from /proc/*/smaps_rollup (psutil's
+    memory_full_info) every `interval` seconds on a background thread. PSS shares pages fairly, so Ray
+    workers mapping the same libraries are not counted twice."""
+
+    def __init__(self, pid: int, interval: float = 0.5) -> None:
+        import threading
+
+        self.pid, self.interval, self.peak = pid, interval, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> PssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def sample(self) -> int:
+        """PSS bytes of the tree now."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0
+        total = 0
+        for proc in procs:
+            try:
+                total += proc.memory_full_info().pss
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.sample())
+            self._stop.wait(self.interval)

@@ -99,6 +99,7 @@ def rollout_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
         resources=dict(cfg.cluster.rollout_resources),
         threads=cfg.cluster.threads_per_worker,
         omp_passive=cfg.omp_passive,
+        heap=cfg.cluster.heap,
         extra_options=extra,
     )
 
@@ -183,6 +184,7 @@ def training_spec(cfg: RunConfig, run: RunHandle, role: Role) -> GroupSpec:
         resources=dict(cfg.cluster.trainer_resources),
         threads=cfg.cluster.threads_per_worker,
         omp_passive=cfg.omp_passive,
+        heap=cfg.cluster.heap,
     )
 
 
@@ -212,6 +214,7 @@ def reward_model_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec | None:
         kwargs=kwargs,
         threads=cfg.cluster.threads_per_worker,
         omp_passive=cfg.omp_passive,
+        heap=cfg.cluster.heap,
     )
 
 

@@ -40,7 +40,12 @@ from rlstages.engines.algorithms.kl import (
     kl_penalty,
     make_kl_controller,
 )
-from rlstages.engines.algorithms.logits import entropy_from_logits, logprobs_from_logits
+from rlstages.engines.algorithms.logits import (
+    chunked_entropy,
+    chunked_logprobs,
+    entropy_from_logits,
+    logprobs_from_logits,
+)
 from rlstages.engines.algorithms.policy_loss import PolicyLossParams, policy_loss
 from rlstages.engines.algorithms.policy_losses import POLICY_LOSSES, PolicyLossName
 from rlstages.engines.algorithms.rollout_is import (
@@ -67,6 +72,8 @@ __all__ = [
     "PolicyLossParams",
     "agg_loss",
     "apply_kl_in_reward",
+    "chunked_entropy",
+    "chunked_logprobs",
     "compute_advantages",
     "compute_gae",
     "compute_grpo",

@@ -44,11 +44,12 @@ def causal_lm_forward(
             logits_to_keep=width + 1,
             use_cache=False,
         )
+    labels = response.to(ids.device)
+    if not (entropy_grad and torch.is_grad_enabled()):  # row chunks: no full-size float32 copy of the logits
+        logits = out.logits[:, :-1]
+        return A.chunked_logprobs(logits, labels, temperature), A.chunked_entropy(logits, temperature)
     logits = out.logits[:, :-1].float() / temperature
-    logp = A.logprobs_from_logits(logits, response.to(ids.device))
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = A.entropy_from_logits(logits)
-    return logp, entropy
+    return A.logprobs_from_logits(logits, labels), A.entropy_from_logits(logits)
 
 
 def value_forward(model: Any, mb: TensorDict, bf16: bool) -> torch.Tensor:

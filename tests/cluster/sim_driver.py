@@ -20,6 +20,7 @@ from rlstages.engines import types as T
 from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec, Placement
 from rlstages.engines.runtime.rendezvous import collective_backend
 from rlstages.engines.runtime.weight_sync import CollectiveSync
+from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
 
 NS = "rlstages-sim"
@@ -69,8 +70,8 @@ def sync(model: str) -> dict[str, Any]:
     trainer = ActorGroup(
         GroupSpec(
             name="sim-trainer",
-            engine="rlstages.engines.training.torch_trainer:TorchTrainingEngine",
-            kwargs={"model_path": model},
+            engine="rlstages.engines.training.core:PPOTrainer",
+            kwargs={"settings": TrainerSettings(model)},
             num_gpus=1.0,
             resources={"sim_node_1": 0.25},
         ),

@@ -150,3 +150,30 @@ def test_in_process_group_runs_the_same_engines(tiny_model_dir: Path) -> None:
     assert out.batch_size[0] == 8
     metrics = sync_weights_local(trainer.handles[0], rollout.handles, 1 << 20, "float32")
     assert metrics["sync/tensors"] == len(list(trainer.handles[0].named_weights()))
+
+
+_RSS_AFTER_FREE = """
+def rss():
+    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) // 1024
+blocks = [bytearray(100 << 20) for _ in range(3)]  # 300 MB, touched (zero-filled)
+high = rss()
+del blocks
+print(high, rss())
+"""
+
+
+@pytest.mark.parametrize("heap", ["keep", "bounded"])
+def test_worker_heap_settings_keep_or_return_freed_memory(heap) -> None:
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in worker_env(1, heap=heap).items() if k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", _RSS_AFTER_FREE], env=env, capture_output=True, text=True, check=True)
+    high, after = map(int, out.stdout.split())
+    assert high >= 300
+    if heap == "keep":
+        assert after >= 300  # every freed block stays in the heap (no re-faulting on the next step)
+    else:
+        assert after < 100  # large blocks go back to the OS: the heap's peak is bounded
+    with pytest.raises(ValueError, match="heap"):
+        worker_env(1, heap="lots")

@@ -11,12 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlstages.configs.training import OptimConfig, TorchTrainingConfig
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
 from rlstages.engines.models import load_causal_lm, lora
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
 from rlstages.engines.training import state_io
-from rlstages.engines.training.torch_trainer import BatchingParams, OptimParams, TorchTrainingEngine
+from rlstages.engines.training.core import PPOTrainer
+from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
 
 PARAMS = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ("q_proj", "v_proj", "down_proj")}
@@ -33,10 +35,9 @@ def batch(tiny_model_dir: Path):
     return b
 
 
-def actor(path: Path, **kw) -> TorchTrainingEngine:
-    return TorchTrainingEngine(
-        path, optim=OptimParams(lr=1e-2, total_steps=10), batching=BatchingParams(micro_batch_size=4), **kw
-    )
+def actor(path: Path, role: str = "actor", lora_params: dict | None = None) -> PPOTrainer:
+    train = TorchTrainingConfig(optim=OptimConfig(lr=1e-2, total_steps=10), micro_batch_size=4)
+    return PPOTrainer(TrainerSettings(str(path), role=role, train=train, lora=lora_params))  # type: ignore[arg-type]
 
 
 def test_wrap_freezes_the_base_and_merged_weights_match_peft(tiny_model_dir: Path) -> None:
@@ -75,10 +76,10 @@ def test_lora_actor_trains_the_adapter_and_its_base_is_the_reference(tiny_model_
     ref = engine.logprobs(batch, base=True)["logprobs"]
     torch.testing.assert_close(ref, plain.logprobs(batch)["logprobs"], rtol=0, atol=1e-6)
     assert (engine.logprobs(batch)["logprobs"] - ref).abs().max() > 1e-4  # the adapter changed the policy
-    weight_ids = {id(p) for p in engine.model.parameters()}
-    assert len(weight_ids) == len(list(engine.model.parameters()))  # one copy of each weight
+    weight_ids = {id(p) for p in engine.backend.model.parameters()}
+    assert len(weight_ids) == len(list(engine.backend.model.parameters()))  # one copy of each weight
     # the merged weights are the trained policy: a plain model loaded with them gives the same log-probs
-    plain.model.load_state_dict(after, strict=False)
+    plain.backend.model.load_state_dict(after, strict=False)
     torch.testing.assert_close(plain.logprobs(batch)["logprobs"], engine.logprobs(batch)["logprobs"], atol=1e-5, rtol=0)
 
 
@@ -106,7 +107,7 @@ def test_export_writes_merged_model_and_adapter(tiny_model_dir: Path, batch, tmp
     merged = load_causal_lm(tmp_path / "out")
     ids = batch[T.PROMPT_IDS][:2]
     with torch.no_grad():
-        want = engine.model(input_ids=ids).logits
+        want = engine.backend.model(input_ids=ids).logits
         torch.testing.assert_close(merged(input_ids=ids).logits, want, atol=1e-5, rtol=0)
         adapted = PeftModel.from_pretrained(load_causal_lm(tiny_model_dir), str(tmp_path / "out" / lora.ADAPTER_DIR))
         torch.testing.assert_close(adapted(input_ids=ids).logits, want, atol=1e-5, rtol=0)

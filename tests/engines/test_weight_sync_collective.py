@@ -12,6 +12,7 @@ from rlstages.engines import types as T
 from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
 from rlstages.engines.runtime.rendezvous import collective_backend, local_ranks
 from rlstages.engines.runtime.weight_sync import CollectiveSync, _pack, _unpack
+from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
 
 PROMPTS = [Prompt(f"u{i}", f"{i}+1=", str(i + 1)) for i in range(4)]
@@ -82,8 +83,8 @@ def test_collective_sync_keeps_logprobs_in_step(ray_session, tiny_model_dir: Pat
     )
     trainer_spec = GroupSpec(
         name="csync-trainer",
-        engine="rlstages.engines.training.torch_trainer:TorchTrainingEngine",
-        kwargs={"model_path": str(tiny_model_dir)},
+        engine="rlstages.engines.training.core:PPOTrainer",
+        kwargs={"settings": TrainerSettings(str(tiny_model_dir))},
     )
     rollout = ActorGroup(rollout_spec, "rlstages-tests")
     trainer = ActorGroup(trainer_spec, "rlstages-tests")

@@ -1,0 +1,250 @@
+"""The trainer's update step and the rollout's decode as fractions of this machine's limits, on the demo's
+model (SmolLM2-135M-Instruct) and shapes, each against a baseline measured in the same run:
+
+- `step_matmul_fraction`: achieved FLOP/s of the trainer's forward+backward (the shared `causal_lm_forward`
+  under bf16 autocast, then backward) over a plain large bf16 matmul's FLOP/s (goal >= 0.5). FLOPs are
+  counted by torch's FlopCounterMode on the same call (about 6 x params x tokens).
+- `gen_weight_stream_fraction`: generated tokens/s of the HF rollout engine (bf16, 64 rows x 48 tokens) over
+  the weight-streaming bound: rows x copy bandwidth / bytes of weights read per decode step (informative:
+  on CPU a batch of 64 is compute-bound; `gen_compute_fraction` is the same against 2 x params x rows FLOPs
+  per decode step at the bf16 matmul speed).
+`python -m bench.bench_step`
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from tensordict import TensorDict
+
+from bench.common import matmul_flops, memory_bandwidth, record
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_DIR = ROOT / ".cache" / "models" / "smollm2-135m-instruct"
+ROWS, PROMPT, RESPONSE = 16, 40, 48  # one demo micro-batch: 16 rows, ~40 prompt tokens (chat template), 48 new
+
+
+def micro_batch(vocab: int) -> TensorDict:
+    """A demo-shaped micro-batch of random tokens (every token real: the counted work is the timed work)."""
+    from rlstages.engines import types as T
+
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (ROWS, PROMPT), generator=g)
+    response = torch.randint(0, vocab, (ROWS, RESPONSE), generator=g)
+    width = PROMPT + RESPONSE
+    return TensorDict(
+        {
+            T.PROMPT_IDS: prompt,
+            T.RESPONSE_IDS: response,
+            T.ATTENTION_MASK: torch.ones(ROWS, width, dtype=torch.long),
+            T.POSITION_IDS: torch.arange(width).expand(ROWS, width).clone(),
+        },
+        batch_size=[ROWS],
+    )
+
+
+def train_step_fraction(model: torch.nn.Module, bf16_flops: float) -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from rlstages.engines.training.ppo_step import causal_lm_forward
+
+    mb = micro_batch(model.config.vocab_size)
+    model.train()
+
+    def fwd_bwd() -> None:
+        logp, _ = causal_lm_forward(model, mb, temperature=0.7, bf16=True)
+        logp.sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    with FlopCounterMode(display=False) as counter:
+        fwd_bwd()
+    flops = counter.get_total_flops()
+    params = sum(p.numel() for p in model.parameters())
+    fwd_bwd()  # warm-up
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fwd_bwd()
+        times.append(time.perf_counter() - start)
+    achieved = flops / min(times)
+    record(
+        "step_matmul_fraction",
+        achieved / bf16_flops,
+        ">= 0.5",
+        f"fwd+bwd {achieved / 1e9:.1f} GFLOP/s (counted {flops / 1e9:.0f} GFLOP = "
+        f"{flops / (6 * params * ROWS * (PROMPT + RESPONSE)):.2f} x 6NT) vs bf16 matmul {bf16_flops / 1e9:.1f}",
+    )
+
+
+def generation_fraction(bf16_flops: float) -> None:
+    from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
+    from rlstages.engines.types import Prompt, SamplingParams
+
+    engine = HFRolloutEngine(MODEL_DIR, dtype="bfloat16", batch_size=64)
+    engine.eos_ids = set()  # every row decodes all 48 tokens: the timed work is known
+    prompts = [
+        Prompt(f"p{i}", f"What is {i % 20 + 1} + {i % 7 + 1}? Reply with only the number.", "0") for i in range(8)
+    ]
+    sampling = SamplingParams(n=8, temperature=0.7, max_new_tokens=RESPONSE)
+    engine.generate(prompts[:1], SamplingParams(n=2, max_new_tokens=4), seed=0)  # warm-up
+    start = time.perf_counter()
+    engine.generate(prompts, sampling, seed=0)
+    seconds = time.perf_counter() - start
+    rows = len(prompts) * sampling.n
+    tok_s = rows * RESPONSE / seconds
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    bandwidth = memory_bandwidth()
+    stream_bound = rows * bandwidth / weight_bytes
+    params = sum(p.numel() for p in engine.model.parameters())
+    compute_bound = rows * bf16_flops / (2 * params * rows)
+    record(
+        "gen_weight_stream_fraction",
+        tok_s / stream_bound,
+        None,
+        f"{tok_s:.0f} tok/s vs {stream_bound:.0f} (weights {weight_bytes / 1e6:.0f} MB/step, "
+        f"{bandwidth / 1e9:.1f} GB/s)",
+    )
+    record(
+        "gen_compute_fraction",
+        tok_s / compute_bound,
+        None,
+        f"{tok_s:.0f} tok/s vs {compute_bound:.0f} (2N FLOPs/token)",
+    )
+
+
+def logprob_worker(kind: str) -> dict[str, float]:
+    """One demo micro-batch's log-prob + entropy forward and backward from bf16 logits ([16, 48, 49152]):
+    seconds (best of 3) and peak RSS above the start, in this fresh process."""
+    from rlstages.engines import algorithms as A
+
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(ROWS, RESPONSE, 49152, generator=g).bfloat16()
+    labels = torch.randint(0, 49152, (ROWS, RESPONSE), generator=g)
+
+    def run() -> None:
+        logits = base.clone().requires_grad_(True)
+        if kind == "plain":
+            z = logits.float() / 0.7
+            logp, ent = A.logprobs_from_logits(z, labels), A.entropy_from_logits(z.detach())
+        else:
+            logp, ent = A.chunked_logprobs(logits, labels, 0.7), A.chunked_entropy(logits, 0.7)
+        (logp.sum() + ent.sum().detach()).backward()
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_kb("VmRSS")
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return {"seconds": min(times), "peak_mb": (_status_kb("VmHWM") - before) / 1024}
+
+
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key))
+
+
+def logprob_kernels() -> None:
+    """Chunked vs plain float32 log-softmax over the 49k vocabulary, each in a fresh process."""
+    import json
+    import subprocess
+    import sys
+
+    out = {}
+    for kind in ("plain", "chunked"):
+        done = subprocess.run([sys.executable, "-m", "bench.bench_step", "--logprob", kind], capture_output=True,
+                              text=True, check=True)  # fmt: skip
+        out[kind] = json.loads(done.stdout.strip().splitlines()[-1])
+    p, c = out["plain"], out["chunked"]
+    record("logprob_chunked_time", c["seconds"] / p["seconds"], "<= 1.0",
+           f"{c['seconds']:.3f} s vs {p['seconds']:.3f} s, 16 x 48 tokens x 49k vocab, fwd+bwd")  # fmt: skip
+    record("logprob_chunked_memory", c["peak_mb"] / max(p["peak_mb"], 1), "<= 0.5",
+           f"peak +{c['peak_mb']:.0f} MB vs +{p['peak_mb']:.0f} MB")  # fmt: skip
+
+
+HEAPS = {  # glibc settings of a worker: the shipped one keeps every freed block; "bounded" caps what it keeps
+    "keep": "rlstages.engines.runtime.actor_group:KEEP_FREED_MEMORY",
+    "bounded": "rlstages.engines.runtime.actor_group:BOUNDED_HEAP",
+}
+
+
+def heap_worker() -> dict[str, float]:
+    """Two demo-shaped GRPO updates (64 rows, micro-batches of 16, bf16 autocast) of SmolLM2-135M in this
+    process: the second step's seconds and the process's peak RSS."""
+    from rlstages.configs.training import OptimConfig, TorchTrainingConfig
+    from rlstages.engines import types as T
+    from rlstages.engines.rollout.batching import build_rollout_batch
+    from rlstages.engines.training.core import PPOTrainer
+    from rlstages.engines.training.settings import TrainerSettings
+    from rlstages.engines.types import Prompt
+
+    torch.set_num_threads(2)
+    train = TorchTrainingConfig(optim=OptimConfig(lr=1e-5), micro_batch_size=16, bf16_autocast=True)
+    engine = PPOTrainer(TrainerSettings(str(MODEL_DIR), train=train, temperature=0.7))
+    g = torch.Generator().manual_seed(0)
+    prompts = [Prompt(f"u{i}", "x", "0") for i in range(8)]
+    prompt_ids = [torch.randint(100, 49000, (PROMPT,), generator=g).tolist() for _ in prompts]
+    lengths = torch.randint(8, RESPONSE + 1, (64,), generator=g).tolist()
+    responses = [torch.randint(100, 49000, (n,), generator=g).tolist() for n in lengths]
+    batch = build_rollout_batch(prompts, prompt_ids, responses, [[-1.0] * n for n in lengths], [""] * 64, 8, 0)
+    batch[T.ADVANTAGES] = torch.randn(batch[T.RESPONSE_MASK].shape, generator=g) * batch[T.RESPONSE_MASK]
+    engine.train_step(batch)
+    start = time.perf_counter()
+    engine.train_step(batch)
+    return {"seconds": time.perf_counter() - start, "peak_mb": _status_kb("VmHWM") / 1024}
+
+
+def heap_settings() -> None:
+    """The update under each allocator setting, each in a fresh process with that environment."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from rlstages.engines.utils import import_object
+
+    out = {}
+    for name, ref in HEAPS.items():
+        env = {**os.environ, **import_object(ref)}
+        done = subprocess.run([sys.executable, "-m", "bench.bench_step", "--heap"], env=env, capture_output=True,
+                              text=True, check=True)  # fmt: skip
+        out[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    k, b = out["keep"], out["bounded"]
+    record("heap_bounded_time", b["seconds"] / k["seconds"], "<= 1.1",
+           f"update {b['seconds']:.1f} s vs {k['seconds']:.1f} s (bounded / keep-all heap)")  # fmt: skip
+    record("heap_bounded_memory", b["peak_mb"] / k["peak_mb"], "<= 0.8",
+           f"peak RSS {b['peak_mb']:.0f} MB vs {k['peak_mb']:.0f} MB (bounded / keep-all heap)")  # fmt: skip
+
+
+def main() -> None:
+    """Measure the matmul baseline, then the step and generation, in this process with 2 threads."""
+    import json
+    import sys
+
+    if sys.argv[1:2] == ["--heap"]:
+        print(json.dumps(heap_worker()))
+        return
+    if sys.argv[1:2] == ["--logprob"]:
+        print(json.dumps(logprob_worker(sys.argv[2])))
+        return
+    logprob_kernels()
+    heap_settings()
+    from rlstages.engines.models import ensure_model
+    from rlstages.engines.models.registry import load_causal_lm
+
+    torch.set_num_threads(2)
+    ensure_model(MODEL_DIR, "smollm2-gguf")
+    bf16 = matmul_flops("bfloat16", n=2048)
+    model = load_causal_lm(MODEL_DIR, "float32", None)
+    train_step_fraction(model, bf16)
+    del model
+    generation_fraction(bf16)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""rlstages vs TRL's GRPOTrainer on the demo (SmolLM2-135M-Instruct, "What is a + b?", reward: last integer),
+same hyper-parameters (8 prompts x 8 samples, T=0.7, 48 new tokens, lr 1e-5 constant, beta 0, bf16 autocast),
+N steps each, one after the other in this run. Each side runs in its own process; this process samples the
+peak PSS of that process and all its descendants (Ray's workers included). Figures (ratio = rlstages / TRL):
+seconds per step (steps 2..N: step 1 warms up; goal <= 0.4), peak memory (goal <= 0.5), generated tokens/s
+and held-out reward after N steps (the demo's 64 held-out prompts, one sample each at T=0.7; informative:
+N is small). Needs the `[bench]` extra (trl). `BENCH_TRL_STEPS=N python -m bench.bench_trl` (default 3).
+
+TRL's settings follow /work/shared/reference/trl-anchor.md (`use_cpu=True` is needed for bf16 on CPU;
+gradient checkpointing is TRL's default), except max_completion_length=48 and a constant LR as in the demo.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import PssSampler, record
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_DIR = ROOT / ".cache" / "models" / "smollm2-135m-instruct"
+
+
+def _demo_config(tmp: Path, steps: int):  # type: ignore[no-untyped-def]
+    from rlstages.configs import load_config
+
+    return load_config(
+        ROOT / "configs" / "demo.yaml",
+        [
+            f"model.path={MODEL_DIR}",
+            f"trainer.output_dir={tmp}",
+            "trainer.run_name=bench-trl",
+            f"trainer.total_steps={steps}",
+            "trainer.eval_every=0",  # held-out evaluation once, after the last step
+            "trainer.eval_at_start=false",
+            "checkpoint.every=0",
+            f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
+            "tracking.log_model=false",
+        ],
+    )
+
+
+def _walls(stamps: list[float]) -> list[float]:
+    return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+
+
+def run_rlstages(steps: int, tmp: Path) -> dict[str, float]:
+    """The demo flow for `steps` steps; per-step wall times from MLflow's timestamps of `progress/step`."""
+    from mlflow import MlflowClient
+
+    from rlstages.flows.train import rl_post_train
+
+    cfg = _demo_config(tmp, steps)
+    rl_post_train(cfg)
+    client = MlflowClient(cfg.tracking.tracking_uri)
+    exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    run = client.search_runs([exp.experiment_id], filter_string="attributes.run_name = 'bench-trl'")[0]
+
+    def history(key: str) -> list:  # type: ignore[type-arg]
+        return sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
+
+    stamps = [m.timestamp / 1000 for m in history("progress/step")]
+    tokens = [m.value for m in history("rollout/tokens")]
+    first = history("timing/step_s")[0].value
+    walls = [first, *_walls(stamps)]
+    return {
+        "step_walls": walls,
+        "tokens": tokens,
+        "heldout": history("eval/reward_mean")[-1].value,
+    }
+
+
+def run_trl(steps: int, tmp: Path) -> dict[str, float]:
+    """TRL's GRPOTrainer on the same prompts, reward and held-out evaluation."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlstages.engines.rewards.functions import last_integer
+    from rlstages.tasks.data import eval_prompts, load_rows
+
+    torch.set_num_threads(2)
+    cfg = _demo_config(tmp, steps)
+    rows = load_rows(cfg.data, "train")
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": t}], "answer": a} for t, a in rows])
+    tokens: list[float] = []
+
+    def reward(completions, answer, completion_ids=None, **_):  # type: ignore[no-untyped-def]
+        tokens.append(sum(len(c) for c in completion_ids) if completion_ids is not None else float("nan"))
+        return [last_integer("", c[0]["content"], a) for c, a in zip(completions, answer, strict=True)]
+
+    walls: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
+            walls.append(time.perf_counter() - self.start)
+
+    r, a = cfg.rollout, cfg.actor
+    args = GRPOConfig(
+        output_dir=str(tmp / "trl"), use_cpu=True, bf16=a.bf16_autocast, num_generations=r.n,
+        per_device_train_batch_size=cfg.data.prompts_per_step * r.n, gradient_accumulation_steps=1,
+        max_completion_length=r.max_new_tokens, temperature=r.temperature, top_k=0, top_p=1.0,
+        learning_rate=a.optim.lr, lr_scheduler_type="constant", beta=0.0, num_iterations=1, max_grad_norm=1.0,
+        use_vllm=False, logging_steps=1, max_steps=steps, report_to="none", save_strategy="no",
+        seed=cfg.trainer.seed, disable_tqdm=True,
+    )  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
+    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok, callbacks=[Clock()]
+    )
+    trainer.train()
+    # held-out: the demo's 64 prompts, one sample each at T=0.7, in TRL's (autocast) model as it generates
+    prompts = eval_prompts(cfg.data)
+    tok.padding_side = "left"
+    texts = [tok.apply_chat_template([{"role": "user", "content": p.text}], tokenize=False, add_generation_prompt=True)
+             for p in prompts]  # fmt: skip
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    torch.manual_seed(cfg.trainer.seed)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16_autocast):
+        out = trainer.model.generate(
+            **enc, do_sample=True, temperature=r.temperature, top_k=0, top_p=1.0, max_new_tokens=r.max_new_tokens,
+            pad_token_id=tok.pad_token_id,
+        )  # fmt: skip
+    replies = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    scores = [last_integer("", reply, p.ground_truth) for reply, p in zip(replies, prompts, strict=True)]
+    return {"step_walls": walls, "tokens": tokens, "heldout": sum(scores) / len(scores)}
+
+
+def _side(name: str, steps: int) -> dict[str, float]:
+    """Run one side in a fresh process, sampling its tree's PSS; its result is the last stdout line."""
+    from bench.__main__ import bench_env
+
+    env = bench_env()
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
+        cmd = [sys.executable, "-m", "bench.bench_trl", "--side", name, str(steps), out.name]
+        proc = subprocess.Popen(cmd, env=env)
+        with PssSampler(proc.pid) as pss:
+            code = proc.wait()
+        if code:
+            raise RuntimeError(f"bench_trl: the {name} side exited with {code}")
+        result = json.loads(Path(out.name).read_text())
+    result["peak_pss"] = pss.peak
+    return result
+
+
+def _summary(name: str, r: dict) -> dict[str, float]:  # type: ignore[type-arg]
+    walls = r["step_walls"][1:] or r["step_walls"]  # step 1 warms up (allocations, compilation of kernels)
+    toks = r["tokens"][1:] or r["tokens"]
+    s = {
+        "s_per_step": statistics.mean(walls),
+        "tokens_per_s": sum(toks) / sum(walls),
+        "peak_gb": r["peak_pss"] / 1e9,
+        "heldout": r["heldout"],
+    }
+    print(f"{name}: " + ", ".join(f"{k} {v:.3f}" for k, v in s.items()) + f"; step walls {r['step_walls']}")
+    return s
+
+
+def main() -> None:
+    """Both sides, one after the other; the ratios."""
+    if sys.argv[1:2] == ["--side"]:
+        name, steps, out = sys.argv[2], int(sys.argv[3]), sys.argv[4]
+        with tempfile.TemporaryDirectory(prefix=f"bench-trl-{name}-") as tmp:
+            result = (run_rlstages if name == "rlstages" else run_trl)(steps, Path(tmp))
+        Path(out).write_text(json.dumps(result))
+        return
+    steps = int(os.environ.get("BENCH_TRL_STEPS", "3"))
+    from rlstages.engines.models import ensure_model
+
+    ensure_model(MODEL_DIR, "smollm2-gguf")
+    ours, trl = (_summary(n, _side(n, steps)) for n in ("rlstages", "trl"))
+    note = f"{steps} steps"
+    record("trl_time_per_step", ours["s_per_step"] / trl["s_per_step"], "<= 0.4",
+           f"{ours['s_per_step']:.1f} s vs {trl['s_per_step']:.1f} s per step, {note}")  # fmt: skip
+    record("trl_peak_memory", ours["peak_gb"] / trl["peak_gb"], "<= 0.5",
+           f"peak PSS {ours['peak_gb']:.2f} GB vs {trl['peak_gb']:.2f} GB")  # fmt: skip
+    record("trl_tokens_per_s", ours["tokens_per_s"] / trl["tokens_per_s"], None,
+           f"{ours['tokens_per_s']:.0f} vs {trl['tokens_per_s']:.0f} generated tok/s")  # fmt: skip
+    record("trl_heldout_reward", ours["heldout"] / max(trl["heldout"], 1e-9), None,
+           f"held-out {ours['heldout']:.3f} vs {trl['heldout']:.3f} after {note}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
