@@ -64,7 +64,7 @@ test-all: setup-test
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy
+	bash scripts/typecheck.sh
 
 # bench_trl compares with TRL's GRPOTrainer: the [bench] extra
 $(VENV)/.installed-bench: $(VENV)/.installed

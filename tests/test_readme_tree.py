@@ -1,0 +1,45 @@
+"""The README's annotated file tree names files and folders that exist, and names every module of flows/ and
+tasks/ and every subpackage of engines/ (so a new module shows up in the tree). CPU only, instant.
+Run: pytest tests/test_readme_tree.py
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tree_block() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("```\nflows/\n")
+    return text[start + 4 : text.index("```", start + 4)]
+
+
+def named_paths() -> set[str]:
+    """`folder/name` for each entry of the tree (an indented name under a top-level folder)."""
+    paths: set[str] = set()
+    top = ""
+    for line in tree_block().splitlines():
+        if m := re.match(r"^(\S+/|\S+)\s", line + " "):
+            top = m.group(1).rstrip("/")
+            paths.add(top)
+        elif m := re.match(r"^  (\S+)", line):
+            paths.add(f"{top}/{m.group(1).rstrip('/')}")
+    return paths
+
+
+def test_every_entry_exists() -> None:
+    missing = sorted(p for p in named_paths() if not (ROOT / p).exists())
+    assert not missing, f"README tree names what does not exist: {missing}"
+
+
+def test_every_module_and_subpackage_is_named() -> None:
+    named = named_paths()
+    wanted = {f"{d}/{p.name}" for d in ("flows", "tasks") for p in (ROOT / d).glob("*.py") if p.name != "__init__.py"}
+    wanted |= {
+        f"{d}/{p.name}" for d in ("flows", "engines") for p in (ROOT / d).iterdir() if (p / "__init__.py").is_file()
+    }
+    wanted |= {f"engines/{p.name}" for p in (ROOT / "engines").glob("*.py") if p.name != "__init__.py"}
+    assert not sorted(wanted - named), f"README tree does not name: {sorted(wanted - named)}"
