@@ -153,6 +153,7 @@ def report(groups: dict[str, ActorGroup], path: Path, timeout: float = 120.0) ->
         found = ray.get([h.__ray_call__.remote(_where) for h in group.handles], timeout=timeout)
         rows += [{"role": role, "rank": rank, **info} for rank, info in enumerate(found)]
     builds = json.loads(path.read_text()) if path.is_file() else []
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps([*builds, rows], indent=1))
     tmp.replace(path)

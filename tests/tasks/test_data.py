@@ -152,7 +152,7 @@ def test_check_data_refuses_rows_without_ground_truth_for_a_checking_reward(tmp_
 def test_length_filter_drops_and_counts_or_refuses(tmp_path: Path, tiny_model_dir) -> None:
     rows = [{"prompt": "x" * n, "reward_model": {"ground_truth": "1"}} for n in (5, 50, 8, 80)]
     path = write_parquet(tmp_path / "len.parquet", rows)
-    cfg = run_cfg(tmp_path, tiny_model_dir, path, "data.max_prompt_length=20")
+    cfg = run_cfg(tmp_path, tiny_model_dir, path, "data.max_prompt_length=20", "data.overlong_prompts=drop")
     split = D.load_split(cfg.data, "train", D.tokenizer_path(cfg))
     assert [len(r.text) for r in split.rows] == [5, 8] and split.dropped == 2
     assert D.data_record(cfg)["train"]["dropped"] == 2

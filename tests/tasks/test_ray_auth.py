@@ -31,7 +31,7 @@ intruder = subprocess.run(
     [sys.executable, "-c", f"import ray; ray.init(address={address!r}); print('CONNECTED')"],
     capture_output=True, text=True, timeout=120, env=env,
 )
-tail = intruder.stdout + intruder.stderr[-400:]
+tail = intruder.stdout + intruder.stderr
 print(json.dumps({"mode": mode, "ip": ip, "listening": listening, "intruder": tail}))
 ray.shutdown()
 """

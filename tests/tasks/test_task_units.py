@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -109,9 +110,10 @@ def test_ray_task_error_is_classified_by_its_cause() -> None:
 
 
 def test_retry_condition_reads_the_prefect_state() -> None:
-    assert retry_condition(None, None, Failed(data=TimeoutError("t")))
-    assert not retry_condition(None, None, Failed(data=ValueError("v")))
-    assert not retry_condition(None, None, Completed(data=1))
+    run = SimpleNamespace(name="generate[step=1]")
+    assert retry_condition(None, run, Failed(data=TimeoutError("t")))
+    assert not retry_condition(None, run, Failed(data=ValueError("v")))
+    assert not retry_condition(None, run, Completed(data=1))
 
 
 def test_backoff_grows_geometrically(tmp_path: Path) -> None:
