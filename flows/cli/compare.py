@@ -103,6 +103,7 @@ def _curves(tracking_uri: str, runs: list[RunRecord], metric: str, fmt: str) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    plt.rcParams["svg.fonttype"] = "none"  # SVG text stays text (searchable, smaller); PNGs are unaffected
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     for r in runs:
         points = metric_series(tracking_uri, r.run_id, metric)
