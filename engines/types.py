@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -86,7 +87,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def make_batch(tensors: dict[str, torch.Tensor], rows: dict[str, Sequence[str]]) -> TensorDict:
+def make_batch(tensors: dict[str, torch.Tensor], rows: Mapping[str, Sequence[str]]) -> TensorDict:
     """Build a batch from [B, ...] tensors and per-row string lists of length B."""
     size = next(iter(tensors.values())).shape[0]
     td = TensorDict(dict(tensors), batch_size=[size])
@@ -99,7 +100,7 @@ def set_rows(td: TensorDict, key: str, values: Sequence[str]) -> None:
     """Attach a per-row list of strings to a batch."""
     if len(values) != td.batch_size[0]:
         raise ValueError(f"row field {key!r} has {len(values)} values for a batch of {td.batch_size[0]}")
-    td[key] = NonTensorStack.from_list([str(v) for v in values])
+    td[key] = NonTensorStack.from_list([str(v) for v in values])  # type: ignore[misc]  # .pyi: List[Mapping]; takes Any
 
 
 def get_rows(td: TensorDict, key: str) -> list[str]:
@@ -110,17 +111,19 @@ def get_rows(td: TensorDict, key: str) -> list[str]:
 
 def row_keys(td: TensorDict) -> list[str]:
     """Names of the per-row (non-tensor) fields present."""
-    return [k for k in td.keys() if not isinstance(td.get(k), torch.Tensor)]
+    keys = [k for k in td.keys() if not isinstance(td.get(k), torch.Tensor)]
+    return cast("list[str]", keys)  # top-level keys are str (nested tuples only with include_nested)
 
 
 def tensor_keys(td: TensorDict) -> list[str]:
     """Names of the tensor fields present."""
-    return [k for k in td.keys() if isinstance(td.get(k), torch.Tensor)]
+    keys = [k for k in td.keys() if isinstance(td.get(k), torch.Tensor)]
+    return cast("list[str]", keys)  # top-level keys are str (nested tuples only with include_nested)
 
 
 def concat(batches: Sequence[TensorDict]) -> TensorDict:
     """Concatenate batches along rows (tensor and per-row fields alike)."""
-    return torch.cat(list(batches), dim=0)
+    return cast(TensorDict, torch.cat(list(batches), dim=0))  # TensorDict overrides torch.cat
 
 
 def chunk_for_ranks(td: TensorDict, ranks: int) -> list[TensorDict]:

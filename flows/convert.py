@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 import typer
 from prefect import flow
@@ -30,6 +30,9 @@ from rlstages.tasks.convert import (
 )
 
 err = Console(stderr=True)
+# convert_flow's literal parameter types, for the CLI's strings (check_conversion_inputs validates them first)
+_Impl = Literal["local", "transformer_engine"]
+_Checksum = Literal["crc32", "sha256", "none"]
 
 
 @flow(name="convert-hf-to-mcore")
@@ -115,8 +118,8 @@ def convert_command(
     _run(debug, lambda: check_conversion_inputs(
         hf_dir, out_dir, tp, pp, vpp, transformer_impl, checksum, overwrite, dist_checkpoint))  # fmt: skip
     result = _run(debug, lambda: convert_flow(
-        str(hf_dir), str(out_dir), tp, pp, vpp, verify, transformer_impl, dist_checkpoint, checksum,  # type: ignore[arg-type]
-        progress=True, overwrite=overwrite))  # fmt: skip
+        str(hf_dir), str(out_dir), tp, pp, vpp, verify, cast(_Impl, transformer_impl), dist_checkpoint,
+        cast(_Checksum, checksum), progress=True, overwrite=overwrite))  # fmt: skip
     err.print(f"[green]converted[/]: {escape(str(result['out_dir']))}")
     if result["parity"]:
         p = result["parity"]

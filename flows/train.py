@@ -89,7 +89,7 @@ def _due(step: int, every: int, last: int) -> bool:
 @flow(
     name="rl-post-train",
     flow_run_name=flow_run_name,
-    task_runner=ThreadPoolTaskRunner(max_workers=MAX_PARALLEL_STAGES),
+    task_runner=ThreadPoolTaskRunner(max_workers=MAX_PARALLEL_STAGES),  # type: ignore[arg-type]  # prefect stub: infers Never
     validate_parameters=True,
 )
 def rl_post_train(cfg: RunConfig) -> str:

@@ -184,6 +184,7 @@ def _messages(value: Any, where: str, key: str) -> tuple[dict[str, str], ...]:
 def _dataset_row(cfg: DatasetsDataConfig, record: dict[str, Any], where: str) -> Row:
     """Validate one record and turn it into a Row (types checked cell by cell)."""
     _, prompt = _lookup(record, cfg.prompt_key)
+    messages: tuple[dict[str, str], ...]
     if isinstance(prompt, str) and prompt.strip():
         text, messages = prompt, ()
     elif isinstance(prompt, list):

@@ -69,7 +69,11 @@ def run_eval(
         passes.insert(0, ("sampled", replace(base, n=k)))
     rows: dict[str, list[Any]] = {}
     for name, params in passes:
-        batch = guard_workers(lambda params=params: workers.rollout.dp(timeout).generate(prompts, params, seed))
+
+        def generate(params: SamplingParams = params) -> Any:
+            return workers.rollout.dp(timeout).generate(prompts, params, seed)
+
+        batch = guard_workers(generate)
         scores, _ = score_batch(cfg, workers, batch, timeout)
         groups = _correct_by_prompt(batch, scores, cfg.evaluation.correct_above)
         metrics.update(_per_source(groups, name))

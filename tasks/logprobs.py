@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from tensordict import TensorDict
@@ -19,9 +20,9 @@ from rlstages.tasks.policies import guard_workers
 from rlstages.tasks.workers import get_workers
 
 
-def _write(run: RunHandle, step: int, stage: str, key: str, value: TensorDict | object) -> None:
+def _write(run: RunHandle, step: int, stage: str, key: str, value: torch.Tensor) -> None:
     tensor = value
-    T.save_batch(TensorDict({key: tensor}, batch_size=[tensor.shape[0]]), run.batch(step, stage))  # type: ignore[attr-defined]
+    T.save_batch(TensorDict({key: tensor}, batch_size=[tensor.shape[0]]), run.batch(step, stage))
 
 
 def _logprobs(

@@ -76,7 +76,7 @@ def _refresh_imported_ray(local: bool) -> None:
     if "ray" not in sys.modules:
         return
     try:
-        from ray._raylet import AuthenticationTokenLoader, Config
+        from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]  # ray private API
 
         Config.initialize("")
         AuthenticationTokenLoader.instance().reset_cache()

@@ -114,7 +114,7 @@ def log_dataset(cfg: RunConfig, run_id: str, record: dict[str, dict[str, Any]]) 
     inputs, rows = [], []
     now = int(time.time() * 1000)
     for split, info in record.items():
-        ds = MetaDataset(
+        ds = MetaDataset(  # type: ignore[abstract]  # mlflow: Dataset is not an ABC; `profile` is not enforced
             _dataset_source(str(info["source"])), name=f"{split}: {info['source']}"[:500], digest=info["digest"]
         )
         inputs.append(DatasetInput(ds._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", split)]))

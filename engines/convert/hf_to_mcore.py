@@ -28,14 +28,14 @@ from rlstages.engines.convert.manifest import (
     copy_hf_side_files,
     write_manifest,
 )
-from rlstages.engines.convert.ops import Converted
+from rlstages.engines.convert.ops import Converted, RowConcat
 from rlstages.engines.convert.safetensors_io import Planned, PlannedWriter, Reader, new_checksum
 from rlstages.engines.convert.sharding import chunk_prefix, pad_vocab, split_tp, tp_kind
 from rlstages.engines.convert.spec import SPEC_FILE, ConversionSpec, TransformerImpl
 from rlstages.engines.convert.stream import ConversionError, HfToMcore
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
-RankTensor = tuple[int, int, str, torch.Tensor]  # (tp_rank, pp_rank, name in the rank file, shard)
+RankTensor = tuple[int, int, str, torch.Tensor | RowConcat]  # (tp_rank, pp_rank, name in the rank file, shard)
 
 
 def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:

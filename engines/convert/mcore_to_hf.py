@@ -58,12 +58,17 @@ def mcore_to_hf(
             for t in range(spec.tp)
             for p in range(spec.pp)
         }
+
+        def release(p: int) -> None:  # unmap a finished chunk
+            for t in range(spec.tp):
+                readers[(t, p)].close()
+
         try:
             yield from _from_ranks(
                 spec,
                 {k: r.entries for k, r in readers.items()},
                 lambda k, n: readers[k].meta(n) if meta else readers[k].get(n),
-                lambda p: [readers[(t, p)].close() for t in range(spec.tp)],  # unmap a finished chunk
+                release,
             )
         finally:
             for r in readers.values():

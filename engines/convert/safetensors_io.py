@@ -9,16 +9,17 @@ Non-goal: names, layouts, ranks.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import mmap
 import os
 import struct
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
@@ -90,7 +91,7 @@ class Reader:
         self.use_mmap = use_mmap
         self._map: mmap.mmap | None = None
         self._buffer: torch.Tensor | None = None
-        self._file: BinaryIO | None = None
+        self._file: io.BufferedReader | None = None
 
     def meta(self, name: str) -> torch.Tensor:
         """A meta tensor with the dtype and shape of `name`."""
@@ -138,7 +139,7 @@ class Reader:
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy stubs: ndarray.__buffer__ on Python >= 3.12 only
 
 
 @dataclass(frozen=True)
@@ -280,7 +281,8 @@ def new_checksum(algorithm: str) -> Any:
     """A running checksum: "crc32" (fast corruption check), "sha256" (a content digest, ~3x the CPU) or "none"."""
     if algorithm not in CHECKSUMS:
         raise ValueError(f"checksum must be one of {CHECKSUMS}, got {algorithm!r}")
-    return {"sha256": hashlib.sha256, "crc32": _Crc32, "none": _NoChecksum}[algorithm]()
+    factories: dict[str, Callable[[], Any]] = {"sha256": hashlib.sha256, "crc32": _Crc32, "none": _NoChecksum}
+    return factories[algorithm]()
 
 
 def checksum_enabled(algorithm: str) -> bool:

@@ -99,13 +99,13 @@ def split_tp(name: str, tensor: Converted, kind: str, tp: int) -> list[torch.Ten
         return [tensor] * tp
     if isinstance(tensor, RowConcat):
         if kind == "row":
-            return _chunk(name, tensor.materialize(), 1, tp)
+            return list[torch.Tensor | RowConcat](_chunk(name, tensor.materialize(), 1, tp))
         if tensor.shape[0] % tp:
             raise ValueError(
                 f"{name}: dim 0 of shape {tuple(tensor.shape)} is not divisible by tensor parallel size {tp}"
             )
         return list(tensor.chunk(tp))
-    return _chunk(name, tensor, 1 if kind == "row" else 0, tp)
+    return list[torch.Tensor | RowConcat](_chunk(name, tensor, 1 if kind == "row" else 0, tp))
 
 
 def _chunk(name: str, tensor: torch.Tensor, dim: int, tp: int) -> list[torch.Tensor]:

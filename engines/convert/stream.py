@@ -11,7 +11,7 @@ Non-goal: tensor/pipeline ranks (see `sharding`) and files (see `safetensors_io`
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -82,7 +82,7 @@ class _Stream:
     def _skip(self, layer: int | None, key: str, op: WeightOp | None) -> bool:
         return False
 
-    def add(self, name: str, tensor: torch.Tensor) -> list[tuple[str, Converted]]:
+    def add(self, name: str, tensor: torch.Tensor) -> Sequence[tuple[str, Converted]]:
         """Take one input tensor; return the outputs it completes (possibly none)."""
         layer, key = self._split(name)
         hit = self._match(layer, key)
@@ -119,7 +119,7 @@ class _Stream:
 
     def expected(self) -> set[str]:
         """Output names that must be produced (non-wildcard, non-optional enabled ops)."""
-        out = set()
+        out: set[str] = set()
         for op in self.ops:
             if op.has_wildcard or op.optional:
                 continue
@@ -190,9 +190,10 @@ class McoreToHf(_Stream):
 
     src, dst = "mcore", "hf"
 
-    def add(self, name: str, tensor: torch.Tensor) -> list[tuple[str, Converted]]:
+    def add(self, name: str, tensor: torch.Tensor) -> Sequence[tuple[str, torch.Tensor]]:
         """Take one global Megatron tensor; return the HF tensors it completes."""
-        return super().add(to_local_name(name), tensor)
+        # mcore -> hf runs the ops' `to_hf`, whose outputs are plain tensors (never StackedParts/RowConcat)
+        return cast("Sequence[tuple[str, torch.Tensor]]", super().add(to_local_name(name), tensor))
 
     def stacked_parts(self, name: str) -> int | None:
         """Number of parts when `name` is the output of a `Stack` op (TP shards hold a slice of each part)."""

@@ -32,7 +32,7 @@ def apply_cpu_shim() -> bool:
     if torch.cuda.is_available():
         return False
     if not _SHIM_APPLIED:
-        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]  # RoPE, attention buffers
+        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]  # RoPE, attention buffers
         torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]  # dist_checkpointing.save
         torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]  # tied output, PP>1
         _SHIM_APPLIED = True

@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -54,7 +54,7 @@ def wrap_lora(model: Any, params: LoraParams | dict[str, Any]) -> Any:
         raise ValueError(f"model.lora.target_modules {missing} are not linear layers of this model (it has {some})")
     config = LoraConfig(
         r=p.rank,
-        lora_alpha=p.alpha,
+        lora_alpha=p.alpha,  # type: ignore[arg-type]  # peft annotates int; the scale alpha / r takes a float
         lora_dropout=p.dropout,
         target_modules=list(p.target_modules),
         task_type="CAUSAL_LM",
@@ -120,7 +120,9 @@ def named_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
             if layer is None:
                 yield name, tensor.detach()
                 continue
-            delta = sum(layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A)
+            # peft defines get_delta_weight on the concrete LoRA layers (Linear, Embedding, ...), not the mixin
+            parts = (layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A)  # type: ignore[attr-defined]
+            delta = cast(torch.Tensor, sum(parts))
             yield name, (tensor + delta.to(tensor.dtype)).detach()
 
 
@@ -143,7 +145,7 @@ def load_trainable_state(model: Any, state: dict[str, torch.Tensor]) -> tuple[li
     expected = set(trainable_state(model))
     result = set_peft_model_state_dict(model, state)
     missing = sorted(expected - set(state))
-    return missing, list(result.unexpected_keys)
+    return missing, list(result.unexpected_keys)  # type: ignore[attr-defined]  # peft: an untyped namedtuple
 
 
 def save_pretrained(model: Any, path: Path) -> None:

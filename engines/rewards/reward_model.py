@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
+from typing import cast
 
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -78,7 +79,7 @@ class RewardModelEngine:
         """The text the model sees: chat template over user/assistant turns if present, else concatenation."""
         if self.tokenizer.chat_template:
             messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
-            return self.tokenizer.apply_chat_template(messages, tokenize=False)
+            return cast(str, self.tokenizer.apply_chat_template(messages, tokenize=False))  # tokenize=False: a str
         return prompt + response
 
     @torch.inference_mode()

@@ -133,7 +133,7 @@ class RewardScorer:
             raise ValueError(f"timeout_seconds must be > 0, got {timeout_seconds}")
         if num_processes < 1:
             raise ValueError(f"num_processes must be >= 1, got {num_processes}")
-        specs = []
+        specs: list[tuple[str, float, dict[str, Any]]] = []
         for name, weight, kwargs in functions:
             if any(name == seen for seen, _, _ in specs):
                 raise ValueError(f"reward function {name!r} is listed twice")
@@ -179,6 +179,7 @@ class RewardScorer:
         for attempt in range(2):
             if self._pool is None or not self._pool.active:
                 self._replace_pool()
+            assert self._pool is not None
             try:
                 return self._pool.schedule(_call_reward, args=args, timeout=self.timeout_seconds)
             except RuntimeError:  # pebble: the pool is not running

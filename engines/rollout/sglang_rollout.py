@@ -10,7 +10,7 @@ up in host memory (`enable_weights_cpu_backup`), so `wake` alone restores a work
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from tensordict import TensorDict
 
@@ -80,7 +80,8 @@ class SGLangRolloutEngine:
             )
             responses.append(ids)
             logprobs.append(lps)
-        texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in responses]
+        # one sequence per call decodes to a str (the stub's `str | list[str]` covers batched input)
+        texts = cast("list[str]", [self.tokenizer.decode(r, skip_special_tokens=True) for r in responses])
         return build_rollout_batch(prompts, prompt_ids, responses, logprobs, texts, n, self.pad_id)
 
     def update_weights(self, named_tensors: NamedTensors) -> None:

@@ -21,7 +21,7 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tensordict import TensorDict
@@ -154,7 +154,8 @@ class VLLMRolloutEngine:
                 ids, lps = truncate_response(ids, lps, self.eos_ids, sampling.max_new_tokens)
                 responses.append(ids)
                 logprobs.append(lps)
-        texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in responses]
+        # one sequence per call decodes to a str (the stub's `str | list[str]` covers batched input)
+        texts = cast("list[str]", [self.tokenizer.decode(r, skip_special_tokens=True) for r in responses])
         return build_rollout_batch(prompts, prompt_ids, responses, logprobs, texts, sampling.n, self.pad_id)
 
     def update_weights(self, named_tensors: NamedTensors) -> None:

@@ -139,7 +139,7 @@ class ActorGroup:
             return
         import ray
 
-        remote_cls = ray.remote(_with_rendezvous(cls))
+        remote_cls: Any = ray.remote(_with_rendezvous(cls))
         key = self._rendezvous_key()
         try:  # a living rank 0 (a retried task finds it by name) keeps its published address
             ray.get_actor(self._actor_name(0), namespace=self.namespace)
@@ -354,7 +354,7 @@ class _Dispatch:
         return call
 
 
-def _with_rendezvous(cls: type) -> type:
+def _with_rendezvous(cls: type[Any]) -> type:
     """`cls` whose constructor first publishes rank 0's rendezvous (a subclass defined here, so Ray ships it
     by value; the engine class stays a plain class)."""
 

@@ -148,9 +148,9 @@ def join_sync_group(engine: Any, name: str, addr: str, port: int, rank: int, wor
     delta = datetime.timedelta(seconds=timeout)
     store = dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=delta)
     if collective_backend() == "nccl":  # pragma: no cover - GPU only
-        group: Any = dist.ProcessGroupNCCL(dist.PrefixStore(name, store), rank, world)
+        group: Any = dist.ProcessGroupNCCL(dist.PrefixStore(name, store), rank, world)  # type: ignore[call-arg]  # options has a default
     else:
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch private API, not in its stubs
         options._timeout = delta
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=node_ip())]
         group = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, world, options)

@@ -89,6 +89,7 @@ def load_optimizer(optim: torch.optim.Optimizer, path: Path) -> None:
 def save_rng(path: Path) -> None:
     """torch, numpy and Python RNG states."""
     np_state = np.random.get_state()
+    assert isinstance(np_state, tuple)  # legacy=True (the default): the MT19937 tuple
     meta = {
         "python": json.dumps(_jsonable(random.getstate())),
         "numpy": json.dumps([np_state[0], int(np_state[2]), int(np_state[3]), float(np_state[4])]),

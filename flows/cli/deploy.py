@@ -20,7 +20,7 @@ import datetime as dt
 import os
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import typer
 from rich.console import Console
@@ -99,7 +99,7 @@ def zombie_automation(crash_after: int) -> Any:
             within=dt.timedelta(seconds=crash_after),
         ),
         actions=[
-            ChangeFlowRunState(
+            ChangeFlowRunState(  # type: ignore[call-arg]  # prefect: name and force default to None / False
                 state=StateType.CRASHED,
                 message=f"no heartbeat for {crash_after} s: the flow-run process is gone",
             )
@@ -115,7 +115,7 @@ def ensure_zombie_automation(crash_after: int) -> str:
 
     wanted = zombie_automation(crash_after)
     try:
-        found = Automation.read(name=ZOMBIE_AUTOMATION)
+        found = cast(Automation, Automation.read(name=ZOMBIE_AUTOMATION))  # prefect: sync call, sync result
     except ValueError:
         return str(wanted.create().id)
     found.trigger = wanted.trigger
@@ -144,7 +144,7 @@ def serve_training(
         raise ValueError(f"--crash-after ({crash_after} s) must exceed --heartbeat ({heartbeat} s)")
     import asyncio
 
-    from prefect.deployments.runner import EntrypointType
+    from prefect.deployments.runner import EntrypointType, RunnerDeployment
     from prefect.exceptions import TerminationSignal
     from prefect.runner import Runner
 
@@ -171,6 +171,7 @@ def serve_training(
         paused=paused,
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
+    assert isinstance(deployment, RunnerDeployment)  # a sync call returns the deployment, not a coroutine
     deployment.work_pool_name = None  # served here: clear a work pool a `prefect deploy` may have set
     deployment.work_queue_name = None
     # What `flow.serve` does, with two differences: heartbeats are set on the runner, and the runner is given the
