@@ -107,8 +107,17 @@ def rl_post_train(cfg: RunConfig) -> str:
         step, kl_state, recoveries, ahead = start.step + 1, start.kl_state, 0, None
         with run_progress(run.name, total, start.step) as ui:
             while step <= total:
-                try:
+                try:  # a worker lost in any stage of the step, its evaluation or its checkpoint: replay
                     result = rl_step(s, cfg, run, step, kl_state, ui, ahead)
+                    log_step(cfg, mlflow_run_id, step, result.metrics)  # a replayed step is not logged twice
+                    ui.step_done(step, result.metrics)
+                    if _due(step, cfg.trainer.eval_every, total):
+                        ui.stage("evaluate")
+                        ui.evaluated(step, s.evaluate(cfg, run, step, mlflow_run_id))
+                    if _due(step, cfg.checkpoint.every, total):
+                        ui.stage("checkpoint")
+                        state = driver_snapshot(cfg, step, result.kl_state, mlflow_run_id)
+                        ui.committed(step, s.checkpoint(cfg, run, step, state))
                 except WorkerLost as lost:
                     ahead = None  # the replay generates its first step again
                     recoveries += 1
@@ -119,15 +128,6 @@ def rl_post_train(cfg: RunConfig) -> str:
                     step, kl_state = start.step + 1, start.kl_state
                     continue
                 kl_state, ahead = result.kl_state, result.ahead
-                log_step(cfg, mlflow_run_id, step, result.metrics)
-                ui.step_done(step, result.metrics)
-                if _due(step, cfg.trainer.eval_every, total):
-                    ui.stage("evaluate")
-                    ui.evaluated(step, s.evaluate(cfg, run, step, mlflow_run_id))
-                if _due(step, cfg.checkpoint.every, total):
-                    ui.stage("checkpoint")
-                    state = driver_snapshot(cfg, step, kl_state, mlflow_run_id)
-                    ui.committed(step, s.checkpoint(cfg, run, step, state))
                 step += 1
         policy = s.export_policy(cfg, run, mlflow_run_id)
     except BaseException as exc:

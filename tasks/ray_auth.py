@@ -61,8 +61,9 @@ def secure_env(local: bool) -> dict[str, str]:
     path = ensure_token()
     if path is not None:
         env[TOKEN_PATH_ENV] = str(path)
-    if local:
-        env[LOOPBACK_ENV] = "0"
+    # 0: a local Ray binds 127.0.0.1 and takes no other node; 1 (Ray's default here) for `ray start` nodes of a
+    # cluster, which must not inherit a 0 that an earlier local Ray of this process set
+    env[LOOPBACK_ENV] = "0" if local else "1"
     os.environ.update(env)
     _refresh_imported_ray(local)
     return env
@@ -80,10 +81,9 @@ def _refresh_imported_ray(local: bool) -> None:
 
         Config.initialize("")
         AuthenticationTokenLoader.instance().reset_cache()
-        if local:
-            from ray._private import ray_constants
+        from ray._private import ray_constants
 
-            ray_constants.ENABLE_RAY_CLUSTER = False
+        ray_constants.ENABLE_RAY_CLUSTER = not local
     except (ImportError, AttributeError):  # another Ray: the environment still reaches every new process
         pass
 

@@ -57,6 +57,7 @@ def test_verl_parquet_and_hub_model_id_run_and_are_recorded(
             "data.apply_chat_template=true",
             "data.chat_template=" + TEMPLATE.replace("'", "''").join("''"),
             "data.max_prompt_length=40",
+            "data.overlong_prompts=drop",
             "data.prompts_per_step=2",
             "data.eval_prompts=4",
             "reward.functions=[{name: by_data_source}, {name: digit_ratio}]",
