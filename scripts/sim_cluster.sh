@@ -102,6 +102,7 @@ up() {
   export RAY_AUTH_MODE=token RAY_AUTH_TOKEN
   RAY_AUTH_TOKEN=$(cat "$STATE/auth_token")
   export RAY_USAGE_STATS_ENABLED=0
+  export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1  # a multi-node cluster (a local Ray of the caller may have set 0)
 
   ip link add "$BRIDGE" type bridge
   ip addr add "$HEAD_IP/24" dev "$BRIDGE"
@@ -138,7 +139,7 @@ up() {
 add_node() {
   local i=$1 address
   address=$(cat "$STATE/address")
-  export RAY_AUTH_MODE=token RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_TOKEN
+  export RAY_AUTH_MODE=token RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_TOKEN RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1
   RAY_AUTH_TOKEN=$(cat "$STATE/auth_token")
   ip netns add "$(ns "$i")"
   ip link add "${PREFIX}v$i" type veth peer name eth0 netns "$(ns "$i")"

@@ -32,6 +32,7 @@ class SimCluster:
             RAY_AUTH_MODE="token",
             RAY_AUTH_TOKEN=(self.state / "auth_token").read_text().strip(),
             RAY_USAGE_STATS_ENABLED="0",
+            RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1",  # a cluster (a local Ray of this session may have set 0)
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
             TOKENIZERS_PARALLELISM="false",
