@@ -165,7 +165,7 @@ def test_node_lost_mid_run_is_rebuilt_on_a_new_node(
         tmp_path,
         tiny_model_dir,
         "lost",
-        "trainer.total_steps=8",  # room for the kill to land before the end on a quiet machine
+        "trainer.total_steps=30",  # room for the kill to land well before the end on a quiet machine
         "trainer.eval_every=0",  # (a node lost in a stage, an evaluation or a checkpoint is recovered alike)
         "cluster.colocate=false",
         "cluster.gpus_per_worker=4",
@@ -175,12 +175,12 @@ def test_node_lost_mid_run_is_rebuilt_on_a_new_node(
     with log.open("w") as fh:
         proc = subprocess.Popen(cmd, env=sim_cluster.env(), cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT)
     try:
-        first = tmp_path / "runs" / "lost" / "checkpoints" / "step_000001" / "manifest.json"
+        checkpoints = tmp_path / "runs" / "lost" / "checkpoints"
         deadline = time.monotonic() + 1500
-        while not first.is_file():
+        while not any(checkpoints.glob("step_*/manifest.json")):  # the first commit (older ones are pruned)
             assert proc.poll() is None, log.read_text()[-4000:]
-            assert time.monotonic() < deadline, "step 1 was not committed in time"
-            time.sleep(1)
+            assert time.monotonic() < deadline, "no checkpoint was committed in time"
+            time.sleep(0.2)
         (before,) = placements(tmp_path, "lost")
         victim = next(r["node_ip"] for r in before if r["role"] == "actor")
         index = 1 if victim == sim_cluster.node_ip(1) else 2
@@ -195,7 +195,7 @@ def test_node_lost_mid_run_is_rebuilt_on_a_new_node(
     assert proc.returncode == 0, log.read_text()[-5000:]
     client, found = mlflow_run(tmp_path, "lost")
     assert found.info.status == "FINISHED"
-    assert [m.step for m in client.get_metric_history(found.info.run_id, "reward/mean")] == list(range(1, 9))
+    assert [m.step for m in client.get_metric_history(found.info.run_id, "reward/mean")] == list(range(1, 31))
     builds = placements(tmp_path, "lost")
     assert len(builds) >= 2  # the recovery placed the layout again
     assert sim_cluster.node_ip(3) in {r["node_ip"] for r in builds[-1]}  # ... using the node added later
