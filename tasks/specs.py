@@ -40,9 +40,6 @@ def model_dir(cfg: RunConfig) -> str:
     return str(resolve_model_path(str(cfg.model.path), cfg.model.revision))
 
 
-_model_path = model_dir
-
-
 def converted_dir(cfg: RunConfig) -> Path | None:
     """Where the actor's Megatron-Core checkpoint is converted to (None when the actor is not Megatron)."""
     a = cfg.actor
@@ -77,7 +74,7 @@ def rollout_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
     entry = ROLLOUT_BACKENDS[r.backend]
     run_values = {"seed": cfg.trainer.seed, "model_type": cfg.model.model_type}
     kwargs: dict[str, Any] = {
-        "model_path": _model_path(cfg),
+        "model_path": model_dir(cfg),
         "dtype": r.dtype,
         "apply_chat_template": cfg.data.apply_chat_template,
         "system_prompt": cfg.data.system_prompt,
@@ -153,7 +150,7 @@ def trainer_settings(cfg: RunConfig, role: Role) -> TrainerSettings:
         train = section
     converted = converted_dir(cfg) if role == "actor" else None
     return TrainerSettings(
-        model_path=_model_path(cfg),
+        model_path=model_dir(cfg),
         role=role,
         train=train,
         loss=loss_params(cfg),
