@@ -8,6 +8,8 @@ model (SmolLM2-135M-Instruct) and shapes, each against a baseline measured in th
   the weight-streaming bound: rows x copy bandwidth / bytes of weights read per decode step (informative:
   on CPU a batch of 64 is compute-bound; `gen_compute_fraction` is the same against 2 x params x rows FLOPs
   per decode step at the bf16 matmul speed).
+- `lora_time_per_step`, `lora_peak_memory`: the demo-shaped update with LoRA adapters (`model.lora` defaults:
+  rank 16 on every linear layer) over the same update of all weights, each in a fresh process (informative).
 `python -m bench.bench_step`
 """
 
@@ -173,9 +175,10 @@ HEAPS = {  # glibc settings of a worker: the shipped one keeps every freed block
 }
 
 
-def heap_worker() -> dict[str, float]:
+def heap_worker(lora: bool = False) -> dict[str, float]:
     """Two demo-shaped GRPO updates (64 rows, micro-batches of 16, bf16 autocast) of SmolLM2-135M in this
-    process: the second step's seconds and the process's peak RSS."""
+    process, all weights or LoRA adapters (the default `model.lora`): the second step's seconds and the
+    process's peak RSS."""
     from rlstages.configs.training import OptimConfig, TorchTrainingConfig
     from rlstages.engines import types as T
     from rlstages.engines.rollout.batching import build_rollout_batch
@@ -185,7 +188,10 @@ def heap_worker() -> dict[str, float]:
 
     torch.set_num_threads(2)
     train = TorchTrainingConfig(optim=OptimConfig(lr=1e-5), micro_batch_size=16, bf16_autocast=True)
-    engine = PPOTrainer(TrainerSettings(str(MODEL_DIR), train=train, temperature=0.7))
+    from rlstages.configs.model import LoraSettings
+
+    adapters = LoraSettings().model_dump(mode="json") if lora else None
+    engine = PPOTrainer(TrainerSettings(str(MODEL_DIR), train=train, temperature=0.7, lora=adapters))
     g = torch.Generator().manual_seed(0)
     prompts = [Prompt(f"u{i}", "x", "0") for i in range(8)]
     prompt_ids = [torch.randint(100, 49000, (PROMPT,), generator=g).tolist() for _ in prompts]
@@ -200,7 +206,7 @@ def heap_worker() -> dict[str, float]:
 
 
 def heap_settings() -> None:
-    """The update under each allocator setting, each in a fresh process with that environment."""
+    """The update under each allocator setting, and with LoRA adapters, each in a fresh process."""
     import json
     import os
     import subprocess
@@ -209,12 +215,17 @@ def heap_settings() -> None:
     from rlstages.engines.utils import import_object
 
     out = {}
-    for name, ref in HEAPS.items():
+    runs = {name: (ref, "--heap") for name, ref in HEAPS.items()} | {"lora": (HEAPS["keep"], "--lora")}
+    for name, (ref, flag) in runs.items():
         env = {**os.environ, **import_object(ref)}
-        done = subprocess.run([sys.executable, "-m", "bench.bench_step", "--heap"], env=env, capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "bench.bench_step", flag], env=env, capture_output=True,
                               text=True, check=True)  # fmt: skip
         out[name] = json.loads(done.stdout.strip().splitlines()[-1])
-    k, b = out["keep"], out["bounded"]
+    k, b, lo = out["keep"], out["bounded"], out["lora"]
+    record("lora_time_per_step", lo["seconds"] / k["seconds"], None,
+           f"update {lo['seconds']:.1f} s vs {k['seconds']:.1f} s (LoRA r16 on all linear layers / full)")  # fmt: skip
+    record("lora_peak_memory", lo["peak_mb"] / k["peak_mb"], None,
+           f"peak RSS {lo['peak_mb']:.0f} MB vs {k['peak_mb']:.0f} MB (LoRA / full fine-tuning)")  # fmt: skip
     record("heap_bounded_time", b["seconds"] / k["seconds"], "<= 1.1",
            f"update {b['seconds']:.1f} s vs {k['seconds']:.1f} s (bounded / keep-all heap)")  # fmt: skip
     record("heap_bounded_memory", b["peak_mb"] / k["peak_mb"], "<= 0.8",
@@ -226,19 +237,19 @@ def main() -> None:
     import json
     import sys
 
-    if sys.argv[1:2] == ["--heap"]:
-        print(json.dumps(heap_worker()))
+    if sys.argv[1:2] in (["--heap"], ["--lora"]):
+        print(json.dumps(heap_worker(lora=sys.argv[1] == "--lora")))
         return
     if sys.argv[1:2] == ["--logprob"]:
         print(json.dumps(logprob_worker(sys.argv[2])))
         return
-    logprob_kernels()
-    heap_settings()
     from rlstages.engines.models import ensure_model
     from rlstages.engines.models.registry import load_causal_lm
 
+    ensure_model(MODEL_DIR, "smollm2-gguf")  # before the heap workers, which load it
+    logprob_kernels()
+    heap_settings()
     torch.set_num_threads(2)
-    ensure_model(MODEL_DIR, "smollm2-gguf")
     bf16 = matmul_flops("bfloat16", n=2048)
     model = load_causal_lm(MODEL_DIR, "float32", None)
     train_step_fraction(model, bf16)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, Generic, ParamSpec, TypeVar
 
 from prefect import Task
+from prefect.futures import PrefectFuture
+from prefect.utilities.annotations import quote
 
 from rlstages.configs import RunConfig
 from rlstages.tasks import advantage, checkpoint, evaluate, logprobs, reward, rollout, run, update
@@ -23,29 +25,57 @@ from rlstages.tasks.run import StartPoint
 MAX_PARALLEL_STAGES = 4  # the widest fan-out of a step: rewards, old/ref log-probs, critic values
 
 Metrics = dict[str, float]
-StepStage = Task[[RunConfig, RunHandle, int], Metrics]
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class Stage(Generic[P, R]):
+    """A stage task called with its run config and run handle passed through as they are (`quote`): Prefect
+    otherwise walks every field of the config on each call looking for futures, twice (parameters and task
+    inputs) -- the largest part of its per-stage overhead. Everything else (`retries`, `fn`...) is the task's."""
+
+    def __init__(self, task: Task[P, R]) -> None:
+        self.task = task
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run the task now (in the flow's thread) and return its result."""
+        return self.task(*_quoted(args), **kwargs)  # type: ignore[arg-type]  # quote() unwraps to the same value
+
+    def submit(self, *args: P.args, **kwargs: P.kwargs) -> PrefectFuture[R]:
+        """Run concurrently in the flow's task runner."""
+        return self.task.submit(*_quoted(args), **kwargs)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.task, name)
+
+
+def _quoted(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(quote(a) if isinstance(a, RunConfig | RunHandle) else a for a in args)
+
+
+StepStage = Stage[[RunConfig, RunHandle, int], Metrics]
 
 
 @dataclass(frozen=True)
 class Stages:
     """Prefect tasks by stage name (the same names as in `prefect.stages` of the config)."""
 
-    prepare_run: Task[[RunConfig], RunHandle] = run.prepare_run
-    start_tracking: Task[[RunConfig, RunHandle], str] = run.start_tracking
-    start_workers: Task[[RunConfig, RunHandle], StartPoint] = run.start_workers
-    recover_workers: Task[[RunConfig, RunHandle], StartPoint] = run.recover_workers
-    generate: StepStage = rollout.generate
-    score_rewards: StepStage = reward.score_rewards
-    actor_logprobs: StepStage = logprobs.actor_logprobs
-    ref_logprobs: StepStage = logprobs.ref_logprobs
-    critic_values: StepStage = logprobs.critic_values
-    advantages: Task[[RunConfig, RunHandle, int, dict[str, float]], AdvantageResult] = advantage.advantages
-    update_critic: StepStage = update.update_critic
-    update_actor: StepStage = update.update_actor
-    sync_weights: StepStage = rollout.sync_weights
-    evaluate: Task[[RunConfig, RunHandle, int, str], Metrics] = evaluate.evaluate
-    checkpoint: Task[[RunConfig, RunHandle, int, dict[str, Any]], str] = checkpoint.save_checkpoint
-    export_policy: Task[[RunConfig, RunHandle, str], str] = run.export_policy
+    prepare_run: Stage[[RunConfig], RunHandle] = Stage(run.prepare_run)
+    start_tracking: Stage[[RunConfig, RunHandle], str] = Stage(run.start_tracking)
+    start_workers: Stage[[RunConfig, RunHandle], StartPoint] = Stage(run.start_workers)
+    recover_workers: Stage[[RunConfig, RunHandle], StartPoint] = Stage(run.recover_workers)
+    generate: StepStage = Stage(rollout.generate)
+    score_rewards: StepStage = Stage(reward.score_rewards)
+    actor_logprobs: StepStage = Stage(logprobs.actor_logprobs)
+    ref_logprobs: StepStage = Stage(logprobs.ref_logprobs)
+    critic_values: StepStage = Stage(logprobs.critic_values)
+    advantages: Stage[[RunConfig, RunHandle, int, dict[str, float]], AdvantageResult] = Stage(advantage.advantages)
+    update_critic: StepStage = Stage(update.update_critic)
+    update_actor: StepStage = Stage(update.update_actor)
+    sync_weights: StepStage = Stage(rollout.sync_weights)
+    evaluate: Stage[[RunConfig, RunHandle, int, str], Metrics] = Stage(evaluate.evaluate)
+    checkpoint: Stage[[RunConfig, RunHandle, int, dict[str, Any]], str] = Stage(checkpoint.save_checkpoint)
+    export_policy: Stage[[RunConfig, RunHandle, str], str] = Stage(run.export_policy)
     max_parallel: int = MAX_PARALLEL_STAGES
 
     @classmethod
@@ -56,12 +86,11 @@ class Stages:
         for f in fields(cls):
             if f.name == "max_parallel":
                 continue
-            t: Task[Any, Any] = f.default  # type: ignore[assignment]
+            t: Task[Any, Any] = f.default.task  # type: ignore[union-attr]  # every field has a Stage default
             if f.name not in unpolicied:
                 t = with_policy(t, cfg.prefect.policy(f.name))
             has_step = "step" in t.fn.__code__.co_varnames[: t.fn.__code__.co_argcount]
-            t = t.with_options(task_run_name=f"{f.name}[step={{step}}]" if has_step else f.name)
-            tasks[f.name] = t
+            tasks[f.name] = Stage(t.with_options(task_run_name=f"{f.name}[step={{step}}]" if has_step else f.name))
         return replace(cls(), **tasks, max_parallel=min(cfg.prefect.max_concurrent_stages, MAX_PARALLEL_STAGES))
 
     def together(self, stages: Sequence[StepStage], cfg: RunConfig, run: RunHandle, step: int) -> list[Metrics]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import os
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -119,6 +120,23 @@ def _check_nonempty(file: str, suffix: str) -> None:
             raise ValueError(f"{file}: no rows")
 
 
+def _hub_snapshot(repo_id: str, revision: str | None) -> str | None:
+    """Offline (`HF_HUB_OFFLINE`), a hub dataset's files from the HF cache (`HF_HOME`/`HF_HUB_CACHE`, the hub's
+    snapshot layout) as a local directory; online, None: `datasets` fetches (and caches) it itself."""
+    from huggingface_hub import snapshot_download
+
+    from rlstages.engines.models.hub import hub_cache_dir, hub_offline
+
+    if not (hub_offline() or os.environ.get("HF_DATASETS_OFFLINE", "").strip().lower() in {"1", "true", "yes"}):
+        return None
+    try:
+        return snapshot_download(
+            repo_id, repo_type="dataset", revision=revision, cache_dir=str(hub_cache_dir()), local_files_only=True
+        )
+    except Exception:  # noqa: BLE001 - not in the hub cache: `datasets` may have it prepared in its own cache
+        return None
+
+
 def _open_dataset(cfg: DatasetsDataConfig, path: str, split: str) -> tuple[Any, str]:
     """Open one split as a `datasets.Dataset`: local files, a save_to_disk directory, or a hub name (cache)."""
     import datasets
@@ -144,7 +162,7 @@ def _open_dataset(cfg: DatasetsDataConfig, path: str, split: str) -> tuple[Any, 
                 raise FileNotFoundError(
                     f"data.source.path: {path} is not a data file, a glob of them or a save_to_disk directory"
                 )
-            ds = datasets.load_dataset(path, cfg.name, revision=cfg.revision)
+            ds = datasets.load_dataset(_hub_snapshot(path, cfg.revision) or path, cfg.name, revision=cfg.revision)
             where = f"hub dataset {path}"
     except (FileNotFoundError, ValueError):
         raise

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -122,8 +123,28 @@ def sync_weights_local(trainer: Any, rollouts: list[Any], bucket_bytes: int, dty
 # as the named tensors and hand them to `engine.update_weights` (the HF engine copies each into its parameter).
 # One bucket at a time on both sides: no process holds a second full copy of the model. Every trainer rank
 # walks `named_weights()` in step, because gathering sharded weights (ZeRO-3, TP/PP) is a collective itself.
+#
+# When every receiver runs on the source's node, the payload skips the socket (the CPU twin of verl's CUDA IPC):
+# the source casts each tensor straight into a shared-memory bucket under /dev/shm, mapped once by every member
+# and reused by every sync, broadcasts only the header and meta, and an all-reduce tells it the receivers have
+# copied the bucket out before it writes the next one. The bucket is as large as the largest bucket and its file
+# is unlinked as soon as all have mapped it. Across nodes the payload is broadcast as above.
 
-_SYNC_GROUPS: dict[str, tuple[Any, int]] = {}  # inside a worker process: group name -> (process group, rank)
+
+@dataclass
+class _SyncGroup:
+    """A sync group as one member process holds it: the process group, this member's rank, and (same-node
+    groups) the shared-memory bucket file's path prefix, the generation mapped here and the mapping."""
+
+    group: Any
+    rank: int
+    shm_path: str | None = None
+    generation: int = 0
+    mapping: torch.Tensor | None = None
+    created: str | None = None  # the source's new bucket file, unlinked once every receiver has mapped it
+
+
+_SYNC_GROUPS: dict[str, _SyncGroup] = {}  # inside a worker process: group name -> its sync group
 
 
 def sync_endpoint(engine: Any) -> tuple[str, int]:
@@ -135,8 +156,18 @@ def sync_endpoint(engine: Any) -> tuple[str, int]:
     return addr, free_port(addr)
 
 
-def join_sync_group(engine: Any, name: str, addr: str, port: int, rank: int, world: int, timeout: float) -> int:
-    """Runs in every member: join the sync group `name` (rank 0 hosts its TCP store) and keep it here."""
+def worker_node(engine: Any) -> str:
+    """Runs in a rollout worker: the address of its node (a receiver on the source's node shares its memory)."""
+    from rlstages.engines.runtime.rendezvous import node_ip
+
+    return node_ip()
+
+
+def join_sync_group(
+    engine: Any, name: str, addr: str, port: int, rank: int, world: int, timeout: float, shm_path: str | None = None
+) -> int:
+    """Runs in every member: join the sync group `name` (rank 0 hosts its TCP store) and keep it here; with
+    `shm_path` (all members on one node) bucket payloads pass through that shared-memory file."""
     import datetime
 
     import torch.distributed as dist
@@ -154,12 +185,12 @@ def join_sync_group(engine: Any, name: str, addr: str, port: int, rank: int, wor
         options._timeout = delta
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=node_ip())]
         group = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, world, options)
-    _SYNC_GROUPS[name] = (group, rank)
+    _SYNC_GROUPS[name] = _SyncGroup(group, rank, shm_path)
     return rank
 
 
 def leave_sync_group(engine: Any, name: str) -> None:
-    """Drop a sync group (its peers are gone or replaced)."""
+    """Drop a sync group (its peers are gone or replaced) and this process's mapping of its bucket file."""
     _SYNC_GROUPS.pop(name, None)
 
 
@@ -167,18 +198,55 @@ def _broadcast(group: Any, tensor: torch.Tensor) -> None:
     group.broadcast(tensor, 0).wait()
 
 
-def _pack(bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A bucket as (meta bytes, one flat byte payload)."""
+def _shared_bucket(member: _SyncGroup, nbytes: int, generation: int | None = None) -> torch.Tensor:
+    """This process's mapping of the group's shared-memory bucket file. The source (no `generation`) makes a new,
+    larger file when a bucket outgrows it; a receiver maps the file of the `generation` the header names. The
+    source unlinks each file once all have mapped it (`_mapped`): the memory lives as long as the mappings, so a
+    killed worker leaves nothing behind in /dev/shm."""
+    import os
+
+    assert member.shm_path is not None
+    if generation is None and (member.mapping is None or member.mapping.numel() < nbytes):
+        member.generation += 1
+        member.created = f"{member.shm_path}.{member.generation}"
+        member.mapping = torch.from_file(member.created, shared=True, size=nbytes, dtype=torch.uint8)
+    elif generation is not None and generation != member.generation:
+        path = f"{member.shm_path}.{generation}"
+        member.mapping = torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8)
+        member.generation = generation
+    assert member.mapping is not None
+    return member.mapping[:nbytes]
+
+
+def _mapped(member: _SyncGroup) -> None:
+    """After the bucket's all-reduce (every receiver has mapped and copied it): unlink a newly made file."""
+    import contextlib
+    import os
+
+    if member.created is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(member.created)
+        member.created = None
+
+
+def _layout(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """A bucket's meta bytes (name, dtype, shape, offset) once cast to `dtype`, and its payload size."""
     import json
 
-    meta, chunks, offset = [], [], 0
+    meta, offset = [], 0
     for name, tensor in bucket:
-        raw = tensor.contiguous().reshape(-1).view(torch.uint8)
-        meta.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset])
-        chunks.append(raw)
-        offset += raw.numel()
-    payload = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8), payload
+        meta.append([name, str(dtype).removeprefix("torch."), list(tensor.shape), offset])
+        offset += tensor.numel() * torch.empty(0, dtype=dtype).element_size()
+    return torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8), offset
+
+
+def _pack_into(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype, payload: torch.Tensor) -> None:
+    """Cast each tensor of the bucket into its slice of `payload` (one pass: the cast is the copy)."""
+    offset = 0
+    for _, tensor in bucket:
+        n = tensor.numel() * torch.empty(0, dtype=dtype).element_size()
+        payload[offset : offset + n].view(dtype).view(tensor.shape).copy_(tensor.detach())
+        offset += n
 
 
 def _unpack(meta: torch.Tensor, payload: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -193,57 +261,73 @@ def _unpack(meta: torch.Tensor, payload: torch.Tensor) -> Iterator[tuple[str, to
 def send_weights(engine: Any, name: str | None, bucket_bytes: int, dtype: str) -> dict[str, float]:
     """Runs in every trainer rank; the one holding the sync group `name` (the source) broadcasts the buckets,
     the others only take part in the gathers of `named_weights()`."""
-    group = _SYNC_GROUPS[name][0] if name is not None else None
-    header = torch.zeros(2, dtype=torch.int64)
+    member = _SYNC_GROUPS[name] if name is not None else None
+    kind = DTYPES[dtype]
+    header = torch.zeros(3, dtype=torch.int64)  # meta bytes, payload bytes, shared-memory file generation
+    done = torch.zeros(1)
     buckets = tensors = 0
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
 
     def flush() -> None:
         nonlocal bucket, size, buckets
-        meta, payload = _pack(bucket)
-        header[0], header[1] = meta.numel(), payload.numel()
-        _broadcast(group, header)
-        _broadcast(group, meta)
-        _broadcast(group, payload)
+        assert member is not None
+        meta, nbytes = _layout(bucket, kind)
+        shared = member.shm_path is not None
+        payload = _shared_bucket(member, nbytes) if shared else torch.empty(nbytes, dtype=torch.uint8)
+        _pack_into(bucket, kind, payload)
+        header[0], header[1], header[2] = meta.numel(), nbytes, member.generation
+        _broadcast(member.group, header)
+        _broadcast(member.group, meta)
+        if shared:
+            member.group.allreduce([done]).wait()  # every receiver has copied the bucket out
+            _mapped(member)
+        else:
+            _broadcast(member.group, payload)
         bucket, size, buckets = [], 0, buckets + 1
 
     for key, tensor in engine.named_weights():
-        if group is None:
+        if member is None:
             continue
-        t = tensor.detach().to(DTYPES[dtype])
-        bucket.append((key, t))
-        size += t.numel() * t.element_size()
+        bucket.append((key, tensor))
+        size += tensor.numel() * kind.itemsize
         tensors += 1
         if size >= bucket_bytes:
             flush()
-    if group is not None:
+    if member is not None:
         if bucket:
             flush()
         header.zero_()
-        _broadcast(group, header)  # the end
-    return {"sync/buckets": float(buckets), "sync/tensors": float(tensors)}
+        _broadcast(member.group, header)  # the end
+    shared = float(member is not None and member.shm_path is not None)
+    return {"sync/buckets": float(buckets), "sync/tensors": float(tensors), "sync/shared_memory": shared}
 
 
 def receive_weights(engine: Any, name: str) -> int:
     """Runs in every rollout rank: receive buckets from the source until the end header, loading each into the
     engine as it arrives. Returns the number of tensors loaded."""
-    group = _SYNC_GROUPS[name][0]
-    header = torch.zeros(2, dtype=torch.int64)
+    member = _SYNC_GROUPS[name]
+    header = torch.zeros(3, dtype=torch.int64)
+    done = torch.zeros(1)
     count = 0
     while True:
-        _broadcast(group, header)
+        _broadcast(member.group, header)
         meta_len, payload_len = int(header[0]), int(header[1])
         if meta_len == 0:
             return count
         meta = torch.empty(meta_len, dtype=torch.uint8)
-        payload = torch.empty(payload_len, dtype=torch.uint8)
-        _broadcast(group, meta)
-        _broadcast(group, payload)
+        _broadcast(member.group, meta)
+        if member.shm_path is not None:
+            payload = _shared_bucket(member, payload_len, int(header[2]))
+        else:
+            payload = torch.empty(payload_len, dtype=torch.uint8)
+            _broadcast(member.group, payload)
         named = list(_unpack(meta, payload))
         engine.update_weights(iter(named))
         count += len(named)
         del named, payload
+        if member.shm_path is not None:
+            member.group.allreduce([done]).wait()  # copied out: the source may write the next bucket
 
 
 class CollectiveSync:
@@ -252,6 +336,7 @@ class CollectiveSync:
 
     def __init__(self) -> None:
         self._groups: dict[tuple[str, ...], str] = {}
+        self._members: list[Any] = []
 
     @staticmethod
     def _ids(handles: list[Any]) -> tuple[str, ...]:
@@ -262,18 +347,25 @@ class CollectiveSync:
 
         import ray
 
+        from rlstages.engines.rollout.ipc import shm_dir
+
         ids = self._ids([source, *rollouts])
         if ids in self._groups:
             return self._groups[ids]
         name = f"wsync-{uuid.uuid4().hex[:12]}"
         addr, port = ray.get(source.__ray_call__.remote(sync_endpoint), timeout=timeout)
+        nodes = ray.get([h.__ray_call__.remote(worker_node) for h in rollouts], timeout=timeout)
+        shm_path = str(shm_dir() / f"rlstages-{name}") if all(n == addr for n in nodes) else None
         world = 1 + len(rollouts)
         refs = [
-            h.__ray_call__.remote(join_sync_group, name, addr, port, r, world, timeout)
+            h.__ray_call__.remote(join_sync_group, name, addr, port, r, world, timeout, shm_path)
             for r, h in enumerate([source, *rollouts])
         ]
         ray.get(refs, timeout=timeout)
-        self._groups = {ids: name}  # older groups belong to dead actors
+        for old_name in self._groups.values():  # the survivors of an older group drop it and its bucket mapping
+            for h in self._members:
+                h.__ray_call__.remote(leave_sync_group, old_name)  # fire and forget: some are dead
+        self._groups, self._members = {ids: name}, [source, *rollouts]
         return name
 
     def sync(

@@ -5,8 +5,8 @@ What holds: a group spanning both nodes joins its process group from rank 0's ow
 collective; collective weight sync from a trainer on node 1 to rollout workers on node 2 leaves log-probs
 within 1e-4 after every sync; an impossible layout fails with "not enough GPUs: need X, have Y"; the split
 DeepSpeed + rollout layout runs 2 steps with trainer ranks on one node and rollout on the other (checkpoints
-committed to the run dir on the host filesystem); the Megatron layout (TP2 x PP2, hybrid engine) runs across
-both nodes; killing a worker node mid-run is recovered on the capacity left plus a node added meanwhile.
+committed to the run dir on the host filesystem); the Megatron layout (TP2 x PP2 x DP2 = 8 ranks, hybrid engine) runs
+across both nodes; killing a worker node mid-run is recovered on the capacity left plus a node added meanwhile.
 Flow runs are `rlstages run` subprocesses (the pytest process's own Ray is never touched).
 """
 
@@ -83,11 +83,42 @@ def test_weight_sync_between_nodes(sim_cluster: SimCluster, tiny_model_dir: Path
     assert out["trainer_ip"] == sim_cluster.node_ip(1)
     assert out["rollout_ips"] == [sim_cluster.node_ip(2)] * 2
     assert len(out["diffs"]) == 2 and max(out["diffs"]) < 1e-4 < min(out["stale"])
+    assert out["metrics"]["sync/shared_memory"] == 0.0  # across nodes the payload is broadcast
 
 
 def test_impossible_layout_says_not_enough_gpus(sim_cluster: SimCluster) -> None:
     error = run_driver(sim_cluster, "short")["error"]
     assert error is not None and "not enough GPUs: need 12, have 8" in error
+
+
+def test_flow_on_a_short_cluster_fails_clearly_and_marks_the_run_failed(
+    sim_cluster: SimCluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # the config declares 16 GPUs (it passes validation), the live cluster has 8: split roles of 4 GPUs each
+    # (actor, rollout, reference = 12) cannot all be placed; the run must stop with the shortage, not hang
+    cmd = flow(
+        sim_cluster,
+        tmp_path,
+        tiny_model_dir,
+        "short",
+        "cluster.num_gpus=16",
+        "cluster.colocate=false",
+        "cluster.hybrid_engine=false",
+        "cluster.gpus_per_worker=4",
+        "algorithm.use_kl_loss=true",
+        "reference.num_workers=1",
+        "cluster.placement_timeout_seconds=15",
+    )
+    start = time.monotonic()
+    run = subprocess.run(cmd, env=sim_cluster.env(), cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert run.returncode != 0
+    assert "not enough GPUs: need 4, have 0" in run.stdout + run.stderr, run.stderr[-3000:]
+    assert time.monotonic() - start < 600  # bounded by the placement timeout (and its retries), never a hang
+    _, found = mlflow_run(tmp_path, "short")
+    assert found.info.status == "FAILED"
+    assert not (tmp_path / "runs" / "short" / "checkpoints").exists() or not any(
+        (tmp_path / "runs" / "short" / "checkpoints").glob("step_*")
+    )
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs `pip install .[deepspeed]`")
@@ -132,8 +163,9 @@ def test_megatron_layout_across_nodes(sim_cluster: SimCluster, tiny_model_dir: P
         "actor.backend=megatron",
         "actor.tensor_model_parallel_size=2",
         "actor.pipeline_model_parallel_size=2",
-        "actor.num_workers=4",
-        "rollout.num_workers=4",
+        "actor.num_workers=8",  # TP2 x PP2 x DP2: verl's Megatron layout over all 8 fake GPUs of both nodes
+        "rollout.num_workers=8",
+        "data.prompts_per_step=8",  # a prompt for each rollout rank
         "cluster.hybrid_engine=true",
         "cluster.colocate=true",
         "cluster.placement_strategy=SPREAD",
@@ -150,7 +182,9 @@ def test_megatron_layout_across_nodes(sim_cluster: SimCluster, tiny_model_dir: P
     (rows,) = placements(tmp_path, "mcore")
     actor = [r for r in rows if r["role"] == "actor"]
     assert {r["node_ip"] for r in actor} == {sim_cluster.node_ip(1), sim_cluster.node_ip(2)}  # TP/PP span nodes
-    for roles in gpu_holders(rows).values():  # colocated: a fake GPU holds at most one rank of each role
+    held = gpu_holders(rows)
+    assert len(held) == 8 and all(roles.count("actor") == 1 for roles in held.values())  # one rank per GPU
+    for roles in held.values():  # colocated: a fake GPU holds at most one rank of each role
         assert len(roles) == len(set(roles)), roles
     committed = sorted(p.name for p in (tmp_path / "runs" / "mcore" / "checkpoints").iterdir())
     assert committed == ["step_000001", "step_000002"]  # shards written by ranks on both nodes, one commit

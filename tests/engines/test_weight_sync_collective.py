@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 
 from rlstages.engines import types as T
+from rlstages.engines.rollout.ipc import shm_dir
 from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
 from rlstages.engines.runtime.rendezvous import collective_backend, local_ranks
-from rlstages.engines.runtime.weight_sync import CollectiveSync, _pack, _unpack
+from rlstages.engines.runtime.weight_sync import CollectiveSync, _layout, _pack_into, _unpack
 from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
 
@@ -55,11 +56,13 @@ def test_local_ranks_count_per_node() -> None:
 
 
 def test_pack_round_trips_bf16_and_odd_shapes() -> None:
-    named = [("a", torch.randn(3, 5).to(torch.bfloat16)), ("b", torch.randn(7).to(torch.bfloat16))]
-    meta, payload = _pack(named)
+    named = [("a", torch.randn(3, 5)), ("b", torch.randn(7)[::2])]  # fp32, one of them non-contiguous
+    meta, nbytes = _layout(named, torch.bfloat16)
+    payload = torch.empty(nbytes, dtype=torch.uint8)
+    _pack_into(named, torch.bfloat16, payload)  # the cast to the rollout dtype is the copy into the payload
     got = dict(_unpack(meta, payload))
-    assert list(got) == ["a", "b"]
-    assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in named)
+    assert list(got) == ["a", "b"] and nbytes == (15 + 4) * 2
+    assert all(torch.equal(got[k], v.to(torch.bfloat16)) and got[k].dtype == torch.bfloat16 for k, v in named)
 
 
 def test_group_rendezvous_comes_from_rank_0(ray_session) -> None:
@@ -99,6 +102,8 @@ def test_collective_sync_keeps_logprobs_in_step(ray_session, tiny_model_dir: Pat
             diff_stale = (trainer.dp(120).logprobs(stale)["logprobs"] - stale[T.ROLLOUT_LOGPROBS]).abs()
             metrics = sync.sync(trainer.handles, 0, rollout.handles, 1 << 15, "float32", 120)
             assert metrics["sync/buckets"] > 1
+            assert metrics["sync/shared_memory"] == 1.0  # one node: payloads pass through shared memory
+            assert not list(shm_dir().glob("rlstages-wsync-*"))  # its file is unlinked once all have mapped it
             assert metrics["sync/tensors"] == ray_session.get(
                 trainer.handles[0].__ray_call__.remote(_count), timeout=60
             )

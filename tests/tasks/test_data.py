@@ -196,3 +196,24 @@ def test_addition_task_two_digit_and_multi_step() -> None:
     for row in D.load_rows(three, "eval"):
         terms = list(map(int, re.findall(r"\d+", row.text)))
         assert len(terms) == 3 and row.ground_truth == str(sum(terms))
+
+
+def test_hub_dataset_name_resolves_offline_from_a_temporary_hf_cache(tmp_path: Path, monkeypatch) -> None:
+    # the hub's cache layout (datasets--org--name/snapshots/<rev>/data/<split>-*.parquet, refs/main), as a
+    # download leaves it; offline, the name resolves there and the splits come from the file names
+    commit = "d" * 40
+    repo = tmp_path / "hf" / "hub" / "datasets--acme--verl-arith"
+    (repo / "snapshots" / commit / "data").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    write_parquet(repo / "snapshots" / commit / "data" / "train-00000-of-00001.parquet", verl_rows(5))
+    write_parquet(repo / "snapshots" / commit / "data" / "test-00000-of-00001.parquet", verl_rows(2, "lighteval/MATH"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = data_cfg("acme/verl-arith")
+    train, held_out = D.load_rows(cfg, "train"), D.load_rows(cfg, "eval")
+    assert len(train) == 5 and len(held_out) == 2
+    assert {r.data_source for r in held_out} == {"lighteval/MATH"} and train[3].ground_truth == "6"
+    with pytest.raises(ValueError, match="acme/absent"):  # a name the cache does not hold: one line, named
+        D.load_rows(data_cfg("acme/absent"), "train")
