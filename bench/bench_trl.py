@@ -89,7 +89,9 @@ def run_trl(steps: int, tmp: Path) -> dict[str, float]:
     torch.set_num_threads(2)
     cfg = _demo_config(tmp, steps)
     rows = load_rows(cfg.data, "train")
-    data = Dataset.from_list([{"prompt": [{"role": "user", "content": t}], "answer": a} for t, a in rows])
+    data = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": row.text}], "answer": row.ground_truth} for row in rows]
+    )
     tokens: list[float] = []
 
     def reward(completions, answer, completion_ids=None, **_):  # type: ignore[no-untyped-def]

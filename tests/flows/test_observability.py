@@ -88,5 +88,10 @@ def test_version_and_shell_completion() -> None:
 
     done = _cli("--version")
     assert done.returncode == 0 and done.stdout.strip() == f"rlstages {version('rlstages')}"
-    completion = _cli("--show-completion", "bash")
-    assert completion.returncode == 0 and "complete" in completion.stdout and "_COMPLETE" in completion.stdout
+    # the script `rlstages --show-completion` prints for the detected shell, asked for bash by name (shell
+    # detection needs a parent shell, which a test runner started without one does not have)
+    script = Path(sys.executable).parent / "rlstages"
+    env = {**os.environ, "_RLSTAGES_COMPLETE": "source_bash"}
+    completion = subprocess.run([str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert completion.returncode == 0, completion.stderr[-2000:]
+    assert "complete -o default -F _rlstages_completion rlstages" in completion.stdout
