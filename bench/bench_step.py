@@ -179,6 +179,7 @@ def heap_worker(lora: bool = False) -> dict[str, float]:
     """Two demo-shaped GRPO updates (64 rows, micro-batches of 16, bf16 autocast) of SmolLM2-135M in this
     process, all weights or LoRA adapters (the default `model.lora`): the second step's seconds and the
     process's peak RSS."""
+    from rlstages.configs.model import LoraSettings
     from rlstages.configs.training import OptimConfig, TorchTrainingConfig
     from rlstages.engines import types as T
     from rlstages.engines.rollout.batching import build_rollout_batch
@@ -188,8 +189,6 @@ def heap_worker(lora: bool = False) -> dict[str, float]:
 
     torch.set_num_threads(2)
     train = TorchTrainingConfig(optim=OptimConfig(lr=1e-5), micro_batch_size=16, bf16_autocast=True)
-    from rlstages.configs.model import LoraSettings
-
     adapters = LoraSettings().model_dump(mode="json") if lora else None
     engine = PPOTrainer(TrainerSettings(str(MODEL_DIR), train=train, temperature=0.7, lora=adapters))
     g = torch.Generator().manual_seed(0)

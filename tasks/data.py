@@ -16,7 +16,6 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
-import os
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -121,13 +120,14 @@ def _check_nonempty(file: str, suffix: str) -> None:
 
 
 def _hub_snapshot(repo_id: str, revision: str | None) -> str | None:
-    """Offline (`HF_HUB_OFFLINE`), a hub dataset's files from the HF cache (`HF_HOME`/`HF_HUB_CACHE`, the hub's
-    snapshot layout) as a local directory; online, None: `datasets` fetches (and caches) it itself."""
+    """Offline (`HF_HUB_OFFLINE`, `HF_DATASETS_OFFLINE`), a hub dataset's files from the HF cache
+    (`HF_HOME`/`HF_HUB_CACHE`, the hub's snapshot layout) as a local directory; online, None: `datasets`
+    fetches (and caches) it itself."""
     from huggingface_hub import snapshot_download
 
     from rlstages.engines.models.hub import hub_cache_dir, hub_offline
 
-    if not (hub_offline() or os.environ.get("HF_DATASETS_OFFLINE", "").strip().lower() in {"1", "true", "yes"}):
+    if not hub_offline("HF_DATASETS_OFFLINE"):
         return None
     try:
         return snapshot_download(

@@ -26,9 +26,11 @@ def hub_cache_dir() -> Path:
     return Path(home) / "hub"
 
 
-def hub_offline() -> bool:
-    """True when HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) asks for the cache only."""
-    return any(os.environ.get(k, "").strip().lower() in _TRUE for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+def hub_offline(*also: str) -> bool:
+    """True when HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE, or one of the variables `also` names, such as
+    HF_DATASETS_OFFLINE) asks for the cache only."""
+    keys = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", *also)
+    return any(os.environ.get(k, "").strip().lower() in _TRUE for k in keys)
 
 
 def is_hub_id(path: str | Path) -> bool:

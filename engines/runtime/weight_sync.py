@@ -236,7 +236,7 @@ def _layout(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> tuple
     meta, offset = [], 0
     for name, tensor in bucket:
         meta.append([name, str(dtype).removeprefix("torch."), list(tensor.shape), offset])
-        offset += tensor.numel() * torch.empty(0, dtype=dtype).element_size()
+        offset += tensor.numel() * dtype.itemsize
     return torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8), offset
 
 
@@ -244,7 +244,7 @@ def _pack_into(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype, paylo
     """Cast each tensor of the bucket into its slice of `payload` (one pass: the cast is the copy)."""
     offset = 0
     for _, tensor in bucket:
-        n = tensor.numel() * torch.empty(0, dtype=dtype).element_size()
+        n = tensor.numel() * dtype.itemsize
         payload[offset : offset + n].view(dtype).view(tensor.shape).copy_(tensor.detach())
         offset += n
 
@@ -262,6 +262,7 @@ def send_weights(engine: Any, name: str | None, bucket_bytes: int, dtype: str) -
     """Runs in every trainer rank; the one holding the sync group `name` (the source) broadcasts the buckets,
     the others only take part in the gathers of `named_weights()`."""
     member = _SYNC_GROUPS[name] if name is not None else None
+    shared = member is not None and member.shm_path is not None
     kind = DTYPES[dtype]
     header = torch.zeros(3, dtype=torch.int64)  # meta bytes, payload bytes, shared-memory file generation
     done = torch.zeros(1)
@@ -273,7 +274,6 @@ def send_weights(engine: Any, name: str | None, bucket_bytes: int, dtype: str) -
         nonlocal bucket, size, buckets
         assert member is not None
         meta, nbytes = _layout(bucket, kind)
-        shared = member.shm_path is not None
         payload = _shared_bucket(member, nbytes) if shared else torch.empty(nbytes, dtype=torch.uint8)
         _pack_into(bucket, kind, payload)
         header[0], header[1], header[2] = meta.numel(), nbytes, member.generation
@@ -299,8 +299,7 @@ def send_weights(engine: Any, name: str | None, bucket_bytes: int, dtype: str) -
             flush()
         header.zero_()
         _broadcast(member.group, header)  # the end
-    shared = float(member is not None and member.shm_path is not None)
-    return {"sync/buckets": float(buckets), "sync/tensors": float(tensors), "sync/shared_memory": shared}
+    return {"sync/buckets": float(buckets), "sync/tensors": float(tensors), "sync/shared_memory": float(shared)}
 
 
 def receive_weights(engine: Any, name: str) -> int:
