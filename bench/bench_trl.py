@@ -1,5 +1,6 @@
 """rlstages vs TRL's GRPOTrainer on the demo (SmolLM2-135M-Instruct, "What is a + b?", reward: last integer),
-same hyper-parameters (8 prompts x 8 samples, T=0.7, 48 new tokens, lr 1e-5 constant, beta 0, bf16 autocast),
+same hyper-parameters (8 prompts x 8 samples, T=0.7, 48 new tokens, the demo's lr and warm-up then constant,
+beta 0, bf16 autocast),
 N steps each, one after the other in this run. Each side runs in its own process; this process samples the
 peak PSS of that process and all its descendants (Ray's workers included). Figures (ratio = rlstages / TRL):
 seconds per step (steps 2..N: step 1 warms up; goal <= 0.4), peak memory (goal <= 0.5), generated tokens/s
@@ -7,7 +8,7 @@ and held-out reward after N steps (the demo's 64 held-out prompts, one sample ea
 N is small). Needs the `[bench]` extra (trl). `BENCH_TRL_STEPS=N python -m bench.bench_trl` (default 3).
 
 TRL's settings follow /work/shared/reference/trl-anchor.md (`use_cpu=True` is needed for bf16 on CPU;
-gradient checkpointing is TRL's default), except max_completion_length=48 and a constant LR as in the demo.
+gradient checkpointing is TRL's default), except max_completion_length=48 and the demo's LR schedule.
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def run_trl(steps: int, tmp: Path) -> dict[str, float]:
         output_dir=str(tmp / "trl"), use_cpu=True, bf16=a.bf16_autocast, num_generations=r.n,
         per_device_train_batch_size=cfg.data.prompts_per_step * r.n, gradient_accumulation_steps=1,
         max_completion_length=r.max_new_tokens, temperature=r.temperature, top_k=0, top_p=1.0,
-        learning_rate=a.optim.lr, lr_scheduler_type="constant", beta=0.0, num_iterations=1, max_grad_norm=1.0,
+        learning_rate=a.optim.lr, lr_scheduler_type="constant_with_warmup", warmup_steps=a.optim.warmup_steps,
+        beta=0.0, num_iterations=1, max_grad_norm=1.0,
         use_vllm=False, logging_steps=1, max_steps=steps, report_to="none", save_strategy="no",
         seed=cfg.trainer.seed, disable_tqdm=True,
     )  # fmt: skip

@@ -124,10 +124,11 @@ class PssSampler:
     memory_full_info) every `interval` seconds on a background thread. PSS shares pages fairly, so Ray
     workers mapping the same libraries are not counted twice."""
 
-    def __init__(self, pid: int, interval: float = 0.5) -> None:
+    def __init__(self, pid: int, interval: float = 1.0) -> None:
         import threading
 
         self.pid, self.interval, self.peak = pid, interval, 0
+        self.peak_breakdown: list[tuple[int, str]] = []  # (PSS bytes, process title) at the peak, largest first
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -141,22 +142,27 @@ class PssSampler:
 
     def sample(self) -> int:
         """PSS bytes of the tree now."""
+        return sum(pss for pss, _ in self._per_process())
+
+    def _per_process(self) -> list[tuple[int, str]]:
         import psutil
 
         try:
             root = psutil.Process(self.pid)
             procs = [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
-            return 0
-        total = 0
+            return []
+        found = []
         for proc in procs:
             try:
-                total += proc.memory_full_info().pss
+                found.append((proc.memory_full_info().pss, " ".join(proc.cmdline())[:60] or proc.name()))
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
-        return total
+        return sorted(found, reverse=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.sample())
+            now = self._per_process()
+            if sum(pss for pss, _ in now) > self.peak:
+                self.peak, self.peak_breakdown = sum(pss for pss, _ in now), now
             self._stop.wait(self.interval)

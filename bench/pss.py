@@ -1,5 +1,5 @@
 """Run a command and report its wall time and the peak PSS summed over it and all its descendants (Ray's
-workers included), sampled every 0.5 s: how the demo's peak memory is measured.
+workers included), sampled every second (reading smaps costs CPU): how the demo's peak memory is measured.
 
     python -m bench.pss -- rlstages run configs/demo.yaml cluster.heap=bounded
 """
@@ -25,6 +25,8 @@ def main() -> None:
     with PssSampler(proc.pid) as pss:
         code = proc.wait()
     print(f"wall {time.perf_counter() - start:.1f} s, peak PSS {pss.peak / 1e9:.2f} GB (process tree)", flush=True)
+    for size, title in pss.peak_breakdown[:8]:  # where the peak sat
+        print(f"  {size / 1e9:6.2f} GB  {title}", flush=True)
     sys.exit(code)
 
 

@@ -36,7 +36,9 @@ class TrainingBackend:
 
 
 ROLLOUT_BACKENDS: dict[str, RolloutBackend] = {
-    "hf": RolloutBackend("rlstages.engines.rollout.hf_rollout:HFRolloutEngine", ("batch_size",), ("model_type",)),
+    "hf": RolloutBackend(
+        "rlstages.engines.rollout.hf_rollout:HFRolloutEngine", ("batch_size", "attention"), ("model_type",)
+    ),
     "vllm": RolloutBackend(
         "rlstages.engines.rollout.vllm_rollout:VLLMRolloutEngine",
         (

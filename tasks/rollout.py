@@ -78,15 +78,15 @@ def sync_weights(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
     if workers.hybrid:
         per_rank = guard_workers(lambda: workers.actor.all(timeout).sync_local())
         return per_rank[0]
-    guard_workers(lambda: workers.rollout.all(timeout).wake())
-    if workers.rollout.in_process:
-        return sync_weights_local(workers.actor.handles[0], workers.rollout.handles, BUCKET_BYTES, cfg.rollout.dtype)
     actor, source = workers.actor, workers.actor.collect_ranks()[0]
-    if collective_sync(cfg):
+    if collective_sync(cfg) and not workers.rollout.in_process:  # the receivers wake themselves
         sync = _COLLECTIVE.setdefault(run.key, CollectiveSync())
         return guard_workers(
             lambda: sync.sync(actor.handles, source, workers.rollout.handles, BUCKET_BYTES, cfg.rollout.dtype, timeout)
         )
+    guard_workers(lambda: workers.rollout.all(timeout).wake())
+    if workers.rollout.in_process:
+        return sync_weights_local(workers.actor.handles[0], workers.rollout.handles, BUCKET_BYTES, cfg.rollout.dtype)
     return guard_workers(
         lambda: sync_weights_ray(
             actor.handles, source, workers.rollout.handles, BUCKET_BYTES, cfg.rollout.dtype, timeout

@@ -1,16 +1,16 @@
-"""HF transformers rollout engine: batched sampling with `generate`, the CPU default.
+"""HF transformers rollout engine: batched sampling with our own KV-cache decode loop, the CPU default.
 
-Log-probs are recorded inside generation by the only score-changing logits processor (ours), which
-keeps one [B, V] tensor at a time: at step t it gathers the log-prob of the token sampled at t-1,
-then stores log_softmax(logits / T) of step t. They match a teacher-forced recompute of the trainer.
+Decoding is `decode.decode`, not `generate`: finished rows leave the batch and the KV cache at once, and the
+log-prob of each sampled token is read from the distribution it was drawn from (`decode.picker`). They match a
+teacher-forced recompute of the trainer.
 
 Non-goal: continuous batching or paged KV cache (that is what the vLLM/SGLang backends are for).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -18,42 +18,8 @@ from tensordict import TensorDict
 from rlstages.engines.base import NamedTensors
 from rlstages.engines.models import eos_token_ids, load_causal_lm, load_tokenizer
 from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
+from rlstages.engines.rollout.decode import decode, picker
 from rlstages.engines.types import Prompt, SamplingParams
-
-
-class _RecordLogprobs:
-    """Logits processor: records sampled-token log-probs, then applies temperature / top-k / top-p."""
-
-    def __init__(self, temperature: float, top_k: int, top_p: float) -> None:
-        self.temperature = temperature if temperature > 0 else 1.0
-        self.top_k, self.top_p = top_k, top_p
-        self.prev: torch.Tensor | None = None
-        self.steps: list[torch.Tensor] = []
-
-    def collect(self, last_tokens: torch.Tensor) -> None:
-        """Gather the log-prob of the tokens just sampled from the stored distribution."""
-        if self.prev is not None:
-            self.steps.append(self.prev.gather(-1, last_tokens.view(-1, 1)).squeeze(-1))
-            self.prev = None
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.prev is not None:
-            self.collect(input_ids[:, -1])
-        scaled = scores.float() / self.temperature
-        self.prev = torch.log_softmax(scaled, dim=-1)
-        return _top_k_top_p(scaled, self.top_k, self.top_p)
-
-
-def _top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return logits
 
 
 class HFRolloutEngine:
@@ -68,9 +34,11 @@ class HFRolloutEngine:
         system_prompt: str | None = None,
         chat_template: str | None = None,
         model_type: str | None = None,
+        attention: str = "eager",
     ) -> None:
         self.model_path = Path(model_path)
         self.model = load_causal_lm(model_path, dtype, model_type).eval()
+        self.model.set_attn_implementation(attention)  # eager decodes faster on CPU (configs.rollout)
         self.tokenizer = load_tokenizer(model_path)
         if chat_template:  # the configured template replaces the tokenizer's own
             self.tokenizer.chat_template = chat_template
@@ -106,36 +74,35 @@ class HFRolloutEngine:
     def _generate_chunk(
         self, rows: list[list[int]], sampling: SamplingParams
     ) -> tuple[list[list[int]], list[list[float]]]:
-        from transformers import LogitsProcessorList
-
         enc = self.tokenizer.pad({"input_ids": rows}, padding=True, return_tensors="pt")
-        recorder = _RecordLogprobs(sampling.temperature, sampling.top_k, sampling.top_p)
-        kwargs: dict[str, Any] = {}
-        if sampling.stop:
-            kwargs.update(stop_strings=list(sampling.stop), tokenizer=self.tokenizer)
-        out = self.model.generate(
-            input_ids=enc["input_ids"],
-            attention_mask=enc["attention_mask"],
-            logits_processor=LogitsProcessorList([recorder]),
-            do_sample=not sampling.greedy,
-            temperature=1.0,
-            top_k=None,
-            top_p=None,
-            max_new_tokens=sampling.max_new_tokens,
-            eos_token_id=sorted(self.eos_ids),
-            pad_token_id=self.pad_id,
-            **kwargs,
+        pick = picker(sampling.temperature, sampling.top_k, sampling.top_p, sampling.greedy)
+        out = decode(
+            self.model,
+            enc["input_ids"],
+            enc["attention_mask"],
+            sampling.max_new_tokens,
+            self.eos_ids,
+            pick,
+            self._stop_check(sampling.stop),
         )
-        new = out[:, enc["input_ids"].shape[1] :]
-        if new.shape[1] > len(recorder.steps):
-            recorder.collect(new[:, len(recorder.steps)])
-        step_lp = torch.stack(recorder.steps, dim=1) if recorder.steps else torch.zeros(len(rows), 0)
-        ids_out, lp_out = [], []
-        for i in range(len(rows)):
-            ids, lps = truncate_response(new[i].tolist(), step_lp[i].tolist(), self.eos_ids, sampling.max_new_tokens)
-            ids_out.append(ids)
-            lp_out.append(lps)
-        return ids_out, lp_out
+        pairs = [
+            truncate_response(ids, lps, self.eos_ids, sampling.max_new_tokens)
+            for ids, lps in zip(out.ids, out.logprobs, strict=True)
+        ]
+        return [ids for ids, _ in pairs], [lps for _, lps in pairs]
+
+    def _stop_check(self, stop: tuple[str, ...]) -> Callable[[list[int]], bool] | None:
+        """Whether a row's text so far ends in a stop string (its last few tokens decoded; `_apply_stop` then
+        cuts it exactly)."""
+        if not stop:
+            return None
+        tail = max(len(s) for s in stop) + 4  # every token is at least one character, bar partial bytes
+
+        def stopped(ids: list[int]) -> bool:
+            text = self._decode(ids[-tail:])
+            return any(s in text for s in stop)
+
+        return stopped
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -303,8 +303,10 @@ def send_weights(engine: Any, name: str | None, bucket_bytes: int, dtype: str) -
 
 
 def receive_weights(engine: Any, name: str) -> int:
-    """Runs in every rollout rank: receive buckets from the source until the end header, loading each into the
-    engine as it arrives. Returns the number of tensors loaded."""
+    """Runs in every rollout rank: wake the engine if it sleeps (no separate round trip), then receive buckets
+    from the source until the end header, loading each into the engine as it arrives. Returns the number of
+    tensors loaded."""
+    engine.wake()
     member = _SYNC_GROUPS[name]
     header = torch.zeros(3, dtype=torch.int64)
     done = torch.zeros(1)

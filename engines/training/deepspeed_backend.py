@@ -139,7 +139,7 @@ class DeepSpeedBackend:
         """Forward (and backward) each micro-batch; padding micro-batches get no callback and a zero loss."""
         real, padded = len(mbs), self._pad(mbs)
         for i, mb in enumerate(padded):
-            out = hf_forward(self.engine, mb, readout, self.settings.train.bf16_autocast)
+            out = hf_forward(self.engine, mb, readout, self.settings.train)
             loss = on_output(mb, out) if i < real else out[0].sum() * 0.0
             if train:
                 assert loss is not None

@@ -35,8 +35,9 @@ def adamw_kwargs(optim: OptimConfig) -> dict[str, object]:
 
 
 def adamw(params: Iterable[torch.nn.Parameter], optim: OptimConfig) -> torch.optim.AdamW:
-    """Torch AdamW over `params`."""
-    return torch.optim.AdamW(params, **adamw_kwargs(optim))  # type: ignore[arg-type]
+    """Torch AdamW over `params`, fused: one kernel per tensor instead of foreach's lists of temporaries as
+    large as the model (SmolLM2-135M: ~0.5 GB less at the step, and faster on CPU and GPU alike)."""
+    return torch.optim.AdamW(params, **adamw_kwargs(optim), fused=True)  # type: ignore[arg-type]
 
 
 def lr_scheduler(

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 from tensordict import TensorDict
 
+from rlstages.configs.training import TorchTrainingConfig, TrainingConfig
 from rlstages.engines.base import OnOutput, Readout
 from rlstages.engines.models import load_causal_lm, lora, torch_dtype
 from rlstages.engines.training import ppo_step as P
@@ -52,11 +53,13 @@ def prepare_model(model: Any, settings: TrainerSettings) -> None:
     model.train()
 
 
-def hf_forward(model: Any, mb: TensorDict, readout: Readout, bf16: bool) -> tuple[torch.Tensor, ...]:
-    """The `readout` of one micro-batch through an HF model (or a wrapper that calls it)."""
+def hf_forward(model: Any, mb: TensorDict, readout: Readout, train: TrainingConfig) -> tuple[torch.Tensor, ...]:
+    """The `readout` of one micro-batch through an HF model (or a wrapper that calls it), as `train` (the role's
+    training config) says: bf16 autocast, one forward per distinct prompt."""
     if readout.values:
-        return (P.value_forward(model, mb, bf16),)
-    return P.causal_lm_forward(model, mb, readout.temperature, bf16, readout.entropy_grad)
+        return (P.value_forward(model, mb, train.bf16_autocast),)
+    share = bool(getattr(train, "share_prompt_forward", False))
+    return P.causal_lm_forward(model, mb, readout.temperature, train.bf16_autocast, readout.entropy_grad, share)
 
 
 class TorchBackend:
@@ -68,6 +71,8 @@ class TorchBackend:
     def __init__(self, settings: TrainerSettings) -> None:
         self.settings = settings
         self.model = build_model(settings.model_path, settings.role, settings.dtype, settings.model_type)
+        if isinstance(settings.train, TorchTrainingConfig):
+            self.model.set_attn_implementation(settings.train.attention)
         prepare_model(self.model, settings)
         if settings.lora is not None and settings.role == "actor":  # adapters on a frozen base (models/lora.py)
             self.model = lora.wrap_lora(self.model, settings.lora)
@@ -84,7 +89,7 @@ class TorchBackend:
             self.optimizer.zero_grad(set_to_none=True)
         with lora.forward_as(self.model, readout.base):
             for mb in mbs:
-                loss = on_output(mb, hf_forward(self.model, mb, readout, self.settings.train.bf16_autocast))
+                loss = on_output(mb, hf_forward(self.model, mb, readout, self.settings.train))
                 if train:
                     assert loss is not None
                     loss.backward()
@@ -98,11 +103,12 @@ class TorchBackend:
         return metrics
 
     def optimizer_step(self) -> float:
-        """Clip to `grad_clip`, step unless the norm is non-finite, advance the schedule."""
+        """Clip to `grad_clip`, step unless the norm is non-finite, free the gradients, advance the schedule."""
         assert self.optimizer is not None and self.scheduler is not None
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.optim.grad_clip)
         if torch.isfinite(grad_norm):
             self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # generation reuses the gradients' memory until the next step
         self.scheduler.step()
         return float(grad_norm)
 

@@ -114,3 +114,37 @@ def test_update_weights_takes_effect_and_sleep_wake(tiny_model_dir: Path) -> Non
     engine.update_weights(model.state_dict().items())
     again = engine.generate(PROMPTS, params, seed=0)
     assert torch.equal(again[T.RESPONSE_IDS], after[T.RESPONSE_IDS])
+
+
+def test_finished_rows_leave_the_batch_without_changing_the_others(tiny_model_dir: Path) -> None:
+    """Greedy decode against transformers' `generate`: with an "EOS" that row 0 emits early, row 0 stops there
+    (and leaves the batch and cache) while every other row continues token for token as generate has it."""
+    from rlstages.engines.rollout.decode import decode, picker
+
+    engine = HFRolloutEngine(tiny_model_dir, dtype="float32", apply_chat_template=False)
+    enc = engine.tokenizer.pad(
+        {"input_ids": [engine.tokenizer(text)["input_ids"] for text in ("1+2=", "What is 10 + 12?", "7 plus 8 is")]},
+        padding=True,
+        return_tensors="pt",
+    )
+    assert not bool(enc["attention_mask"].all())  # prompts of different lengths: left padding in play
+    reference = engine.model.generate(**enc, do_sample=False, max_new_tokens=10, eos_token_id=None, pad_token_id=0)
+    reference = reference[:, enc["input_ids"].shape[1] :].tolist()
+    stop_id = reference[0][2]
+    out = decode(engine.model, enc["input_ids"], enc["attention_mask"], 10, {stop_id}, picker(1.0, 0, 1.0, True))
+    for row, ids in enumerate(out.ids):
+        expected = reference[row][: reference[row].index(stop_id) + 1] if stop_id in reference[row] else reference[row]
+        assert ids == expected
+    assert len(out.ids[0]) <= 3 and max(len(ids) for ids in out.ids) == 10
+    assert all(len(lps) == len(ids) and max(lps) <= 0 for ids, lps in zip(out.ids, out.logprobs, strict=True))
+
+
+def test_inverse_cdf_sampling_follows_the_distribution() -> None:
+    from rlstages.engines.rollout.sampling import sample_rows
+
+    torch.manual_seed(0)
+    logits = torch.tensor([[0.0, 1.0, float("-inf"), 2.0, -1.0]]).repeat(20000, 1)
+    picked = sample_rows(logits)
+    freq = torch.bincount(picked, minlength=5).float() / len(picked)
+    assert freq[2] == 0  # never a masked token
+    assert torch.allclose(freq, torch.softmax(logits[0], -1), atol=0.015)

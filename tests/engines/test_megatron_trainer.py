@@ -34,8 +34,9 @@ ENGINE = "rlstages.engines.training.core:PPOTrainer"
 PROMPTS = [Prompt(f"u{i}", f"{i}+{i}=", str(2 * i)) for i in range(4)]
 LR = 1e-4
 # Adam's first step moves each element by lr * g / (|g| + eps): a gradient within float noise of zero can
-# move by a fraction of lr, a gradient of the wrong sign moves by 2 lr. 2% of lr separates the two.
-STEP_ATOL = 2e-2 * LR
+# move by a fraction of lr (the torch side's fused AdamW rounds differently from megatron's torch AdamW: up to
+# 2.3% of lr here), a gradient of the wrong sign moves by 2 lr. 5% of lr separates the two.
+STEP_ATOL = 5e-2 * LR
 
 
 def settings(
@@ -71,7 +72,10 @@ def setup_module() -> None:
 @pytest.fixture(scope="module")
 def batch(tiny_model_dir: Path):
     rollout = HFRolloutEngine(tiny_model_dir, dtype="float32", apply_chat_template=False)
-    b = rollout.generate(PROMPTS, SamplingParams(n=4, max_new_tokens=8), seed=0)
+    b = rollout.generate(PROMPTS, SamplingParams(n=4, max_new_tokens=8), seed=3)  # rows of 1, 3 and 8 tokens
+    # transformers gives the pad id's embedding row no gradient (padding_idx), megatron's embedding has none:
+    # a sampled pad id would make their gradients differ there, so this batch must not hold one
+    assert not (b[T.RESPONSE_IDS][b[T.RESPONSE_MASK].bool()] == rollout.pad_id).any()
     token = A.outcome_to_token_rewards((torch.arange(16) % 3 == 0).float(), b[T.RESPONSE_MASK])
     b[T.ADVANTAGES], b[T.RETURNS] = A.compute_advantages("grpo", token, b[T.RESPONSE_MASK], T.get_rows(b, "uid"))
     return b

@@ -77,11 +77,12 @@ def test_accumulation_equals_one_big_batch(tiny_model_dir: Path, batch) -> None:
 
 
 def varied_lengths(batch):
-    """The batch with row i's response cut to 1 + (5 * i) % 8 tokens (its rollout log-probs stay valid for the
+    """The batch with row i's response cut to at most 1 + (5 * i) % 8 tokens (its rollout log-probs stay valid for the
     prefix): lengths interleave, so sorting reorders rows and changes the padding."""
     from rlstages.engines.rollout.batching import build_rollout_batch
 
-    keep = [1 + (5 * i) % 8 for i in range(batch.batch_size[0])]
+    lengths = batch[T.RESPONSE_MASK].sum(-1).long().tolist()  # a row may have ended early (EOS)
+    keep = [min(1 + (5 * i) % 8, lengths[i]) for i in range(batch.batch_size[0])]
     responses = [batch[T.RESPONSE_IDS][i, :k].tolist() for i, k in enumerate(keep)]
     logprobs = [batch[T.ROLLOUT_LOGPROBS][i, :k].tolist() for i, k in enumerate(keep)]
     n = 4
@@ -185,3 +186,50 @@ def test_lr_schedule_warmup_then_cosine() -> None:
     f = lr_lambda(OptimConfig(warmup_steps=2, schedule="cosine", min_lr_ratio=0.1), 10)
     assert [round(f(s), 3) for s in (0, 1)] == [0.5, 1.0]
     assert f(2) == pytest.approx(1.0) and f(10) == pytest.approx(0.1) and f(6) == pytest.approx(0.55)
+
+
+def grouped_batch(batch):
+    """`varied_lengths` with prompts of different lengths too (prompt i loses its first i % 3 tokens, so left
+    padding differs between groups) and GRPO advantages."""
+    from rlstages.engines.rollout.batching import build_rollout_batch
+
+    varied = varied_lengths(batch)
+    n, width = 4, varied[T.PROMPT_IDS].shape[1]
+    prompt_ids = [
+        varied[T.PROMPT_IDS][i * n][varied[T.ATTENTION_MASK][i * n, :width] > 0].tolist()[i % 3 :]
+        for i in range(varied.batch_size[0] // n)
+    ]
+    mask = varied[T.RESPONSE_MASK]
+    responses = [varied[T.RESPONSE_IDS][i, : int(mask[i].sum())].tolist() for i in range(len(mask))]
+    out = build_rollout_batch(PROMPTS, prompt_ids, responses, [[0.0] * len(r) for r in responses], [""] * 16, n, 0)
+    token = A.outcome_to_token_rewards((torch.arange(16) % 3 == 0).float(), out[T.RESPONSE_MASK])
+    out[T.ADVANTAGES], _ = A.compute_advantages("grpo", token, out[T.RESPONSE_MASK], T.get_rows(out, "uid"))
+    return out
+
+
+def test_shared_prompt_forward_gives_the_same_logprobs_and_update(tiny_model_dir: Path, batch) -> None:
+    from rlstages.engines.training.microbatch import by_length, micro_batches
+
+    grouped = grouped_batch(batch)
+    assert len(set(grouped[T.ATTENTION_MASK][:, : grouped[T.PROMPT_IDS].shape[1]].sum(-1).tolist())) > 1
+    distinct = [len(set(T.get_rows(mb, "uid"))) for mb in micro_batches(by_length(grouped)[0], 8)]
+    assert 1 < max(distinct) < 8  # micro-batches where some rows share a prompt and several prompts meet
+    shared = trainer(tiny_model_dir, micro_batch_size=8, share_prompt_forward=True)
+    plain = trainer(tiny_model_dir, micro_batch_size=8)
+    lp_shared, lp_plain = shared.logprobs(grouped), plain.logprobs(grouped)
+    mask = grouped[T.RESPONSE_MASK]
+    assert ((lp_shared["logprobs"] - lp_plain["logprobs"]).abs() * mask).max() < 1e-5
+    assert ((lp_shared["entropy"] - lp_plain["entropy"]).abs() * mask).max() < 1e-4
+    m_shared, m_plain = shared.train_step(grouped), plain.train_step(grouped)
+    assert m_shared["grad_norm"] == pytest.approx(m_plain["grad_norm"], rel=1e-4)
+    opt_shared, opt_plain = shared.backend.optimizer, plain.backend.optimizer
+    assert opt_shared is not None and opt_plain is not None
+    for p_shared, p_plain in zip(shared.backend.model.parameters(), plain.backend.model.parameters(), strict=True):
+        grad_shared = opt_shared.state[p_shared]["exp_avg"]  # (1 - beta1) x the accumulated gradient
+        assert grad_shared.abs().max() > 0
+        assert torch.allclose(grad_shared, opt_plain.state[p_plain]["exp_avg"], atol=1e-7, rtol=1e-4)
+
+
+def test_shared_prompt_forward_refuses_gradient_checkpointing() -> None:
+    with pytest.raises(ValueError, match="share_prompt_forward needs the KV cache"):
+        TorchTrainingConfig(share_prompt_forward=True, gradient_checkpointing=True)
