@@ -35,8 +35,9 @@ def batch(tiny_model_dir: Path):
     return b
 
 
-def actor(path: Path, role: str = "actor", lora_params: dict | None = None) -> PPOTrainer:
-    train = TorchTrainingConfig(optim=OptimConfig(lr=1e-2, total_steps=10), micro_batch_size=4)
+def actor(path: Path, role: str = "actor", lora_params: dict | None = None, **options) -> PPOTrainer:
+    options.setdefault("micro_batch_size", 4)
+    train = TorchTrainingConfig(optim=OptimConfig(lr=1e-2, total_steps=10), **options)
     return PPOTrainer(TrainerSettings(str(path), role=role, train=train, lora=lora_params))  # type: ignore[arg-type]
 
 
@@ -81,6 +82,28 @@ def test_lora_actor_trains_the_adapter_and_its_base_is_the_reference(tiny_model_
     # the merged weights are the trained policy: a plain model loaded with them gives the same log-probs
     plain.backend.model.load_state_dict(after, strict=False)
     torch.testing.assert_close(plain.logprobs(batch)["logprobs"], engine.logprobs(batch)["logprobs"], atol=1e-5, rtol=0)
+
+
+def test_lora_with_the_shared_prompt_forward_gives_the_same_update(tiny_model_dir: Path, batch) -> None:
+    """The demo's settings (one forward per distinct prompt, eager attention) under LoRA: the same log-probs,
+    the same reference (base) log-probs and the same adapter gradients as the plain forward."""
+    shared = actor(tiny_model_dir, lora_params=PARAMS, share_prompt_forward=True, attention="eager", micro_batch_size=8)
+    plain = actor(tiny_model_dir, lora_params=PARAMS, micro_batch_size=8)
+    for base in (False, True):
+        torch.testing.assert_close(
+            shared.logprobs(batch, base=base)["logprobs"],
+            plain.logprobs(batch, base=base)["logprobs"],
+            atol=1e-5,
+            rtol=0,
+        )
+    assert shared.train_step(batch)["grad_norm"] == pytest.approx(plain.train_step(batch)["grad_norm"], rel=1e-4)
+    opt_shared, opt_plain = shared.backend.optimizer, plain.backend.optimizer
+    assert opt_shared is not None and opt_plain is not None
+    pairs = zip(opt_shared.param_groups[0]["params"], opt_plain.param_groups[0]["params"], strict=True)
+    for p_shared, p_plain in pairs:  # the adapters' first moments: (1 - beta1) x the gradient
+        torch.testing.assert_close(
+            opt_shared.state[p_shared]["exp_avg"], opt_plain.state[p_plain]["exp_avg"], atol=1e-7, rtol=1e-4
+        )
 
 
 def test_checkpoint_holds_the_adapter_and_continues_exactly(tiny_model_dir: Path, batch, tmp_path: Path) -> None:
