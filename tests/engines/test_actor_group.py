@@ -3,6 +3,7 @@ rebuilt, and trainer -> rollout weight sync whose log-prob check stays under 1e-
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -102,7 +103,10 @@ def test_dead_actor_detected_and_rebuilt(ray_session) -> None:
 
     group = ActorGroup(GroupSpec(name="echo-dead", engine=f"{__name__}:Echo", num_workers=2), "rlstages-tests")
     first = group.all(30).whoami()
-    ray.kill(group.handles[1], no_restart=True)
+    ray.kill(group.handles[1], no_restart=True)  # asynchronous: the actor may answer one more ping
+    deadline = time.monotonic() + 30
+    while group.alive(timeout=10) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert not group.alive(timeout=10)
     with pytest.raises(ray.exceptions.RayActorError):
         group.all(30).whoami()
