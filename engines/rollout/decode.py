@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from rlstages.engines.rollout.sampling import sample_rows, top_k_top_p
+
 # (logits [n, V] of the live rows) -> (picked token ids [n], their log-probs [n])
 Picker = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -32,8 +34,6 @@ class Decoded:
 def picker(temperature: float, top_k: int, top_p: float, greedy: bool) -> Picker:
     """Sample from softmax(logits / T) restricted by top-k / top-p (or take the argmax when `greedy`); the
     log-prob reported is of the full tempered distribution, as the trainer recomputes it."""
-    from rlstages.engines.rollout.sampling import sample_rows, top_k_top_p
-
     scale = temperature if temperature > 0 else 1.0
 
     def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ from rlstages.engines.types import Prompt, SamplingParams
 
 
 class HFRolloutEngine:
-    """Sampling with transformers `generate`; weights updated in place by HF name."""
+    """Sampling with a transformers model through `decode.decode`; weights updated in place by HF name."""
 
     def __init__(
         self,

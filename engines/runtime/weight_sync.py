@@ -254,7 +254,7 @@ def _unpack(meta: torch.Tensor, payload: torch.Tensor) -> Iterator[tuple[str, to
 
     for name, dtype, shape, offset in json.loads(bytes(meta.numpy()).decode()):
         kind = getattr(torch, dtype)
-        size = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=kind).element_size()
+        size = int(np.prod(shape, dtype=np.int64)) * kind.itemsize
         yield name, payload[offset : offset + size].view(kind).reshape(shape)
 
 
