@@ -2,8 +2,10 @@
 model (SmolLM2-135M-Instruct) and shapes, each against a baseline measured in the same run:
 
 - `step_matmul_fraction`: achieved FLOP/s of the trainer's forward+backward (the shared `causal_lm_forward`
-  under bf16 autocast, then backward) over a plain large bf16 matmul's FLOP/s (goal >= 0.5). FLOPs are
-  counted by torch's FlopCounterMode on the same call (about 6 x params x tokens).
+  on the weights in the demo's `model.dtype`, bf16 autocast on, then backward) over a plain large bf16
+  matmul's FLOP/s (goal >= 0.5). FLOPs are counted by torch's FlopCounterMode on the same call (about
+  6 x params x tokens). `step_matmul_fraction_fp32_weights`: the same with fp32 weights under autocast
+  (informative: the casts of every weight in each pass).
 - `gen_weight_stream_fraction`: generated tokens/s of the HF rollout engine (bf16, 64 rows x 48 tokens) over
   the weight-streaming bound: rows x copy bandwidth / bytes of weights read per decode step (informative:
   on CPU a batch of 64 is compute-bound; `gen_compute_fraction` is the same against 2 x params x rows FLOPs
@@ -47,7 +49,15 @@ def micro_batch(vocab: int) -> TensorDict:
     )
 
 
-def train_step_fraction(model: torch.nn.Module, bf16_flops: float) -> None:
+def demo_dtype() -> str:
+    """The dtype the demo trains its weights in (`model.dtype` of configs/demo.yaml)."""
+    from rlstages.configs import load_config
+
+    return load_config(ROOT / "configs" / "demo.yaml", []).model.dtype
+
+
+def train_step_fraction(model: torch.nn.Module, bf16_flops: float, name: str = "step_matmul_fraction") -> None:
+    """Counted FLOPs of one demo micro-batch's forward+backward over its best time, against the bf16 matmul."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from rlstages.engines.training.ppo_step import causal_lm_forward
@@ -72,10 +82,11 @@ def train_step_fraction(model: torch.nn.Module, bf16_flops: float) -> None:
         times.append(time.perf_counter() - start)
     achieved = flops / min(times)
     record(
-        "step_matmul_fraction",
+        name,
         achieved / bf16_flops,
-        ">= 0.5",
-        f"fwd+bwd {achieved / 1e9:.1f} GFLOP/s (counted {flops / 1e9:.0f} GFLOP = "
+        ">= 0.5" if name == "step_matmul_fraction" else None,
+        f"{str(next(model.parameters()).dtype)[6:]} weights: fwd+bwd {achieved / 1e9:.1f} GFLOP/s "
+        f"(counted {flops / 1e9:.0f} GFLOP = "
         f"{flops / (6 * params * ROWS * (PROMPT + RESPONSE)):.2f} x 6NT) vs bf16 matmul {bf16_flops / 1e9:.1f}",
     )
 
@@ -250,8 +261,10 @@ def main() -> None:
     heap_settings()
     torch.set_num_threads(2)
     bf16 = matmul_flops("bfloat16", n=2048)
-    model = load_causal_lm(MODEL_DIR, "float32", None)
+    model = load_causal_lm(MODEL_DIR, demo_dtype(), None)
     train_step_fraction(model, bf16)
+    model = load_causal_lm(MODEL_DIR, "float32", None)
+    train_step_fraction(model, bf16, "step_matmul_fraction_fp32_weights")
     del model
     generation_fraction(bf16)
 

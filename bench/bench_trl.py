@@ -109,8 +109,10 @@ def run_trl(steps: int, tmp: Path) -> dict[str, float]:
             walls.append(time.perf_counter() - self.start)
 
     r, a = cfg.rollout, cfg.actor
+    # TRL trains fp32 weights under bf16 autocast; it has no stochastic rounding for bf16 weights
+    bf16 = a.bf16_autocast or cfg.model.dtype == "bfloat16"
     args = GRPOConfig(
-        output_dir=str(tmp / "trl"), use_cpu=True, bf16=a.bf16_autocast, num_generations=r.n,
+        output_dir=str(tmp / "trl"), use_cpu=True, bf16=bf16, num_generations=r.n,
         per_device_train_batch_size=cfg.data.prompts_per_step * r.n, gradient_accumulation_steps=1,
         max_completion_length=r.max_new_tokens, temperature=r.temperature, top_k=0, top_p=1.0,
         learning_rate=a.optim.lr, lr_scheduler_type="constant_with_warmup", warmup_steps=a.optim.warmup_steps,
@@ -134,7 +136,7 @@ def run_trl(steps: int, tmp: Path) -> dict[str, float]:
     # TRL leaves the model in training mode with the KV cache off (gradient checkpointing); generating from it
     # as it was gave garbage after the first token here (held-out 0.0 with a training reward of 0.2-0.4)
     model = trainer.model.eval()
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16_autocast):
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         out = model.generate(
             **enc, do_sample=True, temperature=r.temperature, top_k=0, top_p=1.0, max_new_tokens=r.max_new_tokens,
             pad_token_id=tok.pad_token_id, use_cache=True,

@@ -128,7 +128,9 @@ class PssSampler:
         import threading
 
         self.pid, self.interval, self.peak = pid, interval, 0
+        self.peak_at = 0.0  # seconds after the sampler started
         self.peak_breakdown: list[tuple[int, str]] = []  # (PSS bytes, process title) at the peak, largest first
+        self.series: list[tuple[float, int, int]] = []  # (seconds, PSS of the tree, PSS of its largest process)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -161,8 +163,13 @@ class PssSampler:
         return sorted(found, reverse=True)
 
     def _run(self) -> None:
+        import time
+
+        start = time.perf_counter()
         while not self._stop.is_set():
             now = self._per_process()
+            self.series.append((time.perf_counter() - start, sum(pss for pss, _ in now), now[0][0] if now else 0))
             if sum(pss for pss, _ in now) > self.peak:
                 self.peak, self.peak_breakdown = sum(pss for pss, _ in now), now
+                self.peak_at = time.perf_counter() - start
             self._stop.wait(self.interval)

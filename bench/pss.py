@@ -24,10 +24,24 @@ def main() -> None:
     proc = subprocess.Popen(argv)
     with PssSampler(proc.pid) as pss:
         code = proc.wait()
-    print(f"wall {time.perf_counter() - start:.1f} s, peak PSS {pss.peak / 1e9:.2f} GB (process tree)", flush=True)
+    wall, peak = time.perf_counter() - start, pss.peak / 1e9
+    print(f"wall {wall:.1f} s, peak PSS {peak:.2f} GB (process tree) at {pss.peak_at:.0f} s", flush=True)
     for size, title in pss.peak_breakdown[:8]:  # where the peak sat
         print(f"  {size / 1e9:6.2f} GB  {title}", flush=True)
+    print("PSS over the run (tree / largest process, GB): " + _profile(pss.series, wall), flush=True)
     sys.exit(code)
+
+
+def _profile(series: list[tuple[float, int, int]], wall: float, parts: int = 10) -> str:
+    """The highest sample of each tenth of the run: whether the peak is a moment or a plateau."""
+    out = []
+    for i in range(parts):
+        lo, hi = wall * i / parts, wall * (i + 1) / parts
+        inside = [(tree, top) for t, tree, top in series if lo <= t < hi]
+        if inside:
+            tree, top = max(inside)
+            out.append(f"{hi:.0f}s {tree / 1e9:.2f}/{top / 1e9:.2f}")
+    return ", ".join(out)
 
 
 if __name__ == "__main__":

@@ -313,6 +313,11 @@ def _check_algorithm(cfg: RunConfig) -> None:
 
 def _check_workers(cfg: RunConfig) -> None:
     for role, train in (("actor", cfg.actor), ("critic", cfg.critic)):
+        if getattr(train, "bf16_stochastic_round", False) and cfg.model.dtype != "bfloat16":
+            raise ValueError(
+                f"{role}.bf16_stochastic_round rounds bf16 weights, but model.dtype={cfg.model.dtype}; "
+                "set model.dtype: bfloat16 (or bf16_stochastic_round: false)"
+            )
         if train is not None and train.backend == "torch" and train.num_workers != 1:
             raise ValueError(
                 f"{role}.backend=torch trains in one process (num_workers must be 1, got {train.num_workers}); "

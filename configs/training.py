@@ -51,6 +51,12 @@ class TorchTrainingConfig(_TrainingCommon):
         description="Forward each distinct prompt of a micro-batch once and reuse its KV cache for the rows "
         "sharing it (GRPO's n samples per prompt). Same loss and gradients, fewer tokens through the model.",
     )
+    bf16_stochastic_round: bool = Field(
+        default=False,
+        description="With model.dtype bfloat16: torchao's AdamW (fp32 math, bf16 moments) rounds each updated "
+        "weight to bf16 stochastically, so updates far below bf16's resolution still add up in expectation. No "
+        "fp32 master copy: weights, gradients and moments take 4 bytes per parameter of the 16 of fp32 AdamW.",
+    )
 
     @model_validator(mode="after")
     def _shared_prompt_needs_cache(self) -> TorchTrainingConfig:

@@ -1,6 +1,8 @@
 """Models: the registry of model types and their loaders (`registry`), and the providers that build a model
 directory on first use (`providers`)."""
 
+import logging
+
 from rlstages.engines.models.hub import hub_cache_dir, is_hub_id, resolve_model_path
 from rlstages.engines.models.providers import build_smollm2, build_tiny_model, ensure_model
 from rlstages.engines.models.registry import (
@@ -14,6 +16,10 @@ from rlstages.engines.models.registry import (
     registered_models,
 )
 from rlstages.engines.utils import torch_dtype
+
+# transformers imports torchao (when installed) while loading a model; on a CPU machine its CUDA kernels fail
+# to load with one warning each, which is noise: the optimizer we use from it is plain torch.
+logging.getLogger("torchao").setLevel(logging.ERROR)
 
 __all__ = [
     "PLUGINS_ENV",

@@ -133,6 +133,23 @@ class HFRolloutEngine:
                 params[name].copy_(torch.as_tensor(tensor))
         self.needs_weights = False
 
+    def adopt_weights(self, named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
+        """Make these tensors the model's weights, without a copy, where shape and dtype match; returns the
+        others, for the caller to copy in with `update_weights`. The caller's memory becomes the weights: a
+        same-node trainer casts the next sync straight into them (`weight_sync.send_weights`)."""
+        params = self.model.state_dict(keep_vars=True)
+        rest = []
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"adopt_weights: {name!r} is not a weight of {type(self.model).__name__}")
+            target = params[name]
+            if target.shape == tensor.shape and target.dtype == tensor.dtype:
+                target.data = tensor
+            else:
+                rest.append((name, tensor))
+        self.needs_weights = bool(rest)
+        return rest
+
     def sleep(self) -> None:
         """Free the weights (parameters become empty; buffers such as RoPE tables stay)."""
         if self._shapes:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -125,23 +125,26 @@ def sync_weights_local(trainer: Any, rollouts: list[Any], bucket_bytes: int, dty
 # walks `named_weights()` in step, because gathering sharded weights (ZeRO-3, TP/PP) is a collective itself.
 #
 # When every receiver runs on the source's node, the payload skips the socket (the CPU twin of verl's CUDA IPC):
-# the source casts each tensor straight into a shared-memory bucket under /dev/shm, mapped once by every member
-# and reused by every sync, broadcasts only the header and meta, and an all-reduce tells it the receivers have
-# copied the bucket out before it writes the next one. The bucket is as large as the largest bucket and its file
-# is unlinked as soon as all have mapped it. Across nodes the payload is broadcast as above.
+# the source casts each tensor straight into its own region of a shared-memory file under /dev/shm, mapped by
+# every member and reused by every sync, and broadcasts only the header and meta. A receiver whose engine can
+# adopt tensors (`adopt_weights`, the HF engine) makes its weights views of that file, so the next sync's cast
+# is the only copy; other engines copy out of it. One all-reduce at the end tells the source every receiver is
+# done. The file grows (a new, larger file) when the weights outgrow it, and each file is unlinked once all have
+# mapped it: the memory lives as long as the mappings, so a killed worker leaves nothing behind in /dev/shm.
+# Across nodes the payload is broadcast as above (and adopted as received).
 
 
 @dataclass
 class _SyncGroup:
     """A sync group as one member process holds it: the process group, this member's rank, and (same-node
-    groups) the shared-memory bucket file's path prefix, the generation mapped here and the mapping."""
+    groups) the shared-memory file's path prefix, the generation mapped here and the mapping."""
 
     group: Any
     rank: int
     shm_path: str | None = None
     generation: int = 0
     mapping: torch.Tensor | None = None
-    created: str | None = None  # the source's new bucket file, unlinked once every receiver has mapped it
+    created: list[str] = field(default_factory=list)  # new files, unlinked once every receiver has mapped them
 
 
 _SYNC_GROUPS: dict[str, _SyncGroup] = {}  # inside a worker process: group name -> its sync group
@@ -198,35 +201,40 @@ def _broadcast(group: Any, tensor: torch.Tensor) -> None:
     group.broadcast(tensor, 0).wait()
 
 
-def _shared_bucket(member: _SyncGroup, nbytes: int, generation: int | None = None) -> torch.Tensor:
-    """This process's mapping of the group's shared-memory bucket file. The source (no `generation`) makes a new,
-    larger file when a bucket outgrows it; a receiver maps the file of the `generation` the header names. The
-    source unlinks each file once all have mapped it (`_mapped`): the memory lives as long as the mappings, so a
-    killed worker leaves nothing behind in /dev/shm."""
+def _shared_region(member: _SyncGroup, offset: int, nbytes: int, generation: int | None = None) -> torch.Tensor:
+    """Bytes [offset, offset + nbytes) of this process's mapping of the group's shared-memory file. The source
+    (no `generation`) makes a new file, twice as large or more, when the region does not fit; a receiver maps the
+    file of the `generation` the header names. Views taken earlier keep their own file mapped."""
     import os
 
     assert member.shm_path is not None
-    if generation is None and (member.mapping is None or member.mapping.numel() < nbytes):
+    end = offset + nbytes
+    if generation is None and (member.mapping is None or member.mapping.numel() < end):
+        size = max(end, 2 * (member.mapping.numel() if member.mapping is not None else 0))
         member.generation += 1
-        member.created = f"{member.shm_path}.{member.generation}"
-        member.mapping = torch.from_file(member.created, shared=True, size=nbytes, dtype=torch.uint8)
+        member.created.append(f"{member.shm_path}.{member.generation}")
+        member.mapping = torch.from_file(member.created[-1], shared=True, size=size, dtype=torch.uint8)
     elif generation is not None and generation != member.generation:
         path = f"{member.shm_path}.{generation}"
         member.mapping = torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8)
         member.generation = generation
     assert member.mapping is not None
-    return member.mapping[:nbytes]
+    return member.mapping[offset:end]
 
 
 def _mapped(member: _SyncGroup) -> None:
-    """After the bucket's all-reduce (every receiver has mapped and copied it): unlink a newly made file."""
+    """After the final all-reduce (every receiver has mapped the files): unlink the newly made ones."""
     import contextlib
     import os
 
-    if member.created is not None:
+    for path in member.created:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(member.created)
-        member.created = None
+            os.unlink(path)
+    member.created = []
+
+
+def _align(offset: int) -> int:
+    return -(-offset // 64) * 64  # each bucket's region starts on a cache line
 
 
 def _layout(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
@@ -261,30 +269,30 @@ def _unpack(meta: torch.Tensor, payload: torch.Tensor) -> Iterator[tuple[str, to
 def send_weights(engine: Any, name: str | None, bucket_bytes: int, dtype: str) -> dict[str, float]:
     """Runs in every trainer rank; the one holding the sync group `name` (the source) broadcasts the buckets,
     the others only take part in the gathers of `named_weights()`."""
+    start = time.perf_counter()
     member = _SYNC_GROUPS[name] if name is not None else None
     shared = member is not None and member.shm_path is not None
     kind = DTYPES[dtype]
-    header = torch.zeros(3, dtype=torch.int64)  # meta bytes, payload bytes, shared-memory file generation
-    done = torch.zeros(1)
-    buckets = tensors = 0
+    header = torch.zeros(4, dtype=torch.int64)  # meta bytes, payload bytes, shared file generation, offset in it
+    buckets = tensors = offset = 0
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
 
     def flush() -> None:
-        nonlocal bucket, size, buckets
+        nonlocal bucket, size, buckets, offset
         assert member is not None
         meta, nbytes = _layout(bucket, kind)
-        payload = _shared_bucket(member, nbytes) if shared else torch.empty(nbytes, dtype=torch.uint8)
-        _pack_into(bucket, kind, payload)
-        header[0], header[1], header[2] = meta.numel(), nbytes, member.generation
+        payload = _shared_region(member, offset, nbytes) if shared else torch.empty(nbytes, dtype=torch.uint8)
+        if not shared:
+            _pack_into(bucket, kind, payload)
+        header[0], header[1], header[2], header[3] = meta.numel(), nbytes, member.generation, offset
         _broadcast(member.group, header)
         _broadcast(member.group, meta)
-        if shared:
-            member.group.allreduce([done]).wait()  # every receiver has copied the bucket out
-            _mapped(member)
+        if shared:  # the receivers adopt their views of the region while it is being written
+            _pack_into(bucket, kind, payload)
         else:
             _broadcast(member.group, payload)
-        bucket, size, buckets = [], 0, buckets + 1
+        bucket, size, buckets, offset = [], 0, buckets + 1, _align(offset + nbytes)
 
     for key, tensor in engine.named_weights():
         if member is None:
@@ -299,36 +307,51 @@ def send_weights(engine: Any, name: str | None, bucket_bytes: int, dtype: str) -
             flush()
         header.zero_()
         _broadcast(member.group, header)  # the end
-    return {"sync/buckets": float(buckets), "sync/tensors": float(tensors), "sync/shared_memory": float(shared)}
+        member.group.allreduce([torch.zeros(1)]).wait()  # every receiver has its weights
+        if shared:
+            _mapped(member)
+    return {
+        "sync/buckets": float(buckets),
+        "sync/tensors": float(tensors),
+        "sync/shared_memory": float(shared),
+        "timing/sync_source_s": time.perf_counter() - start,  # inside the source rank, Ray calls excluded
+    }
 
 
 def receive_weights(engine: Any, name: str) -> int:
     """Runs in every rollout rank: wake the engine if it sleeps (no separate round trip), then receive buckets
-    from the source until the end header, loading each into the engine as it arrives. Returns the number of
-    tensors loaded."""
+    from the source until the end header, handing each to the engine as it arrives: adopted as its weights
+    where the engine can (`adopt_weights`), copied in otherwise. Returns the number of tensors loaded."""
     engine.wake()
     member = _SYNC_GROUPS[name]
-    header = torch.zeros(3, dtype=torch.int64)
-    done = torch.zeros(1)
+    adopt = getattr(engine, "adopt_weights", None)
+    header = torch.zeros(4, dtype=torch.int64)
+    written_later: list[tuple[str, torch.Tensor]] = []  # shared regions to copy once the source has filled them
     count = 0
     while True:
         _broadcast(member.group, header)
-        meta_len, payload_len = int(header[0]), int(header[1])
+        meta_len, payload_len, generation, offset = (int(v) for v in header)
         if meta_len == 0:
+            if written_later:  # the end header comes after the last region is written
+                engine.update_weights(iter(written_later))
+            member.group.allreduce([torch.zeros(1)]).wait()
             return count
         meta = torch.empty(meta_len, dtype=torch.uint8)
         _broadcast(member.group, meta)
         if member.shm_path is not None:
-            payload = _shared_bucket(member, payload_len, int(header[2]))
+            payload = _shared_region(member, offset, payload_len, generation)
         else:
             payload = torch.empty(payload_len, dtype=torch.uint8)
             _broadcast(member.group, payload)
         named = list(_unpack(meta, payload))
-        engine.update_weights(iter(named))
         count += len(named)
-        del named, payload
+        if adopt is not None:  # views only: nothing is read before the source has written it
+            named = adopt(iter(named))
         if member.shm_path is not None:
-            member.group.allreduce([done]).wait()  # copied out: the source may write the next bucket
+            written_later.extend(named)
+        elif named:
+            engine.update_weights(iter(named))
+        del named, payload
 
 
 class CollectiveSync:

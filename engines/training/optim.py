@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -34,10 +35,23 @@ def adamw_kwargs(optim: OptimConfig) -> dict[str, object]:
     return {"lr": optim.lr, "betas": optim.betas, "eps": optim.eps, "weight_decay": optim.weight_decay}
 
 
-def adamw(params: Iterable[torch.nn.Parameter], optim: OptimConfig) -> torch.optim.AdamW:
+def adamw(
+    params: Iterable[torch.nn.Parameter], optim: OptimConfig, bf16_stochastic_round: bool = False
+) -> torch.optim.Optimizer:
     """Torch AdamW over `params`, fused: one kernel per tensor instead of foreach's lists of temporaries as
-    large as the model (SmolLM2-135M: ~0.5 GB less at the step, and faster on CPU and GPU alike)."""
+    large as the model (SmolLM2-135M: ~0.5 GB less at the step, and faster on CPU and GPU alike).
+    `bf16_stochastic_round`: torchao's AdamW for bf16 weights (fp32 math per tensor, compiled once; moments
+    in bf16; each new weight rounded to bf16 stochastically, unbiased, instead of to nearest)."""
+    if bf16_stochastic_round:
+        return _torchao_adamw()(params, **adamw_kwargs(optim), bf16_stochastic_round=True)
     return torch.optim.AdamW(params, **adamw_kwargs(optim), fused=True)  # type: ignore[arg-type]
+
+
+def _torchao_adamw() -> Any:
+    """The AdamW class of torchao, imported on first use (`engines.models` quiets its CUDA-kernel warnings)."""
+    from torchao.optim import _AdamW
+
+    return _AdamW
 
 
 def lr_scheduler(

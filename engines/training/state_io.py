@@ -57,7 +57,8 @@ def save_optimizer(optim: torch.optim.Optimizer, path: Path) -> None:
                 tensors[f"{idx}.{key}"] = value
             else:
                 scalars[f"{idx}.{key}"] = value
-    meta = {"param_groups": json.dumps(state["param_groups"]), "scalars": json.dumps(scalars)}
+    groups = [{k: v.item() if isinstance(v, torch.Tensor) else v for k, v in g.items()} for g in state["param_groups"]]
+    meta = {"param_groups": json.dumps(groups), "scalars": json.dumps(scalars)}
     if not tensors:
         tensors["__empty__"] = torch.zeros(0)
     save_tensors(tensors, path, meta)
@@ -80,9 +81,12 @@ def load_optimizer(optim: torch.optim.Optimizer, path: Path) -> None:
         idx, name = key.split(".", 1)
         state.setdefault(int(idx), {})[name] = value
     groups = json.loads(meta["param_groups"])
-    for g in groups:
+    for g, current in zip(groups, optim.param_groups, strict=True):
         if "betas" in g:
             g["betas"] = tuple(g["betas"])
+        for key, value in current.items():  # torchao keeps lr as a tensor (its compiled step reads it)
+            if isinstance(value, torch.Tensor) and key in g:
+                g[key] = torch.tensor(g[key], dtype=value.dtype)
     optim.load_state_dict({"state": state, "param_groups": groups})
 
 

@@ -79,7 +79,8 @@ class TorchBackend:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if settings.trainable:
-            self.optimizer = adamw(lora.trainable_parameters(self.model), settings.optim)
+            stochastic = bool(getattr(settings.train, "bf16_stochastic_round", False))
+            self.optimizer = adamw(lora.trainable_parameters(self.model), settings.optim, stochastic)
             self.scheduler = lr_scheduler(self.optimizer, settings.optim, settings.optim_steps)
 
     def run(self, mbs: list[TensorDict], readout: Readout, on_output: OnOutput, train: bool) -> None:
@@ -160,4 +161,7 @@ class TorchBackend:
 
 
 def _no_callables(obj: Any) -> Any:
+    """JSON for what the scheduler's state holds beside numbers: a tensor LR (torchao's) as its float."""
+    if isinstance(obj, torch.Tensor) and obj.numel() == 1:
+        return obj.item()
     return None if callable(obj) else str(obj)

@@ -47,6 +47,13 @@ def test_override_switches_backend_with_its_own_options() -> None:
     assert cfg.actor.backend == "deepspeed" and cfg.actor.zero_stage == 3
 
 
+def test_bf16_stochastic_rounding_is_the_torch_backends_option() -> None:
+    base = ["model.dtype=bfloat16", "actor.bf16_stochastic_round=true"]
+    assert load_config(ROOT / "configs" / "tiny.yaml", base).actor.bf16_stochastic_round
+    with pytest.raises(ConfigError, match="actor.bf16_stochastic_round: unknown key"):
+        load_config(ROOT / "configs" / "tiny.yaml", ["actor.backend=deepspeed", *base])
+
+
 @pytest.mark.parametrize(
     ("override", "needle"),
     [
@@ -90,6 +97,7 @@ def test_bad_override_names_the_field(override: str, needle: str) -> None:
             "asks for 3 GPUs",
         ),
         ({"actor": {"num_workers": 2}}, "actor.backend=torch trains in one process"),
+        ({"actor": {"bf16_stochastic_round": True}}, "set model.dtype: bfloat16"),
         ({"rollout": {"backend": "sglang"}}, "SGLang has no CPU build"),
     ],
 )

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from rlstages.engines import types as T
+from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
 from rlstages.engines.rollout.ipc import shm_dir
 from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
 from rlstages.engines.runtime.rendezvous import collective_backend, local_ranks
@@ -46,8 +48,19 @@ class Ranked:
         return self.info
 
 
+class CopyingRollout(HFRolloutEngine):
+    """The HF engine without `adopt_weights`: it receives as engines that can only copy do (vLLM, SGLang)."""
+
+    adopt_weights = None
+
+
 def _count(engine) -> int:
     return len(list(engine.named_weights()))
+
+
+def _weight_files(engine) -> set[str | None]:
+    """The files the rollout engine's weights are mapped from (None: its own memory)."""
+    return {p.untyped_storage().filename for p in engine.model.parameters()}
 
 
 def test_local_ranks_count_per_node() -> None:
@@ -77,10 +90,11 @@ def test_group_rendezvous_comes_from_rank_0(ray_session) -> None:
         group.kill()
 
 
-def test_collective_sync_keeps_logprobs_in_step(ray_session, tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("adopts", [True, False], ids=["adopting", "copying"])
+def test_collective_sync_keeps_logprobs_in_step(ray_session, tiny_model_dir: Path, adopts: bool) -> None:
     rollout_spec = GroupSpec(
         name="csync-rollout",
-        engine="rlstages.engines.rollout.hf_rollout:HFRolloutEngine",
+        engine="rlstages.engines.rollout.hf_rollout:HFRolloutEngine" if adopts else f"{__name__}:CopyingRollout",
         kwargs={"model_path": str(tiny_model_dir), "dtype": "float32", "apply_chat_template": False},
         num_workers=2,
     )
@@ -107,6 +121,15 @@ def test_collective_sync_keeps_logprobs_in_step(ray_session, tiny_model_dir: Pat
             assert metrics["sync/tensors"] == ray_session.get(
                 trainer.handles[0].__ray_call__.remote(_count), timeout=60
             )
+            # the HF engines adopted the file's regions as their weights: the sync's cast was the only copy, and
+            # the two workers on this node share one copy of the weights (the first sync grows the file, so its
+            # early buckets sit in smaller files; from the second on, all fit in one)
+            files = ray_session.get([h.__ray_call__.remote(_weight_files) for h in rollout.handles], timeout=60)
+            if adopts:
+                assert files[0] == files[1] and (len(files[0]) == 1 or step == 0)
+                assert all(f is not None and f.startswith(str(shm_dir() / "rlstages-wsync-")) for f in files[0])
+            else:  # copied out of the file once the source had written it (checked by the log-probs below)
+                assert files == [{None}, {None}]
             fresh = rollout.dp(120).generate(PROMPTS, params, 10 + step)
             diff = (trainer.dp(120).logprobs(fresh)["logprobs"] - fresh[T.ROLLOUT_LOGPROBS]).abs()
             mask = fresh[T.RESPONSE_MASK]

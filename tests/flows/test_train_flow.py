@@ -191,3 +191,22 @@ def test_hybrid_engine_gives_the_same_run(base, tiny_model_dir: Path) -> None:
     client, run = mlflow_run(cfg)
     assert [m.step for m in client.get_metric_history(run.info.run_id, "sync/buckets")] == [1, 2]
     assert max(m.value for m in client.get_metric_history(run.info.run_id, "rollout/logprob_diff")) < 1e-4
+
+
+def test_bf16_stochastic_rounding_run_resumes_bitwise(base, tiny_model_dir: Path, faults) -> None:
+    """The demo's training shape (bf16 weights, torchao's AdamW, hybrid engine) through the flow: a run that
+    crashes before its step-2 checkpoint resumes to the uninterrupted run's weights, bit for bit."""
+    tmp, _, _ = base
+    shape = ("cluster.hybrid_engine=true", "model.dtype=bfloat16", "actor.bf16_stochastic_round=true")
+    ref_cfg = tiny_cfg(tmp, tiny_model_dir, "bf16-sr", *shape)
+    rl_post_train(ref_cfg)
+    cfg = tiny_cfg(tmp, tiny_model_dir, "bf16-sr-crashed", *shape)
+    faults("checkpoint@2:fatal")
+    with pytest.raises(RuntimeError, match="injected fatal fault"):
+        rl_post_train(cfg)
+    rl_post_train(cfg)  # resumes from step 1: moments, the tensor LR and the rounding's RNG restored
+    reference, resumed = final_weights(ref_cfg), final_weights(cfg)
+    assert all(v.dtype == torch.bfloat16 for v in reference.values())
+    assert all(torch.equal(reference[k], resumed[k]) for k in reference)
+    client, run = mlflow_run(cfg)
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")] == [1, 2]
