@@ -53,6 +53,9 @@ def _walls(stamps: list[float]) -> list[float]:
 
 def run_rlstages(steps: int, tmp: Path) -> dict[str, float]:
     """The demo flow for `steps` steps; per-step wall times from MLflow's timestamps of `progress/step`."""
+    from rlstages.flows.cli.main import one_malloc_arena  # as `rlstages run` sets it up (on import)
+
+    one_malloc_arena()
     from mlflow import MlflowClient
 
     from rlstages.flows.train import rl_post_train

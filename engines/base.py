@@ -120,6 +120,12 @@ class StepBackend(Protocol):
         """This rank yields the weight buckets and writes HF exports (the others only join the gathers)."""
         ...
 
+    @property
+    def keeps_weights(self) -> bool:
+        """The tensors `named_weights` yields stay valid and are never reused as buffers, so a rollout engine in
+        the same process may hold them as its own weights instead of copying them (`runtime.hybrid`)."""
+        ...
+
     def run(self, mbs: list[TensorDict], readout: Readout, on_output: OnOutput, train: bool) -> None:
         """Forward each micro-batch, hand its outputs to `on_output`; when `train`, zero the gradients first
         and backpropagate each returned loss (already normalised: gradients add up to the mini-batch's)."""

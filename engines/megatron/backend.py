@@ -69,6 +69,8 @@ def check_supported(settings: TrainerSettings, options: MegatronTrainingConfig) 
 class MegatronBackend:
     """One rank of a Megatron-Core model and optimizer; implements `rlstages.engines.base.StepBackend`."""
 
+    keeps_weights = False  # named_weights converts gathered shards into fresh HF tensors, one at a time
+
     def __init__(self, settings: TrainerSettings) -> None:
         options = settings.train
         if not isinstance(options, MegatronTrainingConfig):  # a reference gets the defaults

@@ -153,11 +153,14 @@ class RewardScorer:
 
     def _new_pool(self) -> ProcessPool:
         """A started pool whose workers pre-import the functions (they boot while the caller goes on)."""
+        context = multiprocessing.get_context(START_METHOD)
+        if START_METHOD == "forkserver":  # functions are imported by name: the server preloads this light module,
+            context.set_forkserver_preload([__name__])  # not `__main__` (that would hold all of the caller's imports)
         pool = ProcessPool(
             max_workers=self.num_processes,
             initializer=_init_worker,
             initargs=(tuple(name for name, _, _ in self.functions),),
-            context=multiprocessing.get_context(START_METHOD),
+            context=context,
         )
         pool.schedule(_noop)
         return pool

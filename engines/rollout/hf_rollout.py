@@ -143,11 +143,12 @@ class HFRolloutEngine:
             if name not in params:
                 raise KeyError(f"adopt_weights: {name!r} is not a weight of {type(self.model).__name__}")
             target = params[name]
-            if target.shape == tensor.shape and target.dtype == tensor.dtype:
-                target.data = tensor
+            if self._shapes.get(name, target.shape) == tensor.shape and target.dtype == tensor.dtype:
+                target.data = tensor.detach()
+                self._shapes.pop(name, None)  # asleep: this one needs no re-allocation
             else:
                 rest.append((name, tensor))
-        self.needs_weights = bool(rest)
+        self.needs_weights = bool(rest) or bool(self._shapes)
         return rest
 
     def sleep(self) -> None:
@@ -159,10 +160,11 @@ class HFRolloutEngine:
             param.data = torch.empty(0, dtype=param.dtype)
 
     def wake(self) -> None:
-        """Re-allocate the weights, empty: generation refuses to run until `update_weights` fills them."""
+        """Re-allocate the freed weights, empty: generation refuses to run until `update_weights` fills them."""
         if not self._shapes:
             return
         for name, param in self.model.named_parameters():
-            param.data = torch.empty(self._shapes[name], dtype=param.dtype)
+            if name in self._shapes:  # not those adopted since the sleep
+                param.data = torch.empty(self._shapes[name], dtype=param.dtype)
         self._shapes = {}
         self.needs_weights = True

@@ -57,7 +57,7 @@ class GroupSpec:
     resources: dict[str, float] = field(default_factory=dict)
     threads: int = 1
     omp_passive: bool = True
-    heap: str = "keep"  # glibc heap: "keep" every freed block (KEEP_FREED_MEMORY) or "bounded" (BOUNDED_HEAP)
+    heap: str = "jemalloc"  # the allocator: jemalloc (JEMALLOC), or glibc's heap "keep" / "bounded" (worker_env)
     env: dict[str, str] = field(default_factory=dict)
     extra_options: dict[str, Any] = field(default_factory=dict)
     placement: Placement = Placement()
@@ -87,21 +87,55 @@ BOUNDED_HEAP = {
 }
 
 
+# One malloc arena per process: glibc otherwise gives each thread that allocates (torch's intra-op threads, Ray's
+# and gRPC's) an arena of its own, whose freed blocks no other thread reuses. Measured on the demo's hybrid
+# worker: peak RSS 4.11 -> 3.84 GB (2 arenas: 3.97), the same step times.
+ONE_ARENA = {"MALLOC_ARENA_MAX": "1"}
+# The default (`cluster.heap: jemalloc`): the jemalloc that Ray's wheel ships (ray/core/libjemalloc.so),
+# preloaded into the worker. Its size classes fragment less than glibc's heap and freed extents go back to the
+# OS, so the peak is close to what is live and the stages between updates give the update's memory back.
+# Measured on the demo's hybrid worker over 4 steps: peak RSS 3.43 GB vs 3.84 (glibc, one arena) and 4.11
+# (glibc), RSS between updates ~2 GB vs 3.8, the same step times (the re-faulting that made glibc's default
+# slow does not show). Where the library is missing (another Ray build) the worker keeps glibc's "keep"
+# settings; on a node whose path differs the loader skips it.
+JEMALLOC_CONF = "narenas:1,dirty_decay_ms:5000,muzzy_decay_ms:0"
+
+
+def jemalloc_path() -> str | None:
+    """Ray's own libjemalloc.so beside this interpreter's `ray` package, if that build ships it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("ray")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    lib = os.path.join(next(iter(spec.submodule_search_locations)), "core", "libjemalloc.so")
+    return lib if os.path.isfile(lib) else None
+
+
+def heap_env(heap: str) -> dict[str, str]:
+    """Environment variables that choose a worker's allocator (`cluster.heap`)."""
+    if heap not in ("jemalloc", "keep", "bounded"):
+        raise ValueError(f"heap must be 'jemalloc', 'keep' or 'bounded', got {heap!r}")
+    lib = jemalloc_path() if heap == "jemalloc" else None
+    if lib is not None:
+        preload = " ".join(filter(None, [lib, os.environ.get("LD_PRELOAD", "")]))
+        return {"LD_PRELOAD": preload, "MALLOC_CONF": JEMALLOC_CONF, **ONE_ARENA}
+    return {**(BOUNDED_HEAP if heap == "bounded" else KEEP_FREED_MEMORY), **ONE_ARENA}
+
+
 # The Hugging Face settings a worker inherits from the driver (also on a remote cluster's nodes).
 HF_ENV = ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT")
 
 
 def worker_env(
-    threads: int, extra: dict[str, str] | None = None, omp_passive: bool = True, heap: str = "keep"
+    threads: int, extra: dict[str, str] | None = None, omp_passive: bool = True, heap: str = "jemalloc"
 ) -> dict[str, str]:
     """Environment of a worker process: N torch threads (idle ones sleep at once when `omp_passive`, so
     concurrent workers do not spin against each other), the user's Hugging Face settings (cache, offline
-    mode: inherited, not forced), and a glibc heap that keeps freed memory (no page-fault storm on large
-    tensors; `heap="bounded"` caps what it keeps)."""
-    if heap not in ("keep", "bounded"):
-        raise ValueError(f"heap must be 'keep' or 'bounded', got {heap!r}")
+    mode: inherited, not forced), and the allocator `heap` names (`heap_env`: jemalloc, or glibc's heap that
+    keeps freed memory, no page-fault storm on large tensors, or caps what it keeps)."""
     env = {
-        **(KEEP_FREED_MEMORY if heap == "keep" else BOUNDED_HEAP),
+        **heap_env(heap),
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
         "TOKENIZERS_PARALLELISM": "false",

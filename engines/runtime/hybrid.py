@@ -1,9 +1,11 @@
 """The hybrid engine: a trainer and a rollout engine in one process (verl's colocated hybrid engine).
 
-Both keep their own model in their own dtype; weight sync is an in-process, tensor-by-tensor copy from
-the trainer's HF-named weights into the rollout model (cast on the fly), with no serialisation. The
-rollout sleeps (frees its weights) while the trainer works. Methods delegate explicitly, so Ray sees
-every one of them on the actor handle.
+Where the trainer's weights are in the rollout's dtype and the backend keeps them (`StepBackend.keeps_weights`:
+the torch backend), the rollout engine holds the trainer's own tensors (`adopt_weights`): one copy of the
+weights in the process, and a sync that copies nothing. Otherwise each keeps its own model in its own dtype;
+weight sync is an in-process, tensor-by-tensor copy from the trainer's HF-named weights into the rollout model
+(cast on the fly), with no serialisation, and the rollout sleeps (frees its weights) while the trainer works.
+Methods delegate explicitly, so Ray sees every one of them on the actor handle.
 
 Non-goal: resharding between different parallel layouts (one rank holds whole models here).
 """
@@ -30,6 +32,13 @@ class HybridEngine:
     def __init__(self, trainer: str, trainer_kwargs: dict[str, Any], rollout: str, rollout_kwargs: dict[str, Any]):
         self.trainer = import_object(trainer)(**trainer_kwargs)
         self.rollout = import_object(rollout)(**rollout_kwargs)
+        self.shares_weights = False
+        if getattr(getattr(self.trainer, "backend", None), "keeps_weights", False) and hasattr(
+            self.rollout, "adopt_weights"
+        ):  # the rollout's own copy is dropped at once where the trainer's tensors can serve
+            rest = self.rollout.adopt_weights(self.trainer.named_weights())
+            self.rollout.update_weights(rest)
+            self.shares_weights = not rest
 
     # ---- rollout side -----------------------------------------------------------------------------------------
     def generate(self, prompts: list[Prompt], sampling: SamplingParams, seed: int) -> TensorDict:
@@ -41,17 +50,22 @@ class HybridEngine:
         self.rollout.update_weights(named_tensors)
 
     def sleep(self) -> None:
-        """Free the rollout engine's weights while the trainer works."""
-        self.rollout.sleep()
+        """Free the rollout engine's weights while the trainer works (nothing to free where they are the
+        trainer's)."""
+        if not self.shares_weights:
+            self.rollout.sleep()
 
     def wake(self) -> None:
-        """Re-allocate the rollout engine's weights (filled by the next sync)."""
-        self.rollout.wake()
+        """Re-allocate the rollout engine's weights (filled by the next sync; taken from the trainer at once
+        where they are shared)."""
+        if self.shares_weights:
+            self.sync_local()
+        else:
+            self.rollout.wake()
 
     def sync_local(self) -> dict[str, float]:
         """Trainer -> rollout inside this process, one tensor at a time."""
         start = time.perf_counter()
-        self.rollout.wake()
         count = 0
 
         def counted() -> Iterator[tuple[str, torch.Tensor]]:
@@ -60,8 +74,22 @@ class HybridEngine:
                 count += 1
                 yield item
 
-        self.rollout.update_weights(counted())
-        return {"sync/buckets": 0.0, "sync/tensors": float(count), "timing/sync_weights_s": time.perf_counter() - start}
+        if self.shares_weights:  # the rollout takes the trainer's tensors; copies only those of another dtype
+            rest = self.rollout.adopt_weights(counted())
+            if rest:
+                self.rollout.wake()
+                self.rollout.update_weights(rest)
+            copied = len(rest)
+        else:
+            self.rollout.wake()
+            self.rollout.update_weights(counted())
+            copied = count
+        return {
+            "sync/buckets": 0.0,
+            "sync/tensors": float(count),
+            "sync/copied_tensors": float(copied),
+            "timing/sync_weights_s": time.perf_counter() - start,
+        }
 
     # ---- trainer side -----------------------------------------------------------------------------------------
     def logprobs(self, batch: TensorDict, temperature: float | None = None, base: bool = False) -> TensorDict:

@@ -94,6 +94,7 @@ class DeepSpeedBackend:
 
     outputs_here = True
     is_weight_source = True  # every data-parallel rank yields the full weights (ZeRO-3 gathers them)
+    keeps_weights = False  # ZeRO-3's gathered parameters are released after each one
 
     def __init__(self, settings: TrainerSettings) -> None:
         options = settings.train

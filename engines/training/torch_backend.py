@@ -83,6 +83,11 @@ class TorchBackend:
             self.optimizer = adamw(lora.trainable_parameters(self.model), settings.optim, stochastic)
             self.scheduler = lr_scheduler(self.optimizer, settings.optim, settings.optim_steps)
 
+    @property
+    def keeps_weights(self) -> bool:
+        """`named_weights` yields the model's own parameters, except under LoRA (merged copies, made per sync)."""
+        return self.settings.lora is None or self.settings.role != "actor"
+
     def run(self, mbs: list[TensorDict], readout: Readout, on_output: OnOutput, train: bool) -> None:
         """Forward (and backward) each micro-batch in turn."""
         if train:

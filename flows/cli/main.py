@@ -5,6 +5,7 @@ Bad input is a one-line error naming the file or field and a non-zero exit; `--d
 
 from __future__ import annotations
 
+import ctypes
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -15,6 +16,18 @@ from rich.markup import escape
 
 from rlstages.configs import ConfigError, RunConfig, load_config, to_yaml
 from rlstages.flows.cli.quiet import one_line, quiet_prefect
+
+
+def one_malloc_arena() -> None:
+    """One glibc malloc arena for the driver, as its workers have (`cluster.heap`): Prefect's, Ray's and MLflow's
+    threads otherwise each get an arena whose freed blocks the others never reuse. Set before they start."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-8, 1)  # M_ARENA_MAX
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+one_malloc_arena()
 
 app = typer.Typer(
     help="RL post-training of LLMs as a Prefect workflow over Ray, recorded in MLflow.",
