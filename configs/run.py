@@ -143,7 +143,7 @@ class ClusterConfig(StrictModel):
     heap: Literal["jemalloc", "keep", "bounded"] = Field(
         default="jemalloc",
         description="Allocator of the workers: jemalloc (the one Ray's wheel ships, preloaded: less "
-        "fragmentation, pages unused for 5 s go back to the OS; glibc's keep where Ray lacks it), or glibc's "
+        "fragmentation, freed memory goes back to the OS; glibc's keep where Ray lacks it), or glibc's "
         "heap of one arena that keeps every freed block (no page faults re-touching large tensors; the heap "
         "only grows) or bounded (blocks >= 64 MB are returned when freed, the free top is trimmed past 256 MB).",
     )

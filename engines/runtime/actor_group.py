@@ -57,7 +57,7 @@ class GroupSpec:
     resources: dict[str, float] = field(default_factory=dict)
     threads: int = 1
     omp_passive: bool = True
-    heap: str = "jemalloc"  # the allocator: jemalloc (JEMALLOC), or glibc's heap "keep" / "bounded" (worker_env)
+    heap: str = "jemalloc"  # the allocator (`heap_env`): Ray's jemalloc, or glibc's heap "keep" / "bounded"
     env: dict[str, str] = field(default_factory=dict)
     extra_options: dict[str, Any] = field(default_factory=dict)
     placement: Placement = Placement()

@@ -18,11 +18,11 @@ PROMPTS = [Prompt(f"u{i}", f"{i}+{i}=", str(2 * i)) for i in range(2)]
 SAMPLING = SamplingParams(n=4, temperature=1.0, max_new_tokens=6)
 
 
-def hybrid(path: Path, trainer_dtype: str, rollout_dtype: str) -> HybridEngine:
+def hybrid(path: Path, trainer_dtype: str, rollout_dtype: str, lora: dict | None = None) -> HybridEngine:
     options = TorchTrainingConfig(optim=OptimConfig(lr=1e-2), micro_batch_size=4)
     return HybridEngine(
         "rlstages.engines.training.core:PPOTrainer",
-        {"settings": TrainerSettings(str(path), train=options, dtype=trainer_dtype)},
+        {"settings": TrainerSettings(str(path), train=options, dtype=trainer_dtype, lora=lora)},
         "rlstages.engines.rollout.hf_rollout:HFRolloutEngine",
         {"model_path": str(path), "dtype": rollout_dtype, "apply_chat_template": False},
     )
@@ -83,14 +83,7 @@ def test_lora_keeps_a_rollout_copy(tiny_model_dir: Path) -> None:
     """Under LoRA the trainer's HF weights are merged copies made per sync: the rollout keeps (and sleeps) its own."""
     from rlstages.configs.model import LoraSettings
 
-    options = TorchTrainingConfig(optim=OptimConfig(lr=1e-2), micro_batch_size=4)
-    settings = TrainerSettings(str(tiny_model_dir), train=options, lora=LoraSettings().model_dump(mode="json"))
-    engine = HybridEngine(
-        "rlstages.engines.training.core:PPOTrainer",
-        {"settings": settings},
-        "rlstages.engines.rollout.hf_rollout:HFRolloutEngine",
-        {"model_path": str(tiny_model_dir), "dtype": "float32", "apply_chat_template": False},
-    )
+    engine = hybrid(tiny_model_dir, "float32", "float32", lora=LoraSettings().model_dump(mode="json"))
     assert not engine.shares_weights
     train_once(engine)
     assert engine.sync_local()["sync/copied_tensors"] > 0 and rollout_matches_trainer(engine) < 1e-4
