@@ -180,7 +180,7 @@ def logprob_kernels() -> None:
            f"peak +{c['peak_mb']:.0f} MB vs +{p['peak_mb']:.0f} MB")  # fmt: skip
 
 
-HEAPS = ("jemalloc", "keep", "bounded")  # a worker's allocator (`cluster.heap`, `actor_group.heap_env`)
+HEAPS = ("jemalloc", "keep", "bounded")  # a worker's allocator (`cluster.heap`, `runtime.heap.heap_env`)
 
 
 def heap_worker(lora: bool = False) -> dict[str, float]:
@@ -220,7 +220,7 @@ def heap_settings() -> None:
     import subprocess
     import sys
 
-    from rlstages.engines.runtime.actor_group import heap_env
+    from rlstages.engines.runtime.heap import heap_env
 
     out = {}
     runs = {name: (name, "--heap") for name in HEAPS} | {"lora": ("keep", "--lora")}

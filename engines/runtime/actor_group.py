@@ -21,6 +21,7 @@ from typing import Any
 
 from tensordict import TensorDict
 
+from rlstages.engines.runtime.heap import heap_env
 from rlstages.engines.runtime.rendezvous import (
     KEY_ENV,
     bundle_nodes,
@@ -71,56 +72,6 @@ class GroupSpec:
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(dp, pp, tp) coordinates of a rank; tp varies fastest."""
         return rank // (self.tp * self.pp), (rank // self.tp) % self.pp, rank % self.tp
-
-
-# glibc hands every freed block above 32 MB back to the OS and page-faults it in again on the next allocation;
-# a training step allocates ~150 MB logits tensors dozens of times, which doubled its wall time on CPU. Keep freed
-# memory in the heap instead (measured: update 25 s -> 13 s, generation 10.4 s -> 8.5 s on SmolLM2-135M).
-KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_TOP_PAD_": str(1 << 28)}
-# The bound on it (`cluster.heap: bounded`): blocks of 64 MB and more are mapped and returned when freed (a fixed
-# threshold, so glibc does not raise it), and the heap's free top is trimmed past 256 MB; the many smaller
-# blocks of a step are still reused without page faults.
-BOUNDED_HEAP = {
-    "MALLOC_MMAP_THRESHOLD_": str(64 << 20),
-    "MALLOC_TRIM_THRESHOLD_": str(256 << 20),
-    "MALLOC_TOP_PAD_": str(64 << 20),
-}
-
-
-# One malloc arena per process: glibc otherwise gives each thread that allocates (torch's intra-op threads, Ray's
-# and gRPC's) an arena of its own, whose freed blocks no other thread reuses. Measured on the demo's hybrid
-# worker: peak RSS 4.11 -> 3.84 GB (2 arenas: 3.97), the same step times.
-ONE_ARENA = {"MALLOC_ARENA_MAX": "1"}
-# The default (`cluster.heap: jemalloc`): the jemalloc that Ray's wheel ships (ray/core/libjemalloc.so),
-# preloaded into the worker. Its size classes fragment less than glibc's heap and freed extents go back to the
-# OS, so the peak is close to what is live and the stages between updates give the update's memory back.
-# Measured on the demo's hybrid worker over 4 steps: peak RSS 3.43 GB vs 3.84 (glibc, one arena) and 4.11
-# (glibc), RSS between updates ~2 GB vs 3.8, the same step times (the re-faulting that made glibc's default
-# slow does not show). Where the library is missing (another Ray build) the worker keeps glibc's "keep"
-# settings; on a node whose path differs the loader skips it.
-JEMALLOC_CONF = "narenas:1,dirty_decay_ms:5000,muzzy_decay_ms:0"
-
-
-def jemalloc_path() -> str | None:
-    """Ray's own libjemalloc.so beside this interpreter's `ray` package, if that build ships it."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("ray")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    lib = os.path.join(next(iter(spec.submodule_search_locations)), "core", "libjemalloc.so")
-    return lib if os.path.isfile(lib) else None
-
-
-def heap_env(heap: str) -> dict[str, str]:
-    """Environment variables that choose a worker's allocator (`cluster.heap`)."""
-    if heap not in ("jemalloc", "keep", "bounded"):
-        raise ValueError(f"heap must be 'jemalloc', 'keep' or 'bounded', got {heap!r}")
-    lib = jemalloc_path() if heap == "jemalloc" else None
-    if lib is not None:
-        preload = " ".join(filter(None, [lib, os.environ.get("LD_PRELOAD", "")]))
-        return {"LD_PRELOAD": preload, "MALLOC_CONF": JEMALLOC_CONF, **ONE_ARENA}
-    return {**(BOUNDED_HEAP if heap == "bounded" else KEEP_FREED_MEMORY), **ONE_ARENA}
 
 
 # The Hugging Face settings a worker inherits from the driver (also on a remote cluster's nodes).
