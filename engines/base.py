@@ -49,6 +49,31 @@ class RolloutEngine(Protocol):
 
 
 @runtime_checkable
+class GroupReceiver(Protocol):
+    """A rollout engine whose weights live in processes of its own (vLLM's workers): in split placement those
+    processes join the trainer's broadcast group and load the buckets themselves
+    (`rlstages.engines.runtime.collective_sync`). Engines without these methods receive in their actor."""
+
+    def weight_group_size(self) -> int:
+        """How many processes this engine adds to a sync group (they take consecutive ranks)."""
+        ...
+
+    def join_weight_group(
+        self, name: str, addr: str, port: int, rank: int, world: int, timeout: float, shm_path: str | None, host: str
+    ) -> None:
+        """Its processes join the group `name` (store at `addr:port`) from `rank` on; `host`: this node's address."""
+        ...
+
+    def receive_weight_group(self, name: str) -> int:
+        """Receive one sync's buckets (waking the engine first); returns the number of tensors loaded."""
+        ...
+
+    def leave_weight_group(self, name: str) -> None:
+        """Forget the group `name` (its peers were replaced)."""
+        ...
+
+
+@runtime_checkable
 class TrainingEngine(Protocol):
     """Holds a trainable model (actor or critic) and its optimizer, or a frozen reference.
 

@@ -9,7 +9,8 @@ from prefect.cache_policies import NO_CACHE
 
 from rlstages.configs import RunConfig
 from rlstages.engines import types as T
-from rlstages.engines.runtime.weight_sync import CollectiveSync, sync_weights_local, sync_weights_ray
+from rlstages.engines.runtime.collective_sync import CollectiveSync
+from rlstages.engines.runtime.weight_sync import sync_weights_local, sync_weights_ray
 from rlstages.engines.types import SamplingParams
 from rlstages.tasks.context import RunHandle, derive_seed
 from rlstages.tasks.data import prompts_for_step, tokenizer_path
@@ -24,7 +25,7 @@ _COLLECTIVE: dict[str, CollectiveSync] = {}  # run key -> the driver's sync grou
 def collective_sync(cfg: RunConfig) -> bool:
     """Whether split placement syncs through a broadcast group (`cluster.weight_sync`)."""
     mode = cfg.cluster.weight_sync
-    return mode == "collective" or (mode == "auto" and cfg.rollout.backend == "hf")
+    return mode == "collective" or (mode == "auto" and cfg.rollout.backend in ("hf", "vllm"))
 
 
 def sampling(cfg: RunConfig, evaluation: bool = False) -> SamplingParams:

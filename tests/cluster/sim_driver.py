@@ -18,8 +18,8 @@ import torch
 
 from rlstages.engines import types as T
 from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec, Placement
+from rlstages.engines.runtime.collective_sync import CollectiveSync
 from rlstages.engines.runtime.rendezvous import collective_backend
-from rlstages.engines.runtime.weight_sync import CollectiveSync
 from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
 

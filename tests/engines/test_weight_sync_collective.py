@@ -13,8 +13,8 @@ from rlstages.engines import types as T
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
 from rlstages.engines.rollout.ipc import shm_dir
 from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
+from rlstages.engines.runtime.collective_sync import CollectiveSync, _layout, _pack_into, _unpack
 from rlstages.engines.runtime.rendezvous import collective_backend, local_ranks
-from rlstages.engines.runtime.weight_sync import CollectiveSync, _layout, _pack_into, _unpack
 from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
 

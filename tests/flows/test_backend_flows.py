@@ -61,6 +61,9 @@ def test_flow_with_vllm_rollout(tmp_path: Path, ray_session, prefect_harness) ->
     assert run.data.tags["rlstages.rollout_backend"] == "vllm"
     diff = max(m.value for m in client.get_metric_history(run.info.run_id, "rollout/logprob_diff"))
     assert diff < 1e-3  # vLLM's fp32 kernels vs torch: the synced weights are the trainer's
+    # split placement's default sync: vLLM's worker joined the trainer's group, payloads through shared memory
+    shared = client.get_metric_history(run.info.run_id, "sync/shared_memory")
+    assert [m.value for m in shared] == [1.0, 1.0]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs `pip install .[deepspeed]`")

@@ -1,0 +1,134 @@
+"""The vLLM side of the rollout engine: methods mixed into vLLM's worker class (`worker_extension_cls`), run in
+vLLM's worker process through `collective_rpc`: weight loading (layerwise reload, from shared-memory files or
+from the trainer's broadcast group), KV cache release on CPU, memory figures. vllm is imported lazily.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from rlstages.engines.base import NamedTensors
+from rlstages.engines.rollout import ipc
+
+
+def _storages(tensors: Any) -> list[torch.UntypedStorage]:
+    """Distinct storages under a (nested list of) KV cache tensors."""
+    out: dict[int, torch.UntypedStorage] = {}
+    stack = [tensors]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            out.setdefault(storage.data_ptr(), storage)
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return list(out.values())
+
+
+class RolloutWorkerExtension:
+    """Mixed into vLLM's worker class (`worker_extension_cls`); its methods run via `collective_rpc`.
+
+    `self` is the vLLM worker (`self.model_runner`, `self.vllm_config`). Runs in the worker process only.
+    """
+
+    model_runner: Any
+    vllm_config: Any
+
+    def rls_packed_modules(self) -> dict[str, list[str]]:
+        """The model's fused-layer map, e.g. {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}."""
+        mapping = getattr(self.model_runner.get_model(), "packed_modules_mapping", {}) or {}
+        return {k: list(v) for k, v in mapping.items()}
+
+    def rls_begin_weight_update(self) -> None:
+        """Start a layerwise reload: layers are rebuilt and re-processed as their weights arrive."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        # A partial update leaves most layers untouched; vLLM warns for each of them at finish.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model_runner.get_model())
+
+    def rls_load_weights_file(self, path: str) -> int:
+        """Load one bucket of HF-named tensors with the model's own `load_weights`; returns its size."""
+        from vllm.config import set_current_vllm_config
+
+        weights = ipc.read_bucket(path)
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.get_model().load_weights(iter(weights))
+        return len(weights)
+
+    def rls_finish_weight_update(self) -> None:
+        """Finish the layerwise reload: untouched layers get their old tensors back."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+
+    def rls_join_weight_group(
+        self, name: str, addr: str, port: int, rank: int, world: int, timeout: float, shm_path: str | None, host: str
+    ) -> None:
+        """Join the trainer's weight-sync group at `rank` + this worker's rank."""
+        from rlstages.engines.runtime.collective_sync import join_group
+
+        join_group(name, addr, port, rank + int(getattr(self, "rank", 0)), world, timeout, shm_path, host)
+
+    def rls_receive_weights(self, name: str) -> int:
+        """Receive the source's buckets into one layerwise reload (a fused layer's parts may arrive in different
+        buckets: each layer is processed once all its tensors are in); returns the number of tensors."""
+        from rlstages.engines.runtime.collective_sync import receive_into
+
+        self.rls_begin_weight_update()
+        try:
+            return receive_into(_ModelLoader(self), name)
+        finally:
+            self.rls_finish_weight_update()
+
+    def rls_leave_weight_group(self, name: str) -> None:
+        """Forget the sync group `name` in this worker."""
+        from rlstages.engines.runtime.collective_sync import leave_group
+
+        leave_group(name)
+
+    def rls_release_kv_cache(self) -> int:
+        """Free the KV cache storage (tensor objects stay, pointing at empty storage); returns bytes freed."""
+        self._rls_kv = [(s, s.nbytes()) for s in _storages(self.model_runner.kv_caches) if s.nbytes()]
+        for storage, _ in self._rls_kv:
+            storage.resize_(0)
+        return sum(n for _, n in self._rls_kv)
+
+    def rls_restore_kv_cache(self) -> int:
+        """Re-allocate the KV cache freed by `rls_release_kv_cache`, zeroed; returns bytes allocated."""
+        kv = getattr(self, "_rls_kv", [])
+        for storage, nbytes in kv:
+            storage.resize_(nbytes)
+            storage.fill_(0)
+        self._rls_kv = []
+        return sum(n for _, n in kv)
+
+    def rls_memory(self) -> dict[str, int]:
+        """This worker's resident set size and allocated KV cache bytes."""
+        import psutil
+
+        kv = sum(s.nbytes() for s in _storages(self.model_runner.kv_caches))
+        return {"rss_bytes": psutil.Process().memory_info().rss, "kv_cache_bytes": kv}
+
+
+class _ModelLoader:
+    """What `collective_sync.receive_into` hands buckets to inside a vLLM worker: the model's own `load_weights`."""
+
+    def __init__(self, worker: RolloutWorkerExtension) -> None:
+        self.worker = worker
+
+    def update_weights(self, named_tensors: NamedTensors) -> None:
+        """Load HF-named tensors (views of the received payload) into the worker's model."""
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.worker.vllm_config):
+            self.worker.model_runner.get_model().load_weights(iter(named_tensors))
