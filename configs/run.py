@@ -169,10 +169,10 @@ class ClusterConfig(StrictModel):
     weight_sync: Literal["auto", "collective", "object_store"] = Field(
         default="auto",
         description="Split placement's trainer -> rollout transport: collective = a torch.distributed broadcast "
-        "group (gloo on CPU, NCCL on GPUs) from the trainer's source rank to every rollout worker (vLLM: its "
-        "worker processes themselves), buckets streamed, through shared memory when all are on one node; "
-        "object_store = buckets through Ray's object store. auto = collective for the hf and vllm rollouts, "
-        "object_store for sglang. The hybrid engine copies in-process either way.",
+        "group (gloo on CPU, NCCL on GPUs) from the trainer's source rank to every rollout worker (vLLM's and "
+        "SGLang's own worker processes join it), buckets streamed, through shared memory when all are on one "
+        "CPU node; object_store = buckets through Ray's object store. auto = collective. The hybrid engine "
+        "copies in-process either way.",
     )
     rendezvous_timeout_seconds: float = Field(
         default=300.0,

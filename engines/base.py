@@ -74,6 +74,39 @@ class GroupReceiver(Protocol):
 
 
 @runtime_checkable
+class BucketReceiver(Protocol):
+    """A rollout engine that forms the trainer's broadcast group with its own API and loads flat buckets whose
+    layout the source sends it through Ray (SGLang: `init_weights_update_group`,
+    `update_weights_from_distributed(load_format="flattened_bucket")`; `rlstages.engines.runtime.flat_sync`)."""
+
+    def weight_group_size(self) -> int:
+        """How many processes this engine adds to a sync group (they take consecutive ranks)."""
+        ...
+
+    def join_weight_group(
+        self, name: str, addr: str, port: int, rank: int, world: int, timeout: float, shm_path: str | None, host: str
+    ) -> None:
+        """Its processes join the group `name` hosted by the source at `addr:port`, from `rank` on."""
+        ...
+
+    def begin_weight_group_update(self, name: str) -> None:
+        """Wake and open a weight-update session before a round."""
+        ...
+
+    def receive_weight_bucket(self, name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> int:
+        """Receive one flat bucket broadcast on group `name` (tensors end to end, in `names` order) and load it."""
+        ...
+
+    def end_weight_group_update(self, name: str) -> None:
+        """Close the session after the last bucket (post-processing, cache flush)."""
+        ...
+
+    def leave_weight_group(self, name: str) -> None:
+        """Forget the group `name` (its peers were replaced)."""
+        ...
+
+
+@runtime_checkable
 class TrainingEngine(Protocol):
     """Holds a trainable model (actor or critic) and its optimizer, or a frozen reference.
 

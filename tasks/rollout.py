@@ -25,7 +25,7 @@ _COLLECTIVE: dict[str, CollectiveSync] = {}  # run key -> the driver's sync grou
 def collective_sync(cfg: RunConfig) -> bool:
     """Whether split placement syncs through a broadcast group (`cluster.weight_sync`)."""
     mode = cfg.cluster.weight_sync
-    return mode == "collective" or (mode == "auto" and cfg.rollout.backend in ("hf", "vllm"))
+    return mode in ("collective", "auto")
 
 
 def sampling(cfg: RunConfig, evaluation: bool = False) -> SamplingParams:

