@@ -32,7 +32,7 @@ from rlstages.tasks.convert import (
 err = Console(stderr=True)
 # convert_flow's literal parameter types, for the CLI's strings (check_conversion_inputs validates them first)
 _Impl = Literal["local", "transformer_engine"]
-_Checksum = Literal["crc32", "sha256", "none"]
+_Checksum = Literal["xxh3_128", "crc32", "sha256", "none"]
 
 
 @flow(name="convert-hf-to-mcore")
@@ -45,7 +45,7 @@ def convert_flow(
     verify: bool = False,
     transformer_impl: Literal["local", "transformer_engine"] = "local",
     dist_checkpoint: bool = False,
-    checksum: Literal["crc32", "sha256", "none"] = "crc32",
+    checksum: Literal["xxh3_128", "crc32", "sha256", "none"] = "xxh3_128",
     progress: bool = False,
     overwrite: bool = False,
 ) -> dict[str, Any]:
@@ -108,7 +108,9 @@ def convert_command(
     dist_checkpoint: Annotated[
         bool, typer.Option("--dist-checkpoint", help="Also write megatron-core dist_checkpointing.")
     ] = False,
-    checksum: Annotated[str, typer.Option(help="Manifest checksum: crc32, sha256 (slower) or none.")] = "crc32",
+    checksum: Annotated[
+        str, typer.Option(help="Manifest checksum: xxh3_128 (fast, 128-bit), crc32, sha256 (slow) or none.")
+    ] = "xxh3_128",
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace an existing output that is another conversion of ours.")
     ] = False,

@@ -31,12 +31,12 @@ from rlstages.engines.convert import (
     read_manifest,
 )
 from rlstages.engines.convert.manifest import FORMAT, verify_manifest
-from rlstages.engines.convert.safetensors_io import new_checksum
+from rlstages.engines.convert.safetensors_io import DEFAULT_CHECKSUM, new_checksum
 from rlstages.engines.megatron.dist_ckpt import dist_checkpoint_writer
 from rlstages.tasks.policies import retry_condition
 
 KEY_VERSION = "rlstages-convert/1"
-DEFAULTS: dict[str, Any] = {"transformer_impl": "local", "dist_checkpoint": False, "checksum": "crc32"}
+DEFAULTS: dict[str, Any] = {"transformer_impl": "local", "dist_checkpoint": False, "checksum": DEFAULT_CHECKSUM}
 _DIGESTS: dict[tuple[str, int, int], str] = {}
 
 
@@ -101,7 +101,7 @@ def check_conversion_inputs(
     pp: int,
     vpp: int | None,
     transformer_impl: str = "local",
-    checksum: str = "crc32",
+    checksum: str = DEFAULT_CHECKSUM,
     overwrite: bool = False,
     dist_checkpoint: bool = False,
 ) -> None:
@@ -190,7 +190,7 @@ def convert_checkpoint(
     *,
     transformer_impl: str = "local",
     dist_checkpoint: bool = False,
-    checksum: str = "crc32",
+    checksum: str = DEFAULT_CHECKSUM,
     progress: bool = False,
     overwrite: bool = False,
 ) -> str:

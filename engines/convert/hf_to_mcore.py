@@ -29,7 +29,7 @@ from rlstages.engines.convert.manifest import (
     write_manifest,
 )
 from rlstages.engines.convert.ops import Converted, RowConcat
-from rlstages.engines.convert.safetensors_io import Planned, PlannedWriter, Reader, new_checksum
+from rlstages.engines.convert.safetensors_io import DEFAULT_CHECKSUM, Planned, PlannedWriter, Reader, new_checksum
 from rlstages.engines.convert.sharding import chunk_prefix, pad_vocab, split_tp, tp_kind
 from rlstages.engines.convert.spec import SPEC_FILE, ConversionSpec, TransformerImpl
 from rlstages.engines.convert.stream import ConversionError, HfToMcore
@@ -128,7 +128,7 @@ def convert_hf_to_mcore(
     extra_outputs: Mapping[str, Callable[[Path, Path], None]] | None = None,
     overwrite: bool = False,
     fsync: bool = True,
-    checksum: str = "crc32",
+    checksum: str = DEFAULT_CHECKSUM,
     input_digests: dict[str, str] | None = None,
     manifest_extra: dict[str, Any] | None = None,
     progress: Progress | None = None,
@@ -137,8 +137,8 @@ def convert_hf_to_mcore(
 
     `extra_outputs` maps a subdirectory name to a writer `(conversion_dir, subdir)` run inside the atomic
     directory before the manifest (e.g. megatron's dist checkpoint: `megatron.dist_ckpt.save_dist_checkpoint`);
-    `checksum` ("crc32", "sha256" or "none") is taken while writing; `input_digests` and `manifest_extra` are
-    recorded in the manifest. Nothing is left at `out_path` when the conversion fails.
+    `checksum` ("xxh3_128", "crc32", "sha256" or "none") is taken while writing; `input_digests` and
+    `manifest_extra` are recorded in the manifest. Nothing is left at `out_path` when the conversion fails.
     """
     hf_dir, out = Path(hf_path), Path(out_path)
     new_checksum(checksum)  # an unknown algorithm fails before any work

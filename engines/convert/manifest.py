@@ -1,8 +1,8 @@
 """Output directories: written into a temporary sibling and renamed into place, closed by a manifest.
 
 A converted directory is complete exactly when its `manifest.json` exists; the manifest lists every file
-with its size and checksum (CRC-32 by default, sha256 or none when asked), so `verify_manifest` can tell a
-damaged copy from a good one.
+with its size and checksum (XXH3-128 by default; crc32, sha256 or none when asked), so `verify_manifest` can
+tell a damaged copy from a good one.
 Non-goal: what the files contain.
 """
 
@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from rlstages.engines.convert.safetensors_io import checksum_enabled, file_checksum
+from rlstages.engines.convert.safetensors_io import DEFAULT_CHECKSUM, checksum_enabled, file_checksum
 
 MANIFEST = "manifest.json"
 FORMAT = "rlstages-mcore/1"
@@ -71,7 +71,7 @@ def copy_hf_side_files(hf_dir: Path, dest: Path) -> list[Path]:
 
 
 def write_manifest(
-    directory: Path, info: Mapping[str, Any], checksums: Mapping[str, str], algorithm: str = "crc32"
+    directory: Path, info: Mapping[str, Any], checksums: Mapping[str, str], algorithm: str = DEFAULT_CHECKSUM
 ) -> Path:
     """Write `manifest.json` (last): `info` plus size and checksum of every other file under `directory`."""
     files = {}

@@ -23,7 +23,7 @@ import torch
 
 from rlstages.engines.convert.hf_to_mcore import Progress, rank_file
 from rlstages.engines.convert.manifest import HF_FILES_DIR, WEIGHT_INDEX, atomic_directory, write_manifest
-from rlstages.engines.convert.safetensors_io import Planned, PlannedWriter, Reader, new_checksum
+from rlstages.engines.convert.safetensors_io import DEFAULT_CHECKSUM, Planned, PlannedWriter, Reader, new_checksum
 from rlstages.engines.convert.sharding import chunk_prefix, merge_tp, tp_kind
 from rlstages.engines.convert.spec import ConversionSpec
 from rlstages.engines.convert.stream import McoreToHf
@@ -145,7 +145,7 @@ def convert_mcore_to_hf(
     max_shard_bytes: int = 5 * 2**30,
     overwrite: bool = False,
     fsync: bool = True,
-    checksum: str = "crc32",
+    checksum: str = DEFAULT_CHECKSUM,
     progress: Progress | None = None,
 ) -> Path:
     """Export a converted directory (any TP/PP) to an HF model directory with sharded safetensors."""

@@ -2,7 +2,10 @@
 
 Reading parses the header and `readinto`s each tensor straight into its torch buffer, in file order.
 Writing needs the header first, so the caller plans every (name, dtype, shape) up front (conversions do this
-on meta tensors); the writer then streams the data in that order and hashes the file as it goes.
+on meta tensors); the writer then streams the data in that order, in cache-sized chunks, and hashes each
+chunk just before writing it, so the write copies from the CPU cache (one pass over memory, one thread).
+A strided tensor (a row-parallel TP shard) goes through one reused staging buffer, block of rows by block.
+The default checksum is XXH3-128 (xxhash, ~10x CRC-32's speed, 128 bits); CRC-32 and SHA-256 remain.
 Non-goal: names, layouts, ranks.
 """
 
@@ -16,7 +19,6 @@ import os
 import struct
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +42,9 @@ DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2": torch.float8_e5m2,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-_CHUNK = 1 << 24
+WRITE_CHUNK = 1 << 18  # bytes hashed then written at a time: the write copies them out of L2; few syscalls
+DEFAULT_CHECKSUM = "xxh3_128"
+CHECKSUMS = ("xxh3_128", "crc32", "sha256", "none")
 
 
 @dataclass(frozen=True)
@@ -163,7 +167,13 @@ class PlannedWriter:
     """Writes a safetensors file whose tensors are known up front; data streamed in plan order."""
 
     def __init__(
-        self, path: Path, plan: Sequence[Planned], metadata: dict[str, str] | None = None, checksum: str = "crc32"
+        self,
+        path: Path,
+        plan: Sequence[Planned],
+        metadata: dict[str, str] | None = None,
+        checksum: str = DEFAULT_CHECKSUM,
+        *,
+        chunk_bytes: int = WRITE_CHUNK,
     ) -> None:
         self.path = Path(path)
         self.checksum = checksum
@@ -189,8 +199,9 @@ class PlannedWriter:
         self._next = 0
         self._hash = new_checksum(checksum)
         self._hash.update(head)
-        self._hashing: Future[None] | None = None
-        self._in_order = True
+        self._hashing = checksum_enabled(checksum)  # until a write lands out of plan order (then: re-read)
+        self._chunk = max(1, chunk_bytes)
+        self._staging: torch.Tensor | None = None
         self._file = open(self.path, "wb")  # noqa: SIM115  (closed in close())
         self._file.write(head)
 
@@ -209,18 +220,39 @@ class PlannedWriter:
         if start == end:
             return
         if start != self._next:
-            self._in_order = False
+            self._hashing = False  # the in-stream checksum needs file order; close() re-reads the file instead
             self._file.seek(self.data_start + start)
         for piece in tensor.pieces if isinstance(tensor, RowConcat) else (tensor,):
-            data = _bytes(piece.contiguous())
-            self._file.write(data)
-            if self._in_order and checksum_enabled(
-                self.checksum
-            ):  # hash on a helper thread (hashlib drops the GIL) while the next piece is made
-                if self._hashing is not None:
-                    self._hashing.result()
-                self._hashing = _hasher().submit(self._hash.update, data)
+            if piece.numel() == 0:
+                continue
+            if piece.is_contiguous():
+                self._put(_bytes(piece))
+            else:
+                self._put_strided(piece)
         self._next = end
+
+    def _put(self, data: memoryview) -> None:
+        """Write `data` chunk by chunk, each hashed just before its write: the hash brings the chunk into the
+        cache (and maps its source pages, so the kernel's copy does not fall back to zero-fill-and-retry)."""
+        step = self._chunk
+        for i in range(0, len(data), step):
+            chunk = data[i : i + step]
+            if self._hashing:
+                self._hash.update(chunk)
+            self._file.write(chunk)
+
+    def _put_strided(self, piece: torch.Tensor) -> None:
+        """A non-contiguous tensor, gathered block of dim-0 rows by block into one reused staging buffer."""
+        row_bytes = piece[0].numel() * piece.element_size()
+        rows = max(1, self._chunk // max(1, row_bytes))
+        need = rows * row_bytes
+        if self._staging is None or self._staging.numel() < need:
+            self._staging = torch.empty(max(need, self._chunk), dtype=torch.uint8)
+        for r in range(0, piece.shape[0], rows):
+            block = piece[r : r + rows]
+            staged = self._staging[: block.numel() * piece.element_size()].view(piece.dtype).view(block.shape)
+            staged.copy_(block)
+            self._put(_bytes(staged))
 
     def close(self, fsync: bool = False) -> str:
         """Finish the file and return its checksum ("" for "none"); every planned tensor must have been written."""
@@ -228,32 +260,17 @@ class PlannedWriter:
         if missing:
             self._file.close()
             raise ValueError(f"{self.path}: {len(missing)} planned tensor(s) never written, e.g. {sorted(missing)[:3]}")
-        if self._hashing is not None:
-            self._hashing.result()
         if fsync:
             self._file.flush()
             os.fsync(self._file.fileno())
         self._file.close()
-        return self._hash.hexdigest() if self._in_order else file_checksum(self.path, self.checksum)
+        if not checksum_enabled(self.checksum):
+            return ""
+        return str(self._hash.hexdigest()) if self._hashing else file_checksum(self.path, self.checksum)
 
     def abort(self) -> None:
         """Close without checks (the caller removes the temporary directory)."""
-        if self._hashing is not None:
-            self._hashing.cancel()
         self._file.close()
-
-
-_HASHER: ThreadPoolExecutor | None = None
-
-
-def _hasher() -> ThreadPoolExecutor:
-    global _HASHER
-    if _HASHER is None:
-        _HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checksum")
-    return _HASHER
-
-
-CHECKSUMS = ("crc32", "sha256", "none")
 
 
 class _Crc32:
@@ -277,11 +294,20 @@ class _NoChecksum:
         return ""
 
 
+def _xxh3_128() -> Any:
+    import xxhash  # a dependency of `datasets`; imported only when this checksum is used
+
+    return xxhash.xxh3_128()
+
+
 def new_checksum(algorithm: str) -> Any:
-    """A running checksum: "crc32" (fast corruption check), "sha256" (a content digest, ~3x the CPU) or "none"."""
+    """A running checksum: "xxh3_128" (the default: a 128-bit corruption check at memory speed), "crc32"
+    (32 bits, ~5x slower), "sha256" (a cryptographic content digest, ~15x slower) or "none"."""
     if algorithm not in CHECKSUMS:
         raise ValueError(f"checksum must be one of {CHECKSUMS}, got {algorithm!r}")
-    factories: dict[str, Callable[[], Any]] = {"sha256": hashlib.sha256, "crc32": _Crc32, "none": _NoChecksum}
+    factories: dict[str, Callable[[], Any]] = {
+        "xxh3_128": _xxh3_128, "sha256": hashlib.sha256, "crc32": _Crc32, "none": _NoChecksum,
+    }  # fmt: skip
     return factories[algorithm]()
 
 
@@ -290,11 +316,12 @@ def checksum_enabled(algorithm: str) -> bool:
     return algorithm != "none"
 
 
-def file_checksum(path: Path, algorithm: str = "crc32") -> str:
-    """Checksum of a whole file, read in 16 MiB chunks."""
+def file_checksum(path: Path, algorithm: str = DEFAULT_CHECKSUM) -> str:
+    """Checksum of a whole file, read into one reused buffer chunk by chunk."""
     h = new_checksum(algorithm)
     if checksum_enabled(algorithm):
-        with open(path, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                h.update(chunk)
+        buffer = memoryview(bytearray(WRITE_CHUNK))
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buffer):
+                h.update(buffer[:n])
     return str(h.hexdigest())

@@ -133,7 +133,7 @@ def test_damaged_rank_file_fails_export(base: Path, tmp_path: Path) -> None:
     data = bytearray(rank.read_bytes())
     data[-1] ^= 0xFF
     rank.write_bytes(bytes(data))
-    with pytest.raises(ValueError, match=r"mp_rank_01/model\.safetensors: size or crc32 differs"):
+    with pytest.raises(ValueError, match=r"mp_rank_01/model\.safetensors: size or xxh3_128 differs"):
         verify_manifest(out)
     (out / "mp_rank_01" / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError):

@@ -176,7 +176,7 @@ def test_tied_checkpoint_with_lm_head_and_old_rotary_buffers(models, tmp_path: P
     assert torch.equal(back["model.embed_tokens.weight"], hf_tensors(hf_dir)["model.embed_tokens.weight"])
 
 
-@pytest.mark.parametrize("checksum", ["sha256", "none"])
+@pytest.mark.parametrize("checksum", ["crc32", "sha256", "none"])
 def test_other_checksums(models, tmp_path: Path, checksum: str) -> None:
     hf = models("qwen2")
     out = convert_hf_to_mcore(hf, tmp_path / "m", tp=2, checksum=checksum)
@@ -187,8 +187,8 @@ def test_other_checksums(models, tmp_path: Path, checksum: str) -> None:
     data = bytearray(rank.read_bytes())
     data[-1] ^= 0xFF
     rank.write_bytes(bytes(data))
-    if checksum == "sha256":
-        with pytest.raises(ValueError, match="size or sha256 differs"):
+    if checksum != "none":
+        with pytest.raises(ValueError, match=f"size or {checksum} differs"):
             verify_manifest(out)
     with pytest.raises(ValueError, match="checksum must be one of"):
         convert_hf_to_mcore(hf, tmp_path / "x", checksum="md5")
