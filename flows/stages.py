@@ -94,9 +94,15 @@ class Stages:
         return replace(cls(), **tasks, max_parallel=min(cfg.prefect.max_concurrent_stages, MAX_PARALLEL_STAGES))
 
     def together(self, stages: Sequence[StepStage], cfg: RunConfig, run: RunHandle, step: int) -> list[Metrics]:
-        """Run step stages concurrently, at most `prefect.max_concurrent_stages` at a time; results in order."""
+        """Run step stages concurrently, at most `prefect.max_concurrent_stages` at a time; results in order.
+        A group of one runs in the flow's thread: the same task run and retries, without a hand-off to a pool
+        thread and back (and its timeout is the main thread's alarm, not a watcher thread per run)."""
         results: list[Metrics] = []
         for i in range(0, len(stages), self.max_parallel):
-            futures = [stage.submit(cfg, run, step) for stage in stages[i : i + self.max_parallel]]
+            group = stages[i : i + self.max_parallel]
+            if len(group) == 1:
+                results.append(group[0](cfg, run, step))
+                continue
+            futures = [stage.submit(cfg, run, step) for stage in group]
             results.extend(future.result() for future in futures)
         return results

@@ -153,7 +153,9 @@ def last_logged_step(cfg: RunConfig, run_id: str) -> int:
 
 def log_step(cfg: RunConfig, run_id: str, step: int, metrics: dict[str, float]) -> bool:
     """Log one step's metrics in one batch; a step MLflow already has is skipped (returns False)."""
-    if step <= _LAST_STEP.setdefault(run_id, last_logged_step(cfg, run_id)):
+    if run_id not in _LAST_STEP:  # asked once per run and process, not on every step
+        _LAST_STEP[run_id] = last_logged_step(cfg, run_id)
+    if step <= _LAST_STEP[run_id]:
         return False
     now = int(time.time() * 1000)
     rows = [Metric(k, float(v), now, step) for k, v in sorted(metrics.items()) if _finite(v)]

@@ -28,6 +28,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from rlstages.flows import TEMPORARY_SERVER_ENV
+
 STATE_FILE = "servers.json"
 _BIN = Path(sys.executable).parent
 out = Console()
@@ -62,6 +64,12 @@ def _port_taken(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+def _inherited_env() -> dict[str, str]:
+    """This process's environment without the settings rlstages chose for a flow's temporary Prefect server
+    (a started server is a real one: automations on, task runs recorded as Prefect records them)."""
+    return {k: v for k, v in os.environ.items() if TEMPORARY_SERVER_ENV.get(k) != v}
+
+
 def _spawn(name: str, cmd: list[str], log: Path, env: dict[str, str], cwd: Path | None = None) -> int:
     """Start `cmd` detached in its own session (so its whole process tree can be stopped by PID)."""
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -71,7 +79,7 @@ def _spawn(name: str, cmd: list[str], log: Path, env: dict[str, str], cwd: Path 
             stdin=subprocess.DEVNULL,
             stdout=fh,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **env},
+            env={**_inherited_env(), **env},
             cwd=cwd,
             start_new_session=True,
         )
