@@ -151,8 +151,10 @@ STEP_CASES = {
 @pytest.mark.parametrize("case", list(STEP_CASES))
 def test_grpo_step_matches_torch_backend(model_for, batch, torch_step, case: str) -> None:
     """Same gradient as the torch backend: the Adam first moment ((1 - beta1) x the clipped gradient, up to 8e-3
-    here) agrees to 1e-8, i.e. float32 rounding of the accumulated micro-batch sums. The weights agree to 1e-4 =
-    lr / 100: Adam's first update is lr x g / (|g| + eps), which amplifies rounding where |g| is near eps."""
+    here) agrees to 1e-8 + 1e-5 relative, i.e. float32 rounding of the accumulated micro-batch sums (ZeRO-3's
+    embedding moment, up to 3.9e-3, differed by 1.02e-8 with this round's packages: transformers 5.24,
+    deepspeed 0.19.8; a wrong gradient differs by its own size, ~1e-3). The weights agree to 1e-4 = lr / 100:
+    Adam's first update is lr x g / (|g| + eps), which amplifies rounding where |g| is near eps."""
     from deepspeed.utils import safe_get_full_optimizer_state
 
     path = model_for(STEP_CASES[case]["zero_stage"])
@@ -163,7 +165,7 @@ def test_grpo_step_matches_torch_backend(model_for, batch, torch_step, case: str
     assert metrics["lr"] == ref_metrics["lr"] and metrics["pg_loss"] == pytest.approx(ref_metrics["pg_loss"], abs=1e-7)
     for name, param in engine.backend.module.named_parameters():
         exp_avg = safe_get_full_optimizer_state(param, "exp_avg")
-        assert torch.allclose(exp_avg.view_as(ref_exp_avg[name]), ref_exp_avg[name], atol=1e-8, rtol=0), name
+        assert torch.allclose(exp_avg.view_as(ref_exp_avg[name]), ref_exp_avg[name], atol=1e-8, rtol=1e-5), name
     weights = dict(engine.named_weights())
     assert {k: v.shape for k, v in weights.items()} == {k: v.shape for k, v in ref_weights.items()}
     assert all(torch.allclose(weights[k], ref_weights[k], atol=1e-4, rtol=0) for k in ref_weights)
