@@ -5,7 +5,7 @@ Writing needs the header first, so the caller plans every (name, dtype, shape) u
 on meta tensors); the writer then streams the data in that order, in cache-sized chunks, and hashes each
 chunk just before writing it, so the write copies from the CPU cache (one pass over memory, one thread).
 A strided tensor (a row-parallel TP shard) goes through one reused staging buffer, block of rows by block.
-The default checksum is XXH3-128 (xxhash, ~10x CRC-32's speed, 128 bits); CRC-32 and SHA-256 remain.
+The default checksum is XXH3-128 (xxhash, 128 bits; 6.0 vs CRC-32's 4.0 GB/s here); CRC-32 and SHA-256 remain.
 Non-goal: names, layouts, ranks.
 """
 
@@ -295,14 +295,14 @@ class _NoChecksum:
 
 
 def _xxh3_128() -> Any:
-    import xxhash  # a dependency of `datasets`; imported only when this checksum is used
+    import xxhash  # imported only when this checksum is used
 
     return xxhash.xxh3_128()
 
 
 def new_checksum(algorithm: str) -> Any:
-    """A running checksum: "xxh3_128" (the default: a 128-bit corruption check at memory speed), "crc32"
-    (32 bits, ~5x slower), "sha256" (a cryptographic content digest, ~15x slower) or "none"."""
+    """A running checksum: "xxh3_128" (the default: a 128-bit corruption check, ~6 GB/s here), "crc32"
+    (32 bits, ~4 GB/s), "sha256" (a cryptographic content digest, ~1.4 GB/s) or "none"."""
     if algorithm not in CHECKSUMS:
         raise ValueError(f"checksum must be one of {CHECKSUMS}, got {algorithm!r}")
     factories: dict[str, Callable[[], Any]] = {

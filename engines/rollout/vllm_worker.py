@@ -56,12 +56,16 @@ class RolloutWorkerExtension:
 
     def rls_load_weights_file(self, path: str) -> int:
         """Load one bucket of HF-named tensors with the model's own `load_weights`; returns its size."""
+        weights = ipc.read_bucket(path)
+        self.rls_load(weights)
+        return len(weights)
+
+    def rls_load(self, named_tensors: NamedTensors) -> None:
+        """HF-named tensors through the model's own `load_weights` (inside a layerwise reload)."""
         from vllm.config import set_current_vllm_config
 
-        weights = ipc.read_bucket(path)
         with set_current_vllm_config(self.vllm_config):
-            self.model_runner.get_model().load_weights(iter(weights))
-        return len(weights)
+            self.model_runner.get_model().load_weights(iter(named_tensors))
 
     def rls_finish_weight_update(self) -> None:
         """Finish the layerwise reload: untouched layers get their old tensors back."""
@@ -128,7 +132,4 @@ class _ModelLoader:
 
     def update_weights(self, named_tensors: NamedTensors) -> None:
         """Load HF-named tensors (views of the received payload) into the worker's model."""
-        from vllm.config import set_current_vllm_config
-
-        with set_current_vllm_config(self.worker.vllm_config):
-            self.worker.model_runner.get_model().load_weights(iter(named_tensors))
+        self.worker.rls_load(named_tensors)

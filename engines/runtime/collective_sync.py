@@ -34,7 +34,6 @@ import torch
 from rlstages.engines.runtime.flat_sync import (
     begin_flat_round,
     end_flat_round,
-    payload_device,
     receives_flat_buckets,
     send_flat_bucket,
 )
@@ -114,11 +113,11 @@ def join_group(
 
     import torch.distributed as dist
 
-    from rlstages.engines.runtime.rendezvous import collective_backend, node_ip
+    from rlstages.engines.runtime.rendezvous import collective_backend, collective_device, node_ip
 
     if name in _SYNC_GROUPS:
         return
-    device = payload_device()
+    device = collective_device()
     shm_path = shm_path if device == "cpu" else None  # NCCL moves GPU memory; the file is for host memory
     delta = datetime.timedelta(seconds=timeout)
     store = dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=delta)
@@ -240,9 +239,8 @@ def send_weights(engine: Any, name: str | None, bucket_bytes: int, dtype: str) -
         tensors += 1
         if size >= bucket_bytes:
             flush()
-    if member is not None:
-        if bucket:
-            flush()
+    if member is not None and bucket:
+        flush()
     if member is not None and member.receivers is None:
         header.zero_()
         _broadcast(member.group, header)  # the end

@@ -20,7 +20,8 @@ from typing import Any, cast
 
 import torch
 
-from rlstages.engines.runtime.payload import layout, pack_into
+from rlstages.engines.runtime.payload import pack_into
+from rlstages.engines.runtime.rendezvous import collective_device
 
 
 def receives_flat_buckets(engine: Any) -> bool:
@@ -45,13 +46,6 @@ def join_flat_group(name: str, addr: str, port: int, rank: int, world: int, time
     return group
 
 
-def payload_device() -> str:
-    """Where a flat payload lives for the broadcast: the GPU under NCCL, host memory under gloo."""
-    from rlstages.engines.runtime.rendezvous import collective_backend
-
-    return "cuda" if collective_backend() == "nccl" else "cpu"
-
-
 def send_flat_bucket(
     group: Any, name: str, receivers: list[Any], bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype
 ) -> None:
@@ -60,12 +54,12 @@ def send_flat_bucket(
     import ray
     import torch.distributed as dist
 
-    _, nbytes = layout(bucket, dtype)
+    nbytes = sum(t.numel() for _, t in bucket) * dtype.itemsize
     names = [key for key, _ in bucket]
     kind = str(dtype).removeprefix("torch.")
     shapes = [list(t.shape) for _, t in bucket]
     loads = [h.__ray_call__.remote(receive_flat_bucket, name, names, [kind] * len(names), shapes) for h in receivers]
-    payload = torch.empty(nbytes, dtype=torch.uint8, device=payload_device())
+    payload = torch.empty(nbytes, dtype=torch.uint8, device=collective_device())
     pack_into(bucket, dtype, payload)
     dist.broadcast(payload, src=0, group=group)
     ray.get(loads)

@@ -29,6 +29,11 @@ def collective_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def collective_device() -> str:
+    """Where tensors a collective moves must live: the GPU under NCCL, host memory under gloo."""
+    return "cuda" if collective_backend() == "nccl" else "cpu"
+
+
 def node_ip() -> str:
     """This process's node address (Ray's view; loopback without Ray)."""
     try:
