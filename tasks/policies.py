@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from rlstages.configs.run import StagePolicy
+from rlstages.configs.stages import StagePolicy
 
 F = TypeVar("F")
 

@@ -18,7 +18,8 @@ from typing import Any, get_args
 
 from rlstages.configs import RunConfig
 from rlstages.configs.data import JsonlDataConfig
-from rlstages.configs.run import RUN_NAME, StageName
+from rlstages.configs.run import RUN_NAME
+from rlstages.configs.stages import StageName
 
 ALLOWED_IMPORTS_ENV = "RLSTAGES_ALLOWED_IMPORTS"
 TEMPLATE_SLACK = 64  # tokens a chat template and system prompt may add around a prompt, for the cheap bound

@@ -361,14 +361,14 @@ class CollectiveSync:
 
         start = time.perf_counter()
         name = self._group(trainers[source], rollouts, timeout)
-        if self._flat:  # the engines' weight-update sessions, opened and closed around the round
-            ray.get([h.__ray_call__.remote(begin_flat_round, name) for h in rollouts], timeout=timeout)
-        sends = [
-            t.__ray_call__.remote(send_weights, name if r == source else None, bucket_bytes, dtype)
-            for r, t in enumerate(trainers)
-        ]
-        receives = [] if self._flat else [h.__ray_call__.remote(receive_weights, name) for h in rollouts]
         try:
+            if self._flat:  # the engines' weight-update sessions, opened and closed around the round
+                ray.get([h.__ray_call__.remote(begin_flat_round, name) for h in rollouts], timeout=timeout)
+            sends = [
+                t.__ray_call__.remote(send_weights, name if r == source else None, bucket_bytes, dtype)
+                for r, t in enumerate(trainers)
+            ]
+            receives = [] if self._flat else [h.__ray_call__.remote(receive_weights, name) for h in rollouts]
             out = ray.get(sends, timeout=timeout)[source]
             ray.get(receives, timeout=timeout)
             if self._flat:

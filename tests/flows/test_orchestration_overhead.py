@@ -17,7 +17,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from rlstages.configs import RunConfig, load_config
-from rlstages.configs.run import StagePolicy
+from rlstages.configs.stages import StagePolicy
 from rlstages.flows import TEMPORARY_SERVER_DEFAULTS
 from rlstages.flows.stages import Stage, Stages
 from rlstages.tasks import tracking
