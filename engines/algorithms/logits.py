@@ -87,14 +87,49 @@ def chunked_logprobs(logits: Tensor, labels: Tensor, temperature: float = 1.0) -
     return _ChunkedLogprobs.apply(logits, labels, float(temperature))
 
 
-@torch.no_grad()
+class _ChunkedEntropy(torch.autograd.Function):
+    """Entropy of softmax(logits / T), row chunk by row chunk, in float32. Saves the logits as given and the
+    per-token logsumexp and entropy; backward rebuilds softmax one chunk at a time, dH/dz = -p (z - E_p[z])
+    with E_p[z] = logsumexp - H, so an entropy bonus needs no full-size float32 copy of the logits either."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, temperature: float) -> Tensor:  # type: ignore[override]
+        out = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        step = _row_chunks(logits)
+        for s in range(0, logits.shape[0], step):
+            z = logits[s : s + step].to(torch.float32, copy=True)
+            if temperature != 1.0:
+                z.div_(temperature)
+            lse[s : s + step] = torch.logsumexp(z, dim=-1)
+            out[s : s + step] = entropy_from_logits(z)
+        ctx.temperature = temperature
+        ctx.save_for_backward(logits, lse, out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        logits, lse, entropy = ctx.saved_tensors
+        temperature = ctx.temperature
+        grad_logits = torch.empty_like(logits)
+        step = _row_chunks(logits)
+        for s in range(0, logits.shape[0], step):
+            z = logits[s : s + step].to(torch.float32, copy=True)
+            if temperature != 1.0:
+                z.div_(temperature)
+            mean_z = (lse[s : s + step] - entropy[s : s + step]).unsqueeze(-1)
+            p = (z - lse[s : s + step].unsqueeze(-1)).exp_()
+            g = z.sub_(mean_z).mul_(p).mul_(grad[s : s + step].float().unsqueeze(-1)).neg_()
+            if temperature != 1.0:
+                g.div_(temperature)
+            grad_logits[s : s + step] = g
+        return grad_logits, None
+
+
 def chunked_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
-    """`entropy_from_logits(logits / temperature)` for [B, T, V], a few rows at a time, without a graph."""
-    out = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
-    step = _row_chunks(logits)
-    for s in range(0, logits.shape[0], step):
-        z = logits[s : s + step].to(torch.float32, copy=True)
-        if temperature != 1.0:
-            z.div_(temperature)
-        out[s : s + step] = entropy_from_logits(z)
-    return out
+    """`entropy_from_logits(logits / temperature)` for [B, T, V] logits of any float dtype, in float32 a few
+    rows at a time (forward and backward: an entropy bonus differentiates through it), so a large vocabulary
+    never has its logits materialised whole in float32."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return _ChunkedEntropy.apply(logits, float(temperature))

@@ -38,10 +38,9 @@ def causal_lm_forward(
     labels = mb[T.RESPONSE_IDS].to(device)
     with autocast(bf16, device.type):
         logits = shared_prompt_logits(model, mb, device) if share_prompt else response_logits(model, mb, device)
-    if not (entropy_grad and torch.is_grad_enabled()):  # row chunks: no full-size float32 copy of the logits
-        return A.chunked_logprobs(logits, labels, temperature), A.chunked_entropy(logits, temperature)
-    logits = logits.float() / temperature
-    return A.logprobs_from_logits(logits, labels), A.entropy_from_logits(logits)
+    logprobs = A.chunked_logprobs(logits, labels, temperature)  # row chunks: no full-size fp32 copy of the logits
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        return logprobs, A.chunked_entropy(logits, temperature)
 
 
 def response_logits(model: Any, mb: TensorDict, device: torch.device) -> torch.Tensor:
