@@ -12,6 +12,8 @@ model (SmolLM2-135M-Instruct) and shapes, each against a baseline measured in th
   per decode step at the bf16 matmul speed).
 - `lora_time_per_step`, `lora_peak_memory`: the demo-shaped update with LoRA adapters (`model.lora` defaults:
   rank 16 on every linear layer) over the same update of all weights, each in a fresh process (informative).
+- `entropy_bonus_time`, `entropy_bonus_memory`: the same update with the demo's entropy bonus
+  (`algorithm.entropy_coeff`: a backward through the chunked entropy) over the update without it (informative).
 `python -m bench.bench_step`
 """
 
@@ -27,6 +29,7 @@ from bench.common import matmul_flops, memory_bandwidth, record
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / ".cache" / "models" / "smollm2-135m-instruct"
+DEMO_ENTROPY_COEFF = 0.005  # configs/demo.yaml's algorithm.entropy_coeff
 ROWS, PROMPT, RESPONSE = 16, 40, 48  # one demo micro-batch: 16 rows, ~40 prompt tokens (chat template), 48 new
 
 
@@ -183,13 +186,14 @@ def logprob_kernels() -> None:
 HEAPS = ("jemalloc", "keep", "bounded")  # a worker's allocator (`cluster.heap`, `runtime.heap.heap_env`)
 
 
-def heap_worker(lora: bool = False) -> dict[str, float]:
+def heap_worker(lora: bool = False, entropy_coeff: float = 0.0) -> dict[str, float]:
     """Two demo-shaped GRPO updates (64 rows, micro-batches of 16, bf16 autocast) of SmolLM2-135M in this
-    process, all weights or LoRA adapters (the default `model.lora`): the second step's seconds and the
-    process's peak RSS."""
+    process, all weights or LoRA adapters (the default `model.lora`), with an entropy bonus or not: the second
+    step's seconds and the process's peak RSS."""
     from rlstages.configs.model import LoraSettings
     from rlstages.configs.training import OptimConfig, TorchTrainingConfig
     from rlstages.engines import types as T
+    from rlstages.engines.algorithms import PolicyLossParams
     from rlstages.engines.rollout.batching import build_rollout_batch
     from rlstages.engines.training.core import PPOTrainer
     from rlstages.engines.training.settings import TrainerSettings
@@ -198,7 +202,8 @@ def heap_worker(lora: bool = False) -> dict[str, float]:
     torch.set_num_threads(2)
     train = TorchTrainingConfig(optim=OptimConfig(lr=1e-5), micro_batch_size=16, bf16_autocast=True)
     adapters = LoraSettings().model_dump(mode="json") if lora else None
-    engine = PPOTrainer(TrainerSettings(str(MODEL_DIR), train=train, temperature=0.7, lora=adapters))
+    loss = PolicyLossParams(entropy_coeff=entropy_coeff)
+    engine = PPOTrainer(TrainerSettings(str(MODEL_DIR), train=train, temperature=0.7, lora=adapters, loss=loss))
     g = torch.Generator().manual_seed(0)
     prompts = [Prompt(f"u{i}", "x", "0") for i in range(8)]
     prompt_ids = [torch.randint(100, 49000, (PROMPT,), generator=g).tolist() for _ in prompts]
@@ -223,7 +228,7 @@ def heap_settings() -> None:
     from rlstages.engines.runtime.heap import heap_env
 
     out = {}
-    runs = {name: (name, "--heap") for name in HEAPS} | {"lora": ("keep", "--lora")}
+    runs = {name: (name, "--heap") for name in HEAPS} | {"lora": ("keep", "--lora"), "entropy": ("keep", "--entropy")}
     for name, (heap, flag) in runs.items():
         env = {**os.environ, **heap_env(heap)}
         done = subprocess.run([sys.executable, "-m", "bench.bench_step", flag], env=env, capture_output=True,
@@ -234,6 +239,11 @@ def heap_settings() -> None:
            f"update {lo['seconds']:.1f} s vs {k['seconds']:.1f} s (LoRA r16 on all linear layers / full)")  # fmt: skip
     record("lora_peak_memory", lo["peak_mb"] / k["peak_mb"], None,
            f"peak RSS {lo['peak_mb']:.0f} MB vs {k['peak_mb']:.0f} MB (LoRA / full fine-tuning)")  # fmt: skip
+    e, coeff = out["entropy"], DEMO_ENTROPY_COEFF
+    record("entropy_bonus_time", e["seconds"] / k["seconds"], None,
+           f"update {e['seconds']:.1f} s vs {k['seconds']:.1f} s (entropy bonus {coeff} / none)")  # fmt: skip
+    record("entropy_bonus_memory", e["peak_mb"] / k["peak_mb"], None,
+           f"peak RSS {e['peak_mb']:.0f} MB vs {k['peak_mb']:.0f} MB (entropy bonus {coeff} / none)")  # fmt: skip
     goals = {"jemalloc": ("<= 1.1", "<= 0.8"), "bounded": (None, None)}  # the default carries the goal
     for name, (time_goal, memory_goal) in goals.items():
         h = out[name]
@@ -248,8 +258,9 @@ def main() -> None:
     import json
     import sys
 
-    if sys.argv[1:2] in (["--heap"], ["--lora"]):
-        print(json.dumps(heap_worker(lora=sys.argv[1] == "--lora")))
+    if sys.argv[1:2] in (["--heap"], ["--lora"], ["--entropy"]):
+        coeff = DEMO_ENTROPY_COEFF if sys.argv[1] == "--entropy" else 0.0
+        print(json.dumps(heap_worker(lora=sys.argv[1] == "--lora", entropy_coeff=coeff)))
         return
     if sys.argv[1:2] == ["--logprob"]:
         print(json.dumps(logprob_worker(sys.argv[2])))
