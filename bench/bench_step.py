@@ -21,15 +21,18 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tensordict import TensorDict
 
 from bench.common import matmul_flops, memory_bandwidth, record
 
+if TYPE_CHECKING:
+    from rlstages.configs import RunConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / ".cache" / "models" / "smollm2-135m-instruct"
-DEMO_ENTROPY_COEFF = 0.005  # configs/demo.yaml's algorithm.entropy_coeff
 ROWS, PROMPT, RESPONSE = 16, 40, 48  # one demo micro-batch: 16 rows, ~40 prompt tokens (chat template), 48 new
 
 
@@ -52,11 +55,11 @@ def micro_batch(vocab: int) -> TensorDict:
     )
 
 
-def demo_dtype() -> str:
-    """The dtype the demo trains its weights in (`model.dtype` of configs/demo.yaml)."""
+def demo_config() -> RunConfig:
+    """configs/demo.yaml as the run sees it: the dtype its weights train in, its entropy bonus."""
     from rlstages.configs import load_config
 
-    return load_config(ROOT / "configs" / "demo.yaml", []).model.dtype
+    return load_config(ROOT / "configs" / "demo.yaml", [])
 
 
 def train_step_fraction(model: torch.nn.Module, bf16_flops: float, name: str = "step_matmul_fraction") -> None:
@@ -239,7 +242,7 @@ def heap_settings() -> None:
            f"update {lo['seconds']:.1f} s vs {k['seconds']:.1f} s (LoRA r16 on all linear layers / full)")  # fmt: skip
     record("lora_peak_memory", lo["peak_mb"] / k["peak_mb"], None,
            f"peak RSS {lo['peak_mb']:.0f} MB vs {k['peak_mb']:.0f} MB (LoRA / full fine-tuning)")  # fmt: skip
-    e, coeff = out["entropy"], DEMO_ENTROPY_COEFF
+    e, coeff = out["entropy"], demo_config().algorithm.entropy_coeff
     record("entropy_bonus_time", e["seconds"] / k["seconds"], None,
            f"update {e['seconds']:.1f} s vs {k['seconds']:.1f} s (entropy bonus {coeff} / none)")  # fmt: skip
     record("entropy_bonus_memory", e["peak_mb"] / k["peak_mb"], None,
@@ -259,7 +262,7 @@ def main() -> None:
     import sys
 
     if sys.argv[1:2] in (["--heap"], ["--lora"], ["--entropy"]):
-        coeff = DEMO_ENTROPY_COEFF if sys.argv[1] == "--entropy" else 0.0
+        coeff = demo_config().algorithm.entropy_coeff if sys.argv[1] == "--entropy" else 0.0
         print(json.dumps(heap_worker(lora=sys.argv[1] == "--lora", entropy_coeff=coeff)))
         return
     if sys.argv[1:2] == ["--logprob"]:
@@ -273,7 +276,7 @@ def main() -> None:
     heap_settings()
     torch.set_num_threads(2)
     bf16 = matmul_flops("bfloat16", n=2048)
-    model = load_causal_lm(MODEL_DIR, demo_dtype(), None)
+    model = load_causal_lm(MODEL_DIR, demo_config().model.dtype, None)
     train_step_fraction(model, bf16)
     model = load_causal_lm(MODEL_DIR, "float32", None)
     train_step_fraction(model, bf16, "step_matmul_fraction_fp32_weights")

@@ -5,6 +5,7 @@ Non-goal: computing the logits (the backends' forward passes).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -39,6 +40,18 @@ def _row_chunks(logits: Tensor) -> int:
     return max(1, CHUNK_BYTES // per_row)
 
 
+def _scaled_chunks(logits: Tensor, temperature: float) -> Iterator[tuple[slice, Tensor]]:
+    """(rows, float32 copy of logits[rows] / temperature), a chunk of rows at a time: what every chunked
+    kernel here works on, forward and backward."""
+    step = _row_chunks(logits)
+    for s in range(0, logits.shape[0], step):
+        rows = slice(s, s + step)
+        z = logits[rows].to(torch.float32, copy=True)
+        if temperature != 1.0:
+            z.div_(temperature)
+        yield rows, z
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     """log_softmax(logits / T) at `labels`, row chunk by row chunk, in float32. Saves only the logits as given
     (bf16 under autocast) and the per-token logsumexp; backward rebuilds softmax one chunk at a time. The same
@@ -49,13 +62,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def forward(ctx: Any, logits: Tensor, labels: Tensor, temperature: float) -> Tensor:  # type: ignore[override]
         out = torch.empty(labels.shape, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
-        step = _row_chunks(logits)
-        for s in range(0, logits.shape[0], step):
-            z = logits[s : s + step].to(torch.float32, copy=True)
-            if temperature != 1.0:
-                z.div_(temperature)
-            lse[s : s + step] = torch.logsumexp(z, dim=-1)
-            out[s : s + step] = torch.gather(z, -1, labels[s : s + step].unsqueeze(-1)).squeeze(-1) - lse[s : s + step]
+        for rows, z in _scaled_chunks(logits, temperature):
+            lse[rows] = torch.logsumexp(z, dim=-1)
+            out[rows] = torch.gather(z, -1, labels[rows].unsqueeze(-1)).squeeze(-1) - lse[rows]
         ctx.temperature = temperature
         ctx.save_for_backward(logits, labels, lse)
         return out
@@ -65,17 +74,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
         logits, labels, lse = ctx.saved_tensors
         temperature = ctx.temperature
         grad_logits = torch.empty_like(logits)
-        step = _row_chunks(logits)
-        for s in range(0, logits.shape[0], step):
-            z = logits[s : s + step].to(torch.float32, copy=True)
-            if temperature != 1.0:
-                z.div_(temperature)
-            g = grad[s : s + step].float().unsqueeze(-1)
-            p = z.sub_(lse[s : s + step].unsqueeze(-1)).exp_().mul_(g).neg_()  # -softmax * grad
-            p.scatter_add_(-1, labels[s : s + step].unsqueeze(-1), g)  # + onehot * grad
+        for rows, z in _scaled_chunks(logits, temperature):
+            g = grad[rows].float().unsqueeze(-1)
+            p = z.sub_(lse[rows].unsqueeze(-1)).exp_().mul_(g).neg_()  # -softmax * grad
+            p.scatter_add_(-1, labels[rows].unsqueeze(-1), g)  # + onehot * grad
             if temperature != 1.0:
                 p.div_(temperature)
-            grad_logits[s : s + step] = p
+            grad_logits[rows] = p
         return grad_logits, None, None
 
 
@@ -96,13 +101,9 @@ class _ChunkedEntropy(torch.autograd.Function):
     def forward(ctx: Any, logits: Tensor, temperature: float) -> Tensor:  # type: ignore[override]
         out = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
-        step = _row_chunks(logits)
-        for s in range(0, logits.shape[0], step):
-            z = logits[s : s + step].to(torch.float32, copy=True)
-            if temperature != 1.0:
-                z.div_(temperature)
-            lse[s : s + step] = torch.logsumexp(z, dim=-1)
-            out[s : s + step] = entropy_from_logits(z)
+        for rows, z in _scaled_chunks(logits, temperature):
+            lse[rows] = torch.logsumexp(z, dim=-1)
+            out[rows] = entropy_from_logits(z)
         ctx.temperature = temperature
         ctx.save_for_backward(logits, lse, out)
         return out
@@ -112,17 +113,12 @@ class _ChunkedEntropy(torch.autograd.Function):
         logits, lse, entropy = ctx.saved_tensors
         temperature = ctx.temperature
         grad_logits = torch.empty_like(logits)
-        step = _row_chunks(logits)
-        for s in range(0, logits.shape[0], step):
-            z = logits[s : s + step].to(torch.float32, copy=True)
-            if temperature != 1.0:
-                z.div_(temperature)
-            mean_z = (lse[s : s + step] - entropy[s : s + step]).unsqueeze(-1)
-            p = (z - lse[s : s + step].unsqueeze(-1)).exp_()
-            g = z.sub_(mean_z).mul_(p).mul_(grad[s : s + step].float().unsqueeze(-1)).neg_()
+        for rows, z in _scaled_chunks(logits, temperature):
+            p = (z - lse[rows].unsqueeze(-1)).exp_()
+            g = z.sub_((lse[rows] - entropy[rows]).unsqueeze(-1)).mul_(p).mul_(grad[rows].float().unsqueeze(-1)).neg_()
             if temperature != 1.0:
                 g.div_(temperature)
-            grad_logits[s : s + step] = g
+            grad_logits[rows] = g
         return grad_logits, None
 
 
