@@ -10,6 +10,8 @@ model (SmolLM2-135M-Instruct) and shapes, each against a baseline measured in th
   the weight-streaming bound: rows x copy bandwidth / bytes of weights read per decode step (informative:
   on CPU a batch of 64 is compute-bound; `gen_compute_fraction` is the same against 2 x params x rows FLOPs
   per decode step at the bf16 matmul speed).
+- `step_matmul_fraction_fp32_kernel`: the same bf16 layers on the fp32 GEMM (`actor.fp32_matmul`) against a
+  plain large fp32 matmul, and `fp32_kernel_step_time` its time over the bf16 kernel's (informative).
 - `lora_time_per_step`, `lora_peak_memory`: the demo-shaped update with LoRA adapters (`model.lora` defaults:
   rank 16 on every linear layer) over the same update of all weights, each in a fresh process (informative).
 - `entropy_bonus_time`, `entropy_bonus_memory`: the same update with the demo's entropy bonus
@@ -62,8 +64,11 @@ def demo_config() -> RunConfig:
     return load_config(ROOT / "configs" / "demo.yaml", [])
 
 
-def train_step_fraction(model: torch.nn.Module, bf16_flops: float, name: str = "step_matmul_fraction") -> None:
-    """Counted FLOPs of one demo micro-batch's forward+backward over its best time, against the bf16 matmul."""
+def train_step_fraction(
+    model: torch.nn.Module, matmul_flops_s: float, name: str = "step_matmul_fraction", matmul: str = "bf16"
+) -> float:
+    """Counted FLOPs of one demo micro-batch's forward+backward over its best time, against the matmul FLOP/s
+    of the kernel the layers run on (`matmul`); returns the best time."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from rlstages.engines.training.ppo_step import causal_lm_forward
@@ -89,12 +94,14 @@ def train_step_fraction(model: torch.nn.Module, bf16_flops: float, name: str = "
     achieved = flops / min(times)
     record(
         name,
-        achieved / bf16_flops,
+        achieved / matmul_flops_s,
         ">= 0.5" if name == "step_matmul_fraction" else None,
         f"{str(next(model.parameters()).dtype)[6:]} weights: fwd+bwd {achieved / 1e9:.1f} GFLOP/s "
         f"(counted {flops / 1e9:.0f} GFLOP = "
-        f"{flops / (6 * params * ROWS * (PROMPT + RESPONSE)):.2f} x 6NT) vs bf16 matmul {bf16_flops / 1e9:.1f}",
+        f"{flops / (6 * params * ROWS * (PROMPT + RESPONSE)):.2f} x 6NT) vs {matmul} matmul "
+        f"{matmul_flops_s / 1e9:.1f}",
     )
+    return min(times)
 
 
 def generation_fraction(bf16_flops: float) -> None:
@@ -203,7 +210,9 @@ def heap_worker(lora: bool = False, entropy_coeff: float = 0.0) -> dict[str, flo
     from rlstages.engines.types import Prompt
 
     torch.set_num_threads(2)
-    train = TorchTrainingConfig(optim=OptimConfig(lr=1e-5), micro_batch_size=16, bf16_autocast=True)
+    train = TorchTrainingConfig(  # the native bf16 kernel, as these figures have always been measured
+        optim=OptimConfig(lr=1e-5), micro_batch_size=16, bf16_autocast=True, fp32_matmul=False
+    )
     adapters = LoraSettings().model_dump(mode="json") if lora else None
     loss = PolicyLossParams(entropy_coeff=entropy_coeff)
     engine = PPOTrainer(TrainerSettings(str(MODEL_DIR), train=train, temperature=0.7, lora=adapters, loss=loss))
@@ -270,6 +279,7 @@ def main() -> None:
         return
     from rlstages.engines.models import ensure_model
     from rlstages.engines.models.registry import load_causal_lm
+    from rlstages.engines.training.fp32_matmul import use_fp32_kernel
 
     ensure_model(MODEL_DIR, "smollm2-gguf")  # before the heap workers, which load it
     logprob_kernels()
@@ -277,7 +287,11 @@ def main() -> None:
     torch.set_num_threads(2)
     bf16 = matmul_flops("bfloat16", n=2048)
     model = load_causal_lm(MODEL_DIR, demo_config().model.dtype, None)
-    train_step_fraction(model, bf16)
+    native = train_step_fraction(model, bf16)
+    use_fp32_kernel(model)  # the same bf16 layers on the fp32 GEMM (`actor.fp32_matmul`)
+    upcast = train_step_fraction(model, matmul_flops("float32", n=2048), "step_matmul_fraction_fp32_kernel", "fp32")
+    record("fp32_kernel_step_time", upcast / native, None,
+           f"fwd+bwd {upcast:.2f} s vs {native:.2f} s (bf16 layers on the fp32 GEMM / on the bf16 GEMM)")  # fmt: skip
     model = load_causal_lm(MODEL_DIR, "float32", None)
     train_step_fraction(model, bf16, "step_matmul_fraction_fp32_weights")
     del model

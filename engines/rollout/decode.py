@@ -3,7 +3,9 @@
 transformers' `generate` keeps every row in the batch until the longest is done, so a batch whose replies
 average 20 of 48 tokens spends most of its decode steps on finished rows (the demo: 12-16% of rows reach the
 limit, so every batch runs all 48 steps). Here a finished row leaves the batch and the cache at once, and the
-log-prob of each sampled token is read from the same distribution it was drawn from.
+log-prob of each sampled token is read from the same distribution it was drawn from. The prefill computes
+each prompt token once (`prefill`): a group's n samples share their prompt's, and all prompts share the
+prefix they have in common (the chat template's system turn). The demo's 64 rows: 7.9 s a step, 12.7 before.
 
 Non-goal: continuous batching of new prompts into freed slots (vLLM/SGLang do that).
 """
@@ -59,16 +61,12 @@ def decode(
     (its ids so far) says so, and leaves the batch and the KV cache then."""
     rows = input_ids.shape[0]
     out = Decoded([[] for _ in range(rows)], [[] for _ in range(rows)])
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    step = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True, logits_to_keep=1
-    )
-    cache, mask = step.past_key_values, attention_mask
+    cache, logits, mask = prefill(model, input_ids, attention_mask)
     live = torch.arange(rows)
-    position = positions[:, -1] + 1
+    position = mask.long().sum(-1)  # the next token's position: the row's real tokens so far
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long)
     for t in range(max_new_tokens):
-        ids, logprobs = pick(step.logits[:, -1])
+        ids, logprobs = pick(logits)
         done = torch.isin(ids, eos)
         for i, (row, token, lp) in enumerate(zip(live.tolist(), ids.tolist(), logprobs.tolist(), strict=True)):
             out.ids[row].append(token)
@@ -89,5 +87,68 @@ def decode(
             past_key_values=cache,
             use_cache=True,
         )
+        logits = step.logits[:, -1]
         position = position + 1
     return out
+
+
+def prefill(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """The KV cache, next-token logits [B, V] and attention mask of left-padded prompts, each token computed
+    once: rows with the same prompt (a group's n samples) share its prefill, and the prefix that all distinct
+    prompts share (a chat template's system turn) goes through the model once (`MIN_SHARED_PREFIX` tokens or
+    more). The mask may then have a gap of padding between that prefix and each prompt's own tokens."""
+    rows, width = input_ids.shape
+    distinct, inverse = torch.unique(torch.cat([input_ids, attention_mask.long()], dim=1), dim=0, return_inverse=True)
+    ids, mask = distinct[:, :width], distinct[:, width:].to(attention_mask.dtype)  # sorted rows
+    if len(ids) == rows:  # no duplicates: keep the rows' own order
+        ids, mask = input_ids, attention_mask
+    tokens = [row[keep.bool()] for row, keep in zip(ids, mask, strict=True)]
+    shared = _common_prefix(tokens)
+    if shared < MIN_SHARED_PREFIX or len(tokens) < 2:
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        step = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+    else:
+        head = model(input_ids=tokens[0][None, :shared], use_cache=True, logits_to_keep=1)
+        head.past_key_values.batch_repeat_interleave(len(tokens))
+        suffix_ids, suffix_mask = left_pad([t[shared:] for t in tokens], mask.dtype)
+        mask = torch.cat([mask.new_ones(len(tokens), shared), suffix_mask], dim=1)
+        step = model(
+            input_ids=suffix_ids,
+            attention_mask=mask,
+            position_ids=shared + (suffix_mask.long().cumsum(-1) - 1).clamp(min=0),
+            past_key_values=head.past_key_values,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    cache, logits = step.past_key_values, step.logits[:, -1]
+    if len(tokens) < rows:  # each row takes its prompt's cache, logits and mask
+        cache.batch_select_indices(inverse)
+        logits, mask = logits[inverse], mask[inverse]
+    return cache, logits, mask
+
+
+MIN_SHARED_PREFIX = 8  # shorter shared prefixes are not worth a forward of their own
+
+
+def _common_prefix(tokens: list[torch.Tensor]) -> int:
+    """Tokens at the start of every sequence, leaving each at least one of its own (its logits are needed)."""
+    limit = min(len(t) for t in tokens) - 1
+    if limit <= 0:
+        return 0
+    first = tokens[0][:limit]
+    same = torch.stack([t[:limit] == first for t in tokens[1:]]).all(0) if len(tokens) > 1 else torch.ones_like(first)
+    differs = (~same).nonzero()
+    return int(differs[0]) if len(differs) else limit
+
+
+def left_pad(seqs: list[torch.Tensor], mask_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences left-padded (with id 0, masked) to the longest: ids [n, L] and mask [n, L]."""
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=seqs[0].dtype)
+    mask = torch.zeros(len(seqs), width, dtype=mask_dtype)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s) :] = s
+        mask[i, width - len(s) :] = 1
+    return ids, mask

@@ -18,6 +18,7 @@ from tensordict import TensorDict
 
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
+from rlstages.engines.rollout.decode import left_pad, prefill
 from rlstages.engines.training.microbatch import by_length, mini_batches
 
 SUMMED = {"pg_loss", "entropy", "kl_loss", "vf_loss"}  # partial sums under the global normaliser
@@ -30,14 +31,19 @@ def autocast(enabled: bool, device: str = "cpu") -> contextlib.AbstractContextMa
 
 
 def causal_lm_forward(
-    model: Any, mb: TensorDict, temperature: float, bf16: bool, entropy_grad: bool = False, share_prompt: bool = False
+    model: Any,
+    mb: TensorDict,
+    temperature: float,
+    bf16: bool,
+    entropy_grad: bool = False,
+    prompts: SharedPrompts | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs [B, T] of `response_ids` (logits / temperature) and entropy (graph only if `entropy_grad`);
-    `share_prompt`: each distinct prompt of the micro-batch goes through the model once (`shared_prompt_logits`)."""
+    with `prompts` (the step's prompts, forwarded once) only the response tokens go through the model here."""
     device = _device(model)
     labels = mb[T.RESPONSE_IDS].to(device)
     with autocast(bf16, device.type):
-        logits = shared_prompt_logits(model, mb, device) if share_prompt else response_logits(model, mb, device)
+        logits = prompts.response_logits(model, mb) if prompts is not None else response_logits(model, mb, device)
     logprobs = A.chunked_logprobs(logits, labels, temperature)  # row chunks: no full-size fp32 copy of the logits
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         return logprobs, A.chunked_entropy(logits, temperature)
@@ -57,36 +63,65 @@ def response_logits(model: Any, mb: TensorDict, device: torch.device) -> torch.T
     return out.logits[:, :-1]
 
 
-def shared_prompt_logits(model: Any, mb: TensorDict, device: torch.device) -> torch.Tensor:
-    """`response_logits` with each distinct prompt of the micro-batch forwarded once: its KV cache (in the
-    autograd graph) is repeated for the rows that share it, then only response tokens go through the model.
-    Rows stay sorted by length (little response padding); a micro-batch of 16 of the demo's rows holds ~6 of
-    its 8 prompts, so ~40% of the prompt tokens are computed (40-token prompts, ~20-token replies)."""
-    prompt, response = mb[T.PROMPT_IDS].to(device), mb[T.RESPONSE_IDS].to(device)
-    mask, positions = mb[T.ATTENTION_MASK].to(device), mb[T.POSITION_IDS].to(device)
-    width = prompt.shape[1]
-    _, inverse = torch.unique(torch.cat([prompt, mask[:, :width]], dim=1), dim=0, return_inverse=True)
-    first = torch.full((int(inverse.max()) + 1,), len(inverse), device=device).scatter_reduce_(
-        0, inverse, torch.arange(len(inverse), device=device), "amin"
-    )  # one row standing for each distinct prompt
-    head = model(
-        input_ids=prompt[first],
-        attention_mask=mask[first, :width],
-        position_ids=positions[first, :width],
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    cache = head.past_key_values
-    cache.batch_select_indices(inverse)  # [distinct, ...] -> [B, ...], differentiable indexing
-    tail = model(
-        input_ids=response,
-        attention_mask=mask,
-        position_ids=positions[:, width:],
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=response.shape[1],
-    )
-    return torch.cat([head.logits[inverse], tail.logits[:, :-1]], dim=1)
+class SharedPrompts:
+    """Every distinct prompt of a train step's micro-batches forwarded once (`rollout.decode.prefill`: a
+    group's rows share it, all share the chat template's common prefix); each micro-batch then runs only its
+    response tokens on top of its rows' KV caches. Under grad, the caches and last logits enter each micro-batch
+    as leaves; their gradients add up over the micro-batches and `backward` takes them through the prompts'
+    forward once, so the accumulated gradient is the one of forwarding every row whole. The demo's step: 8
+    prompts of ~47 tokens once (27 of them shared) instead of ~40% of 64 rows' prompts per micro-batch."""
+
+    def __init__(self, model: Any, mbs: list[TensorDict], bf16: bool) -> None:
+        device = _device(model)
+        self.index: dict[tuple[int, ...], int] = {}
+        for mb in mbs:
+            for tokens in _prompt_tokens(mb):
+                self.index.setdefault(tokens, len(self.index))
+        ids, mask = left_pad([torch.tensor(t, dtype=torch.long) for t in self.index], torch.long)
+        ids, mask = ids.to(device), mask.to(device)
+        with autocast(bf16, device.type):
+            cache, logits, self.mask = prefill(model, ids, mask)
+        self.config = model.config
+        self._outputs = [t for layer in cache.layers for t in (layer.keys, layer.values)] + [logits]
+        self._leaves = [t.detach().requires_grad_(t.requires_grad) for t in self._outputs]
+
+    def response_logits(self, model: Any, mb: TensorDict) -> torch.Tensor:
+        """`response_logits` of a micro-batch: its rows' prompt caches, then its response tokens."""
+        from transformers import DynamicCache
+
+        device = _device(model)
+        rows = torch.tensor([self.index[t] for t in _prompt_tokens(mb)], device=device)
+        *kv, last = self._leaves
+        cache = DynamicCache([(kv[i][rows], kv[i + 1][rows]) for i in range(0, len(kv), 2)], config=self.config)
+        response = mb[T.RESPONSE_IDS].to(device)
+        width = mb[T.PROMPT_IDS].shape[1]
+        tail = model(
+            input_ids=response,
+            attention_mask=torch.cat([self.mask[rows], mb[T.ATTENTION_MASK][:, width:].to(device)], dim=1),
+            position_ids=mb[T.POSITION_IDS][:, width:].to(device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=response.shape[1],
+        )
+        return torch.cat([last[rows].unsqueeze(1), tail.logits[:, :-1]], dim=1)
+
+    def backward(self) -> None:
+        """Take the gradients the micro-batches left on the prompt caches and logits through their forward."""
+        outs, grads = [], []
+        for out, leaf in zip(self._outputs, self._leaves, strict=True):
+            if leaf.grad is not None:
+                outs.append(out)
+                grads.append(leaf.grad)
+        if outs:
+            torch.autograd.backward(outs, grads)
+        self._outputs, self._leaves = [], []
+
+
+def _prompt_tokens(mb: TensorDict) -> list[tuple[int, ...]]:
+    """Each row's real prompt tokens (its left padding dropped)."""
+    prompt = mb[T.PROMPT_IDS]
+    mask = mb[T.ATTENTION_MASK][:, : prompt.shape[1]] > 0
+    return [tuple(row[keep].tolist()) for row, keep in zip(prompt, mask, strict=True)]
 
 
 def value_forward(model: Any, mb: TensorDict, bf16: bool) -> torch.Tensor:

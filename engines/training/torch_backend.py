@@ -24,6 +24,7 @@ from rlstages.engines.base import OnOutput, Readout
 from rlstages.engines.models import load_causal_lm, lora, torch_dtype
 from rlstages.engines.training import ppo_step as P
 from rlstages.engines.training import state_io
+from rlstages.engines.training.fp32_matmul import use_fp32_kernel, wants_fp32_kernel
 from rlstages.engines.training.optim import adamw, lr_scheduler
 from rlstages.engines.training.settings import Role, TrainerSettings
 
@@ -53,13 +54,14 @@ def prepare_model(model: Any, settings: TrainerSettings) -> None:
     model.train()
 
 
-def hf_forward(model: Any, mb: TensorDict, readout: Readout, train: TrainingConfig) -> tuple[torch.Tensor, ...]:
+def hf_forward(
+    model: Any, mb: TensorDict, readout: Readout, train: TrainingConfig, prompts: P.SharedPrompts | None = None
+) -> tuple[torch.Tensor, ...]:
     """The `readout` of one micro-batch through an HF model (or a wrapper that calls it), as `train` (the role's
-    training config) says: bf16 autocast, one forward per distinct prompt."""
+    training config) says (bf16 autocast); `prompts`: the step's prompts, already forwarded."""
     if readout.values:
         return (P.value_forward(model, mb, train.bf16_autocast),)
-    share = bool(getattr(train, "share_prompt_forward", False))
-    return P.causal_lm_forward(model, mb, readout.temperature, train.bf16_autocast, readout.entropy_grad, share)
+    return P.causal_lm_forward(model, mb, readout.temperature, train.bf16_autocast, readout.entropy_grad, prompts)
 
 
 class TorchBackend:
@@ -74,6 +76,13 @@ class TorchBackend:
         if isinstance(settings.train, TorchTrainingConfig):
             self.model.set_attn_implementation(settings.train.attention)
         prepare_model(self.model, settings)
+        self.fp32_matmul = isinstance(settings.train, TorchTrainingConfig) and wants_fp32_kernel(
+            settings.train.fp32_matmul,
+            settings.dtype == "bfloat16" or settings.train.bf16_autocast,
+            next(self.model.parameters()).device,
+        )
+        if self.fp32_matmul:  # before LoRA, which wraps these layers (its adapters stay native)
+            use_fp32_kernel(self.model)
         if settings.lora is not None and settings.role == "actor":  # adapters on a frozen base (models/lora.py)
             self.model = lora.wrap_lora(self.model, settings.lora)
         self.optimizer: torch.optim.Optimizer | None = None
@@ -93,12 +102,16 @@ class TorchBackend:
         if train:
             assert self.optimizer is not None
             self.optimizer.zero_grad(set_to_none=True)
+        share = bool(getattr(self.settings.train, "share_prompt_forward", False)) and not readout.values and mbs
         with lora.forward_as(self.model, readout.base):
+            prompts = P.SharedPrompts(self.model, mbs, self.settings.train.bf16_autocast) if share else None
             for mb in mbs:
-                loss = on_output(mb, hf_forward(self.model, mb, readout, self.settings.train))
+                loss = on_output(mb, hf_forward(self.model, mb, readout, self.settings.train, prompts))
                 if train:
                     assert loss is not None
                     loss.backward()
+            if train and prompts is not None:  # the prompts' part of the gradient, once for the whole step
+                prompts.backward()
 
     def resident(self, train: bool) -> contextlib.AbstractContextManager[None]:
         """Nothing to bring back: the model never leaves."""

@@ -139,6 +139,65 @@ def test_finished_rows_leave_the_batch_without_changing_the_others(tiny_model_di
     assert all(len(lps) == len(ids) and max(lps) <= 0 for ids, lps in zip(out.ids, out.logprobs, strict=True))
 
 
+def test_rows_of_one_prompt_share_one_prefill(tiny_model_dir: Path) -> None:
+    """A group's samples share their prompt's prefill: the first forward sees each distinct prompt once, and
+    every row then decodes as it would alone (greedy: the same tokens and log-probs as one row per prompt)."""
+    from rlstages.engines.rollout.decode import decode, picker
+
+    engine = HFRolloutEngine(tiny_model_dir, dtype="float32", apply_chat_template=False)
+    prompts = [engine.tokenizer(text)["input_ids"] for text in ("1+2=", "What is 10 + 12?", "7 plus 8 is")]
+    rows = [prompts[i] for i in (1, 0, 1, 2, 0, 1)]
+    seen: list[int] = []
+    hook = engine.model.register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append(kw["input_ids"].shape[0]), with_kwargs=True
+    )
+    try:
+        enc = engine.tokenizer.pad({"input_ids": rows}, padding=True, return_tensors="pt")
+        shared = decode(engine.model, enc["input_ids"], enc["attention_mask"], 8, set(), picker(1.0, 0, 1.0, True))
+    finally:
+        hook.remove()
+    assert seen[0] == 3 and seen[1] == 6  # prefill of the 3 distinct prompts, then all 6 rows decode
+    alone = engine.tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
+    ref = decode(engine.model, alone["input_ids"], alone["attention_mask"], 8, set(), picker(1.0, 0, 1.0, True))
+    for row, i in enumerate((1, 0, 1, 2, 0, 1)):
+        assert shared.ids[row] == ref.ids[i]
+        assert shared.logprobs[row] == pytest.approx(ref.logprobs[i], abs=1e-5)
+
+
+def test_a_prefix_shared_by_all_prompts_goes_through_the_model_once(tiny_model_dir: Path) -> None:
+    """Prompts that share a long prefix (a chat template's system turn): the prefix is forwarded once, each
+    prompt's own tokens after it (with padding between), and each row decodes as that prompt alone would."""
+    from rlstages.engines.rollout.decode import MIN_SHARED_PREFIX, decode, picker
+
+    engine = HFRolloutEngine(tiny_model_dir, dtype="float32", apply_chat_template=False)
+    head = "You are a calculator. Question: "
+    texts = [head + q for q in ("1+2=", "what is 10 + 12?", "7 plus 8 is")]
+    prompts = [engine.tokenizer(t)["input_ids"] for t in texts]
+    seen: list[tuple[int, int]] = []
+    hook = engine.model.register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    try:
+        enc = engine.tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
+        shared = decode(engine.model, enc["input_ids"], enc["attention_mask"], 6, set(), picker(1.0, 0, 1.0, True))
+    finally:
+        hook.remove()
+    prefix = len(engine.tokenizer(head)["input_ids"])
+    assert prefix >= MIN_SHARED_PREFIX and seen[0] == (1, prefix)  # the shared prefix, once
+    assert seen[1] == (3, max(map(len, prompts)) - prefix)  # then each prompt's own tokens
+    for row, ids in enumerate(prompts):  # against each prompt decoded on its own (no padding, no sharing)
+        ref = decode(
+            engine.model,
+            torch.tensor([ids]),
+            torch.ones(1, len(ids), dtype=torch.long),
+            6,
+            set(),
+            picker(1.0, 0, 1.0, True),
+        )
+        assert shared.ids[row] == ref.ids[0]
+        assert shared.logprobs[row] == pytest.approx(ref.logprobs[0], abs=1e-5)
+
+
 def test_inverse_cdf_sampling_follows_the_distribution() -> None:
     from rlstages.engines.rollout.sampling import sample_rows
 

@@ -1,0 +1,101 @@
+"""bf16 linear layers whose matmuls run on the fp32 kernel: the same math, faster on CPUs without AMX.
+
+A bf16 x bf16 product is exact in fp32, and CPU bf16 GEMMs accumulate in fp32, so upcasting both operands
+and calling the fp32 GEMM computes the same sums (in another order); only the kernel differs. Inputs,
+outputs, saved activations and gradients stay bf16, so memory is unchanged: each weight is upcast where it
+is used (forward, and again in backward), a block of rows at a time, and freed at once. On a CPU with
+AVX-512 but no AMX the fp32 kernel is about twice as fast as the bf16 one (the demo's machine: 327 vs 168
+GFLOP/s); with AMX the bf16 kernel wins, so `auto` takes the fp32 kernel on x86 CPUs whose flags lack
+`amx_bf16`.
+
+Non-goal: GPUs (their bf16 tensor cores always win; `auto` keeps them native).
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BLOCK = 4096  # output features per GEMM: a wide layer (the 49k-vocabulary head) never has a full fp32 copy
+
+
+class _Fp32KernelLinearFn(torch.autograd.Function):
+    """y = x Wᵀ + b with operands upcast to fp32 for the GEMM, block by block of output features, and each
+    block's result cast back to the compute dtype: the transient fp32 tensors are one block's weights and
+    outputs, not the whole layer's (the head's fp32 logits would be 200 MB for 1024 tokens)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        with torch.autocast("cpu", enabled=False):  # plain matmuls: F.linear may be patched (DeepSpeed ZeRO-3)
+            x32 = x.reshape(-1, x.shape[-1]).float()
+            y = x.new_empty(x32.shape[0], weight.shape[0], dtype=out_dtype)
+            for start in range(0, weight.shape[0], BLOCK):
+                stop = start + BLOCK
+                block = x32 @ weight[start:stop].float().t()
+                y[:, start:stop] = block if bias is None else block + bias[start:stop].float()
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = ctx.has_bias and ctx.needs_input_grad[2]
+        with torch.autocast("cpu", enabled=False):
+            x32 = x.reshape(-1, x.shape[-1]).float()
+            g = grad.reshape(-1, grad.shape[-1])
+            gx = torch.zeros_like(x32) if need_x else None
+            gw = torch.empty_like(weight) if need_w else None
+            gb = torch.empty(weight.shape[0], dtype=weight.dtype, device=weight.device) if need_b else None
+            for start in range(0, weight.shape[0], BLOCK):
+                stop = start + BLOCK
+                g32 = g[:, start:stop].float()
+                if gx is not None:
+                    gx.addmm_(g32, weight[start:stop].float())
+                if gw is not None:
+                    gw[start:stop] = g32.t() @ x32
+                if gb is not None:
+                    gb[start:stop] = g32.sum(0)
+        return None if gx is None else gx.reshape(x.shape).to(x.dtype), gw, gb
+
+
+class Fp32KernelLinear(torch.nn.Linear):
+    """An `nn.Linear` (same parameters, same state dict) whose matmuls run on the fp32 kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output, x Wᵀ + b, through the fp32 GEMM, in the dtype the native layer returns."""
+        return _Fp32KernelLinearFn.apply(x, self.weight, self.bias)
+
+
+def use_fp32_kernel(model: torch.nn.Module) -> int:
+    """Make every `nn.Linear` of `model` an `Fp32KernelLinear`, in place (weights untouched); returns how many."""
+    count = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module.__class__ = Fp32KernelLinear
+            count += 1
+    return count
+
+
+@functools.cache
+def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has AMX's bf16 tiles (`amx_bf16` among the kernel's CPU flags; False where unknown)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return False
+    return any(line.startswith("flags") and "amx_bf16" in line.split() for line in text.splitlines())
+
+
+def wants_fp32_kernel(setting: bool | str, computes_in_bf16: bool, device: torch.device) -> bool:
+    """Resolve `fp32_matmul` (True, False or "auto": on an x86 CPU without AMX) for a model on `device` that
+    computes in bf16 or not. Decided from the CPU's flags, not a timing, so a busy machine decides alike."""
+    if not computes_in_bf16 or device.type != "cpu" or setting is False:
+        return False
+    return setting is True or (platform.machine().lower() in {"x86_64", "amd64"} and not cpu_has_amx())

@@ -1,0 +1,107 @@
+"""bf16 linear layers on the fp32 GEMM (`actor.fp32_matmul`): the same values and gradients as the bf16 kernel
+to bf16's resolution, closer to an fp32 reference than bf16 rounding, and chosen by the trainer as configured."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlstages.configs.training import OptimConfig, TorchTrainingConfig
+from rlstages.engines import algorithms as A
+from rlstages.engines import types as T
+from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
+from rlstages.engines.training import fp32_matmul
+from rlstages.engines.training.core import PPOTrainer
+from rlstages.engines.training.fp32_matmul import Fp32KernelLinear, cpu_has_amx, use_fp32_kernel, wants_fp32_kernel
+from rlstages.engines.training.settings import TrainerSettings
+from rlstages.engines.types import Prompt, SamplingParams
+
+
+def _pair(bias: bool, dtype: torch.dtype) -> tuple[torch.nn.Linear, torch.nn.Linear]:
+    torch.manual_seed(0)
+    native = torch.nn.Linear(96, 80, bias=bias).to(dtype)
+    upcast = torch.nn.Linear(96, 80, bias=bias).to(dtype)
+    upcast.load_state_dict(native.state_dict())
+    assert use_fp32_kernel(upcast) == 1 and isinstance(upcast, Fp32KernelLinear)
+    return native, upcast
+
+
+def _bf16_kernel(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    """nn.Linear's own computation, written out: one bf16 GEMM (addmm), so a library that patches F.linear
+    process-wide (DeepSpeed ZeRO-3, from another test) does not change the reference."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = x2 @ layer.weight.t() if layer.bias is None else torch.addmm(layer.bias, x2, layer.weight.t())
+    return y.reshape(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize(("bias", "block"), [(False, 4096), (True, 4096), (True, 32)])
+def test_same_values_and_gradients_as_the_bf16_kernel(bias: bool, block: int, monkeypatch) -> None:
+    """Also block by block of output features (80 features in blocks of 32: the last block partial)."""
+    monkeypatch.setattr(fp32_matmul, "BLOCK", block)
+    native, upcast = _pair(bias, torch.bfloat16)
+    x = torch.randn(3, 7, 96).bfloat16()
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    ys = [_bf16_kernel(xs[0], native), upcast(xs[1])]
+    assert ys[1].dtype == torch.bfloat16
+    exact = x.double() @ native.weight.double().t() + (native.bias.double() if bias else 0.0)
+    for y in ys:  # both within bf16 rounding of the exact product (one ulp: 2^-8 relative)
+        assert ((y.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()
+    g = torch.randn_like(ys[0])
+    for y in ys:
+        y.backward(g)
+    assert torch.allclose(xs[0].grad.float(), xs[1].grad.float(), rtol=2**-7, atol=1e-3)
+    assert torch.allclose(native.weight.grad.float(), upcast.weight.grad.float(), rtol=2**-7, atol=1e-3)
+    if bias:
+        assert torch.allclose(native.bias.grad.float(), upcast.bias.grad.float(), rtol=2**-7, atol=1e-3)
+
+
+def test_fp32_weights_under_autocast_give_bf16_and_frozen_weights_get_no_gradient() -> None:
+    native, upcast = _pair(True, torch.float32)
+    upcast.weight.requires_grad_(False)
+    x = torch.randn(5, 96, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = upcast(x)
+    y_native = _bf16_kernel(x.bfloat16(), native.bfloat16())  # what autocast computes: x, W, b cast to bf16
+    assert y.dtype == y_native.dtype == torch.bfloat16
+    assert torch.allclose(y.float(), y_native.float(), rtol=2**-6, atol=2e-2)  # autocast rounds x, W to bf16
+    y.float().sum().backward()
+    assert upcast.weight.grad is None and upcast.bias.grad is not None and x.grad is not None
+
+
+def test_resolution_of_the_setting(tmp_path: Path) -> None:
+    cpu = torch.device("cpu")
+    amx, avx512 = tmp_path / "amx", tmp_path / "avx512"  # two files: the answer is cached per file
+    amx.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    avx512.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\n")
+    assert cpu_has_amx(str(amx)) and not cpu_has_amx(str(avx512)) and not cpu_has_amx(str(tmp_path / "missing"))
+    assert wants_fp32_kernel(True, True, cpu)
+    assert not wants_fp32_kernel(True, False, cpu)  # fp32 compute: nothing to change
+    assert not wants_fp32_kernel(False, True, cpu)
+    assert not wants_fp32_kernel("auto", True, torch.device("meta"))  # not a CPU: the native kernel
+
+
+def test_trainer_swaps_the_layers_and_trains_alike(tiny_model_dir: Path) -> None:
+    """The bf16 trainer with `fp32_matmul: true` has every linear layer on the fp32 kernel and the same weight
+    names; its log-probs and one train step match the native trainer's to bf16's resolution."""
+    rollout = HFRolloutEngine(tiny_model_dir, dtype="bfloat16", apply_chat_template=False)
+    batch = rollout.generate([Prompt(f"u{i}", f"{i}+{i}=", str(2 * i)) for i in range(4)], SamplingParams(n=4), 0)
+    token = A.outcome_to_token_rewards((torch.arange(16) % 3 == 0).float(), batch[T.RESPONSE_MASK])
+    batch[T.ADVANTAGES], _ = A.compute_advantages("grpo", token, batch[T.RESPONSE_MASK], T.get_rows(batch, "uid"))
+
+    def trainer(fp32: bool) -> PPOTrainer:
+        train = TorchTrainingConfig(optim=OptimConfig(lr=1e-3), micro_batch_size=8, fp32_matmul=fp32)
+        return PPOTrainer(TrainerSettings(str(tiny_model_dir), train=train, dtype="bfloat16"))
+
+    native, upcast = trainer(False), trainer(True)
+    assert not native.backend.fp32_matmul and upcast.backend.fp32_matmul
+    linears = [m for m in upcast.backend.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is Fp32KernelLinear for m in linears)
+    assert [k for k, _ in native.named_weights()] == [k for k, _ in upcast.named_weights()]
+    mask = batch[T.RESPONSE_MASK].bool()
+    lp = [t.logprobs(batch)["logprobs"][mask] for t in (native, upcast)]
+    assert (lp[0] - lp[1]).abs().mean() < 0.02 and (lp[0] - lp[1]).abs().max() < 0.2
+    m = [t.train_step(batch) for t in (native, upcast)]
+    assert m[1]["pg_loss"] == pytest.approx(m[0]["pg_loss"], abs=0.02)
+    assert m[1]["grad_norm"] == pytest.approx(m[0]["grad_norm"], rel=0.05)
