@@ -65,10 +65,15 @@ def demo_config() -> RunConfig:
 
 
 def train_step_fraction(
-    model: torch.nn.Module, matmul_flops_s: float, name: str = "step_matmul_fraction", matmul: str = "bf16"
-) -> float:
+    model: torch.nn.Module,
+    matmul_flops_s: float,
+    name: str = "step_matmul_fraction",
+    matmul: str = "bf16",
+    flops: float | None = None,
+) -> tuple[float, float]:
     """Counted FLOPs of one demo micro-batch's forward+backward over its best time, against the matmul FLOP/s
-    of the kernel the layers run on (`matmul`); returns the best time."""
+    of the kernel the layers run on (`matmul`); returns (best time, FLOPs). `flops` given: the same work
+    counted on the native layers (FlopCounterMode does not see the GEMMs inside a custom autograd Function)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from rlstages.engines.training.ppo_step import causal_lm_forward
@@ -81,9 +86,10 @@ def train_step_fraction(
         logp.sum().backward()
         model.zero_grad(set_to_none=True)
 
-    with FlopCounterMode(display=False) as counter:
-        fwd_bwd()
-    flops = counter.get_total_flops()
+    if flops is None:
+        with FlopCounterMode(display=False) as counter:
+            fwd_bwd()
+        flops = counter.get_total_flops()
     params = sum(p.numel() for p in model.parameters())
     fwd_bwd()  # warm-up
     times = []
@@ -101,7 +107,7 @@ def train_step_fraction(
         f"{flops / (6 * params * ROWS * (PROMPT + RESPONSE)):.2f} x 6NT) vs {matmul} matmul "
         f"{matmul_flops_s / 1e9:.1f}",
     )
-    return min(times)
+    return min(times), flops
 
 
 def generation_fraction(bf16_flops: float) -> None:
@@ -287,9 +293,10 @@ def main() -> None:
     torch.set_num_threads(2)
     bf16 = matmul_flops("bfloat16", n=2048)
     model = load_causal_lm(MODEL_DIR, demo_config().model.dtype, None)
-    native = train_step_fraction(model, bf16)
+    native, flops = train_step_fraction(model, bf16)
     use_fp32_kernel(model)  # the same bf16 layers on the fp32 GEMM (`actor.fp32_matmul`)
-    upcast = train_step_fraction(model, matmul_flops("float32", n=2048), "step_matmul_fraction_fp32_kernel", "fp32")
+    fp32 = matmul_flops("float32", n=2048)
+    upcast, _ = train_step_fraction(model, fp32, "step_matmul_fraction_fp32_kernel", "fp32", flops)
     record("fp32_kernel_step_time", upcast / native, None,
            f"fwd+bwd {upcast:.2f} s vs {native:.2f} s (bf16 layers on the fp32 GEMM / on the bf16 GEMM)")  # fmt: skip
     model = load_causal_lm(MODEL_DIR, "float32", None)
