@@ -3,10 +3,12 @@
 A bf16 x bf16 product is exact in fp32, and CPU bf16 GEMMs accumulate in fp32, so upcasting both operands
 and calling the fp32 GEMM computes the same sums (in another order); only the kernel differs. Inputs,
 outputs, saved activations and gradients stay bf16, so memory is unchanged: each weight is upcast where it
-is used (forward, and again in backward), a block of rows at a time, and freed at once. On a CPU with
-AVX-512 but no AMX the fp32 kernel is about twice as fast as the bf16 one (the demo's machine: 327 vs 168
-GFLOP/s); with AMX the bf16 kernel wins, so `auto` takes the fp32 kernel on x86 CPUs whose flags lack
-`amx_bf16`.
+is used (forward, and again in backward), a block of rows at a time, and freed at once.
+
+Which kernel is faster depends on the CPU, and its flags do not tell: two AVX-512-BF16 machines without AMX
+measured fp32 327 vs bf16 168 GFLOP/s (an Intel VM) and fp32 203 vs bf16 798 (an AMD EPYC). So `auto` times
+both on a layer-sized GEMM once per process (`fp32_kernel_speedup`) and takes the fp32 kernel only when it is
+clearly faster; with AMX (`amx_bf16`) the bf16 kernel always wins and nothing is timed.
 
 Non-goal: GPUs (their bf16 tensor cores always win; `auto` keeps them native).
 """
@@ -14,13 +16,14 @@ Non-goal: GPUs (their bf16 tensor cores always win; `auto` keeps them native).
 from __future__ import annotations
 
 import functools
-import platform
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 BLOCK = 4096  # output features per GEMM: a wide layer (the 49k-vocabulary head) never has a full fp32 copy
+CLEARLY_FASTER = 1.25  # `auto` takes the fp32 kernel when the bf16 GEMM takes at least this much longer
 
 
 class _Fp32KernelLinearFn(torch.autograd.Function):
@@ -93,9 +96,37 @@ def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return any(line.startswith("flags") and "amx_bf16" in line.split() for line in text.splitlines())
 
 
+@functools.cache
+def fp32_kernel_speedup(threads: int, rows: int = 512, features: int = 1024, rounds: int = 5) -> float:
+    """The bf16 GEMM's time over the fp32 kernel's (the layer's upcasts included) on a `rows` x `features`
+    by `features` x `features` product with `threads` threads; each the best of `rounds` interleaved timings,
+    so a passing load slows both and the best times are the quiet ones. Above 1: the fp32 kernel is faster."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(rows, features, generator=gen).bfloat16()
+        w = (torch.randn(features, features, generator=gen) / features**0.5).bfloat16()
+        kernels = {"bf16": lambda: torch.mm(x, w.t()), "fp32": lambda: _Fp32KernelLinearFn.apply(x, w, None)}
+        best = dict.fromkeys(kernels, float("inf"))
+        with torch.no_grad():
+            for kernel in kernels.values():  # warm-up: oneDNN's first call of a shape sets up its kernel
+                kernel()
+            for _ in range(rounds):
+                for name, kernel in kernels.items():
+                    start = time.perf_counter()
+                    kernel()
+                    best[name] = min(best[name], time.perf_counter() - start)
+        return best["bf16"] / best["fp32"]
+    finally:
+        torch.set_num_threads(previous)
+
+
 def wants_fp32_kernel(setting: bool | str, computes_in_bf16: bool, device: torch.device) -> bool:
-    """Resolve `fp32_matmul` (True, False or "auto": on an x86 CPU without AMX) for a model on `device` that
-    computes in bf16 or not. Decided from the CPU's flags, not a timing, so a busy machine decides alike."""
+    """Resolve `fp32_matmul` (True, False or "auto": where this CPU has no AMX and its fp32 kernel timed
+    clearly faster than its bf16 GEMM) for a model on `device` that computes in bf16 or not."""
     if not computes_in_bf16 or device.type != "cpu" or setting is False:
         return False
-    return setting is True or (platform.machine().lower() in {"x86_64", "amd64"} and not cpu_has_amx())
+    if setting is True:
+        return True
+    return not cpu_has_amx() and fp32_kernel_speedup(torch.get_num_threads()) >= CLEARLY_FASTER

@@ -80,6 +80,40 @@ def test_resolution_of_the_setting(tmp_path: Path) -> None:
     assert not wants_fp32_kernel(True, False, cpu)  # fp32 compute: nothing to change
     assert not wants_fp32_kernel(False, True, cpu)
     assert not wants_fp32_kernel("auto", True, torch.device("meta"))  # not a CPU: the native kernel
+    auto = wants_fp32_kernel("auto", True, cpu)
+    assert auto == (not cpu_has_amx() and fp32_matmul.fp32_kernel_speedup(torch.get_num_threads()) >= 1.25)
+
+
+def _best_seconds(fn, repeats: int = 5) -> float:
+    import time
+
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def test_the_timing_probe_agrees_with_the_layers_it_chooses_for() -> None:
+    """`auto`'s probe (a 512 x 1024 GEMM each way) says which kernel is faster on the shapes the demo's layers
+    have (1024 tokens through a 576 -> 1536 layer, forward and backward), wherever the two clearly differ."""
+    torch.manual_seed(0)
+    native = torch.nn.Linear(576, 1536, bias=False).bfloat16()
+    upcast = torch.nn.Linear(576, 1536, bias=False).bfloat16()
+    upcast.load_state_dict(native.state_dict())
+    use_fp32_kernel(upcast)
+    x = torch.randn(1024, 576, dtype=torch.bfloat16, requires_grad=True)
+
+    def step(layer: torch.nn.Module) -> None:
+        layer(x).float().sum().backward()
+
+    layers = _best_seconds(lambda: step(native)) / _best_seconds(lambda: step(upcast))
+    probe = fp32_matmul.fp32_kernel_speedup.__wrapped__(torch.get_num_threads())
+    assert probe > 0
+    if layers > 1.5 or layers < 1 / 1.5:  # a clear difference on the layers: the probe must see the same side
+        assert (probe > 1) == (layers > 1), f"probe {probe:.2f} vs layers {layers:.2f}"
 
 
 def test_trainer_swaps_the_layers_and_trains_alike(tiny_model_dir: Path) -> None:
