@@ -16,11 +16,14 @@ Non-goal: GPUs (their bf16 tensor cores always win; `auto` keeps them native).
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 BLOCK = 4096  # output features per GEMM: a wide layer (the 49k-vocabulary head) never has a full fp32 copy
 CLEARLY_FASTER = 1.25  # `auto` takes the fp32 kernel when the bf16 GEMM takes at least this much longer
@@ -129,4 +132,10 @@ def wants_fp32_kernel(setting: bool | str, computes_in_bf16: bool, device: torch
         return False
     if setting is True:
         return True
-    return not cpu_has_amx() and fp32_kernel_speedup(torch.get_num_threads()) >= CLEARLY_FASTER
+    if cpu_has_amx():
+        return False
+    speedup = fp32_kernel_speedup(torch.get_num_threads())
+    chosen = speedup >= CLEARLY_FASTER
+    kernel = "fp32" if chosen else "bf16"
+    log.info("fp32_matmul auto: the fp32 GEMM is %.2fx as fast as the bf16 one here -> %s", speedup, kernel)
+    return chosen
