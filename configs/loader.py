@@ -99,11 +99,19 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 
 
 def format_validation_error(exc: ValidationError, data: dict[str, Any]) -> str:
-    """One line: the dotted field path (union tags removed) and what was expected."""
-    err = exc.errors()[0]
+    """One line: the dotted field path (union tags removed) and what was expected (each member's expectation
+    where a scalar matched none of a union's members, e.g. `bool | "auto"`)."""
+    errors = exc.errors()
+    err = errors[0]
     loc = _strip_tags(list(err["loc"]), data)
+    members = _union_members(errors, loc, data)
+    if members:
+        loc = loc[:-1]
+        errors = [e for e in errors if e not in members[1:]]
     field = ".".join(str(p) for p in loc)
     msg = err["msg"]
+    if members:
+        msg += "".join(f", or {m['msg'].removeprefix('Input should be ')}" for m in members[1:])
     if err["type"] == "extra_forbidden":
         msg = "unknown key (not in the schema)"
     elif err["type"] == "missing":
@@ -111,8 +119,20 @@ def format_validation_error(exc: ValidationError, data: dict[str, Any]) -> str:
     elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
         msg = f"{msg} (got {err['input']!r})"
     msg = msg.removeprefix("Value error, ")
-    extra = f" (+{len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    extra = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{field}: {msg}{extra}" if field else f"{msg}{extra}"
+
+
+def _union_members(errors: list[Any], loc: list[Any], data: Any) -> list[Any]:
+    """The errors of each member of a plain union that a scalar input matched none of (their locations end in
+    the member's name, e.g. `bool`, `literal['auto']`), the first error's among them; [] for any other error."""
+    node: Any = data
+    for part in loc[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    if len(loc) < 2 or isinstance(node, dict | list) or node is None:
+        return []
+    same = [e for e in errors if _strip_tags(list(e["loc"]), data)[:-1] == loc[:-1]]
+    return same if len(same) > 1 else []
 
 
 def _strip_tags(loc: list[Any], data: Any) -> list[Any]:

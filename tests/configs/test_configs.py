@@ -62,6 +62,10 @@ def test_bf16_stochastic_rounding_is_the_torch_backends_option() -> None:
         ("actor.zero_stage=3", "actor.zero_stage: unknown key"),  # torch backend has no zero_stage
         ("rollout.backend=trt", "rollout"),
         ("reward.functions.5.name=x", "not an index"),
+        (
+            "actor.fp32_matmul=maybe",
+            "actor.fp32_matmul: Input should be a valid boolean, unable to interpret input, or 'auto' (got 'maybe')",
+        ),
     ],
 )
 def test_bad_override_names_the_field(override: str, needle: str) -> None:
