@@ -19,10 +19,12 @@ from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
 
 
-def _pair(bias: bool, dtype: torch.dtype) -> tuple[torch.nn.Linear, torch.nn.Linear]:
+def _pair(
+    bias: bool, dtype: torch.dtype, features: tuple[int, int] = (96, 80)
+) -> tuple[torch.nn.Linear, torch.nn.Linear]:
     torch.manual_seed(0)
-    native = torch.nn.Linear(96, 80, bias=bias).to(dtype)
-    upcast = torch.nn.Linear(96, 80, bias=bias).to(dtype)
+    native = torch.nn.Linear(*features, bias=bias).to(dtype)
+    upcast = torch.nn.Linear(*features, bias=bias).to(dtype)
     upcast.load_state_dict(native.state_dict())
     assert use_fp32_kernel(upcast) == 1 and isinstance(upcast, Fp32KernelLinear)
     return native, upcast
@@ -99,11 +101,7 @@ def _best_seconds(fn, repeats: int = 5) -> float:
 def test_the_timing_probe_agrees_with_the_layers_it_chooses_for() -> None:
     """`auto`'s probe (a 512 x 1024 GEMM each way) says which kernel is faster on the shapes the demo's layers
     have (1024 tokens through a 576 -> 1536 layer, forward and backward), wherever the two clearly differ."""
-    torch.manual_seed(0)
-    native = torch.nn.Linear(576, 1536, bias=False).bfloat16()
-    upcast = torch.nn.Linear(576, 1536, bias=False).bfloat16()
-    upcast.load_state_dict(native.state_dict())
-    use_fp32_kernel(upcast)
+    native, upcast = _pair(False, torch.bfloat16, (576, 1536))
     x = torch.randn(1024, 576, dtype=torch.bfloat16, requires_grad=True)
 
     def step(layer: torch.nn.Module) -> None:
