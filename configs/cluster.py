@@ -25,6 +25,18 @@ class ClusterConfig(StrictModel):
         description="Actor trainer and rollout engine live in the same worker process; weight sync is an "
         "in-process copy (needs colocate and as many rollout as actor workers).",
     )
+    nccl_cumem_enable: bool | None = Field(
+        default=None,
+        description="NCCL_CUMEM_ENABLE of every GPU worker, trainers and inference engines alike (NCCL's cuMem "
+        "allocator on one side of a shared group and not the other breaks it; verl/slime set false, NeMo-RL true "
+        "when not colocated). None = leave NCCL's and the engines' own default.",
+    )
+    cuda_device_max_connections: int | None = Field(
+        default=None,
+        ge=1,
+        description="CUDA_DEVICE_MAX_CONNECTIONS of every GPU worker. None = the engines' own: 1 for Megatron-Core "
+        "trainers (its communication overlap needs ordered kernels), CUDA's default elsewhere.",
+    )
     threads_per_worker: int = Field(default=1, ge=1, description="torch threads per worker (no spinning).")
     omp_wait_policy: Literal["auto", "passive", "spin"] = Field(
         default="auto",

@@ -26,11 +26,19 @@ from rlstages.engines.registry import (
     training_backend,
 )
 from rlstages.engines.runtime.actor_group import GroupSpec
+from rlstages.engines.runtime.device import gpu_env
 from rlstages.engines.training.settings import Role, TrainerSettings
 from rlstages.engines.utils import import_object
 from rlstages.tasks.context import RunHandle
 
 _COMMON_TRAINING = set(TorchTrainingConfig.model_fields) - {"backend"}
+
+
+def worker_gpu_env(cfg: RunConfig) -> dict[str, str]:
+    """The GPU env every trainer and rollout worker gets alike (`cluster.nccl_cumem_enable`,
+    `cluster.cuda_device_max_connections`); nothing without GPUs."""
+    c = cfg.cluster
+    return gpu_env(c.nccl_cumem_enable, c.cuda_device_max_connections) if c.num_gpus else {}
 
 
 def model_dir(cfg: RunConfig) -> str:
@@ -94,6 +102,7 @@ def rollout_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
         num_workers=r.num_workers,
         num_gpus=cfg.cluster.gpus_per_worker if cfg.cluster.num_gpus else 0.0,
         resources=dict(cfg.cluster.rollout_resources),
+        env=worker_gpu_env(cfg),
         threads=cfg.cluster.threads_per_worker,
         omp_passive=cfg.omp_passive,
         heap=cfg.cluster.heap,
@@ -179,6 +188,7 @@ def training_spec(cfg: RunConfig, run: RunHandle, role: Role) -> GroupSpec:
         pp=getattr(train, "pipeline_model_parallel_size", 1),
         num_gpus=cfg.cluster.gpus_per_worker if cfg.cluster.num_gpus else 0.0,
         resources=dict(cfg.cluster.trainer_resources),
+        env=worker_gpu_env(cfg),
         threads=cfg.cluster.threads_per_worker,
         omp_passive=cfg.omp_passive,
         heap=cfg.cluster.heap,
@@ -230,5 +240,6 @@ def hybrid_spec(trainer: GroupSpec, rollout: GroupSpec) -> GroupSpec:
         engine="rlstages.engines.runtime.hybrid:HybridEngine",
         kwargs=kwargs,
         resources={**rollout.resources, **trainer.resources},
+        env={**rollout.env, **trainer.env},
         extra_options=options,
     )

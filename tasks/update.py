@@ -29,12 +29,22 @@ def _train(cfg: RunConfig, run: RunHandle, step: int, group: ActorGroup, stage: 
     timeout = cfg.prefect.policy(stage).timeout_seconds
     results = guard_workers(lambda: group.dp(timeout).train_step(batch))
     per_rank = results if isinstance(results, list) else [results]
-    metrics = {f"{prefix}/{k}": sum(r[k] for r in per_rank) / len(per_rank) for k in per_rank[0]}
+    metrics = {_name(prefix, k): _across_ranks(k, [r[k] for r in per_rank]) for k in per_rank[0]}
     metrics.update(reject_nonfinite(cfg, stage, step, metrics))
     metrics[f"timing/{stage}_s"] = time.perf_counter() - start
     tokens = float(batch[T.ATTENTION_MASK].sum())
     metrics[f"throughput/{stage}_tokens_per_s"] = tokens / max(metrics[f"timing/{stage}_s"], 1e-9)
     return metrics
+
+
+def _name(prefix: str, key: str) -> str:
+    """`actor/pg_loss`; the engine's `perf/mfu` becomes `perf/mfu/actor` (all roles' perf side by side)."""
+    return f"{key}/{prefix}" if key.startswith("perf/") else f"{prefix}/{key}"
+
+
+def _across_ranks(key: str, values: list[float]) -> float:
+    """Ranks' metrics averaged (per-GPU throughput and MFU too); memory peaks are the largest rank's."""
+    return max(values) if key.startswith("perf/") and key.endswith("_gb") else sum(values) / len(values)
 
 
 class NonFiniteStep(ValueError):

@@ -43,6 +43,7 @@ from rlstages.engines.megatron import optim as MO
 from rlstages.engines.megatron import parallel as MP
 from rlstages.engines.models import torch_dtype
 from rlstages.engines.registry import has_module
+from rlstages.engines.runtime.device import worker_device
 from rlstages.engines.training import state_io
 from rlstages.engines.training.optim import lr_lambda
 from rlstages.engines.training.settings import TrainerSettings
@@ -70,6 +71,9 @@ class MegatronBackend:
     """One rank of a Megatron-Core model and optimizer; implements `rlstages.engines.base.StepBackend`."""
 
     keeps_weights = False  # named_weights converts gathered shards into fresh HF tensors, one at a time
+    # Set before CUDA starts (`PPOTrainer` applies it unless the user's env has it): megatron-core's TP / SP
+    # overlap of communication with compute relies on kernels being issued in order on one connection.
+    cuda_env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
     def __init__(self, settings: TrainerSettings) -> None:
         options = settings.train
@@ -77,6 +81,7 @@ class MegatronBackend:
             options = MegatronTrainingConfig()
         check_supported(settings, options)
         self.settings, self.role = settings, settings.role
+        self.device = worker_device()  # chunks and micro-batches live here (`parallel.build_chunks`)
         self.layout = MP.Layout(
             options.tensor_model_parallel_size,
             options.pipeline_model_parallel_size,
@@ -109,7 +114,7 @@ class MegatronBackend:
             "grad": options.grad_offload,
             "optimizer": options.optimizer_offload,
         }
-        if any(self.offload.values()) and not torch.cuda.is_available():
+        if any(self.offload.values()) and self.device.type != "cuda":
             log.info(
                 "megatron offload %s: no-ops without CUDA (weights/grads/states already in host memory)", self.offload
             )
@@ -140,7 +145,7 @@ class MegatronBackend:
             config.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
             # gloo: with 2 stages next == prev, and batched p2p ops (one communicator, both directions at once
             # under VPP) pair an activation with a gradient of the same shape; unbatched ops use two groups.
-            config.update(batch_p2p_comm=torch.cuda.is_available())
+            config.update(batch_p2p_comm=self.device.type == "cuda")
         if self.settings.train.gradient_checkpointing:
             config.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         return config
@@ -177,7 +182,7 @@ class MegatronBackend:
         def loss_fn(mb: TensorDict, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             loss = on_output(mb, self._read(output, mb, readout))
             if loss is None:
-                return output.new_zeros(()), torch.zeros((), dtype=torch.int)
+                return output.new_zeros(()), torch.zeros((), dtype=torch.int, device=output.device)
             return loss, mb[T.RESPONSE_MASK].sum().int()
 
         if train:
@@ -211,7 +216,7 @@ class MegatronBackend:
     @contextlib.contextmanager
     def resident(self, train: bool) -> Iterator[None]:
         """On a GPU, bring offloaded params (and grads for training) back for the call and offload them after."""
-        gpu = torch.cuda.is_available() and self.role != "reference"
+        gpu = self.device.type == "cuda" and self.role != "reference"
         buffers = [b for m in self.models for b in getattr(m, "buffers", [])] if gpu else []
         for b in buffers if self.offload["param"] else []:
             b.reload_from_cpu(move_params=True, move_grads=False)

@@ -13,6 +13,7 @@ import torch
 
 from rlstages.engines.convert.spec import ConversionSpec
 from rlstages.engines.megatron.cuda_shim import apply_cpu_shim
+from rlstages.engines.runtime.device import dist_backend, worker_device
 
 # Fusions that need CUDA kernels (apex / TE / torch.compile'd CUDA code); off on CPU.
 CPU_SAFE_CONFIG: dict[str, Any] = {
@@ -40,7 +41,8 @@ def init_model_parallel(
     cp: int = 1,
     ep: int = 1,
 ) -> None:
-    """Join a process group (gloo on CPU, nccl on GPU) and set up megatron-core's TP x PP (x CP x EP) groups.
+    """Join a process group (gloo on CPU; on a GPU `cpu:gloo,cuda:nccl`, the worker's GPU made current first)
+    and set up megatron-core's TP x PP (x CP x EP) groups.
 
     In a process that already has the same layout (several engines in one test process) the groups are kept;
     a different layout is rebuilt only in a single-process world.
@@ -48,11 +50,12 @@ def init_model_parallel(
     from megatron.core import parallel_state, tensor_parallel
 
     cpu = apply_cpu_shim()
+    device = worker_device()  # torch.cuda.set_device before NCCL or megatron-core touches a GPU
     os.environ.setdefault("MASTER_ADDR", master_addr)
     os.environ.setdefault("MASTER_PORT", str(master_port))
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(
-            backend or ("gloo" if cpu else "nccl"),
+            backend or dist_backend(device),
             init_method=f"tcp://{master_addr}:{master_port}",
             rank=rank,
             world_size=world_size,
@@ -162,7 +165,7 @@ def model_class(spec: ConversionSpec) -> type:
     return getattr(importlib.import_module(module), attr)
 
 
-def causal_mask(seq_len: int, batch: int = 1) -> torch.Tensor:
-    """Boolean attention mask [batch, 1, S, S], True where attention is masked (future positions)."""
-    mask = torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)
+def causal_mask(seq_len: int, batch: int = 1, device: torch.device | None = None) -> torch.Tensor:
+    """Boolean attention mask [batch, 1, S, S] on `device`, True where attention is masked (future positions)."""
+    mask = torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)
     return mask.expand(batch, 1, seq_len, seq_len)

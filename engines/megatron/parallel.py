@@ -23,6 +23,7 @@ from rlstages.engines.convert import ConversionSpec, load_rank_chunk, materializ
 from rlstages.engines.convert.sharding import chunk_prefix
 from rlstages.engines.megatron import cuda_shim, gpt
 from rlstages.engines.registry import has_module
+from rlstages.engines.runtime.device import worker_device
 from rlstages.engines.utils import free_port
 
 OUTPUT_LAYER = "output_layer."
@@ -130,20 +131,21 @@ class ValueHead(torch.nn.Module):
 def build_chunks(
     spec: ConversionSpec, states: list[dict[str, torch.Tensor]], role: str, dtype: torch.dtype, config: dict, seed: int
 ) -> list[Any]:
-    """This rank's GPTModel chunks with their weights; the critic's output layer becomes a `ValueHead`."""
+    """This rank's GPTModel chunks with their weights, on the worker's device (megatron-core builds the local
+    spec's torch norms on the CPU even on a GPU); the critic's output layer becomes a `ValueHead`."""
     if role == "critic":
         spec = replace(spec, mcore={**spec.mcore, "share_embeddings_and_output_weights": False})
-    chunks = []
+    chunks, device = [], worker_device()
     for v, state in enumerate(states):
         model = gpt.build_gpt_model(spec, dtype=dtype, vp_stage=v, config_overrides=config)
-        model.to(dtype)  # the local spec's torch norms ignore params_dtype; one dtype as HF and TE/Apex norms
+        model.to(device=device, dtype=dtype)  # torch norms ignore params_dtype and the device; one of each
         if role != "critic":
             model.load_state_dict(state, strict=True)
         else:
             state = {k: t for k, t in state.items() if not k.startswith(OUTPUT_LAYER)}
             if model.post_process:
                 std = float(spec.hf_config.get("initializer_range", 0.02))
-                model.output_layer = ValueHead(spec.mcore["hidden_size"], std, seed, dtype)
+                model.output_layer = ValueHead(spec.mcore["hidden_size"], std, seed, dtype).to(device)
             missing, unexpected = model.load_state_dict(state, strict=False)
             if unexpected or [k for k in missing if not k.startswith(OUTPUT_LAYER)]:
                 raise ValueError(f"critic weights do not fit: missing {missing}, unexpected {unexpected}")
@@ -160,9 +162,9 @@ def model_inputs(mb: TensorDict, multiple: int = 1) -> tuple[torch.Tensor, torch
     if pad:
         ids = torch.nn.functional.pad(ids, (0, pad))
         valid = torch.nn.functional.pad(valid, (0, pad), value=False)
-        pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, pad + 1)], dim=1)
+        pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, pad + 1, device=pos.device)], dim=1)
     batch, seq = ids.shape
-    mask = gpt.causal_mask(seq, batch) | ~valid[:, None, None, :]
+    mask = gpt.causal_mask(seq, batch, ids.device) | ~valid[:, None, None, :]
     return ids, pos, mask
 
 

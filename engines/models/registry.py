@@ -72,8 +72,9 @@ def read_model_type(path: str | Path) -> str:
     return str(data["model_type"])
 
 
-def load_causal_lm(path: str | Path, dtype: str = "float32", model_type: str | None = None) -> Any:
-    """Load a causal LM from a local directory (safetensors only), by registry entry or AutoModelForCausalLM."""
+def load_causal_lm(path: str | Path, dtype: str = "float32", model_type: str | None = None, device: Any = None) -> Any:
+    """Load a causal LM from a local directory (safetensors only), by registry entry or AutoModelForCausalLM;
+    on `device` (a torch.device, e.g. `runtime.device.worker_device()`) when given, else the CPU."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
@@ -84,7 +85,7 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", model_type: str | N
     entry = _REGISTRY.get(kind)
     loader: Any = entry.model_cls if entry is not None else AutoModelForCausalLM  # a PreTrainedModel class
     model = loader.from_pretrained(str(path), dtype=torch_dtype(dtype), use_safetensors=True, local_files_only=True)
-    return model
+    return model if device is None else model.to(device)
 
 
 def load_tokenizer(path: str | Path) -> Any:

@@ -62,9 +62,9 @@ def decode(
     rows = input_ids.shape[0]
     out = Decoded([[] for _ in range(rows)], [[] for _ in range(rows)])
     cache, logits, mask = prefill(model, input_ids, attention_mask)
-    live = torch.arange(rows)
+    live = torch.arange(rows, device=input_ids.device)  # every index and mask on the model's device
     position = mask.long().sum(-1)  # the next token's position: the row's real tokens so far
-    eos = torch.tensor(sorted(eos_ids), dtype=torch.long)
+    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=input_ids.device)
     for t in range(max_new_tokens):
         ids, logprobs = pick(logits)
         done = torch.isin(ids, eos)
@@ -144,10 +144,11 @@ def _common_prefix(tokens: list[torch.Tensor]) -> int:
 
 
 def left_pad(seqs: list[torch.Tensor], mask_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequences left-padded (with id 0, masked) to the longest: ids [n, L] and mask [n, L]."""
+    """Sequences left-padded (with id 0, masked) to the longest: ids [n, L] and mask [n, L], on the sequences'
+    device (a CUDA prefill concatenates them with CUDA masks)."""
     width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=seqs[0].dtype)
-    mask = torch.zeros(len(seqs), width, dtype=mask_dtype)
+    ids = torch.zeros(len(seqs), width, dtype=seqs[0].dtype, device=seqs[0].device)
+    mask = torch.zeros(len(seqs), width, dtype=mask_dtype, device=seqs[0].device)
     for i, s in enumerate(seqs):
         ids[i, width - len(s) :] = s
         mask[i, width - len(s) :] = 1

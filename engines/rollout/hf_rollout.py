@@ -19,11 +19,13 @@ from rlstages.engines.base import NamedTensors
 from rlstages.engines.models import eos_token_ids, load_causal_lm, load_tokenizer
 from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
 from rlstages.engines.rollout.decode import decode, picker
+from rlstages.engines.runtime.device import free_cached, to_device, worker_device
 from rlstages.engines.types import Prompt, SamplingParams
 
 
 class HFRolloutEngine:
-    """Sampling with a transformers model through `decode.decode`; weights updated in place by HF name."""
+    """Sampling with a transformers model through `decode.decode`, on the worker's device (its GPU, else the
+    CPU); weights updated in place by HF name."""
 
     def __init__(
         self,
@@ -37,7 +39,8 @@ class HFRolloutEngine:
         attention: str = "eager",
     ) -> None:
         self.model_path = Path(model_path)
-        self.model = load_causal_lm(model_path, dtype, model_type).eval()
+        self.device = worker_device()
+        self.model = load_causal_lm(model_path, dtype, model_type, device=self.device).eval()
         self.model.set_attn_implementation(attention)  # eager decodes faster on CPU (configs.rollout)
         self.tokenizer = load_tokenizer(model_path)
         if chat_template:  # the configured template replaces the tokenizer's own
@@ -67,6 +70,7 @@ class HFRolloutEngine:
             ids, lps = self._generate_chunk(rows[start : start + self.batch_size], sampling)
             responses.extend(ids)
             logprobs.extend(lps)
+        free_cached(self.device)  # the KV cache is gone: its blocks go back to the GPU before the update
         texts = [self._decode(r) for r in responses]
         responses, logprobs, texts = self._apply_stop(responses, logprobs, texts, sampling.stop)
         return build_rollout_batch(prompts, prompt_ids, responses, logprobs, texts, sampling.n, self.pad_id)
@@ -74,7 +78,7 @@ class HFRolloutEngine:
     def _generate_chunk(
         self, rows: list[list[int]], sampling: SamplingParams
     ) -> tuple[list[list[int]], list[list[float]]]:
-        enc = self.tokenizer.pad({"input_ids": rows}, padding=True, return_tensors="pt")
+        enc = to_device(dict(self.tokenizer.pad({"input_ids": rows}, padding=True, return_tensors="pt")), self.device)
         pick = picker(sampling.temperature, sampling.top_k, sampling.top_p, sampling.greedy)
         out = decode(
             self.model,
@@ -157,7 +161,7 @@ class HFRolloutEngine:
             return
         for name, param in self.model.named_parameters():
             self._shapes[name] = param.shape
-            param.data = torch.empty(0, dtype=param.dtype)
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
     def wake(self) -> None:
         """Re-allocate the freed weights, empty: generation refuses to run until `update_weights` fills them."""
@@ -165,6 +169,6 @@ class HFRolloutEngine:
             return
         for name, param in self.model.named_parameters():
             if name in self._shapes:  # not those adopted since the sleep
-                param.data = torch.empty(self._shapes[name], dtype=param.dtype)
+                param.data = torch.empty(self._shapes[name], dtype=param.dtype, device=self.device)
         self._shapes = {}
         self.needs_weights = True

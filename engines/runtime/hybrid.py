@@ -5,7 +5,9 @@ the torch backend), the rollout engine holds the trainer's own tensors (`adopt_w
 weights in the process, and a sync that copies nothing. Otherwise each keeps its own model in its own dtype;
 weight sync is an in-process, tensor-by-tensor copy from the trainer's HF-named weights into the rollout model
 (cast on the fly), with no serialisation, and the rollout sleeps (frees its weights) while the trainer works.
-Methods delegate explicitly, so Ray sees every one of them on the actor handle.
+Methods delegate explicitly, so Ray sees every one of them on the actor handle. Both engines compute on the
+worker's device (`runtime.device.worker_device`): on a GPU the one copy of the weights lives there, generation
+frees its KV cache when it returns, and the cached blocks of each phase go back before the other starts.
 
 Non-goal: resharding between different parallel layouts (one rank holds whole models here).
 """
@@ -21,6 +23,7 @@ import torch
 from tensordict import TensorDict
 
 from rlstages.engines.base import NamedTensors
+from rlstages.engines.runtime.device import free_cached, worker_device
 from rlstages.engines.runtime.weight_sync import Bucket
 from rlstages.engines.types import Prompt, SamplingParams
 from rlstages.engines.utils import import_object
@@ -30,6 +33,7 @@ class HybridEngine:
     """Rollout + trainer on the same worker; `sync_local` moves the weights without leaving the process."""
 
     def __init__(self, trainer: str, trainer_kwargs: dict[str, Any], rollout: str, rollout_kwargs: dict[str, Any]):
+        self.device = worker_device()
         self.trainer = import_object(trainer)(**trainer_kwargs)
         self.rollout = import_object(rollout)(**rollout_kwargs)
         self.shares_weights = False
@@ -54,6 +58,7 @@ class HybridEngine:
         trainer's)."""
         if not self.shares_weights:
             self.rollout.sleep()
+            free_cached(self.device)
 
     def wake(self) -> None:
         """Re-allocate the rollout engine's weights (filled by the next sync; taken from the trainer at once

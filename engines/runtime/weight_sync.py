@@ -25,8 +25,8 @@ _VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
 def encode_tensor(tensor: torch.Tensor, dtype: str) -> tuple[str, np.ndarray]:
-    """A tensor cast to `dtype` as a numpy array (half types as an int16 view)."""
-    t = tensor.detach().to(DTYPES[dtype]).contiguous()
+    """A tensor cast to `dtype` as a numpy array (half types as an int16 view), copied off a GPU first."""
+    t = tensor.detach().to(device="cpu", dtype=DTYPES[dtype]).contiguous()
     view = _VIEW.get(t.dtype)
     return dtype, (t.view(view) if view is not None else t).numpy()
 

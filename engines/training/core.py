@@ -11,8 +11,11 @@ Non-goals: anything backend-specific (sharding, pipelines, offload, checkpoint f
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -20,7 +23,9 @@ from tensordict import TensorDict
 from rlstages.engines import types as T
 from rlstages.engines.base import Readout, StepBackend
 from rlstages.engines.registry import training_backend
+from rlstages.engines.runtime import device as D
 from rlstages.engines.runtime.weight_sync import Bucket, bucketize
+from rlstages.engines.training import flops as F
 from rlstages.engines.training import ppo_step as P
 from rlstages.engines.training.microbatch import by_length, micro_batches
 from rlstages.engines.training.settings import TrainerSettings
@@ -34,8 +39,12 @@ class PPOTrainer:
         self.settings = settings
         self.temperature = settings.temperature
         torch.manual_seed(settings.seed)
-        self.backend: StepBackend = import_object(training_backend(settings.backend).step)(settings)
+        backend_cls = import_object(training_backend(settings.backend).step)
+        D.set_env_defaults(getattr(backend_cls, "cuda_env", {}))  # before CUDA starts (Megatron-Core's)
+        self.device = D.worker_device()  # the backend places its model here; batches are moved here
+        self.backend: StepBackend = backend_cls(settings)
         self.steps_done = 0
+        self.model_config = _hf_config(settings.model_path)  # for the FLOP count of `perf/mfu`
 
     # ---- forward passes -------------------------------------------------------------------------------------
     def _micro(self, batch: TensorDict) -> list[TensorDict]:
@@ -45,7 +54,7 @@ class PPOTrainer:
     def _forward(self, batch: TensorDict, readout: Readout) -> list[torch.Tensor] | None:
         """Each output of `readout` over the whole batch, [B, T] in row order (None where outputs are not here)."""
         width = batch[T.RESPONSE_IDS].shape[1]
-        rows, restore = by_length(batch)
+        rows, restore = by_length(D.to_device(batch, self.device))
         cols: list[list[torch.Tensor]] = []
 
         def collect(mb: TensorDict, out: tuple[torch.Tensor, ...]) -> None:
@@ -53,10 +62,12 @@ class PPOTrainer:
 
         with torch.no_grad(), self.backend.resident(train=False):
             self.backend.run(self._micro(rows), readout, collect, train=False)
+        D.free_cached(self.device)
         if not self.backend.outputs_here:
             return None
         n = 1 if readout.values else 2
-        return [torch.cat([c[i] for c in cols])[restore] if cols else torch.zeros(0, width) for i in range(n)]
+        out = [torch.cat([c[i] for c in cols])[restore] if cols else torch.zeros(0, width) for i in range(n)]
+        return D.to_host(out)  # results leave the worker through Ray: never as CUDA tensors
 
     def logprobs(self, batch: TensorDict, temperature: float | None = None, base: bool = False) -> TensorDict | None:
         """Teacher-forced log-probs and entropy of the response tokens, [B, T] each (padded to the batch);
@@ -77,15 +88,36 @@ class PPOTrainer:
 
     # ---- training -------------------------------------------------------------------------------------------
     def train_step(self, batch: TensorDict) -> dict[str, float]:
-        """PPO epochs x mini-batches x micro-batches; returns averaged metrics (actor or critic names)."""
+        """PPO epochs x mini-batches x micro-batches; returns averaged metrics (actor or critic names) and this
+        rank's `perf/*` (tokens/s, MFU where the device's peak is known, GPU memory peaks)."""
         s = self.settings
         if not s.trainable:
             raise RuntimeError("the reference engine is frozen: train_step is not available")
+        D.reset_peak_memory(self.device)
+        start = time.perf_counter()
+        batch = D.to_device(batch, self.device)
         with self.backend.resident(train=True):
             out = P.epochs_loop(batch, s.train.ppo_epochs, s.num_mini_batches, self._mini_step)
+        D.synchronize(self.device)
+        out.update(self._perf(batch, time.perf_counter() - start))
+        D.free_cached(self.device)  # the update's activations and gradients' blocks, before generation
         self.steps_done += 1
         out["lr"] = self.backend.lr()
         return out
+
+    def _perf(self, batch: TensorDict, seconds: float) -> dict[str, float]:
+        """`perf/throughput` (real tokens per second on this rank), `perf/mfu` (model FLOPs of those tokens over
+        the device's bf16 peak; absent where it is unknown, the CPU included) and the GPU memory peaks."""
+        lens = batch[T.ATTENTION_MASK].sum(-1).tolist()
+        perf = {"perf/throughput": sum(lens) / max(seconds, 1e-9)}
+        low_precision = self.settings.dtype in ("bfloat16", "float16") or self.settings.train.bf16_autocast
+        if self.model_config is not None:
+            flops = F.step_flops(self.model_config, lens, self.settings.train.ppo_epochs)
+            mfu = F.mfu(flops, seconds, D.device_name(self.device), low_precision)
+            if mfu is not None:
+                perf["perf/mfu"] = mfu
+        perf.update({f"perf/{k}": v for k, v in D.device_memory_stats(self.device).items()})
+        return perf
 
     def _mini_step(self, mini: TensorDict, check_sync: bool) -> dict[str, float]:
         """One optimizer step: every micro-batch's loss backpropagated, then clip and step once."""
@@ -141,3 +173,14 @@ class PPOTrainer:
         steps = self.backend.load(Path(path))
         if steps is not None:
             self.steps_done = steps
+
+
+def _hf_config(model_path: str | Path) -> dict[str, Any] | None:
+    """The model's HF config.json when it has what the FLOP count reads (a decoder), else None (no MFU)."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config", config)  # multimodal wrappers keep the decoder's numbers there
+    needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    return config if all(k in config for k in needed) else None

@@ -29,6 +29,7 @@ from tensordict import TensorDict
 
 from rlstages.configs.training import DeepSpeedTrainingConfig
 from rlstages.engines.base import OnOutput, Readout
+from rlstages.engines.runtime.device import dist_backend, worker_device
 from rlstages.engines.training import state_io
 from rlstages.engines.training.optim import adamw, adamw_kwargs, lr_scheduler
 from rlstages.engines.training.settings import TrainerSettings
@@ -39,28 +40,37 @@ CKPT_DIR = "deepspeed"  # DeepSpeed's own checkpoint, relative to the `save` dir
 CKPT_TAG = "state"
 
 
-def init_distributed() -> None:
-    """Join (or create) the process group from RANK/WORLD_SIZE/MASTER_* (defaults: one in-process rank)."""
-    if not torch.cuda.is_available():
+def init_distributed() -> torch.device:
+    """Join (or create) the process group from RANK/WORLD_SIZE/MASTER_* (defaults: one in-process rank); returns
+    the rank's device. On a GPU, LOCAL_RANK becomes the index of the worker's GPU among the visible ones (Ray
+    narrows them to one: 0), since DeepSpeed takes its device from LOCAL_RANK; NCCL then runs on that GPU."""
+    device = worker_device()
+    if device.type != "cuda":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     defaults = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": os.environ.get("RANK", "0"), "MASTER_ADDR": "127.0.0.1"}
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
+    if device.type == "cuda":
+        os.environ["LOCAL_RANK"] = str(device.index)
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(free_port())
     import deepspeed
 
-    if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    if not torch.distributed.is_initialized():  # plain nccl on GPUs: every DeepSpeed collective is on the device
+        deepspeed.init_distributed(dist_backend=dist_backend(device, cpu_collectives=False))
+    return device
 
 
-def deepspeed_config(settings: TrainerSettings, options: DeepSpeedTrainingConfig, world_size: int) -> dict[str, Any]:
-    """The DeepSpeed JSON config for our options (ZeRO stage, offload, clipping, mixed precision)."""
+def deepspeed_config(
+    settings: TrainerSettings, options: DeepSpeedTrainingConfig, world_size: int, on_gpu: bool = False
+) -> dict[str, Any]:
+    """The DeepSpeed JSON config for our options (ZeRO stage, offload, clipping, mixed precision); offloaded
+    states in pinned host memory when the rank is `on_gpu` (faster copies to and from the GPU)."""
     zero: dict[str, Any] = {"stage": options.zero_stage}
     if options.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
     if options.offload_param:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
     micro = settings.train.micro_batch_size
     return {
         "train_micro_batch_size_per_gpu": micro,
@@ -100,7 +110,7 @@ class DeepSpeedBackend:
         options = settings.train
         if not isinstance(options, DeepSpeedTrainingConfig):  # a reference gets the defaults
             options = DeepSpeedTrainingConfig()
-        init_distributed()
+        self.device = init_distributed()
         import deepspeed
 
         if not settings.trainable and options.zero_stage != 3:
@@ -108,7 +118,7 @@ class DeepSpeedBackend:
             options = options.model_copy(update={"zero_stage": 0, "offload_optimizer": False})
         self.settings, self.zero_stage = settings, options.zero_stage
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        self.config = deepspeed_config(settings, options, self.world)
+        self.config = deepspeed_config(settings, options, self.world, self.device.type == "cuda")
         with _zero3_construction(self.config) if self.zero_stage == 3 else contextlib.nullcontext():
             model = build_model(settings.model_path, settings.role, settings.dtype, settings.model_type)
         prepare_model(model, settings)
@@ -234,8 +244,9 @@ class DeepSpeedBackend:
 
 
 def _optimizer(model: Any, settings: TrainerSettings, offload: bool) -> torch.optim.Optimizer:
-    """Torch AdamW (identical to the torch backend), or DeepSpeed's CPU AdamW (a one-off JIT build) when the
-    optimizer states live on the CPU, which DeepSpeed requires for offload."""
+    """Torch AdamW (identical to the torch backend; fused, on CUDA too, so DeepSpeed's FusedAdam and its JIT
+    build are not needed), or DeepSpeed's CPU AdamW (a one-off JIT build) when the optimizer states live on
+    the CPU, which DeepSpeed requires for offload."""
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 

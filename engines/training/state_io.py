@@ -91,16 +91,17 @@ def load_optimizer(optim: torch.optim.Optimizer, path: Path) -> None:
 
 
 def save_rng(path: Path) -> None:
-    """torch, numpy and Python RNG states."""
+    """RNG states of torch (and of this GPU, once CUDA is in use), numpy and Python."""
     np_state = np.random.get_state()
     assert isinstance(np_state, tuple)  # legacy=True (the default): the MT19937 tuple
     meta = {
         "python": json.dumps(_jsonable(random.getstate())),
         "numpy": json.dumps([np_state[0], int(np_state[2]), int(np_state[3]), float(np_state[4])]),
     }
-    save_tensors(
-        {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64))}, path, meta
-    )
+    tensors = {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64))}
+    if torch.cuda.is_initialized():  # sampling and dropout on a GPU draw from its generator
+        tensors["cuda"] = torch.cuda.get_rng_state()
+    save_tensors(tensors, path, meta)
 
 
 def load_rng(path: Path) -> None:
@@ -111,6 +112,8 @@ def load_rng(path: Path) -> None:
     with safe_open(str(path), "pt") as f:
         meta = f.metadata() or {}
     torch.set_rng_state(tensors["torch"])
+    if "cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["cuda"])
     name, pos, has_gauss, cached = json.loads(meta["numpy"])
     np.random.set_state((name, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))
     version, internal, gauss = json.loads(meta["python"])

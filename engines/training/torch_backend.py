@@ -22,6 +22,7 @@ from tensordict import TensorDict
 from rlstages.configs.training import TorchTrainingConfig, TrainingConfig
 from rlstages.engines.base import OnOutput, Readout
 from rlstages.engines.models import load_causal_lm, lora, torch_dtype
+from rlstages.engines.runtime.device import worker_device
 from rlstages.engines.training import ppo_step as P
 from rlstages.engines.training import state_io
 from rlstages.engines.training.fp32_matmul import use_fp32_kernel, wants_fp32_kernel
@@ -64,17 +65,31 @@ def hf_forward(
     return P.causal_lm_forward(model, mb, readout.temperature, train.bf16_autocast, readout.entropy_grad, prompts)
 
 
+def attention_impl(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The transformers attention to run: `sdpa` becomes flash-attention 2 where it can run (installed, CUDA,
+    bf16/fp16 weights); otherwise as configured."""
+    from rlstages.engines.registry import has_module
+
+    fast = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and has_module("flash_attn")
+    return "flash_attention_2" if requested == "sdpa" and fast else requested
+
+
 class TorchBackend:
-    """A model and its optimizer in one process; implements `rlstages.engines.base.StepBackend`."""
+    """A model and its optimizer in one process, on the worker's device (`runtime.device.worker_device`: its
+    GPU, else the CPU), with the optimizer states beside the parameters; implements
+    `rlstages.engines.base.StepBackend`."""
 
     outputs_here = True
     is_weight_source = True
 
     def __init__(self, settings: TrainerSettings) -> None:
         self.settings = settings
+        self.device = worker_device()
         self.model = build_model(settings.model_path, settings.role, settings.dtype, settings.model_type)
+        self.model.to(self.device)
         if isinstance(settings.train, TorchTrainingConfig):
-            self.model.set_attn_implementation(settings.train.attention)
+            dtype = next(self.model.parameters()).dtype
+            self.model.set_attn_implementation(attention_impl(settings.train.attention, self.device, dtype))
         prepare_model(self.model, settings)
         self.fp32_matmul = isinstance(settings.train, TorchTrainingConfig) and wants_fp32_kernel(
             settings.train.fp32_matmul,
@@ -84,7 +99,7 @@ class TorchBackend:
         if self.fp32_matmul:  # before LoRA, which wraps these layers (its adapters stay native)
             use_fp32_kernel(self.model)
         if settings.lora is not None and settings.role == "actor":  # adapters on a frozen base (models/lora.py)
-            self.model = lora.wrap_lora(self.model, settings.lora)
+            self.model = lora.wrap_lora(self.model, settings.lora).to(self.device)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if settings.trainable:
