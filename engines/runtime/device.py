@@ -95,8 +95,11 @@ def to_device(obj: Moved, device: torch.device, non_blocking: bool = False) -> M
     """A tensor, TensorDict, or dict / list / tuple of them on `device` (the same object where it is there)."""
     if isinstance(obj, torch.Tensor):
         return obj if obj.device == device else obj.to(device, non_blocking=non_blocking)  # type: ignore[return-value]
-    if hasattr(obj, "to") and hasattr(obj, "batch_size"):  # a TensorDict
-        return obj if obj.device == device else obj.to(device, non_blocking=non_blocking)  # type: ignore[attr-defined]
+    if hasattr(obj, "to") and hasattr(obj, "batch_size"):  # a TensorDict (its device None: mixed or unset)
+        leaves = obj.values(include_nested=True, leaves_only=True)  # type: ignore[attr-defined]
+        if obj.device == device or all(t.device == device for t in leaves):  # type: ignore[attr-defined]
+            return obj
+        return obj.to(device, non_blocking=non_blocking)  # type: ignore[attr-defined]
     if isinstance(obj, dict):
         return {k: to_device(v, device, non_blocking) for k, v in obj.items()}  # type: ignore[return-value]
     if isinstance(obj, list | tuple):

@@ -31,6 +31,13 @@ from rlstages.engines.training.microbatch import by_length, micro_batches
 from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.utils import import_object
 
+PERF = "perf/"  # train_step's measured metrics (throughput, MFU, memory): they differ between identical steps
+
+
+def without_perf(metrics: dict[str, float]) -> dict[str, float]:
+    """A train step's metrics without the measured `perf/*` ones: what a repeated (resumed) step reproduces."""
+    return {k: v for k, v in metrics.items() if not k.startswith(PERF)}
+
 
 class PPOTrainer:
     """An actor, critic or frozen reference on one rank of any training backend."""
@@ -109,14 +116,14 @@ class PPOTrainer:
         """`perf/throughput` (real tokens per second on this rank), `perf/mfu` (model FLOPs of those tokens over
         the device's bf16 peak; absent where it is unknown, the CPU included) and the GPU memory peaks."""
         lens = batch[T.ATTENTION_MASK].sum(-1).tolist()
-        perf = {"perf/throughput": sum(lens) / max(seconds, 1e-9)}
+        perf = {f"{PERF}throughput": sum(lens) / max(seconds, 1e-9)}
         low_precision = self.settings.dtype in ("bfloat16", "float16") or self.settings.train.bf16_autocast
         if self.model_config is not None:
             flops = F.step_flops(self.model_config, lens, self.settings.train.ppo_epochs)
             mfu = F.mfu(flops, seconds, D.device_name(self.device), low_precision)
             if mfu is not None:
-                perf["perf/mfu"] = mfu
-        perf.update({f"perf/{k}": v for k, v in D.device_memory_stats(self.device).items()})
+                perf[f"{PERF}mfu"] = mfu
+        perf.update({PERF + k: v for k, v in D.device_memory_stats(self.device).items()})
         return perf
 
     def _mini_step(self, mini: TensorDict, check_sync: bool) -> dict[str, float]:

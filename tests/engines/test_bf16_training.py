@@ -11,7 +11,7 @@ from rlstages.configs.training import OptimConfig, TorchTrainingConfig
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
-from rlstages.engines.training.core import PPOTrainer
+from rlstages.engines.training.core import PPOTrainer, without_perf
 from rlstages.engines.training.optim import adamw
 from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
@@ -71,5 +71,7 @@ def test_bf16_trainer_steps_in_bf16_and_resumes_bitwise(tiny_model_dir: Path, ba
     restored = bf16_trainer(tiny_model_dir)
     restored.load(tmp_path / "ckpt")
     m2 = restored.train_step(batch)
-    assert m1 == m2  # moments, the LR (a tensor in torchao's param groups) and the rounding's RNG restored
+    assert without_perf(m1) == without_perf(
+        m2
+    )  # moments, the LR (a tensor in torchao's param groups) and the rounding's RNG restored
     assert all(torch.equal(w1[k], v) for k, v in restored.named_weights())

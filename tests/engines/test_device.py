@@ -1,0 +1,126 @@
+"""`engines/runtime/device.py`: which device a worker computes on (Ray's assignment, narrowed or not, the
+override), the distributed backend and env that follow from it, and the CPU path of its helpers; and
+`engines/training/flops.py`: the FLOP count of a known config by hand, and no MFU for an unknown device.
+CPU only: the resolution logic is a pure function of the environment, checked here without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rlstages.engines.runtime import device as D
+from rlstages.engines.training import flops as F
+
+GPU4 = {"cuda_available": True, "device_count": 4}
+
+
+def test_cpu_without_cuda_whatever_ray_assigned() -> None:
+    assert D.resolve_device({}, False, 0, None) == torch.device("cpu")
+    assert D.resolve_device({"CUDA_VISIBLE_DEVICES": "0"}, False, 0, ["0"]) == torch.device("cpu")
+
+
+def test_outside_ray_the_first_gpu() -> None:
+    assert D.resolve_device({}, **GPU4, ray_gpu_ids=None) == torch.device("cuda", 0)
+
+
+def test_an_actor_without_a_gpu_computes_on_the_cpu_on_a_gpu_node() -> None:
+    assert D.resolve_device({}, **GPU4, ray_gpu_ids=[]) == torch.device("cpu")
+
+
+def test_ray_narrowed_visibility_makes_the_assigned_gpu_cuda_0() -> None:
+    narrowed = {"CUDA_VISIBLE_DEVICES": "3"}
+    assert D.resolve_device(narrowed, True, 1, ["3"]) == torch.device("cuda", 0)
+
+
+def test_noset_visibility_takes_the_assigned_id_among_the_visible_ones() -> None:
+    noset = {D.NOSET_ENV: "1"}
+    assert D.resolve_device(noset, **GPU4, ray_gpu_ids=[2]) == torch.device("cuda", 2)
+    some = {D.NOSET_ENV: "1", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    assert D.resolve_device(some, **GPU4, ray_gpu_ids=["6"]) == torch.device("cuda", 2)
+
+
+def test_fractional_gpus_share_the_device() -> None:
+    env = {"CUDA_VISIBLE_DEVICES": "1"}  # two colocated actors of 0.5 GPU each were both given GPU 1
+    assert D.resolve_device(env, True, 1, ["1"]) == D.resolve_device(env, True, 1, ["1"]) == torch.device("cuda", 0)
+
+
+def test_an_assigned_gpu_that_is_not_visible_is_an_error_naming_both() -> None:
+    with pytest.raises(RuntimeError, match="Ray assigned GPU 2 but CUDA_VISIBLE_DEVICES=0,1"):
+        D.resolve_device({"CUDA_VISIBLE_DEVICES": "0,1"}, True, 2, [2])
+    with pytest.raises(RuntimeError, match="only 2 CUDA devices"):
+        D.resolve_device({}, True, 2, [5])
+
+
+def test_the_override_wins_and_refuses_cuda_without_it() -> None:
+    assert D.resolve_device({D.DEVICE_ENV: "cpu"}, **GPU4, ray_gpu_ids=["0"]) == torch.device("cpu")
+    assert D.resolve_device({D.DEVICE_ENV: "cuda:1"}, **GPU4, ray_gpu_ids=None) == torch.device("cuda", 1)
+    with pytest.raises(RuntimeError, match="RLSTAGES_DEVICE=cuda but CUDA is not available"):
+        D.resolve_device({D.DEVICE_ENV: "cuda"}, False, 0, None)
+
+
+def test_this_worker_is_on_the_cpu_and_the_helpers_are_no_ops_there() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU path")
+    cpu = D.worker_device()
+    assert cpu == torch.device("cpu")
+    batch = TensorDict({"ids": torch.ones(2, 3)}, batch_size=[2])
+    assert D.to_device(batch, cpu) is batch and D.to_host(batch) is batch
+    moved = D.to_device({"a": [torch.zeros(1)], "b": 3}, torch.device("meta"))
+    assert moved["a"][0].device.type == "meta" and moved["b"] == 3
+    assert D.device_memory_stats(cpu) == {} and D.device_name(cpu) == "cpu"
+    D.free_cached(cpu), D.reset_peak_memory(cpu), D.synchronize(cpu)
+
+
+def test_distributed_backend_and_gpu_env() -> None:
+    assert D.dist_backend(torch.device("cpu")) == "gloo"
+    assert D.dist_backend(torch.device("cuda", 0)) == "cpu:gloo,cuda:nccl"
+    assert D.dist_backend(torch.device("cuda", 0), cpu_collectives=False) == "nccl"
+    assert D.gpu_env() == {}
+    assert D.gpu_env(False, 1) == {"NCCL_CUMEM_ENABLE": "0", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+def test_env_defaults_keep_what_the_user_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(D.MAX_CONNECTIONS_ENV, "8")
+    monkeypatch.delenv(D.NCCL_CUMEM_ENV, raising=False)
+    D.set_env_defaults({D.MAX_CONNECTIONS_ENV: "1", D.NCCL_CUMEM_ENV: "0"})
+    import os
+
+    assert os.environ[D.MAX_CONNECTIONS_ENV] == "8" and os.environ[D.NCCL_CUMEM_ENV] == "0"
+
+
+# A GQA config small enough to count by hand: h=64, i=128, L=2, 4 heads of 16, 2 KV heads, V=100.
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 100,
+}
+
+
+def test_flop_count_of_a_known_config_by_hand() -> None:
+    # per layer: MLP 3*64*128 = 24576; q, o: 64*64 each; k, v: 64*32 each -> 64*(64+32+32+64) = 12288
+    # N = 2*(24576 + 12288) + 2*100*64 = 73728 + 12800 = 86528
+    assert F.dense_params(TINY) == 86528
+    # sequences of 10 and 20 tokens, 2 epochs: 6*N*30 + 6*(100+400)*16*4*2 = 15575040 + 384000, times 2
+    assert F.step_flops(TINY, [10, 20], passes=2) == 2 * (15_575_040 + 384_000)
+
+
+def test_flop_count_matches_a_real_transformers_model_parameter_count() -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**TINY, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config)
+    matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2)  # no norms, no biases
+    assert F.dense_params(config.to_dict()) == matmul
+
+
+def test_mfu_only_for_a_known_device_in_low_precision() -> None:
+    assert F.peak_flops("cpu") is None and F.peak_flops("NVIDIA Mystery GPU") is None
+    assert F.mfu(1e15, 1.0, "cpu", True) is None
+    assert F.mfu(1e15, 1.0, "NVIDIA Mystery GPU", True) is None
+    assert F.mfu(989e12, 2.0, "NVIDIA H100 80GB HBM3", True) == pytest.approx(0.5)
+    assert F.peak_flops("NVIDIA H100 PCIe") == 756e12 and F.peak_flops("NVIDIA H200") == 989e12
+    assert F.mfu(989e12, 2.0, "NVIDIA H100 80GB HBM3", low_precision=False) is None  # fp32: not the bf16 peak

@@ -1,0 +1,47 @@
+"""Fixtures of the `gpu` tests: a GRPO batch sampled on the CPU (the same rows for every device) and trainer
+settings per backend. These tests import only torch, transformers, tensordict, safetensors, pydantic (and
+deepspeed / megatron-core where a test needs them): no Ray, Prefect or MLflow, so `scripts/gpu_check.sh` runs
+them on a bare GPU machine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from gpu_helpers import CONFIGS, LR, PROMPTS
+
+from rlstages.configs.training import OptimConfig
+from rlstages.engines import algorithms as A
+from rlstages.engines import types as T
+from rlstages.engines.runtime.device import DEVICE_ENV
+from rlstages.engines.training.settings import TrainerSettings
+from rlstages.engines.types import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_model_dir: Path):
+    """16 sampled rows (4 prompts x 4) with GRPO advantages, sampled on the CPU."""
+    from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(DEVICE_ENV, "cpu")
+        rollout = HFRolloutEngine(tiny_model_dir, dtype="float32", apply_chat_template=False)
+        b = rollout.generate(PROMPTS, SamplingParams(n=4, max_new_tokens=8), seed=3)
+    token = A.outcome_to_token_rewards((torch.arange(16) % 3 == 0).float(), b[T.RESPONSE_MASK])
+    b[T.ADVANTAGES], b[T.RETURNS] = A.compute_advantages("grpo", token, b[T.RESPONSE_MASK], T.get_rows(b, "uid"))
+    b[T.VALUES] = torch.zeros_like(b[T.ADVANTAGES])
+    return b
+
+
+@pytest.fixture(scope="module")
+def settings() -> Callable[..., TrainerSettings]:
+    """`settings(path, backend, dtype=..., **options)`: an actor's settings (4 rows per micro-batch)."""
+
+    def make(path: Path, backend: str = "torch", dtype: str = "float32", **options) -> TrainerSettings:
+        options.setdefault("micro_batch_size", 4)
+        train = CONFIGS[backend](optim=OptimConfig(lr=LR, total_steps=10), **options)
+        return TrainerSettings(str(path), train=train, dtype=dtype)  # type: ignore[arg-type]
+
+    return make
