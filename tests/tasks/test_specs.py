@@ -75,3 +75,11 @@ def test_rollout_arguments_come_from_the_registry_entry() -> None:
     assert set(ROLLOUT_BACKENDS["vllm"].options) <= set(spec.kwargs) and spec.kwargs["max_model_len"] == 512
     assert spec.kwargs["seed"] == v.trainer.seed and "batch_size" not in spec.kwargs
     assert spec.extra_options  # vLLM's own interpreter for its actors
+
+
+def test_trainer_and_rollout_workers_get_the_same_gpu_env() -> None:
+    c = cfg("cluster.num_gpus=2", "cluster.nccl_cumem_enable=false", "cluster.cuda_device_max_connections=1")
+    trainer, rollout = training_spec(c, RUN, "actor"), rollout_spec(c, RUN)
+    assert trainer.env == rollout.env == {"NCCL_CUMEM_ENABLE": "0", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert trainer.num_gpus == rollout.num_gpus == 1.0  # what the actor options ask Ray for
+    assert training_spec(cfg("cluster.nccl_cumem_enable=true"), RUN, "actor").env == {}  # no GPUs: nothing set

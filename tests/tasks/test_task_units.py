@@ -144,3 +144,11 @@ def test_stage_seeds_are_stable_and_distinct() -> None:
     assert derive_seed(1, 5, "generate") == derive_seed(1, 5, "generate")
     seeds = {derive_seed(s, step, stage) for s in (0, 1) for step in (1, 2) for stage in ("generate", "eval")}
     assert len(seeds) == 8
+
+
+def test_engine_perf_metrics_are_named_per_role_and_memory_peaks_take_the_largest_rank() -> None:
+    from rlstages.tasks.update import _across_ranks, _name
+
+    assert _name("actor", "perf/mfu") == "perf/mfu/actor" and _name("critic", "pg_loss") == "critic/pg_loss"
+    assert _across_ranks("perf/max_memory_allocated_gb", [1.0, 3.0]) == 3.0
+    assert _across_ranks("perf/throughput", [1.0, 3.0]) == 2.0 and _across_ranks("pg_loss", [1.0, 3.0]) == 2.0
