@@ -22,9 +22,9 @@ pytestmark = [
 
 
 def test_tp1_logprobs_equal_torch_and_one_grpo_step(tiny_model_dir: Path, batch, settings) -> None:
-    torch_engine = PPOTrainer(settings(tiny_model_dir))
-    engine = PPOTrainer(settings(tiny_model_dir, "megatron"))
+    engine = PPOTrainer(settings(tiny_model_dir, "megatron"))  # first: its env is set before CUDA starts
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    torch_engine = PPOTrainer(settings(tiny_model_dir))
     params = [p for chunk in engine.backend.chunks for p in chunk.parameters()]
     assert params and all(p.device == torch.device("cuda", 0) for p in params)
     mask = batch[T.RESPONSE_MASK]
