@@ -17,6 +17,8 @@ from typing import cast
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from rlstages.engines.runtime.device import to_device, worker_device
+
 
 def _check_model_dir(path: Path) -> None:
     """Raise a one-line error naming `path` unless it holds a config and safetensors weights."""
@@ -66,7 +68,8 @@ class RewardModelEngine:
                 raise ValueError(f"tokenizer of reward model {self.path} has neither a pad nor an eos token")
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.tokenizer.truncation_side = "left"  # keep the response end, where the score is read
-        self.model.eval()
+        self.device = worker_device()  # the GPU Ray gave this actor, else the CPU
+        self.model.to(self.device).eval()
         self.micro_batch_size = micro_batch_size
         self.max_length = max_length
         # Decoder reward models (Llama, Qwen, Mistral, GPT-2...) put a linear `score` head on every token;
@@ -93,6 +96,7 @@ class RewardModelEngine:
             add_special_tokens=not self.tokenizer.chat_template,
             return_tensors="pt",
         )
+        enc = to_device(dict(enc), self.device)
         mask = enc["attention_mask"]
         if self._head is None:  # encoder-style head (pooled first token): the model's own logits are right
             return self.model(**enc).logits[:, 0].float().tolist()
@@ -100,9 +104,9 @@ class RewardModelEngine:
         if self._takes_position_ids:
             inputs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
         hidden = self.model.base_model(**inputs).last_hidden_state
-        positions = torch.arange(mask.shape[1]).expand_as(mask)
+        positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
         last = (positions * mask).argmax(-1)  # index of the last real token, for either padding side
-        rows = hidden[torch.arange(hidden.shape[0]), last]
+        rows = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
         return self._head(rows)[:, 0].float().tolist()
 
     def score(self, prompts: list[str], responses: list[str]) -> list[float]:
