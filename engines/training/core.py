@@ -113,13 +113,16 @@ class PPOTrainer:
         return out
 
     def _perf(self, batch: TensorDict, seconds: float) -> dict[str, float]:
-        """`perf/throughput` (real tokens per second on this rank), `perf/mfu` (model FLOPs of those tokens over
-        the device's bf16 peak; absent where it is unknown, the CPU included) and the GPU memory peaks."""
+        """`perf/throughput` (real tokens per second per device: this rank's rows shared by the ranks of its
+        model-parallel group), `perf/mfu` (model FLOPs of those tokens over the device's bf16 peak; absent where
+        it is unknown, the CPU included) and the GPU memory peaks."""
+        train = self.settings.train
+        shared_by = getattr(train, "tensor_model_parallel_size", 1) * getattr(train, "pipeline_model_parallel_size", 1)
         lens = batch[T.ATTENTION_MASK].sum(-1).tolist()
-        perf = {f"{PERF}throughput": sum(lens) / max(seconds, 1e-9)}
-        low_precision = self.settings.dtype in ("bfloat16", "float16") or self.settings.train.bf16_autocast
+        perf = {f"{PERF}throughput": sum(lens) / max(seconds, 1e-9) / shared_by}
+        low_precision = self.settings.dtype in ("bfloat16", "float16") or train.bf16_autocast
         if self.model_config is not None:
-            flops = F.step_flops(self.model_config, lens, self.settings.train.ppo_epochs)
+            flops = F.step_flops(self.model_config, lens, train.ppo_epochs) / shared_by
             mfu = F.mfu(flops, seconds, D.device_name(self.device), low_precision)
             if mfu is not None:
                 perf[f"{PERF}mfu"] = mfu
