@@ -111,12 +111,10 @@ def plain_update(path: Path, batch: Any) -> float:
 
 
 def update_vs_transformers() -> None:
-    from rlstages.engines import types as T
     from rlstages.engines.training import flops as F
 
     path = random_model("qwen2", QWEN2_1_5B, "qwen2-1.5b")
-    batch = grpo_batch(QWEN2_1_5B["vocab_size"], ROWS, PROMPT, RESPONSE)
-    batch[T.OLD_LOGPROBS] = torch.zeros(ROWS, RESPONSE)
+    batch = grpo_batch(QWEN2_1_5B["vocab_size"], ROWS, PROMPT, RESPONSE)  # on-policy: ratio 1, nothing clipped
     plain = plain_update(path, batch)
     torch.cuda.empty_cache()
     engine = trainer(path, MICRO)
