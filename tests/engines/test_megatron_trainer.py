@@ -278,7 +278,7 @@ def test_pp2_ray_group_pipeline_schedule(ray_session, tiny_model_dir: Path, conv
         assert first_stage is None
         assert masked_max(out["logprobs"], torch_ref["logprobs"]["logprobs"], batch[T.RESPONSE_MASK]) <= 1e-5
         metrics = group.all(300).train_step(batch)
-        assert metrics[0] == metrics[1] and math.isfinite(metrics[0]["grad_norm"])
+        assert without_perf(metrics[0]) == without_perf(metrics[1]) and math.isfinite(metrics[0]["grad_norm"])
         check_against_torch(metrics[1], torch_ref)
         assert max_diff(group_weights(group), torch_ref["after"]) <= STEP_ATOL  # both stages' tensors arrive
     finally:
