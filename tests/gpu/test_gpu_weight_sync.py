@@ -244,9 +244,10 @@ def test_push_into_sglang_as_flattened_buckets_matches_the_trainer(model_dir: Pa
             for p in trainer.backend.model.parameters():
                 p.add_(0.05 * torch.randn_like(p))
         engine.sleep()  # release_memory_occupation; update_weights resumes the weights alone
-        awake_free = torch.cuda.mem_get_info()[0]
+        asleep_free = torch.cuda.mem_get_info()[0]
         engine.update_weights(trainer.named_weights())
-        assert torch.cuda.mem_get_info()[0] > awake_free - LEAK_BOUND - 2**30  # the KV cache is still released
+        # the weights came back (a few MB here), the KV cache (GiBs at 0.2 of the device) waits for generate
+        assert torch.cuda.mem_get_info()[0] > asleep_free - 2**28
         batch = engine.generate(PROMPTS, SAMPLED, seed=1)
         mask = batch[T.RESPONSE_MASK].float()
         ours = trainer.logprobs(batch)["logprobs"].float().cpu()
