@@ -27,6 +27,8 @@ world group, as OpenRLHF's and TRL's sync groups are. NCCL refuses two ranks of 
 ("Duplicate GPU detected"), which happens when a rollout worker shares the source's GPU without sharing its
 process: the driver asks every member for its GPU's UUID before forming the group and says so in one line
 (`distinct_gpus`); such a layout takes the hybrid engine instead, whose push is CUDA IPC (`runtime.cuda_ipc`).
+Members must also agree on `NCCL_CUMEM_ENABLE` (vLLM >= 0.16 no longer forces it; the config sets it for every
+worker): a mismatch is refused the same way (`same_nccl_cumem`).
 """
 
 from __future__ import annotations
@@ -116,6 +118,28 @@ def distinct_gpus(members: list[tuple[str, list[str | None]]]) -> None:
             if gpu is not None:
                 seen[gpu] = who
             rank += 1
+
+
+def member_nccl_cumem(engine: Any) -> str | None:
+    """Runs in a sync group member's actor: its `NCCL_CUMEM_ENABLE` (an engine's workers inherit the actor's env)."""
+    import os
+
+    return os.environ.get("NCCL_CUMEM_ENABLE")
+
+
+def same_nccl_cumem(members: list[tuple[str, str | None]]) -> None:
+    """Refuse an NCCL sync group whose members disagree on `NCCL_CUMEM_ENABLE` (SkyRL #143: a mismatch hangs or
+    fails the first collective), given each member's label and value (None: unset).
+
+    Raises:
+        ValueError: in one line, the values by member.
+    """
+    if len({value for _, value in members}) > 1:
+        seen = ", ".join(f"{label}: {value if value is not None else 'unset'}" for label, value in members)
+        raise ValueError(
+            f"weight sync: NCCL_CUMEM_ENABLE differs between the sync group's processes ({seen}); set it once "
+            "for every worker so trainer and rollout agree"
+        )
 
 
 def group_size(engine: Any) -> int:
@@ -374,7 +398,11 @@ class CollectiveSync:
         nodes = ray.get([h.__ray_call__.remote(worker_node) for h in rollouts], timeout=timeout)
         sizes = ray.get([h.__ray_call__.remote(group_size) for h in rollouts], timeout=timeout)
         gpus = ray.get([h.__ray_call__.remote(member_gpus) for h in [source, *rollouts]], timeout=timeout)
-        distinct_gpus([("trainer source", gpus[0])] + [(f"rollout worker {i}", g) for i, g in enumerate(gpus[1:])])
+        labels = ["trainer source", *(f"rollout worker {i}" for i in range(len(rollouts)))]
+        distinct_gpus(list(zip(labels, gpus, strict=True)))
+        if any(g is not None for member in gpus for g in member):  # NCCL: its env must agree everywhere
+            cumem = ray.get([h.__ray_call__.remote(member_nccl_cumem) for h in [source, *rollouts]], timeout=timeout)
+            same_nccl_cumem(list(zip(labels, cumem, strict=True)))
         flat = set(ray.get([h.__ray_call__.remote(receives_flat_buckets) for h in rollouts], timeout=timeout))
         if len(flat) > 1:
             raise ValueError("one weight-sync group cannot mix rollout engines with and without their own group API")

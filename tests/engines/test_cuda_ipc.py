@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rlstages.engines.runtime import cuda_ipc
-from rlstages.engines.runtime.collective_sync import distinct_gpus
+from rlstages.engines.runtime.collective_sync import distinct_gpus, same_nccl_cumem
 
 
 def _bucket() -> list[tuple[str, torch.Tensor]]:
@@ -111,3 +111,9 @@ def test_a_sync_group_with_two_ranks_on_one_gpu_is_refused_in_one_line() -> None
     message = str(err.value)
     assert "\n" not in message
     assert "trainer source (sync rank 0)" in message and "rollout worker 1 (sync rank 2)" in message
+
+
+def test_an_nccl_group_whose_members_disagree_on_cumem_is_refused() -> None:
+    same_nccl_cumem([("trainer source", "0"), ("rollout worker 0", "0")])
+    with pytest.raises(ValueError, match=r"NCCL_CUMEM_ENABLE differs .*trainer source: unset, rollout worker 0: 0"):
+        same_nccl_cumem([("trainer source", None), ("rollout worker 0", "0")])

@@ -309,7 +309,7 @@ def test_bucket_handles_reach_the_vllm_worker(engine, hf) -> None:
     with torch.no_grad():
         for p in perturbed.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    ray.get(engine.__ray_call__.remote(_use_bucket_handles, True), timeout=60)
+    ray.get(engine.__ray_call__.remote(_use_bucket_handles, True), timeout=600)
     try:
         before = call(engine, "generate", PROMPTS, sampling, 17)
         call(engine, "update_weights", list(perturbed.state_dict().items()))
@@ -318,7 +318,7 @@ def test_bucket_handles_reach_the_vllm_worker(engine, hf) -> None:
         assert diff < 1e-4
         assert not torch.equal(before["response_ids"], after["response_ids"])  # no stale prefix cache served
     finally:
-        ray.get(engine.__ray_call__.remote(_use_bucket_handles, False), timeout=60)
+        ray.get(engine.__ray_call__.remote(_use_bucket_handles, False), timeout=600)
         call(engine, "update_weights", list(model.state_dict().items()))  # the module's other tests expect these
 
 
