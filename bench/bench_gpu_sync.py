@@ -143,7 +143,9 @@ def vllm_figures(device: torch.device) -> None:
         batch = engine.generate(prompts, sampling, 1)
         return float(batch[T.RESPONSE_MASK].sum()) / (time.perf_counter() - start)
 
-    vllm = VLLMRolloutEngine(str(path), dtype="bfloat16", gpu_memory_utilization=0.3, apply_chat_template=False)
+    vllm = VLLMRolloutEngine(
+        str(path), dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=256, apply_chat_template=False
+    )
     ours = tokens_per_s(vllm)
     vllm.shutdown()
     del vllm
@@ -158,7 +160,13 @@ def vllm_figures(device: torch.device) -> None:
         "rlstages.engines.training.core:PPOTrainer",
         {"settings": TrainerSettings(str(path), dtype="bfloat16")},
         "rlstages.engines.rollout.vllm_rollout:VLLMRolloutEngine",
-        {"model_path": str(path), "dtype": "bfloat16", "gpu_memory_utilization": 0.3, "apply_chat_template": False},
+        {
+            "model_path": str(path),
+            "dtype": "bfloat16",
+            "gpu_memory_utilization": 0.3,
+            "max_model_len": 256,
+            "apply_chat_template": False,
+        },
     )
     phases: dict[str, float] = {"generate": 0.0, "sleep": 0.0, "update": 0.0, "sync": 0.0}
     for step in range(4):

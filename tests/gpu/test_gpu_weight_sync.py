@@ -205,6 +205,7 @@ def test_hybrid_engine_offloads_the_trainer_while_vllm_generates(model_dir: Path
             "model_path": str(model_dir),
             "dtype": "bfloat16",
             "gpu_memory_utilization": 0.2,
+            "max_model_len": 256,  # the tiny model's positions stop at 512
             "apply_chat_template": False,
         },
     )
