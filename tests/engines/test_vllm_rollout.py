@@ -285,15 +285,6 @@ def test_update_weights_takes_effect(engine, hf, model_dir: Path) -> None:
     assert masked_diff(batch["rollout_logprobs"], hf_logprobs(restored, batch, 1.0), batch["response_mask"])[0] < 1e-4
 
 
-def _use_bucket_handles(engine, on: bool) -> None:
-    """Runs in the vLLM actor: push through `runtime.cuda_ipc` (on CPU its shared-memory twin) in small buckets,
-    or back to the CPU default (shared-memory safetensors files)."""
-    from rlstages.engines.rollout import ipc
-
-    engine.transport = "cuda_ipc" if on else "shm_file"
-    engine.bucket_bytes = 1 << 14 if on else ipc.DEFAULT_BUCKET_BYTES
-
-
 def test_bucket_handles_reach_the_vllm_worker(engine, hf) -> None:
     """The colocated GPU push's protocol through the real vLLM: one handle of plain values per bucket crosses vLLM's
     `collective_rpc` (msgpack, no pickle) into its worker process, which maps the payload and loads it; fused
@@ -302,6 +293,14 @@ def test_bucket_handles_reach_the_vllm_worker(engine, hf) -> None:
 
     import ray
 
+    def use_bucket_handles(engine, on: bool) -> None:
+        """Runs in the vLLM actor (defined here so Ray ships it by value): push through `runtime.cuda_ipc` (on
+        CPU its shared-memory twin) in small buckets, or back to the CPU default (shared-memory files)."""
+        from rlstages.engines.rollout import ipc
+
+        engine.transport = "cuda_ipc" if on else "shm_file"
+        engine.bucket_bytes = 1 << 14 if on else ipc.DEFAULT_BUCKET_BYTES
+
     model, _ = hf
     sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW)
     perturbed = copy.deepcopy(model)
@@ -309,7 +308,7 @@ def test_bucket_handles_reach_the_vllm_worker(engine, hf) -> None:
     with torch.no_grad():
         for p in perturbed.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    ray.get(engine.__ray_call__.remote(_use_bucket_handles, True), timeout=600)
+    ray.get(engine.__ray_call__.remote(use_bucket_handles, True), timeout=600)
     try:
         before = call(engine, "generate", PROMPTS, sampling, 17)
         call(engine, "update_weights", list(perturbed.state_dict().items()))
@@ -318,7 +317,7 @@ def test_bucket_handles_reach_the_vllm_worker(engine, hf) -> None:
         assert diff < 1e-4
         assert not torch.equal(before["response_ids"], after["response_ids"])  # no stale prefix cache served
     finally:
-        ray.get(engine.__ray_call__.remote(_use_bucket_handles, False), timeout=600)
+        ray.get(engine.__ray_call__.remote(use_bucket_handles, False), timeout=600)
         call(engine, "update_weights", list(model.state_dict().items()))  # the module's other tests expect these
 
 
