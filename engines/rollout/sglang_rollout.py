@@ -8,8 +8,10 @@ Sleep releases the KV cache, weights and CUDA graphs (`release_memory_occupation
 up in host memory (`enable_weights_cpu_backup`), so `wake` alone restores a working engine (vLLM's level 1).
 
 Weights come in two ways, each inside one of SGLang's weight-update sessions (`begin_weight_update` ...
-`end_weight_update`, required since 0.5.2x): `update_weights` (tensors handed to this actor,
-`update_weights_from_tensor`), and split placement's collective sync (`BucketReceiver`): SGLang's TP workers
+`end_weight_update`, required since 0.5.2x): `update_weights` (tensors handed to this actor, colocated with
+the trainer on its GPU: per bucket one `FlattenedTensorBucket`, serialised once per TP rank by SGLang's
+`MultiprocessingSerializer` as CUDA IPC handles, `update_weights_from_tensor(load_format="flattened_bucket")`,
+as slime does), and split placement's collective sync (`BucketReceiver`): SGLang's TP workers
 join the trainer's broadcast group (`init_weights_update_group`), the trainer sends each bucket's names, dtypes
 and shapes to this actor through Ray and broadcasts the bucket as one flat tensor, which SGLang receives with
 `update_weights_from_distributed(..., load_format="flattened_bucket")` (`rlstages.engines.runtime.collective_sync`).
@@ -19,18 +21,22 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+import torch
 from tensordict import TensorDict
 
 from rlstages.engines.base import NamedTensors
 from rlstages.engines.rollout import ipc
 from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
 from rlstages.engines.types import Prompt, SamplingParams
+from rlstages.engines.utils import torch_dtype
 
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
 
 
 class SGLangRolloutEngine:
     """`RolloutEngine` on `sglang.Engine`: n samples per prompt with the sampled tokens' log-probs."""
+
+    wakes_weights_alone = True  # update_weights wakes only the weights; the KV cache waits for generate
 
     def __init__(
         self,
@@ -61,6 +67,7 @@ class SGLangRolloutEngine:
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else min(self.eos_ids, default=0)
         self.tp_size = tp_size
+        self.dtype = torch_dtype(dtype)
         self.engine = sglang.Engine(
             **engine_kwargs(model_path, dtype, tp_size, mem_fraction_static, enable_memory_saver, max_model_len, seed)
         )
@@ -97,11 +104,16 @@ class SGLangRolloutEngine:
         if WEIGHTS in self._released:
             self.engine.resume_memory_occupation(tags=[WEIGHTS])
             self._released.discard(WEIGHTS)
-        stream = ((name, t.detach()) for name, t in named_tensors)
+        stream = ((name, _cast(t, self.dtype)) for name, t in named_tensors)
         _check(self.engine.begin_weight_update(), "begin_weight_update")
         try:
             for bucket in ipc.iter_buckets(stream, self.bucket_bytes):
-                _check(self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False), "update")
+                payloads = flattened_payloads(bucket, self.tp_size)
+                result = self.engine.update_weights_from_tensor(
+                    named_tensors=payloads, load_format="flattened_bucket", flush_cache=False
+                )
+                _check(result, "update_weights_from_tensor")
+                del payloads, bucket  # SGLang's ranks hold their own references until they have loaded
         finally:
             _check(self.engine.end_weight_update(), "end_weight_update")
             self.engine.flush_cache()
@@ -169,6 +181,25 @@ class SGLangRolloutEngine:
     def shutdown(self) -> None:
         """Stop SGLang's scheduler and detokenizer processes."""
         self.engine.shutdown()
+
+
+def flattened_payloads(bucket: list[tuple[str, torch.Tensor]], tp_size: int) -> list[Any]:
+    """One bucket as `update_weights_from_tensor(load_format="flattened_bucket")` takes it: its tensors flattened
+    into one (`FlattenedTensorBucket`), serialised by `MultiprocessingSerializer` once per TP rank (each rank
+    maps its own copy of the CUDA IPC handle, so the producer's reference counts drop after every load)."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    monkey_patch_torch_reductions()  # the handle names the GPU by UUID: SGLang's ranks see other device indices
+    flat = FlattenedTensorBucket(named_tensors=bucket)
+    data = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+    return [MultiprocessingSerializer.serialize(data, output_str=True) for _ in range(tp_size)]
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Floating weights in the engine's dtype (one dtype per flattened bucket); others as they are."""
+    return tensor.detach().to(dtype) if tensor.is_floating_point() else tensor.detach()
 
 
 def engine_kwargs(

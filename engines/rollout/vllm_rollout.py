@@ -7,7 +7,9 @@ Weights are updated through vLLM's layerwise reload, the path its own weight-tra
 (layers go to meta), the model's `load_weights` on HF-named tensors (q/k/v -> qkv_proj and the like),
 finish (each layer re-runs its post-load processing; on CPU that re-packs the GEMM weights, which vLLM
 keeps only in packed form). Two ways in: `update_weights` (tensors handed to the actor reach the worker
-process through shared-memory files, `rlstages.engines.rollout.ipc`), and split placement's collective sync
+process on this node: on a GPU as CUDA IPC buckets, one `collective_rpc` per bucket carrying one handle,
+`rlstages.engines.runtime.cuda_ipc`; on CPU through shared-memory files, `rlstages.engines.rollout.ipc`;
+`cuda_ipc.weight_transport` chooses), and split placement's collective sync
 (`GroupReceiver`: vLLM's worker processes themselves join the trainer's broadcast group,
 `rlstages.engines.runtime.collective_sync`, and load each bucket as it arrives, as verl's and OpenRLHF's vLLM
 workers do with NCCL; no hop through this actor).
@@ -16,7 +18,11 @@ Sleep: vLLM refuses `enable_sleep_mode` on CPU and its CPU worker ignores sleep.
 equivalent is done: the KV cache storage is freed (`VLLM_CPU_KVCACHE_SPACE`/`cpu_kvcache_space_gb`, the
 engine's largest allocation) and re-allocated zeroed on wake, with the prefix cache reset. Weights stay: they
 already live in host memory, and the CPU kernels hold them pre-packed in oneDNN handles that vLLM offers
-no way to release. On GPUs with sleep support, `LLM.sleep(level)` / `wake_up` are used as is.
+no way to release. On GPUs with sleep support, `LLM.sleep(level)` / `wake_up` are used as is, woken by tags in
+verl's order so the KV cache is not allocated beside a second copy of the weights (vLLM #15254): `update_weights`
+wakes the weights alone (`wake_up(tags=["weights"])`), pushes, resets the prefix cache (cached blocks were computed
+by the old weights) and frees its buckets; `generate` then wakes the KV cache. Level 2 discards the weights, so
+the next sync must send all of them (the hybrid engine and collective sync do).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from tensordict import TensorDict
 from rlstages.engines.base import NamedTensors
 from rlstages.engines.rollout import ipc
 from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
+from rlstages.engines.runtime.cuda_ipc import Handle, Meta, push_buckets, weight_transport
 from rlstages.engines.types import Prompt, SamplingParams
 from rlstages.engines.utils import torch_dtype
 
@@ -68,6 +75,8 @@ def vllm_actor_options(python: str | None = None, env_vars: dict[str, str] | Non
 
 class VLLMRolloutEngine:
     """`RolloutEngine` on `vllm.LLM`: n samples per prompt with the sampled tokens' log-probs."""
+
+    wakes_weights_alone = True  # update_weights wakes only the weights; the KV cache waits for generate
 
     def __init__(
         self,
@@ -125,6 +134,9 @@ class VLLMRolloutEngine:
             **kwargs,
         )
         self.packed_modules: dict[str, list[str]] = self.llm.collective_rpc("rls_packed_modules")[0]
+        # where buckets are packed for the worker process: the GPU this actor shares with vLLM's worker
+        self.device = torch.device("cpu") if self.on_cpu or not torch.cuda.is_available() else torch.device("cuda")
+        self.transport = weight_transport(self.device)
         self._asleep_tags: set[str] = set()
 
     def generate(self, prompts: list[Prompt], sampling: SamplingParams, seed: int) -> TensorDict:
@@ -174,15 +186,19 @@ class VLLMRolloutEngine:
             self.llm.wake_up(tags=["weights"])  # level 2 discarded them: the caller sends the full set
             self._asleep_tags.discard("weights")
         fused = _FusedParts(self.packed_modules)
-        stream = fused.complete((name, _cast(t, self.dtype)) for name, t in named_tensors)
         self.llm.collective_rpc("rls_begin_weight_update")
         try:
-            for bucket in ipc.iter_buckets(stream, self.bucket_bytes):
-                path = ipc.write_bucket(bucket)
-                try:
-                    self.llm.collective_rpc("rls_load_weights_file", args=(str(path),))
-                finally:
-                    path.unlink(missing_ok=True)
+            if self.transport == "cuda_ipc":  # packing casts: the tensors go in as they are
+                stream = fused.complete((name, t.detach()) for name, t in named_tensors)
+                push_buckets(ipc.iter_buckets(stream, self.bucket_bytes), self.dtype, self.device, self._load_ipc)
+            else:
+                stream = fused.complete((name, _cast(t, self.dtype)) for name, t in named_tensors)
+                for bucket in ipc.iter_buckets(stream, self.bucket_bytes):
+                    path = ipc.write_bucket(bucket)
+                    try:
+                        self.llm.collective_rpc("rls_load_weights_file", args=(str(path),))
+                    finally:
+                        path.unlink(missing_ok=True)
         finally:
             self.llm.collective_rpc("rls_finish_weight_update")
             self.llm.reset_prefix_cache()
@@ -192,6 +208,14 @@ class VLLMRolloutEngine:
                 f"fused vLLM layers got only part of their tensors, so they were left unchanged: {missing}; "
                 "send all parts of a fused layer (e.g. q_proj, k_proj, v_proj) in the same update_weights call"
             )
+
+    def _load_ipc(self, handle: Handle, meta: Meta) -> int:
+        """One RPC per bucket: every worker maps the bucket by its handle and loads it; returns one worker's count."""
+        return int(self.llm.collective_rpc("rls_load_ipc_bucket", args=(handle, meta))[0])
+
+    def weight_group_devices(self) -> list[str | None]:
+        """The GPU UUID of each worker (None on CPU), in rank order (`collective_sync` refuses two ranks on one GPU)."""
+        return list(self.llm.collective_rpc("rls_device_uuid"))
 
     def weight_group_size(self) -> int:
         """Processes this engine adds to a weight-sync group: its workers, one per tensor-parallel rank."""

@@ -1,6 +1,7 @@
 """The vLLM side of the rollout engine: methods mixed into vLLM's worker class (`worker_extension_cls`), run in
-vLLM's worker process through `collective_rpc`: weight loading (layerwise reload, from shared-memory files or
-from the trainer's broadcast group), KV cache release on CPU, memory figures. vllm is imported lazily.
+vLLM's worker process through `collective_rpc`: weight loading (layerwise reload, from shared-memory files, from
+CUDA IPC buckets of a colocated trainer, or from the trainer's broadcast group), KV cache release on CPU, memory
+figures. vllm is imported lazily.
 """
 
 from __future__ import annotations
@@ -59,6 +60,21 @@ class RolloutWorkerExtension:
         weights = ipc.read_bucket(path)
         self.rls_load(weights)
         return len(weights)
+
+    def rls_load_ipc_bucket(self, handle: dict[str, Any], meta: bytes) -> int:
+        """Load one bucket shared by CUDA IPC (`runtime.cuda_ipc`: one handle per bucket, the GPU found by UUID);
+        the device is synchronised before this answers, so the sender may free the bucket. Returns its size."""
+        from rlstages.engines.runtime.cuda_ipc import receive_bucket
+
+        return receive_bucket(handle, meta, self.rls_load)
+
+    def rls_device_uuid(self) -> str | None:
+        """The UUID of this worker's GPU (None on CPU): a sync group must not put two ranks on one GPU."""
+        if not torch.cuda.is_available():
+            return None
+        from rlstages.engines.runtime.cuda_ipc import gpu_uuid
+
+        return gpu_uuid(torch.cuda.current_device())
 
     def rls_load(self, named_tensors: NamedTensors) -> None:
         """HF-named tensors through the model's own `load_weights` (inside a layerwise reload)."""

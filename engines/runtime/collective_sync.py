@@ -20,7 +20,15 @@ tensors (`adopt_weights`, the HF engine) makes its weights views of that file, s
 only copy; others copy out of it once the source is done. One all-reduce at the end tells the source every
 receiver is done. The file grows (a new, larger file) when the weights outgrow it, and each file is unlinked
 once all have mapped it: the memory lives as long as the mappings, so a killed worker leaves nothing behind
-in /dev/shm. Across nodes the payload is broadcast (and adopted as received). Non-goal: CUDA IPC handles.
+in /dev/shm. Across nodes the payload is broadcast (and adopted as received).
+
+On GPUs the group is NCCL (bf16 buckets broadcast from the source's GPU), a group of its own beside the trainer's
+world group, as OpenRLHF's and TRL's sync groups are. NCCL refuses two ranks of one communicator on one GPU
+("Duplicate GPU detected"), which happens when a rollout worker shares the source's GPU without sharing its
+process: the driver asks every member for its GPU's UUID before forming the group and says so in one line
+(`distinct_gpus`); such a layout takes the hybrid engine instead, whose push is CUDA IPC (`runtime.cuda_ipc`).
+Members must also agree on `NCCL_CUMEM_ENABLE` (vLLM >= 0.16 no longer forces it; the config sets it for every
+worker): a mismatch is refused the same way (`same_nccl_cumem`).
 """
 
 from __future__ import annotations
@@ -73,6 +81,65 @@ def worker_node(engine: Any) -> str:
     from rlstages.engines.runtime.rendezvous import node_ip
 
     return node_ip()
+
+
+def member_gpus(engine: Any) -> list[str | None]:
+    """Runs in a sync group member's actor: the UUID of the GPU of each process it adds (None on CPU): an
+    engine's own workers (`weight_group_devices`), else this process's current CUDA device."""
+    own = getattr(engine, "weight_group_devices", None)
+    if own is not None:
+        return list(own())
+    if not torch.cuda.is_available():
+        return [None]
+    from rlstages.engines.runtime.cuda_ipc import gpu_uuid
+
+    return [gpu_uuid(torch.cuda.current_device())]
+
+
+def distinct_gpus(members: list[tuple[str, list[str | None]]]) -> None:
+    """Refuse a sync group that puts two ranks on one GPU (NCCL's "Duplicate GPU detected"), given each member's
+    label and the GPU UUIDs of its processes in rank order.
+
+    Raises:
+        ValueError: in one line, which ranks share which GPU and what to do instead.
+    """
+    seen: dict[str, str] = {}
+    rank = 0
+    for label, gpus in members:
+        for i, gpu in enumerate(gpus):
+            who = f"{label} (sync rank {rank})" if len(gpus) == 1 else f"{label} process {i} (sync rank {rank})"
+            if gpu is not None and gpu in seen:
+                raise ValueError(
+                    f"weight sync: {seen[gpu]} and {who} are on the same GPU {gpu}, and NCCL refuses two ranks of "
+                    "one group on one device ('Duplicate GPU detected'); give the rollout its own GPUs "
+                    "(cluster.colocate: false) or share the trainer's process (cluster.hybrid_engine: true, "
+                    "weights by CUDA IPC)"
+                )
+            if gpu is not None:
+                seen[gpu] = who
+            rank += 1
+
+
+def member_nccl_cumem(engine: Any) -> str | None:
+    """Runs in a sync group member's actor: its `NCCL_CUMEM_ENABLE` (an engine's workers inherit the actor's env)."""
+    import os
+
+    return os.environ.get("NCCL_CUMEM_ENABLE")
+
+
+def same_nccl_cumem(members: list[tuple[str, str | None]]) -> None:
+    """Refuse an NCCL sync group whose members disagree on `NCCL_CUMEM_ENABLE` (SkyRL #143: a mismatch hangs or
+    fails the first collective), given each member's label and value (None: unset).
+
+    Raises:
+        ValueError: in one line, the values by member.
+    """
+    if len({value for _, value in members}) > 1:
+        seen = ", ".join(f"{label}: {value if value is not None else 'unset'}" for label, value in members)
+        raise ValueError(
+            f"weight sync: NCCL_CUMEM_ENABLE differs between the sync group's processes ({seen}); set it once "
+            "for every worker so trainer and rollout agree"
+        )
 
 
 def group_size(engine: Any) -> int:
@@ -330,6 +397,12 @@ class CollectiveSync:
         addr, port = ray.get(source.__ray_call__.remote(sync_endpoint), timeout=timeout)
         nodes = ray.get([h.__ray_call__.remote(worker_node) for h in rollouts], timeout=timeout)
         sizes = ray.get([h.__ray_call__.remote(group_size) for h in rollouts], timeout=timeout)
+        gpus = ray.get([h.__ray_call__.remote(member_gpus) for h in [source, *rollouts]], timeout=timeout)
+        labels = ["trainer source", *(f"rollout worker {i}" for i in range(len(rollouts)))]
+        distinct_gpus(list(zip(labels, gpus, strict=True)))
+        if any(g is not None for member in gpus for g in member):  # NCCL: its env must agree everywhere
+            cumem = ray.get([h.__ray_call__.remote(member_nccl_cumem) for h in [source, *rollouts]], timeout=timeout)
+            same_nccl_cumem(list(zip(labels, cumem, strict=True)))
         flat = set(ray.get([h.__ray_call__.remote(receives_flat_buckets) for h in rollouts], timeout=timeout))
         if len(flat) > 1:
             raise ValueError("one weight-sync group cannot mix rollout engines with and without their own group API")

@@ -9,6 +9,10 @@ Methods delegate explicitly, so Ray sees every one of them on the actor handle. 
 worker's device (`runtime.device.worker_device`): on a GPU the one copy of the weights lives there, generation
 frees its KV cache when it returns, and the cached blocks of each phase go back before the other starts.
 
+On a GPU, with a rollout engine that frees its own memory while asleep (vLLM sleep mode, SGLang's memory saver),
+the trainer's parameters and optimizer state leave the GPU while the engine generates and come back before the
+trainer's next call (`runtime.offload`); the sync pushes from the trainer's GPU tensors by CUDA IPC.
+
 Non-goal: resharding between different parallel layouts (one rank holds whole models here).
 """
 
@@ -24,6 +28,7 @@ from tensordict import TensorDict
 
 from rlstages.engines.base import NamedTensors
 from rlstages.engines.runtime.device import free_cached, worker_device
+from rlstages.engines.runtime.offload import hybrid_offload
 from rlstages.engines.runtime.weight_sync import Bucket
 from rlstages.engines.types import Prompt, SamplingParams
 from rlstages.engines.utils import import_object
@@ -43,10 +48,13 @@ class HybridEngine:
             rest = self.rollout.adopt_weights(self.trainer.named_weights())
             self.rollout.update_weights(rest)
             self.shares_weights = not rest
+        self.offload = None if self.shares_weights else hybrid_offload(self.trainer, self.rollout)
 
     # ---- rollout side -----------------------------------------------------------------------------------------
     def generate(self, prompts: list[Prompt], sampling: SamplingParams, seed: int) -> TensorDict:
-        """Sample with the rollout engine."""
+        """Sample with the rollout engine (the trainer's GPU memory handed to it where it is offloaded)."""
+        if self.offload is not None:
+            self.offload.offload()
         return self.rollout.generate(prompts, sampling, seed)
 
     def update_weights(self, named_tensors: NamedTensors) -> None:
@@ -75,7 +83,7 @@ class HybridEngine:
 
         def counted() -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal count
-            for item in self.trainer.named_weights():
+            for item in self._trainer().named_weights():
                 count += 1
                 yield item
 
@@ -86,7 +94,8 @@ class HybridEngine:
                 self.rollout.update_weights(rest)
             copied = len(rest)
         else:
-            self.rollout.wake()
+            if not getattr(self.rollout, "wakes_weights_alone", False):  # vLLM, SGLang: the weights, not the KV cache
+                self.rollout.wake()
             self.rollout.update_weights(counted())
             copied = count
         return {
@@ -97,36 +106,42 @@ class HybridEngine:
         }
 
     # ---- trainer side -----------------------------------------------------------------------------------------
+    def _trainer(self) -> Any:
+        """The trainer, its memory back on its device if it was offloaded for generation."""
+        if self.offload is not None:
+            self.offload.reload()
+        return self.trainer
+
     def logprobs(self, batch: TensorDict, temperature: float | None = None, base: bool = False) -> TensorDict:
         """Teacher-forced log-probs with the trainer (`base`: its frozen LoRA base, the reference policy)."""
         if base:
-            return self.trainer.logprobs(batch, temperature, base=True)
-        return self.trainer.logprobs(batch, temperature)
+            return self._trainer().logprobs(batch, temperature, base=True)
+        return self._trainer().logprobs(batch, temperature)
 
     def values(self, batch: TensorDict) -> torch.Tensor:
         """Critic values with the trainer."""
-        return self.trainer.values(batch)
+        return self._trainer().values(batch)
 
     def train_step(self, batch: TensorDict) -> dict[str, float]:
         """One training step of the trainer."""
-        return self.trainer.train_step(batch)
+        return self._trainer().train_step(batch)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The trainer's HF-named weights."""
-        return self.trainer.named_weights()
+        return self._trainer().named_weights()
 
     def weight_buckets(self, bucket_bytes: int, dtype: str) -> Iterator[Bucket]:
         """The trainer's weights in encoded buckets (to sync other rollout workers)."""
-        yield from self.trainer.weight_buckets(bucket_bytes, dtype)
+        yield from self._trainer().weight_buckets(bucket_bytes, dtype)
 
     def save(self, path: Path) -> None:
         """Checkpoint the trainer (the rollout is rebuilt from it by a sync)."""
-        self.trainer.save(path)
+        self._trainer().save(path)
 
     def load(self, path: Path) -> None:
         """Restore the trainer."""
-        self.trainer.load(path)
+        self._trainer().load(path)
 
     def save_pretrained(self, path: Path, tokenizer_from: Path | None = None) -> None:
         """Export the trainer's weights as an HF directory."""
-        self.trainer.save_pretrained(path, tokenizer_from)
+        self._trainer().save_pretrained(path, tokenizer_from)

@@ -2,7 +2,8 @@
 
 SGLang has no CPU build, so the engine cannot run on a CPU machine. Where `sglang` imports (a GPU machine with
 `pip install -e ".[sglang]"`), the keyword names this engine passes to `sglang.Engine`, `generate`,
-`update_weights_from_tensor`, `release/resume_memory_occupation` and the sampling dict are checked with
+`update_weights_from_tensor` (and its flattened-bucket payload: `FlattenedTensorBucket`,
+`MultiprocessingSerializer`), `release/resume_memory_occupation` and the sampling dict are checked with
 `inspect` against that install; elsewhere those tests skip with the import error as the reason. The
 argument-mapping tests run everywhere. Run:
 
@@ -67,6 +68,19 @@ def test_method_keywords_match(sglang_api) -> None:
     assert "group_name" in params(engine.destroy_weights_update_group)
     assert callable(engine.begin_weight_update) and callable(engine.end_weight_update)
     assert {"weights", "kv_cache", "cuda_graph"} <= set(sglang_api["tags"])
+
+
+def test_flattened_bucket_api_matches(sglang_api) -> None:
+    """The colocated push (`flattened_payloads`): SGLang's bucket, serializer and the load format keyword."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    assert "named_tensors" in params(FlattenedTensorBucket)
+    assert callable(FlattenedTensorBucket.get_flattened_tensor) and callable(FlattenedTensorBucket.get_metadata)
+    assert "output_str" in params(MultiprocessingSerializer.serialize)
+    assert callable(monkey_patch_torch_reductions)
+    assert {"named_tensors", "load_format", "flush_cache"} <= params(sglang_api["Engine"].update_weights_from_tensor)
 
 
 def test_sampling_keys_are_sglang_sampling_params(sglang_api) -> None:

@@ -285,6 +285,42 @@ def test_update_weights_takes_effect(engine, hf, model_dir: Path) -> None:
     assert masked_diff(batch["rollout_logprobs"], hf_logprobs(restored, batch, 1.0), batch["response_mask"])[0] < 1e-4
 
 
+def test_bucket_handles_reach_the_vllm_worker(engine, hf) -> None:
+    """The colocated GPU push's protocol through the real vLLM: one handle of plain values per bucket crosses vLLM's
+    `collective_rpc` (msgpack, no pickle) into its worker process, which maps the payload and loads it; fused
+    q/k/v and gate/up parts span buckets. On CPU the handle names a shared-memory segment instead of CUDA memory."""
+    import copy
+
+    import ray
+
+    def use_bucket_handles(engine, on: bool) -> None:
+        """Runs in the vLLM actor (defined here so Ray ships it by value): push through `runtime.cuda_ipc` (on
+        CPU its shared-memory twin) in small buckets, or back to the CPU default (shared-memory files)."""
+        from rlstages.engines.rollout import ipc
+
+        engine.transport = "cuda_ipc" if on else "shm_file"
+        engine.bucket_bytes = 1 << 14 if on else ipc.DEFAULT_BUCKET_BYTES
+
+    model, _ = hf
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW)
+    perturbed = copy.deepcopy(model)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ray.get(engine.__ray_call__.remote(use_bucket_handles, True), timeout=600)
+    try:
+        before = call(engine, "generate", PROMPTS, sampling, 17)
+        call(engine, "update_weights", list(perturbed.state_dict().items()))
+        after = call(engine, "generate", PROMPTS, sampling, 17)
+        diff, _ = masked_diff(after["rollout_logprobs"], hf_logprobs(perturbed, after, 1.0), after["response_mask"])
+        assert diff < 1e-4
+        assert not torch.equal(before["response_ids"], after["response_ids"])  # no stale prefix cache served
+    finally:
+        ray.get(engine.__ray_call__.remote(use_bucket_handles, False), timeout=600)
+        call(engine, "update_weights", list(model.state_dict().items()))  # the module's other tests expect these
+
+
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "sockets"])
 def test_collective_sync_into_the_vllm_workers(engine, hf, model_dir: Path, ray_session, shared_memory: bool) -> None:
     """Split placement: a trainer actor (main venv) broadcasts its weights straight into vLLM's worker process

@@ -55,6 +55,43 @@ class CopyingRollout(HFRolloutEngine):
     adopt_weights = None
 
 
+class TensorSource:
+    """A weight source with no model: HF-named tensors of a fixed seed (the group logic needs nothing more)."""
+
+    def named_weights(self):
+        g = torch.Generator().manual_seed(0)
+        for i in range(6):
+            yield f"model.layers.{i}.mlp.up_proj.weight", torch.randn(16, 24, generator=g)
+
+
+class TensorSink:
+    """A receiver with no model: keeps what it is handed, and the names in the order they came."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] = {}
+        self.received: list[str] = []
+
+    def update_weights(self, named_tensors) -> None:
+        for name, tensor in named_tensors:
+            self.received.append(name)
+            self.weights[name] = tensor.clone()
+
+    def wake(self) -> None:
+        pass
+
+
+def _groups_here(engine) -> dict[str, int]:
+    """The sync groups this actor holds: name -> its rank in it."""
+    from rlstages.engines.runtime.collective_sync import _SYNC_GROUPS
+
+    return {name: member.rank for name, member in _SYNC_GROUPS.items()}
+
+
+def _received(engine) -> tuple[list[str], dict[str, torch.Tensor]]:
+    names, engine.received = engine.received, []
+    return names, engine.weights
+
+
 def _count(engine) -> int:
     return len(list(engine.named_weights()))
 
@@ -139,3 +176,50 @@ def test_collective_sync_keeps_logprobs_in_step(ray_session, tiny_model_dir: Pat
     finally:
         rollout.kill()
         trainer.kill()
+
+
+def test_group_ranks_order_and_rejoin_after_a_rollout_worker_is_replaced(ray_session) -> None:
+    """The group logic NCCL runs on GPUs, over gloo with the payload broadcast (no shared memory): the source is
+    rank 0 and the rollout workers follow in order; every receiver gets the source's tensors in the order of its
+    `named_weights`, bucket after bucket, bit-exact; when a worker is replaced the next sync forms a new group of
+    the live actors, the survivor drops the old one, and the newcomer receives everything."""
+    import time
+
+    import ray
+
+    source = ActorGroup(GroupSpec(name="rejoin-source", engine=f"{__name__}:TensorSource"), "rlstages-tests")
+    sinks = ActorGroup(GroupSpec(name="rejoin-sinks", engine=f"{__name__}:TensorSink", num_workers=3), "rlstages-tests")
+    want = dict(TensorSource().named_weights())
+    sync = CollectiveSync(shared_memory=False)
+    try:
+        first = sync.sync(source.handles, 0, sinks.handles[:2], 500, "bfloat16", 120)
+        assert first["sync/shared_memory"] == 0.0 and first["sync/buckets"] == 6 and first["sync/tensors"] == 6
+        (old_name,) = ray.get(source.handles[0].__ray_call__.remote(_groups_here), timeout=60)
+        assert ray.get([h.__ray_call__.remote(_groups_here) for h in sinks.handles[:2]], timeout=60) == [
+            {old_name: 1},
+            {old_name: 2},
+        ]
+        for names, got in ray.get([h.__ray_call__.remote(_received) for h in sinks.handles[:2]], timeout=60):
+            assert names == list(want)  # the source's order
+            assert all(torch.equal(got[k], v.to(torch.bfloat16)) for k, v in want.items())  # bf16 buckets, exact
+
+        ray.kill(sinks.handles[1])  # a worker is lost; the third sink stands in for its replacement
+        live = [sinks.handles[0], sinks.handles[2]]
+        second = sync.sync(source.handles, 0, live, 500, "bfloat16", 120)
+        assert second["sync/buckets"] == 6
+        (new_name,) = ray.get(source.handles[0].__ray_call__.remote(_groups_here), timeout=60)
+        assert new_name != old_name and len(sync._groups) == 1
+        for _ in range(50):  # the survivor drops the old group (fire and forget)
+            if ray.get(live[0].__ray_call__.remote(_groups_here), timeout=60) == {new_name: 1}:
+                break
+            time.sleep(0.1)
+        assert ray.get([h.__ray_call__.remote(_groups_here) for h in live], timeout=60) == [
+            {new_name: 1},
+            {new_name: 2},
+        ]
+        for names, got in ray.get([h.__ray_call__.remote(_received) for h in live], timeout=60):
+            assert names == list(want)
+            assert all(torch.equal(got[k], v.to(torch.bfloat16)) for k, v in want.items())
+    finally:
+        source.kill()
+        sinks.kill()
