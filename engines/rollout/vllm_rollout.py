@@ -40,6 +40,7 @@ from rlstages.engines.base import NamedTensors
 from rlstages.engines.rollout import ipc
 from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
 from rlstages.engines.runtime.cuda_ipc import Handle, Meta, push_buckets, weight_transport
+from rlstages.engines.runtime.device import worker_device
 from rlstages.engines.types import Prompt, SamplingParams
 from rlstages.engines.utils import torch_dtype
 
@@ -135,7 +136,7 @@ class VLLMRolloutEngine:
         )
         self.packed_modules: dict[str, list[str]] = self.llm.collective_rpc("rls_packed_modules")[0]
         # where buckets are packed for the worker process: the GPU this actor shares with vLLM's worker
-        self.device = torch.device("cpu") if self.on_cpu or not torch.cuda.is_available() else torch.device("cuda")
+        self.device = torch.device("cpu") if self.on_cpu else worker_device()
         self.transport = weight_transport(self.device)
         self._asleep_tags: set[str] = set()
 

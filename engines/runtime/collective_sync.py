@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from rlstages.engines.runtime.device import worker_device
 from rlstages.engines.runtime.flat_sync import (
     begin_flat_round,
     end_flat_round,
@@ -85,15 +86,16 @@ def worker_node(engine: Any) -> str:
 
 def member_gpus(engine: Any) -> list[str | None]:
     """Runs in a sync group member's actor: the UUID of the GPU of each process it adds (None on CPU): an
-    engine's own workers (`weight_group_devices`), else this process's current CUDA device."""
+    engine's own workers (`weight_group_devices`), else this worker's device (`device.worker_device`)."""
     own = getattr(engine, "weight_group_devices", None)
     if own is not None:
         return list(own())
-    if not torch.cuda.is_available():
+    device = worker_device()
+    if device.type != "cuda":
         return [None]
     from rlstages.engines.runtime.cuda_ipc import gpu_uuid
 
-    return [gpu_uuid(torch.cuda.current_device())]
+    return [gpu_uuid(device.index or 0)]
 
 
 def distinct_gpus(members: list[tuple[str, list[str | None]]]) -> None:

@@ -22,11 +22,11 @@ KV_NAMESPACE = "rlstages-rendezvous"
 
 
 def collective_backend() -> str:
-    """The one place that tells GPUs from CPUs for collectives: NCCL when CUDA is visible, else gloo (the
-    simulated cluster's fake GPUs: Ray sets CUDA_VISIBLE_DEVICES, torch sees no CUDA)."""
-    import torch
+    """NCCL when this worker computes on a GPU (`device.worker_device`), else gloo (the simulated cluster's fake
+    GPUs: Ray sets CUDA_VISIBLE_DEVICES, torch sees no CUDA)."""
+    from rlstages.engines.runtime.device import worker_device
 
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return "nccl" if worker_device().type == "cuda" else "gloo"
 
 
 def collective_device() -> str:
