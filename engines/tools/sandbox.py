@@ -64,8 +64,8 @@ _REFUSED_EXIT = 70
 class SandboxLimits:
     """Limits of one sandboxed program (wall and CPU seconds, MiB of address space and file size, counts)."""
 
-    timeout_s: float = 10.0
-    cpu_s: int = 10
+    timeout_s: float = 5.0
+    cpu_s: int = 5
     memory_mb: int = 1024
     max_file_mb: int = 16
     max_processes: int = 64
@@ -130,6 +130,17 @@ async def _read_capped(stream: asyncio.StreamReader, max_bytes: int) -> tuple[by
         dropped = dropped or len(data) > room
 
 
+async def _exited(proc: asyncio.subprocess.Process, timeout_s: float) -> bool:
+    """True once the program's own process has exited, False at the timeout. Polls the return code, because
+    on Python 3.11 `proc.wait()` also waits for the pipes, which a background child may hold open."""
+    deadline = time.monotonic() + timeout_s
+    while proc.returncode is None:
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
 def _kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
@@ -172,10 +183,7 @@ async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxR
         status_w = -1
         assert proc.stdout is not None
         reader = asyncio.ensure_future(_read_capped(proc.stdout, limits.max_output_bytes))
-        try:
-            await asyncio.wait_for(proc.wait(), limits.timeout_s)
-        except TimeoutError:
-            timed_out = True
+        timed_out = not await _exited(proc, limits.timeout_s)
         _kill_group(proc.pid)  # the program's leftover children too
         await proc.wait()
         try:
@@ -210,9 +218,6 @@ async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxR
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-_warned_network = False
-
-
 class PythonSandbox:
     """The `python` tool: `{"code": "print(6 * 7)"}` -> its stdout/stderr; stateless (each call a fresh process)."""
 
@@ -221,8 +226,8 @@ class PythonSandbox:
 
     def __init__(
         self,
-        timeout_s: float = 10.0,
-        cpu_s: int = 10,
+        timeout_s: float = 5.0,
+        cpu_s: int = 5,
         memory_mb: int = 1024,
         max_file_mb: int = 16,
         max_processes: int = 64,
@@ -264,20 +269,27 @@ class PythonSandbox:
 
     async def call(self, arguments: dict[str, Any]) -> ToolResult:
         """Run `arguments["code"]`; limits hit and non-zero exits come back as error results with the output."""
-        global _warned_network
         code = arguments.get("code")
         if not isinstance(code, str):
             return ToolResult(text="Error: code must be a string", error="code must be a string")
-        run = await run_python(code, self.limits)
-        text = run.output
-        if run.truncated:
-            text += f"\n[output cut at {self.limits.max_output_bytes} bytes]"
-        if not run.network.startswith("on") and self.limits.isolate_network:
-            text += f"\n[sandbox: network isolation {run.network}]"
-            if not _warned_network:
-                logger.warning("python sandbox: network isolation %s", run.network)
-                _warned_network = True
-        error = run.error
-        if error is not None:
-            text += f"\nError: {error}"
-        return ToolResult(text=text, error=error, truncated=run.truncated)
+        return observation(await run_python(code, self.limits), self.limits)
+
+
+_warned_network = False
+
+
+def observation(run: SandboxRun, limits: SandboxLimits) -> ToolResult:
+    """The tool's result for a run: its output, then notes (cut output, isolation asked for but off, the error)."""
+    global _warned_network
+    text = run.output
+    if run.truncated:
+        text += f"\n[output cut at {limits.max_output_bytes} bytes]"
+    if limits.isolate_network and not run.network.startswith("on"):
+        text += f"\n[sandbox: network isolation {run.network}]"
+        if not _warned_network:
+            logger.warning("python sandbox: network isolation %s", run.network)
+            _warned_network = True
+    error = run.error
+    if error is not None:
+        text += f"\nError: {error}"
+    return ToolResult(text=text, error=error, truncated=run.truncated)

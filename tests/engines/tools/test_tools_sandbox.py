@@ -1,0 +1,178 @@
+"""The sandboxed Python executor on this machine: limits, kills, caps, empty environment, temp dir, no network."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from rlstages.configs.tools import EnvironmentSpec
+from rlstages.engines.tools import ToolCall, build_environment, run_tool_call
+from rlstages.engines.tools.sandbox import PythonSandbox, SandboxLimits, SandboxRun, observation, run_python
+
+
+def _run(code: str, **limits) -> object:
+    return asyncio.run(run_python(code, SandboxLimits(**limits)))
+
+
+def _alive(pid: int) -> bool:
+    """Running or sleeping (a zombie waiting for its reaper is dead)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+SPAWN_AND_SPIN = """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print(child.pid, flush=True)
+while True:
+    pass
+"""
+
+
+def test_runs_a_program_and_returns_its_output() -> None:
+    run = _run("import sys\nprint(6 * 7, flush=True)\nprint('oops', file=sys.stderr)")
+    assert run.returncode == 0 and run.error is None and not run.timed_out
+    assert run.output == "42\noops\n"
+
+
+def test_environment_is_empty_and_temp_dir_is_removed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RLSTAGES_TEST_SECRET", "hunter2")
+    run = _run("import os, sys, json\nprint(json.dumps([dict(os.environ), os.getcwd(), sys.flags.isolated]))")
+    env, cwd, isolated = json.loads(run.output)
+    # Nothing of ours is passed; CPython's own C-locale coercion (PEP 538) may add LC_CTYPE itself.
+    assert set(env) <= {"LC_CTYPE"}, env
+    assert isolated == 1
+    assert Path(cwd).parent == Path(tempfile.gettempdir()) and Path(cwd).name.startswith("rlstages-sandbox-")
+    assert not Path(cwd).exists()
+
+
+def test_wall_clock_kill_takes_the_children_too() -> None:
+    start = time.perf_counter()
+    run = _run(SPAWN_AND_SPIN, timeout_s=1.5, cpu_s=30)
+    elapsed = time.perf_counter() - start
+    assert run.timed_out and run.error == "wall-clock limit reached; the process group was killed"
+    assert 1.4 < elapsed < 4.0, elapsed
+    child = int(run.output.split()[0])
+    deadline = time.monotonic() + 2.0
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def test_background_children_do_not_outlive_a_finished_program() -> None:
+    code = SPAWN_AND_SPIN.replace("while True:\n    pass", "")
+    run = _run(code, timeout_s=5.0)
+    assert run.returncode == 0 and not run.timed_out
+    child = int(run.output.split()[0])
+    deadline = time.monotonic() + 2.0
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def test_cpu_limit_kills_a_busy_loop() -> None:
+    start = time.perf_counter()
+    run = _run("while True:\n    pass", timeout_s=20.0, cpu_s=1)
+    assert not run.timed_out and run.error in ("CPU time limit reached", "killed (CPU or memory limit)")
+    assert time.perf_counter() - start < 10.0
+
+
+def test_memory_limit() -> None:
+    run = _run("x = bytearray(1024 * 1024 * 1024)\nprint('allocated')", memory_mb=256)
+    assert "allocated" not in run.output
+    assert run.error == "memory limit reached (MemoryError)"
+    ok = _run("x = bytearray(64 * 1024 * 1024)\nprint('allocated')", memory_mb=256)
+    assert ok.output == "allocated\n" and ok.error is None
+
+
+def test_file_size_limit() -> None:
+    run = _run("open('big', 'wb').write(b'x' * (3 * 1024 * 1024))", max_file_mb=1)
+    assert run.returncode != 0 and "File too large" in run.output
+
+
+def test_output_cap() -> None:
+    run = _run(
+        "import sys\nfor _ in range(100):\n    sys.stdout.write('x' * 10000)\nprint('END')", max_output_bytes=1000
+    )
+    assert run.truncated and run.output == "x" * 1000 and run.returncode == 0
+    result = asyncio.run(PythonSandbox(max_output_bytes=1000).call({"code": "print('y' * 5000)"}))
+    assert result.truncated and result.text.startswith("y" * 1000) and "[output cut at 1000 bytes]" in result.text
+
+
+def test_no_network_inside_the_sandbox() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        code = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=3)\nprint('connected')\n"
+        control = _run(code, isolate_network=False)
+        assert control.output == "connected\n"  # the listener is reachable from an unisolated process
+        run = _run(code)
+    if not run.network.startswith("on"):
+        pytest.skip(f"this OS refuses network namespaces: {run.network}")
+    assert run.network == "on (network namespace)" or run.network == "on (user + network namespace)"
+    assert "connected" not in run.output and run.returncode != 0
+    assert "Network is unreachable" in run.output or "Connection refused" in run.output
+
+
+def test_sandbox_calls_overlap() -> None:
+    async def four():
+        return await asyncio.gather(*(run_python("import time\ntime.sleep(1.0)\nprint('ok')") for _ in range(4)))
+
+    start = time.perf_counter()
+    runs = asyncio.run(four())
+    elapsed = time.perf_counter() - start
+    assert [r.output for r in runs] == ["ok\n"] * 4
+    assert elapsed < 3.5, elapsed  # serial: over 4 s
+
+
+def test_runner_timeout_cancels_the_sandbox_and_kills_its_group() -> None:
+    spec = EnvironmentSpec(tools=[{"name": "python", "kwargs": {"timeout_s": 60, "cpu_s": 60}, "timeout_s": 1.5}])
+    env = build_environment(spec)
+    call = ToolCall(name="python", raw_arguments="", arguments={"code": SPAWN_AND_SPIN}, parse_error=None)
+    before = set(os.listdir(tempfile.gettempdir()))
+
+    async def run():
+        result = await run_tool_call(env, call, 30.0)
+        await asyncio.sleep(0.5)  # let the child watcher reap
+        return result
+
+    result = asyncio.run(run())
+    assert result.error == "tool 'python' timed out after 1.5 s"
+    leftover = [d for d in set(os.listdir(tempfile.gettempdir())) - before if d.startswith("rlstages-sandbox-")]
+    assert leftover == []
+    sandboxes = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _is_spinner(p)]
+    assert sandboxes == []
+
+
+def _is_spinner(proc: Path) -> bool:
+    try:
+        return b"time.sleep(120)" in (proc / "cmdline").read_bytes() and _alive(int(proc.name))
+    except OSError:
+        return False
+
+
+def test_tool_reports_errors_and_isolation() -> None:
+    tool = PythonSandbox(timeout_s=5.0)
+    ok = asyncio.run(tool.call({"code": "print(2 ** 10)"}))
+    assert ok.error is None and ok.text.startswith("1024\n")
+    bad = asyncio.run(tool.call({"code": "raise SystemExit(3)"}))
+    assert bad.error == "exit status 3" and bad.text.endswith("Error: exit status 3")
+    assert asyncio.run(tool.call({"code": 5})).error == "code must be a string"
+    unasked = asyncio.run(PythonSandbox(isolate_network=False).call({"code": "print(1)"}))
+    assert unasked.text == "1\n"  # turned off on purpose: no note
+    refused = SandboxRun("1\n", 0, False, False, "off: unshare refused (Operation not permitted)", 0.1)
+    noted = observation(refused, SandboxLimits())
+    assert noted.text == "1\n\n[sandbox: network isolation off: unshare refused (Operation not permitted)]"
+    strict = SandboxRun("", 70, False, False, "off: unshare refused (Operation not permitted)", 0.1)
+    assert observation(strict, SandboxLimits(require_network_isolation=True)).error == (
+        "network isolation required but unavailable (off: unshare refused (Operation not permitted))"
+    )
