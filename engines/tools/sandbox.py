@@ -1,17 +1,19 @@
 """A sandboxed Python executor: each call runs in its own process, limited and killed as a group.
 
 The program is written to `main.py` in a fresh temp directory (its working directory, removed afterwards) and
-started through a tiny launcher (`python -I -S -c ...`) that, in the child only, enters a new network namespace
-(`unshare(CLONE_NEWNET)`, or a user + network namespace when not privileged), sets resource limits (CPU
-seconds, address space, file size, processes, open files, no core dumps) and then `execve`s `python -I main.py`
-with an empty environment. The parent reads stdout+stderr up to a byte cap, kills the whole process group
-(`start_new_session`) at the wall-clock limit or when the program exits (no background child outlives the
-call) and also when the awaiting task is cancelled. Calls are asyncio subprocesses, so calls overlap.
+started through a tiny launcher (`python -I -S -c ...`) that, in the child only, enters new network and PID
+namespaces (`unshare(CLONE_NEWNET | CLONE_NEWPID)` via ctypes, as Python 3.11 has no `os.unshare`; with a user
+namespace when not privileged), sets resource limits (CPU seconds, address space, file size, processes, open
+files, no core dumps), optionally drops to another user (`user=`, when the worker is root), and `execve`s
+`python -I main.py` with an empty environment. The parent reads stdout+stderr up to a byte cap and kills the
+whole process group (`start_new_session`) at the wall-clock limit, when the program exits, and when the awaiting
+task is cancelled; in the PID namespace the program is PID 1, so its death takes every descendant with it,
+even one that called `setsid()`. Calls are asyncio subprocesses, so calls overlap.
 
 No `preexec_fn` (unsafe in a process with threads, like a Ray worker): the launcher does the child-side work.
 Where the OS refuses namespaces, the call still runs, its observation says network isolation is off, and
-`require_network_isolation=True` refuses instead. Not isolated: the file system (the program can read what the
-worker's user can), a child that calls `setsid()` escapes the group kill (it keeps the CPU/memory limits).
+`require_network_isolation=True` refuses instead. Not isolated: the file system (the program reads and writes
+what its user may; run as root unless `user=` is given), CPU/memory beyond the rlimits (no cgroups).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import contextlib
 import json
 import logging
 import os
+import pwd
 import shutil
 import signal
 import sys
@@ -33,29 +36,66 @@ from rlstages.engines.tools.base import ToolResult
 
 logger = logging.getLogger(__name__)
 
-# Runs in the child before the program: namespaces, limits, then exec. Standard library only (run with -S).
+# Runs in the child before the program: namespaces, limits, privilege drop, then exec. Standard library only
+# (run with -S). With a PID namespace it forks an init (PID 1, which reaps orphans; the kernel ignores the
+# rlimit signals sent to a namespace's init, so the program must not be PID 1) that forks the program; when the
+# program exits the init reports its wait status and exits, and the kernel kills whatever is left in the
+# namespace, `setsid()` or not. The launcher exits as the program did (same code, same signal).
 _LAUNCHER = r"""
-import ctypes, json, os, resource, sys
+import ctypes, json, os, resource, signal, sys
 cfg = json.loads(sys.argv[1])
-net = "off: not tried"
-if cfg["isolate_network"]:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.unshare(0x40000000) == 0:  # CLONE_NEWNET
-            net = "on (network namespace)"
-        elif libc.unshare(0x10000000 | 0x40000000) == 0:  # CLONE_NEWUSER | CLONE_NEWNET
-            net = "on (user + network namespace)"
-        else:
-            net = "off: unshare refused (" + os.strerror(ctypes.get_errno()) + ")"
-    except Exception as exc:
-        net = "off: " + type(exc).__name__ + ": " + str(exc)
+NEWNET, NEWUSER, NEWPID = 0x40000000, 0x10000000, 0x20000000
+libc = ctypes.CDLL(None, use_errno=True)
+net = "off: not asked" if not cfg["isolate_network"] else "off: unshare refused"
+pidns = False
+want = (NEWNET if cfg["isolate_network"] else 0) | NEWPID
+tries = ((want, ""), (want | NEWUSER, "user + "), (want & ~NEWPID, ""), (want & ~NEWPID | NEWUSER, "user + "))
+for flags, how in tries:
+    if flags and libc.unshare(flags) == 0:
+        pidns = bool(flags & NEWPID)
+        if flags & NEWNET:
+            net = "on (" + how + "network namespace)"
+        break
+else:
+    if cfg["isolate_network"]:
+        net = "off: unshare refused (" + os.strerror(ctypes.get_errno()) + ")"
 for name, soft, hard in cfg["limits"]:
     resource.setrlimit(getattr(resource, name), (soft, hard))
-os.write(cfg["status_fd"], net.encode())
+os.write(cfg["status_fd"], json.dumps({"network": net, "pid_namespace": pidns}).encode())
 os.close(cfg["status_fd"])
 if cfg["require_network_isolation"] and not net.startswith("on"):
     os._exit(70)
-os.execve(sys.executable, [sys.executable, "-I", "main.py"], {})
+
+def program():
+    if cfg["uid"] is not None:
+        os.setgroups([])
+        os.setgid(cfg["gid"])
+        os.setuid(cfg["uid"])
+    os.execve(cfg["python"], [cfg["python"], "-I", "main.py"], {})
+
+if not pidns:
+    program()
+report_r, report_w = os.pipe()
+init = os.fork()
+if init == 0:
+    os.close(report_r)
+    child = os.fork()
+    if child == 0:
+        os.close(report_w)
+        program()
+    while True:
+        pid, status = os.wait()
+        if pid == child:
+            os.write(report_w, str(status).encode())
+            os._exit(0)
+os.close(report_w)
+os.waitpid(init, 0)
+status = int(os.read(report_r, 64) or b"9")
+if os.WIFSIGNALED(status):
+    sig = os.WTERMSIG(status)
+    signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)
+os._exit(os.WEXITSTATUS(status))
 """
 _REFUSED_EXIT = 70
 
@@ -73,6 +113,8 @@ class SandboxLimits:
     max_output_bytes: int = 65536
     isolate_network: bool = True
     require_network_isolation: bool = False
+    python: str | None = None  # the program's interpreter (default: this process's)
+    user: str | None = None  # when the worker is root: run the program as this user (e.g. nobody)
 
 
 @dataclass(frozen=True)
@@ -85,6 +127,7 @@ class SandboxRun:
     truncated: bool
     network: str  # "on (...)" or "off: why"
     wall_s: float
+    pid_namespace: bool = False  # the program ran as PID 1 of its own PID namespace
 
     @property
     def error(self) -> str | None:
@@ -146,9 +189,25 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
+def check_limits(limits: SandboxLimits) -> None:
+    """Refuse (one-line ValueError) an interpreter that is not an executable file, or a `user` that does not
+    exist or cannot be switched to (the worker is not root)."""
+    python = limits.python or sys.executable
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise ValueError(f"python: {python!r} is not an executable file")
+    if limits.user is not None:
+        try:
+            pwd.getpwnam(limits.user)
+        except KeyError:
+            raise ValueError(f"user: no such user {limits.user!r}") from None
+        if os.geteuid() != 0:
+            raise ValueError(f"user: switching to {limits.user!r} needs root; leave user unset")
+
+
 async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxRun:
     """Run `code` as `python -I main.py` in the sandbox; returns how it went (never the program's exceptions)."""
     limits = limits or SandboxLimits()
+    owner = pwd.getpwnam(limits.user) if limits.user is not None else None
     workdir = tempfile.mkdtemp(prefix="rlstages-sandbox-")
     status_r, status_w = os.pipe()
     proc = None
@@ -158,7 +217,13 @@ async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxR
     try:
         with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
             f.write(code)
+        if owner is not None:
+            for path in (workdir, os.path.join(workdir, "main.py")):
+                os.chown(path, owner.pw_uid, owner.pw_gid)
         cfg = {
+            "python": limits.python or sys.executable,
+            "uid": owner.pw_uid if owner else None,
+            "gid": owner.pw_gid if owner else None,
             "isolate_network": limits.isolate_network,
             "require_network_isolation": limits.require_network_isolation,
             "limits": _rlimits(limits),
@@ -193,9 +258,10 @@ async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxR
             output, dropped = b"", True
         os.set_blocking(status_r, False)
         try:
-            network = os.read(status_r, 512).decode() or "off: the launcher did not start"
-        except BlockingIOError:
-            network = "off: the launcher did not report"
+            status = json.loads(os.read(status_r, 4096).decode() or "{}")
+        except (BlockingIOError, ValueError):
+            status = {}
+        network = status.get("network", "off: the launcher did not report")
         return SandboxRun(
             output=output.decode("utf-8", errors="replace"),
             returncode=proc.returncode if proc.returncode is not None else -1,
@@ -203,6 +269,7 @@ async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxR
             truncated=dropped,
             network=network,
             wall_s=time.perf_counter() - start,
+            pid_namespace=bool(status.get("pid_namespace")),
         )
     finally:
         if proc is not None and proc.returncode is None:  # cancelled (e.g. the runner's timeout): kill
@@ -235,8 +302,10 @@ class PythonSandbox:
         max_output_bytes: int = 65536,
         isolate_network: bool = True,
         require_network_isolation: bool = False,
+        python: str | None = None,
+        user: str | None = None,
     ) -> None:
-        """Limits of each call (see `SandboxLimits`); keep `timeout_s` below the tool's configured timeout."""
+        """Limits of each call (see `SandboxLimits`; checked here); keep `timeout_s` below the tool's timeout."""
         self.limits = SandboxLimits(
             timeout_s=timeout_s,
             cpu_s=cpu_s,
@@ -247,7 +316,10 @@ class PythonSandbox:
             max_output_bytes=max_output_bytes,
             isolate_network=isolate_network,
             require_network_isolation=require_network_isolation,
+            python=python,
+            user=user,
         )
+        check_limits(self.limits)
 
     def schema(self) -> dict[str, Any]:
         """OpenAI-style function schema."""

@@ -8,6 +8,7 @@ import os
 import socket
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -25,18 +26,52 @@ def _alive(pid: int) -> bool:
     """Running or sleeping (a zombie waiting for its reaper is dead)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return False
     return state != "Z"
 
 
-SPAWN_AND_SPIN = """
-import subprocess, sys
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-print(child.pid, flush=True)
-while True:
-    pass
-"""
+def _marked(mark: str) -> list[int]:
+    """Host pids of live processes whose command line holds `mark` (pids printed inside a PID namespace differ)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and mark.encode() in (proc / "cmdline").read_bytes() and _alive(int(proc.name)):
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def _spawner(mark: str, *, spin: bool, setsid: bool = False) -> str:
+    """A program that starts a sleeping child marked `mark` (in its own session if `setsid`), then spins or ends."""
+    return (
+        "import subprocess, sys\n"
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)  # {mark}'], "
+        f"start_new_session={setsid}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        "print('started', flush=True)\n" + ("while True:\n    pass\n" if spin else "")
+    )
+
+
+def _run_watching(code: str, mark: str, **limits) -> tuple[object, list[int]]:
+    """Run `code`; while it runs, note the marked child's host pid (proof that the child did start)."""
+
+    async def go():
+        task = asyncio.ensure_future(run_python(code, SandboxLimits(**limits)))
+        seen: list[int] = []
+        while not task.done():
+            seen = seen or _marked(mark)
+            await asyncio.sleep(0.05)
+        return await task, seen
+
+    return asyncio.run(go())
+
+
+def _gone_soon(mark: str) -> bool:
+    deadline = time.monotonic() + 2.0
+    while _marked(mark) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _marked(mark)
 
 
 def test_runs_a_program_and_returns_its_output() -> None:
@@ -57,27 +92,24 @@ def test_environment_is_empty_and_temp_dir_is_removed(monkeypatch: pytest.Monkey
 
 
 def test_wall_clock_kill_takes_the_children_too() -> None:
+    mark = f"mark-{uuid.uuid4().hex}"
     start = time.perf_counter()
-    run = _run(SPAWN_AND_SPIN, timeout_s=1.5, cpu_s=30)
+    run, seen = _run_watching(_spawner(mark, spin=True), mark, timeout_s=1.5, cpu_s=30)
     elapsed = time.perf_counter() - start
     assert run.timed_out and run.error == "wall-clock limit reached; the process group was killed"
+    assert run.output == "started\n" and seen, "the child never started"
     assert 1.4 < elapsed < 4.0, elapsed
-    child = int(run.output.split()[0])
-    deadline = time.monotonic() + 2.0
-    while _alive(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(child)
+    assert _gone_soon(mark)
 
 
-def test_background_children_do_not_outlive_a_finished_program() -> None:
-    code = SPAWN_AND_SPIN.replace("while True:\n    pass", "")
-    run = _run(code, timeout_s=5.0)
-    assert run.returncode == 0 and not run.timed_out
-    child = int(run.output.split()[0])
-    deadline = time.monotonic() + 2.0
-    while _alive(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(child)
+@pytest.mark.parametrize("setsid", [False, True], ids=["same-group", "own-session"])
+def test_children_do_not_outlive_a_finished_program(setsid: bool) -> None:
+    mark = f"mark-{uuid.uuid4().hex}"
+    run, seen = _run_watching(_spawner(mark, spin=False, setsid=setsid), mark, timeout_s=5.0)
+    assert run.returncode == 0 and not run.timed_out and run.output == "started\n"
+    if setsid and not run.pid_namespace:
+        pytest.skip("no PID namespace here: a child in its own session escapes the group kill")
+    assert _gone_soon(mark)
 
 
 def test_cpu_limit_kills_a_busy_loop() -> None:
@@ -121,6 +153,7 @@ def test_no_network_inside_the_sandbox() -> None:
     assert run.network == "on (network namespace)" or run.network == "on (user + network namespace)"
     assert "connected" not in run.output and run.returncode != 0
     assert "Network is unreachable" in run.output or "Connection refused" in run.output
+    assert run.pid_namespace
 
 
 def test_sandbox_calls_overlap() -> None:
@@ -135,29 +168,43 @@ def test_sandbox_calls_overlap() -> None:
 
 
 def test_runner_timeout_cancels_the_sandbox_and_kills_its_group() -> None:
+    mark = f"mark-{uuid.uuid4().hex}"
     spec = EnvironmentSpec(tools=[{"name": "python", "kwargs": {"timeout_s": 60, "cpu_s": 60}, "timeout_s": 1.5}])
     env = build_environment(spec)
-    call = ToolCall(name="python", raw_arguments="", arguments={"code": SPAWN_AND_SPIN}, parse_error=None)
+    call = ToolCall(name="python", raw_arguments="", arguments={"code": _spawner(mark, spin=True)}, parse_error=None)
     before = set(os.listdir(tempfile.gettempdir()))
 
     async def run():
-        result = await run_tool_call(env, call, 30.0)
-        await asyncio.sleep(0.5)  # let the child watcher reap
-        return result
+        task = asyncio.ensure_future(run_tool_call(env, call, 30.0))
+        seen: list[int] = []
+        while not task.done():
+            seen = seen or _marked(mark)
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # let the child watcher reap
+        return await task, seen
 
-    result = asyncio.run(run())
-    assert result.error == "tool 'python' timed out after 1.5 s"
+    result, seen = asyncio.run(run())
+    assert result.error == "tool 'python' timed out after 1.5 s" and seen
     leftover = [d for d in set(os.listdir(tempfile.gettempdir())) - before if d.startswith("rlstages-sandbox-")]
     assert leftover == []
-    sandboxes = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _is_spinner(p)]
-    assert sandboxes == []
+    assert _gone_soon(mark)
 
 
-def _is_spinner(proc: Path) -> bool:
-    try:
-        return b"time.sleep(120)" in (proc / "cmdline").read_bytes() and _alive(int(proc.name))
-    except OSError:
-        return False
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not os.access("/usr/bin/python3", os.X_OK),
+    reason="needs root and a system /usr/bin/python3 that the user nobody can run",
+)
+def test_runs_as_another_user_when_root() -> None:
+    code = "import os\nprint(os.getuid())\nopen('out', 'w').write('x')\nos.listdir('/root')"
+    run = _run(code, user="nobody", python="/usr/bin/python3")
+    assert run.output.startswith("65534\n") and "PermissionError" in run.output  # can write its dir, not /root
+
+
+def test_bad_interpreter_or_user_is_refused_at_build() -> None:
+    with pytest.raises(ValueError, match="python: '/no/such/python' is not an executable file"):
+        PythonSandbox(python="/no/such/python")
+    with pytest.raises(ValueError, match="user: no such user 'no-such-user-x'"):
+        PythonSandbox(user="no-such-user-x")
 
 
 def test_tool_reports_errors_and_isolation() -> None:
