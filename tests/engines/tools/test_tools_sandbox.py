@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import socket
+import subprocess
 import tempfile
 import time
 import uuid
@@ -15,7 +17,15 @@ import pytest
 
 from rlstages.configs.tools import EnvironmentSpec
 from rlstages.engines.tools import ToolCall, build_environment, run_tool_call
-from rlstages.engines.tools.sandbox import PythonSandbox, SandboxLimits, SandboxRun, observation, run_python
+from rlstages.engines.tools.sandbox import (
+    _LAUNCHER,
+    PythonSandbox,
+    SandboxLimits,
+    SandboxRun,
+    _rlimits,
+    observation,
+    run_python,
+)
 
 
 def _run(code: str, **limits) -> object:
@@ -223,3 +233,52 @@ def test_tool_reports_errors_and_isolation() -> None:
     assert observation(strict, SandboxLimits(require_network_isolation=True)).error == (
         "network isolation required but unavailable (off: unshare refused (Operation not permitted))"
     )
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv") or not os.access("/usr/bin/python3", os.X_OK),
+    reason="needs root (to become nobody with setpriv) and a system /usr/bin/python3",
+)
+def test_unprivileged_launcher_isolates_through_a_user_namespace() -> None:
+    """The path a non-root worker takes: the launcher itself run as nobody enters user + network + PID namespaces."""
+    workdir = tempfile.mkdtemp(prefix="rlstages-sandbox-test-")
+    status_r, status_w = os.pipe()
+    try:
+        os.chown(workdir, 65534, 65534)
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            port = server.getsockname()[1]
+            code = (
+                f"import os, socket\nprint(os.getuid(), os.getpid())\nsocket.create_connection(('127.0.0.1', {port}))"
+            )
+            Path(workdir, "main.py").write_text(code)
+            cfg = {
+                "python": "/usr/bin/python3",
+                "uid": None,
+                "gid": None,
+                "isolate_network": True,
+                "require_network_isolation": True,
+                "limits": _rlimits(SandboxLimits()),
+                "status_fd": status_w,
+            }
+            as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+            done = subprocess.run(
+                [*as_nobody, "/usr/bin/python3", "-I", "-S", "-c", _LAUNCHER, json.dumps(cfg)],
+                cwd=workdir,
+                env={},
+                pass_fds=(status_w,),
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+        os.close(status_w)
+        status_w = -1
+        status = json.loads(os.read(status_r, 4096))
+    finally:
+        for fd in (status_r, status_w):
+            if fd >= 0:
+                os.close(fd)
+        shutil.rmtree(workdir, ignore_errors=True)
+    assert status == {"network": "on (user + network namespace)", "pid_namespace": True}, done.stderr
+    uid, pid = done.stdout.split()
+    assert pid == "2"  # PID 1 is the namespace's init
+    assert uid == "65534" and "Network is unreachable" in done.stderr and done.returncode != 0
