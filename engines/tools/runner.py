@@ -54,6 +54,17 @@ def limits_for(env: Environment, name: str, timeout_s: float) -> ToolLimits:
     return limits
 
 
+class _ToolExit(Exception):
+    """A tool's SystemExit, turned into an ordinary exception inside its task (asyncio would stop the loop)."""
+
+
+async def _guarded(coro: Any) -> Any:
+    try:
+        return await coro
+    except SystemExit as exc:
+        raise _ToolExit(str(exc.code)) from None
+
+
 def _find_tool(env: Environment, name: str) -> tuple[Tool | None, list[str]]:
     tools = list(env.tools())
     for tool in tools:
@@ -76,10 +87,9 @@ async def run_tool_call(env: Environment, call: ToolCall, timeout_s: float) -> T
     """Run `call` in `env` within min(`timeout_s`, the tool's own timeout); every failure is an error result."""
     try:
         return await _run(env, call, timeout_s)
-    except asyncio.CancelledError:
-        raise
-    except BaseException as exc:  # noqa: BLE001 - the contract is "never raises"
-        return error_result(f"tool runner failed ({type(exc).__name__}: {exc})")
+    except (Exception, SystemExit) as exc:  # the contract is "never raises" (a tool's sys.exit included)
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return error_result(f"tool {call.name!r} failed ({type(exc).__name__}: {first})")
 
 
 async def _run(env: Environment, call: ToolCall, timeout_s: float) -> ToolResult:
@@ -98,13 +108,14 @@ async def _run(env: Environment, call: ToolCall, timeout_s: float) -> ToolResult
     async with tool_semaphore(call.name, limits.max_concurrency):
         start = time.perf_counter()
         try:
-            result = await asyncio.wait_for(tool.call(call.arguments), timeout)
+            result = await asyncio.wait_for(_guarded(tool.call(call.arguments)), timeout)
         except TimeoutError:
             return error_result(f"tool {call.name!r} timed out after {timeout:g} s", time.perf_counter() - start)
         except Exception as exc:
             first = str(exc).splitlines()[0] if str(exc) else ""
+            kind = "SystemExit" if isinstance(exc, _ToolExit) else type(exc).__name__
             return error_result(
-                f"tool {call.name!r} raised {type(exc).__name__}: {first}"[: limits.max_output_chars],
+                f"tool {call.name!r} raised {kind}: {first}"[: limits.max_output_chars],
                 time.perf_counter() - start,
             )
         latency = time.perf_counter() - start

@@ -80,6 +80,28 @@ class Raiser:
     async def call(self, arguments):
         raise RuntimeError("boom\\nsecond line")
 
+class Exiter:
+    name = "exiter"
+
+    def schema(self):
+        return {"type": "function", "function": {"name": self.name, "parameters": {"type": "object"}}}
+
+    async def call(self, arguments):
+        raise SystemExit(3)
+
+class BadTools:
+    async def reset(self, row, seed):
+        pass
+
+    def tools(self):
+        raise KeyError("no tools today")
+
+    async def final_reward(self, response_text):
+        return None
+
+    async def close(self):
+        pass
+
 class Chatty:
     name = "chatty"
     stateful = False
@@ -220,6 +242,7 @@ def test_raising_slow_and_chatty_tools_give_error_results(user_module: str) -> N
     spec = EnvironmentSpec(
         tools=[
             {"name": f"{user_module}:Raiser"},
+            {"name": f"{user_module}:Exiter"},
             {"name": f"{user_module}:Sleeper", "kwargs": {"seconds": 5.0}, "timeout_s": 0.2},
             {"name": f"{user_module}:Chatty", "max_output_chars": 100},
         ]
@@ -237,6 +260,11 @@ def test_raising_slow_and_chatty_tools_give_error_results(user_module: str) -> N
     start = time.perf_counter()
     raised, slow, chatty, _ = asyncio.run(run())
     assert raised.error == "tool 'raiser' raised RuntimeError: boom"
+    exited = asyncio.run(run_tool_call(env, _call("exiter"), 5.0))
+    assert exited.error == "tool 'exiter' raised SystemExit: 3"
+    broken = build_environment(EnvironmentSpec(environment=f"{user_module}:BadTools"))
+    failed = asyncio.run(run_tool_call(broken, _call("x"), 5.0))
+    assert failed.error == "tool 'x' failed (KeyError: 'no tools today')"
     assert slow.error == "tool 'sleep' timed out after 0.2 s" and 0.15 < slow.latency_s < 2.0
     assert time.perf_counter() - start < 3.0
     assert chatty.error is None and chatty.truncated and len(chatty.text) == 100
@@ -330,6 +358,10 @@ def test_user_class_off_the_allow_list_is_refused(user_module: str) -> None:
         ({"tools": [{"name": "{mod}:Sleeper", "kwargs": {"secs": 1}}]}, "Sleeper does not accept kwargs ['secs']"),
         ({"tools": [{"name": "python", "kwargs": {"memory": 1}}]}, "PythonSandbox does not accept kwargs"),
         ({"tools": [{"name": "json:dumps"}]}, "'json:dumps' is not a class"),
+        (
+            {"tools": [{"name": "python", "kwargs": {"python": "/no/such"}}]},
+            "environment.tools.0.kwargs: python: '/no/such' is not an executable file",
+        ),
         ({"environment": "{mod}:Counter"}, "Counter is not an environment (lacks tools, final_reward)"),
     ],
 )
