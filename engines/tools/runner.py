@@ -84,7 +84,8 @@ def _missing_required(tool: Tool, arguments: dict[str, Any]) -> list[str]:
 
 
 async def run_tool_call(env: Environment, call: ToolCall, timeout_s: float) -> ToolResult:
-    """Run `call` in `env` within min(`timeout_s`, the tool's own timeout); every failure is an error result."""
+    """Run `call` in `env`; every failure is an error result. The time limit is the tool's configured one (an
+    environment from `build_environment`), else `timeout_s`."""
     try:
         return await _run(env, call, timeout_s)
     except (Exception, SystemExit) as exc:  # the contract is "never raises" (a tool's sys.exit included)
@@ -104,7 +105,7 @@ async def _run(env: Environment, call: ToolCall, timeout_s: float) -> ToolResult
     if missing:
         return error_result(f"tool {call.name!r}: missing required argument(s) {', '.join(missing)}")
     limits = limits_for(env, call.name, timeout_s)
-    timeout = min(timeout_s, limits.timeout_s)
+    timeout = limits.timeout_s
     async with tool_semaphore(call.name, limits.max_concurrency):
         start = time.perf_counter()
         try:

@@ -21,6 +21,7 @@ from rlstages.engines.tools import (
     parse_tool_calls,
     run_tool_call,
 )
+from rlstages.engines.tools.environment import ToolEnvironment
 from rlstages.engines.tools.registry import import_targets
 
 # A user module with tools and an environment, imported for real as `usertools_mod:...`.
@@ -252,7 +253,7 @@ def test_raising_slow_and_chatty_tools_give_error_results(user_module: str) -> N
     async def run():
         return (
             await run_tool_call(env, _call("raiser"), 5.0),
-            await run_tool_call(env, _call("sleep"), 5.0),
+            await run_tool_call(env, _call("sleep"), 0.01),  # the tool's configured limit (0.2 s) governs
             await run_tool_call(env, _call("chatty"), 5.0),
             await run_tool_call(env, _call("chatty"), 5.0),
         )
@@ -260,6 +261,8 @@ def test_raising_slow_and_chatty_tools_give_error_results(user_module: str) -> N
     start = time.perf_counter()
     raised, slow, chatty, _ = asyncio.run(run())
     assert raised.error == "tool 'raiser' raised RuntimeError: boom"
+    bare = ToolEnvironment([sys.modules[user_module].Sleeper(5.0)])  # no configured limits: the caller's apply
+    assert asyncio.run(run_tool_call(bare, _call("sleep"), 0.1)).error == "tool 'sleep' timed out after 0.1 s"
     exited = asyncio.run(run_tool_call(env, _call("exiter"), 5.0))
     assert exited.error == "tool 'exiter' raised SystemExit: 3"
     broken = build_environment(EnvironmentSpec(environment=f"{user_module}:BadTools"))
