@@ -127,7 +127,7 @@ class SandboxRun:
     truncated: bool
     network: str  # "on (...)" or "off: why"
     wall_s: float
-    pid_namespace: bool = False  # the program ran as PID 1 of its own PID namespace
+    pid_namespace: bool = False  # the program ran in its own PID namespace (under a tiny init)
 
     @property
     def error(self) -> str | None:
@@ -138,10 +138,13 @@ class SandboxRun:
             return f"network isolation required but unavailable ({self.network})"
         if self.returncode in (-signal.SIGXCPU, -signal.SIGKILL) and not self.timed_out:
             return "CPU time limit reached" if self.returncode == -signal.SIGXCPU else "killed (CPU or memory limit)"
-        if "MemoryError" in self.output:
-            return "memory limit reached (MemoryError)"
         if self.returncode < 0:
-            return f"killed by signal {signal.Signals(-self.returncode).name}"
+            try:
+                return f"killed by signal {signal.Signals(-self.returncode).name}"
+            except ValueError:
+                return f"killed by signal {-self.returncode}"
+        if self.returncode != 0 and "MemoryError" in self.output:
+            return "memory limit reached (MemoryError)"
         if self.returncode != 0:
             return f"exit status {self.returncode}"
         return None
