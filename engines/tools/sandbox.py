@@ -164,7 +164,8 @@ def _rlimits(limits: SandboxLimits) -> list[tuple[str, int, int]]:
 
 async def _read_capped(stream: asyncio.StreamReader, max_bytes: int) -> tuple[bytes, bool]:
     """Everything the stream yields until EOF, keeping the first `max_bytes` (the rest is read and dropped)."""
-    kept, size, dropped = [], 0, False
+    kept: list[bytes] = []
+    size, dropped = 0, False
     while True:
         data = await stream.read(65536)
         if not data:
