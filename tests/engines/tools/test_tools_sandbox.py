@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import shutil
@@ -285,3 +286,15 @@ def test_unprivileged_launcher_isolates_through_a_user_namespace() -> None:
     uid, pid = done.stdout.split()
     assert pid == "2"  # PID 1 is the namespace's init
     assert uid == "65534" and "Network is unreachable" in done.stderr and done.returncode != 0
+
+
+def test_sandbox_runs_from_an_event_loop_in_a_worker_thread() -> None:
+    """The rollout runs its loop with asyncio.run in a thread pool; subprocesses must be reaped there too."""
+
+    async def three():
+        limits = SandboxLimits(timeout_s=30.0)
+        return [r.output for r in await asyncio.gather(*(run_python("print(7)", limits) for _ in range(3)))]
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        assert pool.submit(asyncio.run, three()).result(timeout=60) == ["7\n"] * 3
+        assert pool.submit(asyncio.run, three()).result(timeout=60) == ["7\n"] * 3  # a second loop, same thread
