@@ -12,6 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from rlstages.configs.rollout import VLLMRolloutConfig
 from rlstages.configs.run import RunConfig
 from rlstages.configs.training import MegatronTrainingConfig, TorchTrainingConfig
@@ -78,7 +80,7 @@ def rollout_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
         "dtype": r.dtype,
         "apply_chat_template": cfg.data.apply_chat_template,
         "system_prompt": cfg.data.system_prompt,
-        **{name: getattr(r, name) for name in entry.options},
+        **{name: _plain(getattr(r, name)) for name in entry.options},
         **{name: run_values[name] for name in entry.run_args},
     }
     if cfg.data.chat_template:
@@ -99,6 +101,11 @@ def rollout_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
         heap=cfg.cluster.heap,
         extra_options=extra,
     )
+
+
+def _plain(value: Any) -> Any:
+    """A config section as plain data (a dict) for an engine's constructor, which may run in another venv."""
+    return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
 
 
 def _grad_average_size(cfg: RunConfig) -> int:
