@@ -98,7 +98,8 @@ class MultiTurnRunner:
         """`run` inside an event loop."""
         pairs = [(p, k) for p in prompts for k in range(n)]
         envs = [self.new_environment() for _ in pairs]
-        trajs = await asyncio.gather(*(self._start(p, k, env, seed + i) for i, ((p, k), env) in enumerate(pairs)))
+        starts = [self._start(p, k, env, seed + i) for i, ((p, k), env) in enumerate(zip(pairs, envs, strict=True))]
+        trajs = await asyncio.gather(*starts)
         live = [(t, env) for t, env in zip(trajs, envs, strict=True) if not t.stop_reason]
         try:
             while live:
