@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The unit tests that need no torch (config schema, loader, presets, reference doc, dependency rule, Dockerfile)
+# The unit tests that need no torch (config schema, loader, presets, reference doc, dependency rule, Dockerfile, tools)
 # on Python 3.12, in their own venv. The torch-dependent tests run on 3.11 only here: this machine holds a CPU
 # wheel of torch for Python 3.11 alone, and PyPI's torch for 3.12 is the CUDA build (~3 GB). uv can fetch a
 # Python only from python-build-standalone's releases, not from PyPI, so the machine's own 3.12 (pyenv) is used.
@@ -28,4 +28,4 @@ fi
 # (test_algorithm_options.py builds the loss parameters through tasks/, which imports torch)
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --noconftest -k "not cli" \
   --ignore=tests/configs/test_algorithm_options.py \
-  tests/configs tests/test_dependency_rule.py tests/test_dockerfile.py tests/test_readme_tree.py
+  tests/configs tests/test_dependency_rule.py tests/test_dockerfile.py tests/test_readme_tree.py tests/engines/tools

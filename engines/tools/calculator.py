@@ -83,7 +83,7 @@ def _eval(node: ast.AST) -> int | float:
     raise CalculatorError(f"{type(node).__name__} is not allowed (numbers and + - * / // % ** only)")
 
 
-def evaluate(expression: str) -> int | float:
+def evaluate(expression: object) -> int | float:
     """The value of an arithmetic expression; a CalculatorError (readable message) for anything else."""
     if not isinstance(expression, str):
         raise CalculatorError("expression must be a string")

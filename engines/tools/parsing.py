@@ -9,27 +9,35 @@ Non-goal: other formats (Llama `<|python_tag|>`, Mistral `[TOOL_CALLS]`); `fmt` 
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from rlstages.engines.tools.base import ToolCall
 
 FORMATS = ("hermes",)
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|(?=<tool_call>)|\Z)", re.DOTALL)
 
 
 def parse_tool_calls(text: str, fmt: str = "hermes") -> list[ToolCall]:
-    """Every `<tool_call>` block of `text`, in order; an unknown `fmt` is a ValueError (a config error, not text)."""
+    """Every `<tool_call>` block of `text`, in order; an unknown `fmt` is a ValueError (a config error, not text).
+
+    A block ends at `</tool_call>`; one left open ends at the next `<tool_call>` or the end of the text."""
     if fmt not in FORMATS:
         raise ValueError(f"tool-call format {fmt!r} is not supported; supported: {', '.join(FORMATS)}")
-    if not isinstance(text, str) or _OPEN not in text:
+    if not isinstance(text, str):
         return []
     calls = []
-    for match in _BLOCK.finditer(text):
-        body = match.group(1)
-        closed = match.group(0).endswith(_CLOSE)
-        calls.append(_parse_block(body.strip(), closed))
+    start = text.find(_OPEN)
+    while start >= 0:
+        body_start = start + len(_OPEN)
+        reopen = text.find(_OPEN, body_start)
+        close = text.find(_CLOSE, body_start, len(text) if reopen < 0 else reopen)  # each char scanned once
+        if close >= 0:
+            calls.append(_parse_block(text[body_start:close].strip(), closed=True))
+            start = text.find(_OPEN, close + len(_CLOSE))
+        else:
+            end = reopen if reopen >= 0 else len(text)
+            calls.append(_parse_block(text[body_start:end].strip(), closed=False))
+            start = reopen
     return calls
 
 

@@ -101,6 +101,11 @@ def check_environment_spec(
         where = f"{field}.tools.{i}.name"
         cls = import_class(_target(tool.name, where), where)
         _check_class(cls, _TOOL_METHODS, tool.kwargs, "a tool", where)
+        if ":" not in tool.name:  # a built-in is cheap to build and checks its kwargs' values
+            try:
+                cls(**tool.kwargs)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{field}.tools.{i}.kwargs: {str(exc).splitlines()[0]}") from None
 
 
 def _limits(spec: EnvironmentSpec, tool: ToolSpec | None = None) -> ToolLimits:

@@ -54,6 +54,17 @@ def limits_for(env: Environment, name: str, timeout_s: float) -> ToolLimits:
     return limits
 
 
+class _ToolExit(Exception):
+    """A tool's SystemExit, turned into an ordinary exception inside its task (asyncio would stop the loop)."""
+
+
+async def _guarded(coro: Any) -> Any:
+    try:
+        return await coro
+    except SystemExit as exc:
+        raise _ToolExit(str(exc.code)) from None
+
+
 def _find_tool(env: Environment, name: str) -> tuple[Tool | None, list[str]]:
     tools = list(env.tools())
     for tool in tools:
@@ -73,13 +84,13 @@ def _missing_required(tool: Tool, arguments: dict[str, Any]) -> list[str]:
 
 
 async def run_tool_call(env: Environment, call: ToolCall, timeout_s: float) -> ToolResult:
-    """Run `call` in `env` within min(`timeout_s`, the tool's own timeout); every failure is an error result."""
+    """Run `call` in `env`; every failure is an error result. The time limit is the tool's configured one (an
+    environment from `build_environment`), else `timeout_s`."""
     try:
         return await _run(env, call, timeout_s)
-    except asyncio.CancelledError:
-        raise
-    except BaseException as exc:  # noqa: BLE001 - the contract is "never raises"
-        return error_result(f"tool runner failed ({type(exc).__name__}: {exc})")
+    except (Exception, SystemExit) as exc:  # the contract is "never raises" (a tool's sys.exit included)
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return error_result(f"tool {call.name!r} failed ({type(exc).__name__}: {first})")
 
 
 async def _run(env: Environment, call: ToolCall, timeout_s: float) -> ToolResult:
@@ -94,17 +105,18 @@ async def _run(env: Environment, call: ToolCall, timeout_s: float) -> ToolResult
     if missing:
         return error_result(f"tool {call.name!r}: missing required argument(s) {', '.join(missing)}")
     limits = limits_for(env, call.name, timeout_s)
-    timeout = min(timeout_s, limits.timeout_s)
+    timeout = limits.timeout_s
     async with tool_semaphore(call.name, limits.max_concurrency):
         start = time.perf_counter()
         try:
-            result = await asyncio.wait_for(tool.call(call.arguments), timeout)
+            result = await asyncio.wait_for(_guarded(tool.call(call.arguments)), timeout)
         except TimeoutError:
             return error_result(f"tool {call.name!r} timed out after {timeout:g} s", time.perf_counter() - start)
         except Exception as exc:
             first = str(exc).splitlines()[0] if str(exc) else ""
+            kind = "SystemExit" if isinstance(exc, _ToolExit) else type(exc).__name__
             return error_result(
-                f"tool {call.name!r} raised {type(exc).__name__}: {first}"[: limits.max_output_chars],
+                f"tool {call.name!r} raised {kind}: {first}"[: limits.max_output_chars],
                 time.perf_counter() - start,
             )
         latency = time.perf_counter() - start

@@ -1,20 +1,329 @@
-"""A sandboxed Python executor (work in progress: see the `tools` branch)."""
+"""A sandboxed Python executor: each call runs in its own process, limited and killed as a group.
+
+The program is written to `main.py` in a fresh temp directory (its working directory, removed afterwards) and
+started through a tiny launcher (`python -I -S -c ...`) that, in the child only, enters new network and PID
+namespaces (`unshare(CLONE_NEWNET | CLONE_NEWPID)` via ctypes, as Python 3.11 has no `os.unshare`; with a user
+namespace when not privileged), sets resource limits (CPU seconds, address space, file size, processes, open
+files, no core dumps), optionally drops to another user (`user=`, when the worker is root), and `execve`s
+`python -I main.py` with an empty environment. The parent reads stdout+stderr up to a byte cap and kills the
+whole process group (`start_new_session`) at the wall-clock limit, when the program exits, and when the awaiting
+task is cancelled; in the PID namespace the program is PID 1, so its death takes every descendant with it,
+even one that called `setsid()`. Calls are asyncio subprocesses, so calls overlap.
+
+No `preexec_fn` (unsafe in a process with threads, like a Ray worker): the launcher does the child-side work.
+Where the OS refuses namespaces, the call still runs, its observation says network isolation is off, and
+`require_network_isolation=True` refuses instead. Not isolated: the file system (the program reads and writes
+what its user may; run as root unless `user=` is given), CPU/memory beyond the rlimits (no cgroups).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import pwd
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from rlstages.engines.tools.base import ToolResult
 
+logger = logging.getLogger(__name__)
+
+# Runs in the child before the program: namespaces, limits, privilege drop, then exec. Standard library only
+# (run with -S). With a PID namespace it forks an init (PID 1, which reaps orphans; the kernel ignores the
+# rlimit signals sent to a namespace's init, so the program must not be PID 1) that forks the program; when the
+# program exits the init reports its wait status and exits, and the kernel kills whatever is left in the
+# namespace, `setsid()` or not. The launcher exits as the program did (same code, same signal).
+_LAUNCHER = r"""
+import ctypes, json, os, resource, signal, sys
+cfg = json.loads(sys.argv[1])
+NEWNET, NEWUSER, NEWPID = 0x40000000, 0x10000000, 0x20000000
+libc = ctypes.CDLL(None, use_errno=True)
+net = "off: not asked" if not cfg["isolate_network"] else "off: unshare refused"
+pidns = False
+want = (NEWNET if cfg["isolate_network"] else 0) | NEWPID
+tries = ((want, ""), (want | NEWUSER, "user + "), (want & ~NEWPID, ""), (want & ~NEWPID | NEWUSER, "user + "))
+for flags, how in tries:
+    if flags and libc.unshare(flags) == 0:
+        pidns = bool(flags & NEWPID)
+        if flags & NEWNET:
+            net = "on (" + how + "network namespace)"
+        break
+else:
+    if cfg["isolate_network"]:
+        net = "off: unshare refused (" + os.strerror(ctypes.get_errno()) + ")"
+for name, soft, hard in cfg["limits"]:
+    resource.setrlimit(getattr(resource, name), (soft, hard))
+os.write(cfg["status_fd"], json.dumps({"network": net, "pid_namespace": pidns}).encode())
+os.close(cfg["status_fd"])
+if cfg["require_network_isolation"] and not net.startswith("on"):
+    os._exit(70)
+
+def program():
+    if cfg["uid"] is not None:
+        os.setgroups([])
+        os.setgid(cfg["gid"])
+        os.setuid(cfg["uid"])
+    os.execve(cfg["python"], [cfg["python"], "-I", "main.py"], {})
+
+if not pidns:
+    program()
+report_r, report_w = os.pipe()
+init = os.fork()
+if init == 0:
+    os.close(report_r)
+    child = os.fork()
+    if child == 0:
+        os.close(report_w)
+        program()
+    while True:
+        pid, status = os.wait()
+        if pid == child:
+            os.write(report_w, str(status).encode())
+            os._exit(0)
+os.close(report_w)
+os.waitpid(init, 0)
+status = int(os.read(report_r, 64) or b"9")
+if os.WIFSIGNALED(status):
+    sig = os.WTERMSIG(status)
+    signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)
+os._exit(os.WEXITSTATUS(status))
+"""
+_REFUSED_EXIT = 70
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Limits of one sandboxed program (wall and CPU seconds, MiB of address space and file size, counts)."""
+
+    timeout_s: float = 5.0
+    cpu_s: int = 5
+    memory_mb: int = 1024
+    max_file_mb: int = 16
+    max_processes: int = 64
+    max_open_files: int = 64
+    max_output_bytes: int = 65536
+    isolate_network: bool = True
+    require_network_isolation: bool = False
+    python: str | None = None  # the program's interpreter (default: this process's)
+    user: str | None = None  # when the worker is root: run the program as this user (e.g. nobody)
+
+
+@dataclass(frozen=True)
+class SandboxRun:
+    """What a sandboxed program did: output (stdout+stderr, capped), how it ended, and the isolation it had."""
+
+    output: str
+    returncode: int
+    timed_out: bool
+    truncated: bool
+    network: str  # "on (...)" or "off: why"
+    wall_s: float
+    pid_namespace: bool = False  # the program ran in its own PID namespace (under a tiny init)
+
+    @property
+    def error(self) -> str | None:
+        """Why the run failed (None when it exited 0)."""
+        if self.timed_out:
+            return "wall-clock limit reached; the process group was killed"
+        if self.returncode == _REFUSED_EXIT and not self.network.startswith("on"):
+            return f"network isolation required but unavailable ({self.network})"
+        if self.returncode in (-signal.SIGXCPU, -signal.SIGKILL) and not self.timed_out:
+            return "CPU time limit reached" if self.returncode == -signal.SIGXCPU else "killed (CPU or memory limit)"
+        if self.returncode < 0:
+            try:
+                return f"killed by signal {signal.Signals(-self.returncode).name}"
+            except ValueError:
+                return f"killed by signal {-self.returncode}"
+        if self.returncode != 0 and "MemoryError" in self.output:
+            return "memory limit reached (MemoryError)"
+        if self.returncode != 0:
+            return f"exit status {self.returncode}"
+        return None
+
+
+def _rlimits(limits: SandboxLimits) -> list[tuple[str, int, int]]:
+    mib = 1024 * 1024
+    return [
+        ("RLIMIT_CPU", limits.cpu_s, limits.cpu_s + 1),  # SIGXCPU at the soft limit, SIGKILL a second later
+        ("RLIMIT_AS", limits.memory_mb * mib, limits.memory_mb * mib),
+        ("RLIMIT_FSIZE", limits.max_file_mb * mib, limits.max_file_mb * mib),
+        ("RLIMIT_NPROC", limits.max_processes, limits.max_processes),
+        ("RLIMIT_NOFILE", limits.max_open_files, limits.max_open_files),
+        ("RLIMIT_CORE", 0, 0),
+    ]
+
+
+async def _read_capped(stream: asyncio.StreamReader, max_bytes: int) -> tuple[bytes, bool]:
+    """Everything the stream yields until EOF, keeping the first `max_bytes` (the rest is read and dropped)."""
+    kept: list[bytes] = []
+    size, dropped = 0, False
+    while True:
+        data = await stream.read(65536)
+        if not data:
+            return b"".join(kept), dropped
+        room = max_bytes - size
+        if room > 0:
+            kept.append(data[:room])
+            size += min(room, len(data))
+        dropped = dropped or len(data) > room
+
+
+async def _exited(proc: asyncio.subprocess.Process, timeout_s: float) -> bool:
+    """True once the program's own process has exited, False at the timeout. Polls the return code, because
+    on Python 3.11 `proc.wait()` also waits for the pipes, which a background child may hold open."""
+    deadline = time.monotonic() + timeout_s
+    while proc.returncode is None:
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def check_limits(limits: SandboxLimits) -> None:
+    """Refuse (one-line ValueError) an interpreter that is not an executable file, or a `user` that does not
+    exist or cannot be switched to (the worker is not root)."""
+    python = limits.python or sys.executable
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise ValueError(f"python: {python!r} is not an executable file")
+    if limits.user is not None:
+        try:
+            pwd.getpwnam(limits.user)
+        except KeyError:
+            raise ValueError(f"user: no such user {limits.user!r}") from None
+        if os.geteuid() != 0:
+            raise ValueError(f"user: switching to {limits.user!r} needs root; leave user unset")
+
+
+async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxRun:
+    """Run `code` as `python -I main.py` in the sandbox; returns how it went (never the program's exceptions)."""
+    limits = limits or SandboxLimits()
+    owner = pwd.getpwnam(limits.user) if limits.user is not None else None
+    workdir = tempfile.mkdtemp(prefix="rlstages-sandbox-")
+    status_r, status_w = os.pipe()
+    proc = None
+    reader: asyncio.Future[tuple[bytes, bool]] | None = None
+    start = time.perf_counter()
+    timed_out = False
+    try:
+        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
+            f.write(code)
+        if owner is not None:
+            for path in (workdir, os.path.join(workdir, "main.py")):
+                os.chown(path, owner.pw_uid, owner.pw_gid)
+        cfg = {
+            "python": limits.python or sys.executable,
+            "uid": owner.pw_uid if owner else None,
+            "gid": owner.pw_gid if owner else None,
+            "isolate_network": limits.isolate_network,
+            "require_network_isolation": limits.require_network_isolation,
+            "limits": _rlimits(limits),
+            "status_fd": status_w,
+        }
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-I",
+            "-S",
+            "-c",
+            _LAUNCHER,
+            json.dumps(cfg),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            cwd=workdir,
+            env={},
+            start_new_session=True,
+            pass_fds=(status_w,),
+        )
+        os.close(status_w)
+        status_w = -1
+        assert proc.stdout is not None
+        reader = asyncio.ensure_future(_read_capped(proc.stdout, limits.max_output_bytes))
+        timed_out = not await _exited(proc, limits.timeout_s)
+        _kill_group(proc.pid)  # the program's leftover children too
+        await proc.wait()
+        try:
+            output, dropped = await asyncio.wait_for(reader, 1.0)
+        except TimeoutError:  # a child outside the group still holds the pipe
+            reader.cancel()
+            output, dropped = b"", True
+        os.set_blocking(status_r, False)
+        try:
+            status = json.loads(os.read(status_r, 4096).decode() or "{}")
+        except (BlockingIOError, ValueError):
+            status = {}
+        network = status.get("network", "off: the launcher did not report")
+        return SandboxRun(
+            output=output.decode("utf-8", errors="replace"),
+            returncode=proc.returncode if proc.returncode is not None else -1,
+            timed_out=timed_out,
+            truncated=dropped,
+            network=network,
+            wall_s=time.perf_counter() - start,
+            pid_namespace=bool(status.get("pid_namespace")),
+        )
+    finally:
+        if proc is not None and proc.returncode is None:  # cancelled (e.g. the runner's timeout): kill
+            _kill_group(proc.pid)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()  # asyncio's child watcher reaps it
+        if reader is not None and not reader.done():
+            reader.cancel()
+        for fd in (status_r, status_w):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        shutil.rmtree(workdir, ignore_errors=True)
+
 
 class PythonSandbox:
-    """The `python` tool: runs `{"code": ...}` in a separate, limited process."""
+    """The `python` tool: `{"code": "print(6 * 7)"}` -> its stdout/stderr; stateless (each call a fresh process)."""
 
     name = "python"
     stateful = False
 
-    def __init__(self, timeout_s: float = 10.0) -> None:
-        self.timeout_s = timeout_s
+    def __init__(
+        self,
+        timeout_s: float = 5.0,
+        cpu_s: int = 5,
+        memory_mb: int = 1024,
+        max_file_mb: int = 16,
+        max_processes: int = 64,
+        max_open_files: int = 64,
+        max_output_bytes: int = 65536,
+        isolate_network: bool = True,
+        require_network_isolation: bool = False,
+        python: str | None = None,
+        user: str | None = None,
+    ) -> None:
+        """Limits of each call (see `SandboxLimits`; checked here); keep `timeout_s` below the tool's timeout."""
+        self.limits = SandboxLimits(
+            timeout_s=timeout_s,
+            cpu_s=cpu_s,
+            memory_mb=memory_mb,
+            max_file_mb=max_file_mb,
+            max_processes=max_processes,
+            max_open_files=max_open_files,
+            max_output_bytes=max_output_bytes,
+            isolate_network=isolate_network,
+            require_network_isolation=require_network_isolation,
+            python=python,
+            user=user,
+        )
+        check_limits(self.limits)
 
     def schema(self) -> dict[str, Any]:
         """OpenAI-style function schema."""
@@ -22,15 +331,41 @@ class PythonSandbox:
             "type": "function",
             "function": {
                 "name": self.name,
-                "description": "Run a Python program; its stdout and stderr are returned.",
+                "description": (
+                    "Run a Python 3 program in a sandbox (no network, limited time and memory); "
+                    "returns what it prints (stdout and stderr)."
+                ),
                 "parameters": {
                     "type": "object",
-                    "properties": {"code": {"type": "string"}},
+                    "properties": {"code": {"type": "string", "description": "the program; print the result"}},
                     "required": ["code"],
                 },
             },
         }
 
     async def call(self, arguments: dict[str, Any]) -> ToolResult:
-        """Not implemented yet."""
-        return ToolResult(text="Error: the python sandbox is not built yet", error="not built yet")
+        """Run `arguments["code"]`; limits hit and non-zero exits come back as error results with the output."""
+        code = arguments.get("code")
+        if not isinstance(code, str):
+            return ToolResult(text="Error: code must be a string", error="code must be a string")
+        return observation(await run_python(code, self.limits), self.limits)
+
+
+_warned_network = False
+
+
+def observation(run: SandboxRun, limits: SandboxLimits) -> ToolResult:
+    """The tool's result for a run: its output, then notes (cut output, isolation asked for but off, the error)."""
+    global _warned_network
+    text = run.output
+    if run.truncated:
+        text += f"\n[output cut at {limits.max_output_bytes} bytes]"
+    if limits.isolate_network and not run.network.startswith("on"):
+        text += f"\n[sandbox: network isolation {run.network}]"
+        if not _warned_network:
+            logger.warning("python sandbox: network isolation %s", run.network)
+            _warned_network = True
+    error = run.error
+    if error is not None:
+        text += f"\nError: {error}"
+    return ToolResult(text=text, error=error, truncated=run.truncated)
