@@ -79,9 +79,7 @@ def generate(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
 def log_trajectories(cfg: RunConfig, run: RunHandle, step: int, batch: TensorDict) -> None:
     """A multi-turn step's trajectories, decoded with policy and tool tokens told apart, as an MLflow table
     (`rollout/trajectories_step_N.json`; `tracking.log_samples` rows)."""
-    from rlstages.tasks.run import read_state  # tasks.run imports this module
-
-    mlflow_run_id = read_state(run.path).get("mlflow_run_id")
+    mlflow_run_id = run.mlflow_run_id()
     keep = cfg.tracking.log_samples
     if trajectory_infos(batch) is None or not mlflow_run_id or not keep:
         return
