@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlstages.configs.base import StrictModel
+from rlstages.configs.tools import EnvironmentSpec
 
 
 class SamplingConfig(StrictModel):
@@ -21,6 +22,46 @@ class SamplingConfig(StrictModel):
     stop: tuple[str, ...] = ()
 
 
+class MultiTurnConfig(StrictModel):
+    """Multi-turn rollouts with tools (docs/agentic.md): the policy's turns and the tools' observations in one
+    token-exact trajectory; only the policy's sampled tokens are trained on."""
+
+    enabled: bool = False
+    max_turns: int = Field(
+        default=4, ge=1, description="Policy turns per trajectory (tool calls after the last are not run)."
+    )
+    max_response_tokens: int = Field(
+        default=256, ge=2, description="Tokens of the whole response: policy turns and observations together."
+    )
+    per_turn_max_tokens: int = Field(
+        default=64, ge=1, description="Cap of one policy turn; a turn gets min(this, the tokens left)."
+    )
+    tool_output_max_tokens: int = Field(
+        default=64, ge=1, description="A tool's output is cut to this many tokens before it enters the context."
+    )
+    template_not_prefix_preserving: Literal["refuse", "new_row"] = Field(
+        default="refuse",
+        description="When the chat template rewrites earlier turns: refuse to start, or begin a new training row "
+        "(the conversation rendered again as its prompt) after every observation.",
+    )
+    environment: EnvironmentSpec | None = Field(
+        default=None, description="The environment each trajectory gets and its tools (required when enabled)."
+    )
+
+    @model_validator(mode="after")
+    def _needs_environment(self) -> MultiTurnConfig:
+        if self.enabled and self.environment is None:
+            raise ValueError(
+                "enabled multi-turn rollouts need an environment, e.g. environment: {tools: [{name: calculator}]}"
+            )
+        if self.per_turn_max_tokens > self.max_response_tokens:
+            raise ValueError(
+                f"per_turn_max_tokens ({self.per_turn_max_tokens}) exceeds "
+                f"max_response_tokens ({self.max_response_tokens})"
+            )
+        return self
+
+
 class _RolloutCommon(SamplingConfig):
     num_workers: int = Field(default=1, ge=1)
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
@@ -28,6 +69,7 @@ class _RolloutCommon(SamplingConfig):
     eval_temperature: float | None = Field(
         default=None, description="Temperature for held-out evaluation; None = same as training."
     )
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
 
 
 class HFRolloutConfig(_RolloutCommon):

@@ -37,7 +37,9 @@ class TrainingBackend:
 
 ROLLOUT_BACKENDS: dict[str, RolloutBackend] = {
     "hf": RolloutBackend(
-        "rlstages.engines.rollout.hf_rollout:HFRolloutEngine", ("batch_size", "attention"), ("model_type",)
+        "rlstages.engines.rollout.hf_rollout:HFRolloutEngine",
+        ("batch_size", "attention", "multi_turn"),
+        ("model_type",),
     ),
     "vllm": RolloutBackend(
         "rlstages.engines.rollout.vllm_rollout:VLLMRolloutEngine",
@@ -49,6 +51,7 @@ ROLLOUT_BACKENDS: dict[str, RolloutBackend] = {
             "enforce_eager",
             "max_model_len",
             "cpu_kvcache_space_gb",
+            "multi_turn",
         ),
         ("seed",),
         actor_options="rlstages.engines.rollout.vllm_rollout:vllm_actor_options",

@@ -7,8 +7,11 @@ A run lives in one directory: `config.yaml` (the resolved config), `run_state.js
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
+
+RUN_STATE = "run_state.json"  # the run's MLflow run id and status (tasks/run.py writes it)
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,14 @@ class RunHandle:
     def batch(self, step: int, stage: str) -> Path:
         """The batch file a stage writes at `step`."""
         return self.step_dir(step) / f"{stage}.safetensors"
+
+    def mlflow_run_id(self) -> str | None:
+        """The MLflow run id recorded in the run state, or None before tracking started (or if unreadable)."""
+        try:
+            value = json.loads((self.path / RUN_STATE).read_text()).get("mlflow_run_id")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return str(value) if value else None
 
     @property
     def checkpoints(self) -> Path:

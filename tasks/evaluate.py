@@ -15,6 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from rlstages.configs import RunConfig
 from rlstages.engines import types as T
 from rlstages.engines.rewards.metrics import group_metrics
+from rlstages.engines.rollout.trajectory import rollout_metrics
 from rlstages.engines.types import SamplingParams
 from rlstages.tasks import tracking
 from rlstages.tasks.context import RunHandle, derive_seed
@@ -80,6 +81,9 @@ def run_eval(
         prefix = "eval/greedy_" if name == "greedy" else "eval/"
         metrics[f"{prefix}reward_mean"] = float(scores.mean())
         metrics[f"{prefix}response_length"] = float(batch[T.RESPONSE_MASK].sum(-1).float().mean())
+        for key, value in rollout_metrics(batch).items():  # multi-turn: how often the tools were called
+            if key.startswith("tools/") or key == "rollout/turns_mean":
+                metrics[f"{prefix}{key.replace('/', '_')}"] = value
         if name == "sampled":
             metrics["eval/accuracy"] = metrics[f"eval/mean_at_{k}"]
         if not rows:

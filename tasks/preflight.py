@@ -38,6 +38,7 @@ def preflight(cfg: RunConfig, measure_prompts: bool = True) -> list[str]:
         check_model_dir(cfg.reward.reward_model.path, "reward.reward_model.path", required=True)
     check_data(cfg)
     check_imports(cfg)
+    check_multi_turn(cfg)
     return check_prompt_lengths(cfg) if measure_prompts else []
 
 
@@ -163,6 +164,11 @@ def import_targets(cfg: RunConfig) -> list[tuple[str, str]]:
     out = [(f"reward.functions.{i}.name", f.name.partition(":")[0]) for i, f in enumerate(cfg.reward.functions)]
     out = [(field, module) for (field, module), f in zip(out, cfg.reward.functions, strict=True) if ":" in f.name]
     out += [(f"model.plugins.{i}", name) for i, name in enumerate(cfg.model.plugins)]
+    environment = cfg.rollout.multi_turn.environment
+    if cfg.rollout.multi_turn.enabled and environment is not None:
+        from rlstages.engines.tools.registry import import_targets as environment_targets
+
+        out += environment_targets(environment, "rollout.multi_turn.environment")
     return out
 
 
@@ -264,3 +270,57 @@ def _token_lengths(cfg: RunConfig, texts: list[str]) -> list[int]:
     prompts = [Prompt(uid=str(i), text=t, ground_truth="") for i, t in enumerate(texts)]
     ids = format_prompts(tokenizer, prompts, cfg.data.apply_chat_template, cfg.data.system_prompt)
     return [len(x) for x in ids]
+
+
+MULTI_TURN_BACKENDS = ("hf", "vllm")
+
+
+def check_multi_turn(cfg: RunConfig) -> None:
+    """`rollout.multi_turn`: a backend that runs it, a chat template, no stop strings (turns end at EOS), an
+    environment whose classes import, and, once the model exists, a prefix-preserving template or `new_row`."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enabled:
+        return
+    field = "rollout.multi_turn"
+    if cfg.rollout.backend not in MULTI_TURN_BACKENDS:
+        raise PreflightError(
+            f"{field}.enabled: multi-turn rollouts run on rollout.backend {' or '.join(MULTI_TURN_BACKENDS)}, "
+            f"not {cfg.rollout.backend!r}"
+        )
+    if cfg.rollout.stop:
+        raise PreflightError(f"{field}.enabled: rollout.stop must be empty (a policy turn ends at its EOS token)")
+    if not cfg.data.apply_chat_template:
+        raise PreflightError(f"{field}.enabled: needs data.apply_chat_template=true (turns are chat messages)")
+    if mt.environment is not None:
+        from rlstages.engines.tools import check_environment_spec
+
+        try:
+            check_environment_spec(mt.environment, allowed_imports(), f"{field}.environment")
+        except ValueError as exc:
+            raise PreflightError(str(exc)) from None
+    check_multi_turn_template(cfg)
+
+
+def check_multi_turn_template(cfg: RunConfig) -> None:
+    """The model's chat template (or data.chat_template) exists and is prefix-preserving, or `new_row` is set
+    (checked once the model directory exists; a provider's model is checked by the engine at start-up)."""
+    path = cfg.model.path
+    if not (path / "tokenizer_config.json").is_file():
+        return
+    from transformers import AutoTokenizer
+
+    from rlstages.engines.rollout.chat_render import ChatRenderer, TemplateError
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if cfg.data.chat_template:
+        tokenizer.chat_template = cfg.data.chat_template
+    eos = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+    try:
+        preserving = ChatRenderer(tokenizer, eos, cfg.data.system_prompt).prefix_preserving()
+    except TemplateError as exc:
+        raise PreflightError(f"rollout.multi_turn.enabled: {exc}") from None
+    if not preserving and cfg.rollout.multi_turn.template_not_prefix_preserving == "refuse":
+        raise PreflightError(
+            "rollout.multi_turn.template_not_prefix_preserving: the chat template of "
+            f"{path} rewrites earlier turns; expected 'new_row' to train on it (a new row per turn)"
+        )

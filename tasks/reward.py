@@ -15,6 +15,7 @@ from tensordict import TensorDict
 from rlstages.configs import RunConfig
 from rlstages.engines import types as T
 from rlstages.engines.algorithms import overlong_penalty
+from rlstages.engines.rollout.trajectory import trajectory_infos
 from rlstages.tasks.context import RunHandle
 from rlstages.tasks.faults import maybe_fail
 from rlstages.tasks.policies import guard_workers
@@ -32,6 +33,12 @@ def score_batch(
     result = guard_workers(lambda: workers.reward.one(0, timeout).score(prompts, responses, truths, sources, infos))
     scores = torch.tensor(result.scores, dtype=torch.float32)
     metrics = dict(result.metrics)
+    infos = trajectory_infos(batch)
+    if infos is not None:  # multi-turn: an environment's own final reward wins, the tools' turn rewards add
+        env = [x["env_reward"] for x in infos]
+        scores = torch.tensor([s if e is None else e for s, e in zip(scores.tolist(), env, strict=True)])
+        scores = scores + torch.tensor([float(sum(x["turn_rewards"])) for x in infos])
+        metrics["reward/environment_scored"] = sum(e is not None for e in env) / max(len(env), 1)
     metrics["reward/accuracy"] = float((scores > 0).float().mean())
     if workers.reward_model is not None and cfg.reward.reward_model is not None:
         rm, weight = workers.reward_model, cfg.reward.reward_model.weight

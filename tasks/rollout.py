@@ -6,12 +6,15 @@ import time
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from tensordict import TensorDict
 
 from rlstages.configs import RunConfig
 from rlstages.engines import types as T
+from rlstages.engines.rollout.trajectory import decoded_table, rollout_metrics, trajectory_infos
 from rlstages.engines.runtime.collective_sync import CollectiveSync
 from rlstages.engines.runtime.weight_sync import sync_weights_local, sync_weights_ray
 from rlstages.engines.types import SamplingParams
+from rlstages.tasks import tracking
 from rlstages.tasks.context import RunHandle, derive_seed
 from rlstages.tasks.data import prompts_for_step, tokenizer_path
 from rlstages.tasks.faults import maybe_fail
@@ -58,17 +61,29 @@ def generate(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
     if cfg.cluster.colocate and not cfg.trainer.one_step_off_policy:
         guard_workers(lambda: workers.rollout.all(timeout).sleep())
     elapsed = time.perf_counter() - start
-    lengths = batch[T.RESPONSE_MASK].sum(-1)
+    lengths = batch[T.ATTENTION_MASK][:, batch[T.PROMPT_IDS].shape[1] :].sum(-1).float()  # policy + observations
     tokens = float(lengths.sum())
-    return {
+    limit = cfg.rollout.multi_turn.max_response_tokens if cfg.rollout.multi_turn.enabled else cfg.rollout.max_new_tokens
+    log_trajectories(cfg, run, step, batch)
+    return rollout_metrics(batch) | {
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "response_length/min": float(lengths.min()),
-        "response_length/clip_ratio": float((lengths >= cfg.rollout.max_new_tokens).float().mean()),
+        "response_length/clip_ratio": float((lengths >= limit).float().mean()),
         "throughput/rollout_tokens_per_s": tokens / max(elapsed, 1e-9),
         "rollout/tokens": tokens,
         "timing/generate_s": elapsed,
     }
+
+
+def log_trajectories(cfg: RunConfig, run: RunHandle, step: int, batch: TensorDict) -> None:
+    """A multi-turn step's trajectories, decoded with policy and tool tokens told apart, as an MLflow table
+    (`rollout/trajectories_step_N.json`; `tracking.log_samples` rows)."""
+    mlflow_run_id = run.mlflow_run_id()
+    keep = cfg.tracking.log_samples
+    if trajectory_infos(batch) is None or not mlflow_run_id or not keep:
+        return
+    tracking.log_table(cfg, mlflow_run_id, decoded_table(batch, keep), f"rollout/trajectories_step_{step:06d}.json")
 
 
 @task(name="sync_weights", cache_policy=NO_CACHE)

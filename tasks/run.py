@@ -25,7 +25,7 @@ from rlstages.engines.training.state_io import atomic_write_text
 from rlstages.tasks import tracking
 from rlstages.tasks.advantage import initial_kl_state
 from rlstages.tasks.checkpoint import driver_state, latest_checkpoint, read_manifest, restore_engines
-from rlstages.tasks.context import RunHandle
+from rlstages.tasks.context import RUN_STATE, RunHandle
 from rlstages.tasks.data import cursor, data_record
 from rlstages.tasks.policies import guard_workers, stage_logger
 from rlstages.tasks.preflight import check_import_allowed
@@ -38,8 +38,6 @@ from rlstages.tasks.workers import (
     model_dir,
     rebuild_workers,
 )
-
-RUN_STATE = "run_state.json"
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from rlstages.configs.rollout import VLLMRolloutConfig
 from rlstages.configs.run import RunConfig
 from rlstages.configs.training import MegatronTrainingConfig, TorchTrainingConfig
@@ -86,7 +88,7 @@ def rollout_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
         "dtype": r.dtype,
         "apply_chat_template": cfg.data.apply_chat_template,
         "system_prompt": cfg.data.system_prompt,
-        **{name: getattr(r, name) for name in entry.options},
+        **{name: _plain(getattr(r, name)) for name in entry.options},
         **{name: run_values[name] for name in entry.run_args},
     }
     if cfg.data.chat_template:
@@ -110,12 +112,23 @@ def rollout_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
     )
 
 
+def _plain(value: Any) -> Any:
+    """A config section as plain data (a dict) for an engine's constructor, which may run in another venv."""
+    return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+
+
 def _grad_average_size(cfg: RunConfig) -> int:
     """Ranks the actor's gradients are averaged over (DP, times CP for Megatron): token-sum's scale."""
     actor = cfg.actor
     if isinstance(actor, MegatronTrainingConfig):
         return actor.data_parallel_size * actor.context_parallel_size
     return actor.num_workers
+
+
+def response_budget(cfg: RunConfig) -> int:
+    """The most response tokens a row can have: rollout.max_new_tokens, or the multi-turn trajectory budget."""
+    mt = cfg.rollout.multi_turn
+    return mt.max_response_tokens if mt.enabled else cfg.rollout.max_new_tokens
 
 
 def loss_params(cfg: RunConfig) -> PolicyLossParams:
@@ -126,7 +139,7 @@ def loss_params(cfg: RunConfig) -> PolicyLossParams:
         clip_ratio_high=a.clip_ratio_high,
         clip_ratio_c=a.clip_ratio_c,
         loss_agg_mode=a.loss_agg_mode,
-        loss_scale_factor=a.loss_scale_factor or cfg.rollout.max_new_tokens,
+        loss_scale_factor=a.loss_scale_factor or response_budget(cfg),
         entropy_coeff=a.entropy_coeff,
         use_kl_loss=a.use_kl_loss,
         kl_loss_coef=a.kl_loss_coef,

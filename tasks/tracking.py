@@ -196,6 +196,11 @@ def log_samples(cfg: RunConfig, run_id: str, step: int, rows: dict[str, list[Any
     client(cfg).log_table(run_id, data=rows, artifact_file=f"eval/samples_step_{step:06d}.json")
 
 
+def log_table(cfg: RunConfig, run_id: str, rows: dict[str, list[Any]], artifact_file: str) -> None:
+    """Rows as an MLflow table artifact (one file per call)."""
+    client(cfg).log_table(run_id, data=rows, artifact_file=artifact_file)
+
+
 def metric_history(cfg: RunConfig, run_id: str, key: str) -> list[tuple[int, float]]:
     """(step, value) pairs of a metric, first value per step."""
     flush()

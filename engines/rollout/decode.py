@@ -56,9 +56,11 @@ def decode(
     eos_ids: set[int],
     pick: Picker,
     stopped: Callable[[list[int]], bool] | None = None,
+    limits: list[int] | None = None,
 ) -> Decoded:
-    """Decode left-padded prompts [B, P] up to `max_new_tokens`; a row stops at an EOS id or when `stopped`
-    (its ids so far) says so, and leaves the batch and the KV cache then."""
+    """Decode left-padded prompts [B, P] up to `max_new_tokens`; a row stops at an EOS id, at its own limit
+    (`limits`, multi-turn budgets) or when `stopped` (its ids so far) says so, and leaves the batch and the KV
+    cache then."""
     rows = input_ids.shape[0]
     out = Decoded([[] for _ in range(rows)], [[] for _ in range(rows)])
     cache, logits, mask = prefill(model, input_ids, attention_mask)
@@ -72,6 +74,8 @@ def decode(
             out.ids[row].append(token)
             out.logprobs[row].append(lp)
             if stopped is not None and not done[i] and stopped(out.ids[row]):
+                done[i] = True
+            if limits is not None and len(out.ids[row]) >= limits[row]:
                 done[i] = True
         if t == max_new_tokens - 1 or bool(done.all()):
             break

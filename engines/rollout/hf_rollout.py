@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -19,6 +20,8 @@ from rlstages.engines.base import NamedTensors
 from rlstages.engines.models import eos_token_ids, load_causal_lm, load_tokenizer
 from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
 from rlstages.engines.rollout.decode import decode, picker
+from rlstages.engines.rollout.multi_turn import build_runner, multi_turn_enabled
+from rlstages.engines.rollout.trajectory import build_trajectory_batch
 from rlstages.engines.runtime.device import free_cached, to_device, worker_device
 from rlstages.engines.types import Prompt, SamplingParams
 
@@ -37,6 +40,7 @@ class HFRolloutEngine:
         chat_template: str | None = None,
         model_type: str | None = None,
         attention: str = "eager",
+        multi_turn: Any = None,
     ) -> None:
         self.model_path = Path(model_path)
         self.device = worker_device()
@@ -52,12 +56,15 @@ class HFRolloutEngine:
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.needs_weights = False
         self._shapes: dict[str, torch.Size] = {}
+        self.multi_turn = multi_turn if multi_turn_enabled(multi_turn) else None
 
     @torch.no_grad()
     def generate(self, prompts: list[Prompt], sampling: SamplingParams, seed: int) -> TensorDict:
         """`sampling.n` samples per prompt, rows prompt-major, with each sampled token's log-prob."""
         if self.needs_weights:
             raise RuntimeError("rollout engine woke from sleep without new weights: call update_weights first")
+        if self.multi_turn is not None:
+            return self._generate_multi_turn(prompts, sampling, seed)
         prompt_ids = format_prompts(self.tokenizer, prompts, self.apply_chat_template, self.system_prompt)
         room = int(getattr(self.model.config, "max_position_embeddings", 0) or 0) - sampling.max_new_tokens
         if room > 0:  # data.overlong_prompts=truncate (pre-flight refused them otherwise): keep the last tokens
@@ -74,6 +81,43 @@ class HFRolloutEngine:
         texts = [self._decode(r) for r in responses]
         responses, logprobs, texts = self._apply_stop(responses, logprobs, texts, sampling.stop)
         return build_rollout_batch(prompts, prompt_ids, responses, logprobs, texts, sampling.n, self.pad_id)
+
+    def _generate_multi_turn(self, prompts: list[Prompt], sampling: SamplingParams, seed: int) -> TensorDict:
+        """`sampling.n` multi-turn trajectories per prompt (`rollout.multi_turn`), one row each (or one per turn
+        when the template is not prefix-preserving and `new_row` was chosen)."""
+        window = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+        runner = build_runner(
+            self.multi_turn,
+            self.tokenizer,
+            self.eos_ids,
+            self.system_prompt,
+            lambda contexts, limits: self.generate_ids(contexts, limits, sampling),
+            window,
+        )
+        torch.manual_seed(seed)
+        trajectories = runner.run(prompts, sampling.n, seed)
+        free_cached(self.device)
+        return build_trajectory_batch(trajectories, self.pad_id, self.tokenizer.decode)
+
+    @torch.no_grad()
+    def generate_ids(
+        self, contexts: list[list[int]], limits: list[int], sampling: SamplingParams
+    ) -> list[tuple[list[int], list[float]]]:
+        """Token ids in, token ids out: one sample continuing each context, at most its own limit of tokens,
+        cut after its first EOS (kept), with the sampled tokens' log-probs. The caller seeds torch."""
+        out: list[tuple[list[int], list[float]]] = []
+        pick = picker(sampling.temperature, sampling.top_k, sampling.top_p, sampling.greedy)
+        for start in range(0, len(contexts), self.batch_size):
+            rows, caps = contexts[start : start + self.batch_size], limits[start : start + self.batch_size]
+            enc = to_device(
+                dict(self.tokenizer.pad({"input_ids": rows}, padding=True, return_tensors="pt")), self.device
+            )
+            dec = decode(self.model, enc["input_ids"], enc["attention_mask"], max(caps), self.eos_ids, pick, None, caps)
+            out.extend(
+                truncate_response(ids, lps, self.eos_ids, cap)
+                for ids, lps, cap in zip(dec.ids, dec.logprobs, caps, strict=True)
+            )
+        return out
 
     def _generate_chunk(
         self, rows: list[list[int]], sampling: SamplingParams

@@ -39,6 +39,8 @@ from tensordict import TensorDict
 from rlstages.engines.base import NamedTensors
 from rlstages.engines.rollout import ipc
 from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
+from rlstages.engines.rollout.multi_turn import build_runner, multi_turn_enabled
+from rlstages.engines.rollout.trajectory import build_trajectory_batch
 from rlstages.engines.runtime.cuda_ipc import Handle, Meta, push_buckets, weight_transport
 from rlstages.engines.runtime.device import worker_device
 from rlstages.engines.types import Prompt, SamplingParams
@@ -94,6 +96,7 @@ class VLLMRolloutEngine:
         chat_template: str | None = None,
         seed: int = 0,
         cpu_kvcache_space_gb: int = 1,
+        multi_turn: Any = None,
     ) -> None:
         from transformers import AutoTokenizer
         from vllm import LLM
@@ -107,6 +110,8 @@ class VLLMRolloutEngine:
         self.apply_chat_template = apply_chat_template
         self.system_prompt = system_prompt
         self.bucket_bytes = ipc.DEFAULT_BUCKET_BYTES
+        self.multi_turn = multi_turn if multi_turn_enabled(multi_turn) else None
+        self.max_model_len = max_model_len
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         if chat_template:  # the configured template replaces the tokenizer's own
             self.tokenizer.chat_template = chat_template
@@ -146,6 +151,8 @@ class VLLMRolloutEngine:
         from vllm.inputs import TokensPrompt
 
         self.wake()
+        if self.multi_turn is not None:
+            return self._generate_multi_turn(prompts, sampling, seed)
         prompt_ids = format_prompts(self.tokenizer, prompts, self.apply_chat_template, self.system_prompt)
         params = [
             VSamplingParams(
@@ -175,6 +182,48 @@ class VLLMRolloutEngine:
         # one sequence per call decodes to a str (the stub's `str | list[str]` covers batched input)
         texts = cast("list[str]", [self.tokenizer.decode(r, skip_special_tokens=True) for r in responses])
         return build_rollout_batch(prompts, prompt_ids, responses, logprobs, texts, sampling.n, self.pad_id)
+
+    def _generate_multi_turn(self, prompts: list[Prompt], sampling: SamplingParams, seed: int) -> TensorDict:
+        """`sampling.n` multi-turn trajectories per prompt (`rollout.multi_turn`), turns fed as token ids."""
+        rounds = iter(range(1 << 30))  # each round's requests get their own seeds, the same on a replay
+
+        def generate(contexts: list[list[int]], limits: list[int]) -> list[tuple[list[int], list[float]]]:
+            return self.generate_ids(contexts, limits, sampling, seed * 7919 + next(rounds))
+
+        runner = build_runner(
+            self.multi_turn, self.tokenizer, self.eos_ids, self.system_prompt, generate, self.max_model_len
+        )
+        return build_trajectory_batch(runner.run(prompts, sampling.n, seed), self.pad_id, self.tokenizer.decode)
+
+    def generate_ids(
+        self, contexts: list[list[int]], limits: list[int], sampling: SamplingParams, seed: int
+    ) -> list[tuple[list[int], list[float]]]:
+        """Token ids in, token ids out: one sample continuing each context (a `TokensPrompt`), at most its own
+        limit of tokens, cut after its first EOS (kept), with the sampled tokens' log-probs."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = [
+            VSamplingParams(
+                n=1,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                max_tokens=limit,
+                logprobs=0,
+                seed=(seed * 1_000_003 + i) % 2**63,
+                detokenize=False,  # the loop decodes the ids itself; nothing is matched on vLLM's text
+            )
+            for i, limit in enumerate(limits)
+        ]
+        requests = [TokensPrompt(prompt_token_ids=ids) for ids in contexts]
+        out: list[tuple[list[int], list[float]]] = []
+        for result, limit in zip(self.llm.generate(requests, params, use_tqdm=False), limits, strict=True):
+            sample = result.outputs[0]
+            ids = list(sample.token_ids)
+            lps = [float(sample.logprobs[t][tok].logprob) for t, tok in enumerate(ids)]
+            out.append(truncate_response(ids, lps, self.eos_ids, limit))
+        return out
 
     def update_weights(self, named_tensors: NamedTensors) -> None:
         """Load HF-named tensors in place; parts of a fused vLLM layer (q/k/v, gate/up) must come together.

@@ -52,7 +52,8 @@ def trim(mb: TensorDict) -> TensorDict:
     prompt_len = mb[T.PROMPT_IDS].shape[1]
     prompt_mask = mb[T.ATTENTION_MASK][:, :prompt_len]
     first = int((prompt_mask.sum(0) > 0).nonzero().min()) if prompt_mask.any() else prompt_len
-    resp_len = int(mb[T.RESPONSE_MASK].sum(-1).max().item()) if mb.batch_size[0] else 0
+    # the response's real tokens (attention), not the loss mask: a multi-turn row's mask has holes (observations)
+    resp_len = int(mb[T.ATTENTION_MASK][:, prompt_len:].sum(-1).max().item()) if mb.batch_size[0] else 0
     resp_len = max(resp_len, 1)
     out = mb.clone(False)
     for key in list(out.keys()):
