@@ -212,8 +212,8 @@ def _with_hf_defaults(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rope_settings(hf: Mapping[str, Any], mcore: Mapping[str, Any]) -> dict[str, Any]:
-    if mcore.get("position_embedding_type") != "rope":
-        return {}
+    if mcore.get("position_embedding_type") != "rope" or mcore.get("multi_latent_attention"):
+        return {}  # MLA templates map their RoPE (incl. YaRN) into MLATransformerConfig fields themselves
     params = lookup(hf, "rope_parameters")
     params = params if isinstance(params, Mapping) else (hf.get("rope_scaling") or {})
     rope_type = params.get("rope_type", params.get("type", "default"))

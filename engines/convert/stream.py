@@ -176,6 +176,12 @@ class HfToMcore(_Stream):
     def _skip(self, layer: int | None, key: str, op: WeightOp | None) -> bool:
         if key in self.spec.template.hf_invalid_keys:
             return True
+        if (
+            layer is not None
+            and layer >= self.spec.mcore["num_layers"]
+            and self.spec.hf_config.get("num_nextn_predict_layers")
+        ):
+            return True  # DeepSeek-V3's multi-token-prediction layers after the last one (HF ignores them too)
         # A tied checkpoint may still carry lm_head: the embedding is the source of truth.
         return self.spec.tied and op is not None and layer is None and OUTPUT_LAYER in op.mcore_names
 
