@@ -78,6 +78,8 @@ class ConversionSpec:
         if missing:
             raise ValueError(f"HF config ({model_type}) is missing {', '.join(missing)}")
         mcore.update(_rope_settings(resolved, mcore))
+        if transformer_impl == "transformer_engine" and mcore.get("num_moe_experts"):
+            mcore["moe_grouped_gemm"] = True  # TEGroupedMLP: experts.linear_fc1.weight<E> (sharding.to_te_name)
         mcore.setdefault("num_query_groups", mcore["num_attention_heads"])
         mcore.setdefault("kv_channels", mcore["hidden_size"] // mcore["num_attention_heads"])
         mcore.setdefault("share_embeddings_and_output_weights", False)

@@ -185,11 +185,24 @@ class HfToMcore(_Stream):
         # A tied checkpoint may still carry lm_head: the embedding is the source of truth.
         return self.spec.tied and op is not None and layer is None and OUTPUT_LAYER in op.mcore_names
 
+    def _split_dst(self, name: str) -> tuple[int | None, str]:
+        if name.startswith(LAYER_PREFIX):
+            index, dot, rest = name[len(LAYER_PREFIX) :].partition(".")
+            if index.isdigit() and dot:
+                return int(index), "." + rest
+        return None, name
+
     def _post(self, items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         out = []
         for name, tensor in items:
             if self.spec.transformer_impl == "transformer_engine":
-                name = to_te_name(name)
+                layer, _ = self._split_dst(name)
+                name = to_te_name(
+                    name,
+                    moe_layer=layer is not None and self.spec.is_moe_layer(layer),
+                    mla=bool(self.spec.mcore.get("multi_latent_attention")),
+                    grouped_experts=bool(self.spec.mcore.get("moe_grouped_gemm")),
+                )
             out.append((name, tensor))
             if name == EMBEDDING and self.spec.tied and self.spec.pp > 1:
                 out.append((OUTPUT_LAYER, tensor))  # the last stage keeps its own copy (reference C.2)

@@ -169,3 +169,22 @@ def test_rank_export_gathers_experts_over_ep(models: dict[str, Path], tmp_path: 
     expected = hf_tensors(hf)
     for rank in range(4):
         assert_same(expected, load_file(tmp_path / f"rank{rank}.safetensors"))
+
+
+def test_transformer_engine_names(models: dict[str, Path], tmp_path: Path) -> None:
+    for model_type in ("qwen3_moe", "deepseek_v3"):
+        hf = models[model_type]
+        out = convert_hf_to_mcore(hf, tmp_path / model_type, transformer_impl="transformer_engine", tp=2, ep=2)
+        spec = ConversionSpec.load(out)
+        names = set(load_file(out / spec_rank_file(spec, 0, 0, 1)))
+        assert spec.mcore["moe_grouped_gemm"] is True
+        assert {
+            "decoder.layers.1.mlp.experts.linear_fc1.weight0",
+            "decoder.layers.1.mlp.experts.linear_fc2.weight1",
+        } <= names
+        assert not any("local_experts" in n for n in names)
+        assert "decoder.layers.1.pre_mlp_layernorm.weight" in names  # an MoE layer's norm stays separate in TE
+        assert "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight" in names or model_type == "deepseek_v3"
+        assert_same(hf_tensors(hf), dict(mcore_to_hf(out)))
+    assert "decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_weight" in names  # MLA: fused q norm
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in names  # DeepSeek's dense first layer: fused
