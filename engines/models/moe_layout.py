@@ -21,8 +21,9 @@ FUSED_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj")
 
 
 def fused_expert_names(model: Any) -> list[str]:
-    """Names of the model's fused (3-D) expert parameters; empty for dense models and per-expert MoE modules."""
-    return [n for n, p in model.state_dict().items() if n.endswith(FUSED_SUFFIXES) and p.dim() == 3]
+    """Names of the model's fused expert parameters (by name: ZeRO-3 partitions have no 3-D shape); empty for
+    dense models and for MoE modules with one `experts.E.*.weight` per expert."""
+    return [n for n in model.state_dict() if n.endswith(FUSED_SUFFIXES)]
 
 
 def disk_named_weights(model: Any, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
