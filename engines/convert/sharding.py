@@ -5,11 +5,15 @@ contiguous chunk is whole query groups; SwiGLU fc1 is split per half), row-paral
 are padded then split on dim 0, everything else (norms, row-parallel biases) is replicated.
 PP rules (C.5): stage p owns an even, contiguous range of layers, stored under local indices; with virtual
 pipelines model chunk c = v * pp + p. Embedding on the first chunk, final norm and output layer on the last.
+EP rules (Megatron-Core MoE): the routed experts of a layer are split contiguously over the expert-parallel
+ranks (EP rank e holds experts [e*n, (e+1)*n) as local experts 0..n-1), each expert TP-split like a dense MLP
+(expert tensor parallel size = TP); everything else, the router included, is replicated over EP ranks.
 Non-goal: knowing any HF name.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -43,20 +47,81 @@ _DEFAULT_TP_RULES = {
     "linear_fc2.weight": "row",
     "linear_proj.bias": "replicated",
     "linear_fc2.bias": "replicated",
+    "router.weight": "replicated",
+    "router.expert_bias": "replicated",
+    "linear_q_proj.weight": "column",
+    "linear_q_down_proj.weight": "column",
+    "linear_q_up_proj.weight": "column",
+    "linear_kv_down_proj.weight": "column",
+    "linear_kv_up_proj.weight": "column",
 }
+# Routed experts: SequentialMLP's `experts.local_experts.<E>.` and Transformer Engine grouped GEMM's
+# `experts.linear_fc1.weight<E>` (TEGroupedMLP: one parameter per local expert).
+_LOCAL_EXPERT = re.compile(r"^(?P<head>.*\.experts\.local_experts\.)(?P<index>\d+)(?P<tail>\..*)$")
+_GROUPED_EXPERT = re.compile(r"^(?P<head>.*\.experts\.linear_fc[12]\.(?:weight|bias))(?P<index>\d+)(?P<tail>)$")
 
 
-def to_te_name(name: str) -> str:
-    """Local-spec Megatron name -> Transformer Engine spec name (unchanged when not a fused norm)."""
-    for local, te in TE_NAMES.items():
-        if name.endswith(local):
+def expert_index(name: str) -> tuple[str, int, str] | None:
+    """(head, expert index, tail) of a routed-expert Megatron name; None for any other tensor."""
+    for pattern in (_LOCAL_EXPERT, _GROUPED_EXPERT):
+        m = pattern.match(name)
+        if m:
+            return m["head"], int(m["index"]), m["tail"]
+    return None
+
+
+def split_ep(name: str, experts_per_rank: int, ep: int) -> list[tuple[int, str]]:
+    """The (EP rank, name there) pairs that hold a global Megatron tensor: a routed expert lives on one EP rank
+    under its local index; every other tensor is replicated on all `ep` ranks."""
+    found = expert_index(name)
+    if found is None or ep == 1:
+        return [(e, name) for e in range(ep)]
+    head, index, tail = found
+    rank, local = divmod(index, experts_per_rank)
+    return [(rank, f"{head}{local}{tail}")]
+
+
+def global_expert_name(name: str, ep_rank: int, experts_per_rank: int) -> str:
+    """A rank's local routed-expert name -> its global name (other names unchanged); inverse of `split_ep`."""
+    found = expert_index(name)
+    if found is None:
+        return name
+    head, local, tail = found
+    return f"{head}{ep_rank * experts_per_rank + local}{tail}"
+
+
+# MLA under Transformer Engine: the q/kv norms fuse into the up-projections that follow them.
+TE_MLA_NAMES = {
+    ".self_attention.q_layernorm.weight": ".self_attention.linear_q_up_proj.layer_norm_weight",
+    ".self_attention.kv_layernorm.weight": ".self_attention.linear_kv_up_proj.layer_norm_weight",
+}
+_PRE_MLP = (".pre_mlp_layernorm.weight", ".pre_mlp_layernorm.bias")
+_LOCAL_EXPERT_LINEAR = re.compile(r"\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
+_GROUPED_EXPERT_LINEAR = re.compile(r"\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
+
+
+def to_te_name(name: str, *, moe_layer: bool = False, mla: bool = False, grouped_experts: bool = False) -> str:
+    """Local-spec Megatron name -> Transformer Engine spec name (unchanged when TE names it the same).
+
+    In an MoE layer the pre-MLP norm stays separate (TE fuses it only into a dense fc1); with MLA the q/kv norms
+    fuse into the up-projections; `grouped_experts` gives TEGroupedMLP's `experts.linear_fc1.weight<E>`.
+    """
+    m = _LOCAL_EXPERT_LINEAR.search(name)
+    if grouped_experts and m:
+        return f"{name[: m.start()]}.experts.{m[2]}.{m[3]}{m[1]}"
+    table = {**TE_NAMES, **(TE_MLA_NAMES if mla else {})}
+    for local, te in table.items():
+        if name.endswith(local) and not (moe_layer and local in _PRE_MLP):
             return name[: -len(local)] + te
     return name
 
 
 def to_local_name(name: str) -> str:
-    """Transformer Engine spec name -> local-spec name (unchanged when not a fused norm)."""
-    for te, local in LOCAL_NAMES.items():
+    """Transformer Engine spec name -> local-spec name (unchanged when not a fused norm or grouped expert)."""
+    m = _GROUPED_EXPERT_LINEAR.search(name)
+    if m:
+        return f"{name[: m.start()]}.experts.local_experts.{m[3]}.{m[1]}.{m[2]}"
+    for te, local in (*LOCAL_NAMES.items(), *((te, loc) for loc, te in TE_MLA_NAMES.items())):
         if name.endswith(te):
             return name[: -len(te)] + local
     return name
@@ -64,6 +129,7 @@ def to_local_name(name: str) -> str:
 
 def tp_kind(name: str, rules: Mapping[str, str] | None = None) -> str:
     """TP class of a Megatron tensor name: column, row, vocab or replicated (template rules first)."""
+    name = re.sub(r"(\.experts\.linear_fc[12]\.(?:weight|bias))\d+$", r"\1", name)  # TE grouped GEMM
     for table in (rules or {}, _DEFAULT_TP_RULES):
         for suffix, kind in table.items():
             if name.endswith(suffix):

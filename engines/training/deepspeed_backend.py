@@ -29,6 +29,7 @@ from tensordict import TensorDict
 
 from rlstages.configs.training import DeepSpeedTrainingConfig
 from rlstages.engines.base import OnOutput, Readout
+from rlstages.engines.models import moe_layout
 from rlstages.engines.runtime.device import dist_backend, worker_device
 from rlstages.engines.training import state_io
 from rlstages.engines.training.optim import adamw, adamw_kwargs, lr_scheduler
@@ -180,8 +181,12 @@ class DeepSpeedBackend:
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full tensors, one at a time. Under ZeRO-3 each is gathered from the shards (a collective:
-        every rank must iterate in step) and yielded as a copy on every rank.
+        every rank must iterate in step) and yielded as a copy on every rank. MoE experts come in the on-disk
+        layout, one tensor per expert (`models.moe_layout`), as vLLM loads them.
         """
+        yield from moe_layout.disk_named_weights(self.module, self._gathered_weights())
+
+    def _gathered_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         import deepspeed
 
         for name, tensor in self.module.state_dict(keep_vars=True).items():
