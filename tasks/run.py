@@ -83,12 +83,14 @@ def write_state(run: RunHandle, **updates: Any) -> None:
 
 
 def resolve_run_dir(cfg: RunConfig, flow_run_id: str | None = None) -> Path:
-    """The run directory this config starts or continues; refuses (one line) what would overwrite a run."""
+    """The run directory this config starts or continues; refuses (one line) what would overwrite a run. A
+    directory that committed nothing (a run that failed or stopped before its first checkpoint) blocks no one:
+    the run starts over in it (`starts_over`)."""
     path = run_dir(cfg)
     if cfg.checkpoint.resume == "fresh":  # one directory per flow run: a retry of that flow run resumes it
         suffix = flow_run_id[:8] if flow_run_id else time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         path = path.with_name(f"{path.name}-{suffix}")
-    if (path / "config.yaml").is_file():
+    if (path / "config.yaml").is_file() and holds_progress(path):
         if cfg.checkpoint.resume == "never":
             raise FileExistsError(
                 f"{path} already holds a run and checkpoint.resume=never; choose another trainer.run_name"
@@ -102,6 +104,33 @@ def resolve_run_dir(cfg: RunConfig, flow_run_id: str | None = None) -> Path:
     return path
 
 
+def holds_progress(path: Path) -> bool:
+    """True when a run directory holds what a run continues from or must not lose: a committed checkpoint (a
+    manifest, even a damaged one) or an exported policy."""
+    return (path / "final").exists() or any((path / "checkpoints").glob("step_*/manifest.json"))
+
+
+def starts_over(cfg: RunConfig, path: Path) -> bool:
+    """True when `path` holds a run of ours that committed nothing and this config does not continue it (another
+    config, or checkpoint.resume=never): its leftovers (state, step batches, fault markers) are cleared first."""
+    if not (path / "config.yaml").is_file() or holds_progress(path):
+        return False
+    try:
+        same = read_state(path).get("config_hash") == config_hash(cfg)
+    except ValueError:  # a damaged run-state file of a run that committed nothing
+        same = False
+    return cfg.checkpoint.resume == "never" or not same
+
+
+def clear_dir(path: Path) -> None:
+    """Remove what a directory holds, keeping the directory itself (it may be a link or a mount point)."""
+    for child in path.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+
+
 @task(name="prepare_run", cache_policy=NO_CACHE)
 def prepare_run(cfg: RunConfig) -> RunHandle:
     """Create or reopen the run directory (a different config for an existing run is refused); build the model."""
@@ -109,6 +138,9 @@ def prepare_run(cfg: RunConfig) -> RunHandle:
 
     check_import_allowed(cfg)  # a deployment's run imports only what the deployment allows
     path = resolve_run_dir(cfg, str(flow_run.id) if flow_run.id else None)
+    if starts_over(cfg, path):  # nothing committed there: the failed start's leftovers must not mix with ours
+        stage_logger().warning(f"{path} held a run that committed nothing; starting over there")
+        clear_dir(path)
     run = RunHandle(name=path.name, run_dir=str(path.resolve()))
     path.mkdir(parents=True, exist_ok=True)
     write_state(run, config_hash=config_hash(cfg))  # first: a config.yaml always has its hash beside it
