@@ -23,6 +23,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, get_args
@@ -267,14 +268,23 @@ def check_tracking_store(cfg: RunConfig) -> None:
         raise PreflightError(f"{origin}: {uri} {problem}")
 
 
-def starts_local_cluster(cfg: RunConfig) -> bool:
-    """True when the run's workers run on this machine: in-process, or a Ray that the run starts here."""
+def known_resources(cfg: RunConfig) -> tuple[float, float, str] | None:
+    """(GPUs, CPUs, where) of the cluster the run's workers will use, when known before the start: the Ray this
+    process already joined, a local Ray the run starts (this machine's GPUs; `cluster.num_cpus` or its CPUs),
+    or this process (in_process). None for a cluster joined by address: its placement says (`tasks.placement`)."""
+    ray = sys.modules.get("ray")
+    if cfg.cluster.mode == "ray" and ray is not None and ray.is_initialized():  # start_ray keeps that one
+        total = ray.cluster_resources()
+        return total.get("GPU", 0.0), total.get("CPU", 0.0), "the Ray this process joined"
+    if cfg.cluster.mode == "ray" and (cfg.cluster.address or os.environ.get("RAY_ADDRESS")):
+        return None
+    cpus = float(cfg.cluster.num_cpus or os.cpu_count() or 1)
     if cfg.cluster.mode == "in_process":
-        return True
-    if cfg.cluster.address or os.environ.get("RAY_ADDRESS"):
-        return False
-    ray = sys.modules.get("ray")  # a Ray this process already joined (tests, notebooks): placement says
-    return not (ray is not None and ray.is_initialized())
+        return float(local_gpu_count()) if cfg.cluster.num_gpus else 0.0, cpus, "this process (cluster.mode=in_process)"
+    where = "a local Ray: no cluster.address or RAY_ADDRESS"
+    if cfg.cluster.num_cpus:
+        where += f"; cluster.num_cpus={cfg.cluster.num_cpus}"
+    return float(local_gpu_count()) if cfg.cluster.num_gpus else 0.0, cpus, where
 
 
 def local_gpu_count() -> int:
@@ -296,32 +306,28 @@ def local_gpu_count() -> int:
 
 
 def check_cluster_resources(cfg: RunConfig) -> None:
-    """On a cluster the run starts here (its resources are this machine's): `cluster.num_gpus` GPUs exist, and
-    the placement groups' CPUs fit `cluster.num_cpus` (else this machine's CPUs). A cluster joined by address
-    is checked when its placement groups are reserved (`tasks.placement`)."""
+    """When the cluster's resources are known before the start (`known_resources`): `cluster.num_gpus` GPUs
+    exist there, and the CPUs the placement groups reserve fit."""
     c = cfg.cluster
-    if not starts_local_cluster(cfg):
+    known = known_resources(cfg)
+    if known is None:
         return
-    if c.num_gpus:
-        have = local_gpu_count()
-        if c.num_gpus > have:
-            local = "a local Ray: no cluster.address or RAY_ADDRESS"
-            here = "cluster.mode=in_process" if c.mode == "in_process" else local
-            raise PreflightError(
-                f"cluster.num_gpus: {c.num_gpus} GPUs asked for, but this machine has {have} and the workers run "
-                f"here ({here}); lower cluster.num_gpus or join a cluster"
-            )
+    gpus, cpus, where = known
+    if c.num_gpus > gpus:
+        raise PreflightError(
+            f"cluster.num_gpus: {c.num_gpus} GPUs asked for, but the workers run where there are {gpus:g} "
+            f"({where}); lower cluster.num_gpus or join a cluster that has them"
+        )
     if c.mode == "ray" and c.use_placement_group:
         from rlstages.tasks.placement import reserved_bundles
 
         bundles = reserved_bundles(cfg)
-        need, have = bundles * c.cpus_per_bundle, c.num_cpus or os.cpu_count() or 1
-        if need > have + 1e-9:
-            where = f"cluster.num_cpus={c.num_cpus}" if c.num_cpus else f"this machine's {have} CPUs"
+        need = bundles * c.cpus_per_bundle
+        if need > cpus + 1e-9:
             raise PreflightError(
-                f"cluster.cpus_per_bundle: the placement groups reserve {need:g} CPUs ({bundles} bundles x "
-                f"{c.cpus_per_bundle:g}) but the run's local Ray has {have} ({where}); lower "
-                "cluster.cpus_per_bundle or the worker counts"
+                f"cluster.cpus_per_bundle: the placement groups reserve {need:g} CPUs ({bundles} x "
+                f"{c.cpus_per_bundle:g} per bundle) but the workers run where there are {cpus:g} ({where}); "
+                "lower cluster.cpus_per_bundle or the worker counts"
             )
 
 
@@ -347,7 +353,9 @@ def check_lora_targets(cfg: RunConfig) -> list[str] | None:
     if model is None:
         return None  # a hub id or a model built on first use by a provider of unknown architecture
     try:
-        wrap_lora(model, lora.model_dump())
+        with warnings.catch_warnings():  # transformers' deprecation notes are the worker's business
+            warnings.simplefilter("ignore")
+            wrap_lora(model, lora.model_dump())
     except ValueError as exc:
         raise PreflightError(str(exc).replace("model.lora.target_modules ", "model.lora.target_modules: ", 1)) from None
     return None
