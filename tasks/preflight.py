@@ -429,14 +429,15 @@ def check_run_dir(cfg: RunConfig) -> list[str] | None:
     starts over in it, said as a warning); a continued run's newest checkpoint must be intact."""
     if cfg.checkpoint.resume == "fresh":
         return None  # a new directory per flow run
-    from rlstages.tasks.checkpoint import latest_checkpoint
-    from rlstages.tasks.context import RunHandle
-    from rlstages.tasks.run import resolve_run_dir, starts_over
+    from rlstages.tasks.run_dir import resolve_run_dir, starts_over
 
     path = resolve_run_dir(cfg)
     if starts_over(cfg, path):
         return [f"{path} holds a run that committed nothing (no checkpoint, no final policy); it starts over there"]
     if (path / "config.yaml").is_file():  # the run continues: its newest checkpoint must be sound
+        from rlstages.tasks.checkpoint import latest_checkpoint
+        from rlstages.tasks.context import RunHandle
+
         latest_checkpoint(RunHandle(path.name, str(path)), verify=True, on_corrupt=cfg.checkpoint.on_corrupt)
     return None
 
