@@ -64,6 +64,8 @@ def _index(path: list[str], i: int, node: list[Any]) -> int:
 
 def read_yaml(path: Path) -> dict[str, Any]:
     """Read a YAML mapping, with a one-line error naming the file when it is missing or malformed."""
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory, expected a YAML file")
     if not path.is_file():
         raise ConfigError(f"{path}: no such config file")
     try:

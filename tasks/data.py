@@ -28,6 +28,18 @@ from rlstages.configs.data import AdditionTaskConfig, DataConfig, DatasetsDataCo
 from rlstages.engines.types import Prompt
 
 _SUFFIX_BUILDER = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".arrow": "arrow", ".csv": "csv"}
+DATA_SUFFIXES = tuple(_SUFFIX_BUILDER)
+
+
+def is_glob(path: str) -> bool:
+    """True when a data path is a glob pattern (`*`, `?`, `[`)."""
+    return any(c in path for c in "*?[")
+
+
+def looks_local(path: str) -> bool:
+    """True when a data path can only mean a local file or directory (absolute, ./, ../, ~, a data file
+    suffix, or more than one `/`), never a hub dataset name `org/name`."""
+    return path.startswith((".", "/", "~")) or path.count("/") > 1 or Path(path).suffix.lower() in _SUFFIX_BUILDER
 
 
 @dataclass(frozen=True)
@@ -101,7 +113,7 @@ def _first_line(err: BaseException) -> str:
 
 def _local_files(path: str) -> list[str]:
     """The local files `path` names (a file or a glob), sorted; empty when it names none."""
-    return sorted(glob.glob(path)) if any(c in path for c in "*?[") else ([path] if Path(path).is_file() else [])
+    return sorted(glob.glob(path)) if is_glob(path) else ([path] if Path(path).is_file() else [])
 
 
 def _check_nonempty(file: str, suffix: str) -> None:
@@ -158,7 +170,7 @@ def _open_dataset(cfg: DatasetsDataConfig, path: str, split: str) -> tuple[Any, 
             ds = datasets.load_from_disk(path)
             where = path
         else:
-            if Path(path).exists() or path.startswith((".", "/")) or path.count("/") > 1:
+            if Path(path).exists() or looks_local(path):
                 raise FileNotFoundError(
                     f"data.source.path: {path} is not a data file, a glob of them or a save_to_disk directory"
                 )

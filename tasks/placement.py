@@ -73,6 +73,21 @@ def _reserve(name: str, bundles: list[dict[str, float]], strategy: str, timeout:
         ) from None
 
 
+def reserved_bundles(cfg: RunConfig) -> int:
+    """How many bundles `place` reserves for this config (colocated: one per GPU slot of the widest role;
+    split: one per worker of every role), each of `cluster.cpus_per_bundle` CPUs: the pre-flight's count."""
+    workers = {"actor": cfg.actor.num_workers}
+    if not cfg.cluster.hybrid_engine:  # the hybrid engine's rollout lives in the actor's ranks
+        workers["rollout"] = cfg.rollout.num_workers
+    if cfg.uses_reference and cfg.model.lora is None:  # under LoRA the actor's frozen base is the reference
+        workers["reference"] = cfg.reference.num_workers
+    if cfg.critic is not None:
+        workers["critic"] = cfg.critic.num_workers
+    if cfg.cluster.colocate:
+        return max(n * _width(cfg, role) for role, n in workers.items())
+    return sum(workers.values())
+
+
 def place(cfg: RunConfig, run: RunHandle, specs: dict[str, GroupSpec]) -> dict[str, GroupSpec]:
     """Reserve the placement groups of `specs` (role -> spec) and give each rank its bundle."""
     if not cfg.cluster.use_placement_group or cfg.cluster.mode != "ray":

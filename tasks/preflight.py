@@ -1,45 +1,63 @@
 """Pre-flight: every input a run depends on is checked before a directory, Ray, Prefect or MLflow starts.
 
-`preflight(cfg)` raises `PreflightError` (one line: the field or file, and what was expected) for the first
-problem, cheapest checks first: the run directory, `RLSTAGES_FAULTS`, the model directory (config.json and
-every safetensors header), the data files, what the config asks to import (reward `module:function`,
-`model.plugins`; a deployment may import only its allow-list), and prompts that do not fit the model's
-context. Nothing here imports torch unless a prompt needs the tokenizer to be measured.
+`preflight(cfg)` runs the checks of `CHECKS` in order, cheapest first, and raises `PreflightError` (one line:
+the field or file, and what was expected) for the first problem; it returns warnings (e.g. prompts to be
+truncated). What a run would find out only once it has started is rehearsed here where that is cheap: the
+LoRA wrapper is built on the meta device, the tracking store's URI is opened without writing, a local
+cluster's GPUs and CPUs are counted, data paths that look local must exist. `rlstages run`, `resume` and
+`config show` run every check; `eval` and `deploy` skip the ones that do not apply to them.
+
+Adding a check: write `def check_<what>(cfg: RunConfig) -> list[str] | None` that raises
+`PreflightError("<field>: <value> <what is wrong>; <what was expected>")` and may return warnings, and put
+it in `CHECKS` (cheap checks before expensive ones); a row in tests/flows/test_bad_inputs.py shows it works.
+A check never creates, changes or starts anything.
 """
 
 from __future__ import annotations
 
+import glob
 import importlib
 import importlib.util
 import json
 import os
+import shutil
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, get_args
 
 from rlstages.configs import RunConfig
-from rlstages.configs.data import JsonlDataConfig
+from rlstages.configs.data import DatasetsDataConfig, JsonlDataConfig
 from rlstages.configs.run import RUN_NAME
 from rlstages.configs.stages import StageName
 
 ALLOWED_IMPORTS_ENV = "RLSTAGES_ALLOWED_IMPORTS"
 TEMPLATE_SLACK = 64  # tokens a chat template and system prompt may add around a prompt, for the cheap bound
 
+Check = Callable[[RunConfig], "list[str] | None"]
+
 
 class PreflightError(ValueError):
     """An input a run cannot start with; the message names the field or file and what was expected."""
 
 
-def preflight(cfg: RunConfig, measure_prompts: bool = True) -> list[str]:
-    """Check everything a run needs before anything starts; returns warnings (e.g. prompts to be truncated)."""
-    check_run_name(cfg)
-    check_faults()
-    check_model_dir(cfg.model.path, "model.path", required=cfg.model.provider == "local")
-    if cfg.reward.reward_model is not None:
-        check_model_dir(cfg.reward.reward_model.path, "reward.reward_model.path", required=True)
-    check_data(cfg)
-    check_imports(cfg)
-    check_multi_turn(cfg)
-    return check_prompt_lengths(cfg) if measure_prompts else []
+def preflight(cfg: RunConfig, measure_prompts: bool = True, skip: Collection[Check] = ()) -> list[str]:
+    """Run every check of `CHECKS` but those in `skip` (and the prompt measurement unless `measure_prompts`);
+    returns their warnings. Any problem is a PreflightError (its message names the field or file)."""
+    skipped = set(skip) | (set() if measure_prompts else {check_prompt_lengths})
+    warnings: list[str] = []
+    for check in CHECKS:
+        if check in skipped:
+            continue
+        try:
+            warnings += check(cfg) or []
+        except PreflightError:
+            raise
+        except (ValueError, OSError) as exc:  # the checks that other modules own say the field or file too
+            raise PreflightError(str(exc)) from None
+    return warnings
 
 
 def check_run_name(cfg: RunConfig) -> None:
@@ -54,7 +72,7 @@ def check_run_name(cfg: RunConfig) -> None:
         raise PreflightError(f"trainer.run_name: {out / name} exists and is not a run directory")
 
 
-def check_faults() -> None:
+def check_faults(cfg: RunConfig | None = None) -> None:
     """`RLSTAGES_FAULTS` parses and names known stages and kinds."""
     from rlstages.tasks.faults import parse_faults
 
@@ -62,6 +80,13 @@ def check_faults() -> None:
         parse_faults(stages=get_args(StageName))
     except ValueError as exc:
         raise PreflightError(str(exc)) from None
+
+
+def check_models(cfg: RunConfig) -> None:
+    """The policy's directory (a provider may build it on first use) and the reward model's."""
+    check_model_dir(cfg.model.path, "model.path", required=cfg.model.provider == "local")
+    if cfg.reward.reward_model is not None:
+        check_model_dir(cfg.reward.reward_model.path, "reward.reward_model.path", required=True)
 
 
 def check_model_dir(path: Path, field: str, required: bool = True) -> None:
@@ -121,9 +146,15 @@ def _read_json(path: Path, field: str) -> Any:
         raise PreflightError(f"{field}: {path} is not valid JSON ({type(exc).__name__}: {exc})") from None
 
 
-def check_data(cfg: RunConfig) -> None:
-    """JSONL files exist, are UTF-8, non-empty, and every row is an object with the prompt and answer keys."""
+def check_data_files(cfg: RunConfig) -> None:
+    """JSONL files exist, are UTF-8, non-empty, and every row is an object with the prompt and answer keys; a
+    `datasets` path that looks local (absolute, ./, ../, a data file suffix, a glob) names files that exist."""
     source = cfg.data.source
+    if isinstance(source, DatasetsDataConfig):
+        for field, value in (("data.source.path", source.path), ("data.source.eval_path", source.eval_path)):
+            if value is not None:
+                _check_dataset_path(value, field)
+        return
     if not isinstance(source, JsonlDataConfig):
         return
     paths = [("data.source.train_path", source.train_path)]
@@ -133,7 +164,21 @@ def check_data(cfg: RunConfig) -> None:
         _check_jsonl(path, field, source.prompt_key, source.answer_key)
 
 
+def _check_dataset_path(path: str, field: str) -> None:
+    """A local data path must name something; anything else is a hub dataset name (read in `check_data_rows`)."""
+    from rlstages.tasks.data import DATA_SUFFIXES, is_glob, looks_local
+
+    expected = f"expected a data file ({', '.join(DATA_SUFFIXES)}), a glob of them or a save_to_disk directory"
+    if is_glob(path):
+        if not glob.glob(path):
+            raise PreflightError(f"{field}: {path} matches no file ({expected})")
+    elif not Path(path).exists() and looks_local(path):
+        raise PreflightError(f"{field}: {path} does not exist ({expected})")
+
+
 def _check_jsonl(path: Path, field: str, prompt_key: str, answer_key: str) -> None:
+    if path.is_dir():
+        raise PreflightError(f"{field}: {path} is a directory (expected a JSONL file)")
     if not path.is_file():
         raise PreflightError(f"{field}: {path} does not exist (expected a JSONL file)")
     try:
@@ -214,6 +259,111 @@ def check_imports(cfg: RunConfig) -> None:
             detail = "not found"
         if found is None:
             raise PreflightError(f"model.plugins.{i}: cannot import module {name!r} ({detail})")
+
+
+def check_tracking_store(cfg: RunConfig) -> None:
+    """The tracking URI (`tracking.tracking_uri`, else MLFLOW_TRACKING_URI, else the default) names a store
+    MLflow can open: a known scheme, a database path that exists or can be created, a driver that imports.
+    Nothing is opened for writing: a store that does not exist yet is created by the run, not here."""
+    from rlstages.tasks.tracking import store_problem, tracking_uri_origin
+
+    origin, uri = tracking_uri_origin(cfg)
+    problem = store_problem(uri)
+    if problem is not None:
+        raise PreflightError(f"{origin}: {uri} {problem}")
+
+
+def known_resources(cfg: RunConfig) -> tuple[float, float, str] | None:
+    """(GPUs, CPUs, where) of the cluster the run's workers will use, when known before the start: the Ray this
+    process already joined, a local Ray the run starts (this machine's GPUs; `cluster.num_cpus` or its CPUs),
+    or this process (in_process). None for a cluster joined by address: its placement says (`tasks.placement`)."""
+    ray = sys.modules.get("ray")
+    if cfg.cluster.mode == "ray" and ray is not None and ray.is_initialized():  # start_ray keeps that one
+        total = ray.cluster_resources()
+        return total.get("GPU", 0.0), total.get("CPU", 0.0), "the Ray this process joined"
+    if cfg.cluster.mode == "ray" and (cfg.cluster.address or os.environ.get("RAY_ADDRESS")):
+        return None
+    cpus = float(cfg.cluster.num_cpus or os.cpu_count() or 1)
+    if cfg.cluster.mode == "in_process":
+        return float(local_gpu_count()) if cfg.cluster.num_gpus else 0.0, cpus, "this process (cluster.mode=in_process)"
+    where = "a local Ray: no cluster.address or RAY_ADDRESS"
+    if cfg.cluster.num_cpus:
+        where += f"; cluster.num_cpus={cfg.cluster.num_cpus}"
+    return float(local_gpu_count()) if cfg.cluster.num_gpus else 0.0, cpus, where
+
+
+def local_gpu_count() -> int:
+    """GPUs a Ray started on this machine would see: torch's CUDA devices, else `nvidia-smi -L`'s (a CPU-only
+    torch beside a GPU driver), within CUDA_VISIBLE_DEVICES."""
+    import torch
+
+    count = torch.cuda.device_count()
+    if count == 0 and shutil.which("nvidia-smi"):
+        try:
+            listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=False)
+        except (OSError, subprocess.SubprocessError):
+            return 0
+        count = sum(line.startswith("GPU ") for line in listed.stdout.splitlines())
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            count = min(count, len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"]))
+    return count
+
+
+def check_cluster_resources(cfg: RunConfig) -> None:
+    """When the cluster's resources are known before the start (`known_resources`): `cluster.num_gpus` GPUs
+    exist there, and the CPUs the placement groups reserve fit."""
+    c = cfg.cluster
+    known = known_resources(cfg)
+    if known is None:
+        return
+    gpus, cpus, where = known
+    if c.num_gpus > gpus:
+        raise PreflightError(
+            f"cluster.num_gpus: {c.num_gpus} GPUs asked for, but the workers run where there are {gpus:g} "
+            f"({where}); lower cluster.num_gpus or join a cluster that has them"
+        )
+    if c.mode == "ray" and c.use_placement_group:
+        from rlstages.tasks.placement import reserved_bundles
+
+        bundles = reserved_bundles(cfg)
+        need = bundles * c.cpus_per_bundle
+        if need > cpus + 1e-9:
+            raise PreflightError(
+                f"cluster.cpus_per_bundle: the placement groups reserve {need:g} CPUs ({bundles} x "
+                f"{c.cpus_per_bundle:g} per bundle) but the workers run where there are {cpus:g} ({where}); "
+                "lower cluster.cpus_per_bundle or the worker counts"
+            )
+
+
+def check_lora_targets(cfg: RunConfig) -> list[str] | None:
+    """`model.lora.target_modules` are linear layers of the model: the PEFT wrapper is built on the meta device
+    (no memory, no weights) from the model's config -- config.json, the tiny spec, or the provider's
+    architecture -- exactly as the actor's worker will build it."""
+    lora = cfg.model.lora
+    if lora is None:
+        return None
+    from rlstages.engines.models import import_plugins, meta_causal_lm, planned_config
+    from rlstages.engines.models.lora import wrap_lora
+
+    if cfg.model.plugins:  # custom model types register themselves (allowed and importable: checked above)
+        import_plugins(",".join(cfg.model.plugins))
+    tiny = cfg.model.tiny.model_dump() if cfg.model.tiny is not None else None
+    try:
+        config = planned_config(cfg.model.path, cfg.model.provider, tiny)
+        model = meta_causal_lm(config, cfg.model.model_type) if config is not None else None
+    except Exception as exc:  # noqa: BLE001 - a model we cannot rehearse is left to the worker, said once
+        detail = (str(exc).strip().splitlines() or [""])[0][:200]
+        return [f"model.lora.target_modules: not checked before the start ({type(exc).__name__}: {detail})"]
+    if model is None:
+        return None  # a hub id or a model built on first use by a provider of unknown architecture
+    try:
+        with warnings.catch_warnings():  # transformers' deprecation notes are the worker's business
+            warnings.simplefilter("ignore")
+            wrap_lora(model, lora.model_dump())
+    except ValueError as exc:
+        raise PreflightError(str(exc).replace("model.lora.target_modules ", "model.lora.target_modules: ", 1)) from None
+    return None
 
 
 def context_length(cfg: RunConfig) -> int | None:
@@ -324,3 +474,55 @@ def check_multi_turn_template(cfg: RunConfig) -> None:
             "rollout.multi_turn.template_not_prefix_preserving: the chat template of "
             f"{path} rewrites earlier turns; expected 'new_row' to train on it (a new row per turn)"
         )
+
+
+def check_data_rows(cfg: RunConfig) -> None:
+    """Both splits read and checked row by row: the file, row and column of a bad cell are named."""
+    from rlstages.tasks.data import check_data
+
+    check_data(cfg)
+
+
+def check_run_dir(cfg: RunConfig) -> list[str] | None:
+    """The run directory: one of another config is refused unless it holds nothing committed (then the run
+    starts over in it, said as a warning); a continued run's newest checkpoint must be intact."""
+    if cfg.checkpoint.resume == "fresh":
+        return None  # a new directory per flow run
+    from rlstages.tasks.run_dir import resolve_run_dir, starts_over
+
+    path = resolve_run_dir(cfg)
+    if starts_over(cfg, path):
+        return [f"{path} holds a run that committed nothing (no checkpoint, no final policy); it starts over there"]
+    if (path / "config.yaml").is_file():  # the run continues: its newest checkpoint must be sound
+        from rlstages.tasks.checkpoint import latest_checkpoint
+        from rlstages.tasks.context import RunHandle
+
+        latest_checkpoint(RunHandle(path.name, str(path)), verify=True, on_corrupt=cfg.checkpoint.on_corrupt)
+    return None
+
+
+def check_backend_packages(cfg: RunConfig) -> None:
+    """Every chosen backend's package is installed here (when the workers run here)."""
+    from rlstages.tasks.workers import missing_backend_package
+
+    problem = missing_backend_package(cfg)
+    if problem:
+        raise PreflightError(problem)
+
+
+# The pre-flight, in order: cheap checks of the config and the files first, then what imports or reads more.
+CHECKS: tuple[Check, ...] = (
+    check_run_name,
+    check_faults,
+    check_models,
+    check_data_files,
+    check_imports,
+    check_tracking_store,
+    check_lora_targets,
+    check_multi_turn,
+    check_prompt_lengths,
+    check_data_rows,
+    check_run_dir,
+    check_backend_packages,
+    check_cluster_resources,
+)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,6 @@ from prefect.cache_policies import NO_CACHE
 
 from rlstages.configs import RunConfig, config_hash, to_yaml
 from rlstages.configs.loader import flatten
-from rlstages.configs.run import RUN_NAME
 from rlstages.configs.training import MegatronTrainingConfig
 from rlstages.engines.models import ensure_model
 from rlstages.engines.training.state_io import atomic_write_text
@@ -30,6 +28,8 @@ from rlstages.tasks.data import cursor, data_record
 from rlstages.tasks.policies import guard_workers, stage_logger
 from rlstages.tasks.preflight import check_import_allowed
 from rlstages.tasks.rollout import sync_weights
+from rlstages.tasks.run_dir import RUN_STATE, clear_dir, read_state, resolve_run_dir, starts_over
+from rlstages.tasks.run_dir import run_dir as run_dir  # re-exported: flows import it from here
 from rlstages.tasks.workers import (
     build_workers,
     converted_dir,
@@ -49,55 +49,13 @@ class StartPoint:
     checkpoint: str | None
 
 
-def run_dir(cfg: RunConfig) -> Path:
-    """`trainer.output_dir / run_name` (run_name defaults to `run-<config hash>`)."""
-    name = cfg.trainer.run_name or f"run-{config_hash(cfg)}"
-    if not RUN_NAME.fullmatch(name):  # the schema checks it too; a constructed config may skip the schema
-        raise ValueError(f"trainer.run_name {name!r}: use letters, digits, '_' and '-' only")
-    return cfg.trainer.output_dir / name
-
-
 def _state(run: RunHandle) -> dict[str, Any]:
     return read_state(run.path)
-
-
-def read_state(path: Path) -> dict[str, Any]:
-    """The run-state file of a run directory ({} when there is none); one-line error when it is damaged."""
-    state = path / RUN_STATE
-    if not state.is_file():
-        return {}
-    try:
-        data = json.loads(state.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{state}: damaged run-state file ({exc}); move it away to start over") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{state}: damaged run-state file (expected a JSON object)")
-    return data
 
 
 def write_state(run: RunHandle, **updates: Any) -> None:
     """Update the run-state file (MLflow run id, status) atomically."""
     atomic_write_text(run.path / RUN_STATE, json.dumps({**_state(run), **updates}, indent=2))
-
-
-def resolve_run_dir(cfg: RunConfig, flow_run_id: str | None = None) -> Path:
-    """The run directory this config starts or continues; refuses (one line) what would overwrite a run."""
-    path = run_dir(cfg)
-    if cfg.checkpoint.resume == "fresh":  # one directory per flow run: a retry of that flow run resumes it
-        suffix = flow_run_id[:8] if flow_run_id else time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-        path = path.with_name(f"{path.name}-{suffix}")
-    if (path / "config.yaml").is_file():
-        if cfg.checkpoint.resume == "never":
-            raise FileExistsError(
-                f"{path} already holds a run and checkpoint.resume=never; choose another trainer.run_name"
-            )
-        old = read_state(path).get("config_hash")
-        if old != config_hash(cfg):  # a run dir with no recorded hash is not provably this config's
-            raise ValueError(
-                f"{path} holds a run of another config (hash {old}, this one {config_hash(cfg)}); resume it with "
-                f"`rlstages resume {path}` or choose another trainer.run_name"
-            )
-    return path
 
 
 @task(name="prepare_run", cache_policy=NO_CACHE)
@@ -107,6 +65,9 @@ def prepare_run(cfg: RunConfig) -> RunHandle:
 
     check_import_allowed(cfg)  # a deployment's run imports only what the deployment allows
     path = resolve_run_dir(cfg, str(flow_run.id) if flow_run.id else None)
+    if starts_over(cfg, path):  # nothing committed there: the failed start's leftovers must not mix with ours
+        stage_logger().warning(f"{path} held a run that committed nothing; starting over there")
+        clear_dir(path)
     run = RunHandle(name=path.name, run_dir=str(path.resolve()))
     path.mkdir(parents=True, exist_ok=True)
     write_state(run, config_hash=config_hash(cfg))  # first: a config.yaml always has its hash beside it

@@ -4,13 +4,14 @@ directory on first use (`providers`)."""
 import logging
 
 from rlstages.engines.models.hub import hub_cache_dir, is_hub_id, resolve_model_path
-from rlstages.engines.models.providers import build_smollm2, build_tiny_model, ensure_model
+from rlstages.engines.models.providers import build_smollm2, build_tiny_model, ensure_model, planned_config
 from rlstages.engines.models.registry import (
     PLUGINS_ENV,
     eos_token_ids,
     import_plugins,
     load_causal_lm,
     load_tokenizer,
+    meta_causal_lm,
     read_model_type,
     register_model,
     registered_models,
@@ -32,6 +33,8 @@ __all__ = [
     "import_plugins",
     "load_causal_lm",
     "load_tokenizer",
+    "meta_causal_lm",
+    "planned_config",
     "read_model_type",
     "register_model",
     "registered_models",

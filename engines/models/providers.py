@@ -97,6 +97,30 @@ def build_tiny_model(
     return out
 
 
+# The architecture each provider builds, for a model config before the model exists (`planned_config`).
+PROVIDER_MODEL_TYPES = {"smollm2-gguf": "llama"}
+
+
+def planned_config(path: str | Path, provider: str, tiny: dict[str, Any] | None = None) -> Any | None:
+    """The HF config of the model `ensure_model` would load or build, without building it: the directory's
+    config.json, else the tiny spec's or the provider's architecture (its module names; sizes may differ);
+    None when it is not known before the model exists (a hub id, a missing local directory)."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    if provider == "tiny-random":
+        spec = {k: v for k, v in (tiny or {}).items() if k != "seed"}  # the spec's fields are HF config keys
+        return AutoConfig.for_model(spec.pop("model_type", "qwen2"), **spec)
+    if provider in PROVIDER_MODEL_TYPES:
+        return AutoConfig.for_model(
+            PROVIDER_MODEL_TYPES[provider], hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+        )  # fmt: skip
+    return None
+
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

@@ -88,6 +88,19 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", model_type: str | N
     return model if device is None else model.to(device)
 
 
+def meta_causal_lm(config: Any, model_type: str | None = None) -> Any:
+    """The causal LM of an HF config on the meta device (no memory, no weights): its modules and shapes, built
+    by the registry entry of `model_type` (default: the config's) or AutoModelForCausalLM, as `load_causal_lm`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    entry = _REGISTRY.get(model_type or getattr(config, "model_type", ""))
+    with torch.device("meta"):
+        if entry is not None:
+            return entry.model_cls(config)
+        return AutoModelForCausalLM.from_config(config)
+
+
 def load_tokenizer(path: str | Path) -> Any:
     """Load the tokenizer saved beside the model; left padding for generation."""
     from transformers import AutoTokenizer

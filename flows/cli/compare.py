@@ -187,6 +187,18 @@ def check_store_exists(uri: str) -> None:
             raise FileNotFoundError(f"--tracking-uri {uri}: no such MLflow store directory {path}")
 
 
+def check_output_file(path: Path | None, option: str) -> None:
+    """An output file goes into an existing directory and is not one itself (checked before any store is read)."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise ValueError(f"{option} {path}: is a directory (expected a file name)")
+    parent = path.parent
+    if not parent.is_dir():
+        state = "is not a directory" if parent.exists() else "does not exist"
+        raise ValueError(f"{option} {path}: its directory {parent} {state}")
+
+
 def _fail(message: str, code: int) -> NoReturn:
     line = "; ".join(part.strip() for part in message.splitlines() if part.strip())
     err.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
@@ -217,6 +229,8 @@ def compare_command(
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
     metrics = metric or ["reward/mean", "eval/reward_mean"]
     try:
+        check_output_file(png, "--png")
+        check_output_file(html_out, "--html")
         check_store_exists(uri)
         exp_id, exp_name = experiment_id(uri, experiment)
         runs = experiment_runs(uri, exp_id, max_runs, filter_string)

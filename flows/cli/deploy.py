@@ -48,8 +48,12 @@ def schedules_for(
     timezone: str = "UTC",
 ) -> list[Any]:
     """Prefect schedules from the CLI options (none: the deployment only runs when triggered)."""
+    from zoneinfo import available_timezones
+
     from prefect.schedules import Cron, Interval
 
+    if timezone != "UTC" and (timezone not in available_timezones() or timezone == "localtime"):  # Prefect's list
+        raise ValueError(f"--timezone {timezone!r}: not an IANA time zone (expected e.g. UTC or Europe/Paris)")
     if cron and interval:
         raise ValueError("give --cron or --interval, not both")
     if interval is not None and interval <= 0:
@@ -214,14 +218,15 @@ def deploy_command(
     ] = None,
 ) -> None:
     """Serve the training flow of CONFIG as a deployment with a schedule (concurrency limit 1)."""
-    from rlstages.tasks.preflight import ALLOWED_IMPORTS_ENV, preflight
+    from rlstages.tasks.preflight import ALLOWED_IMPORTS_ENV, check_run_dir, preflight
 
     allowed = tuple(allow_import or ())
     try:
+        schedules = schedules_for(cron, interval, anchor, timezone)  # the options first: no config is read for them
         cfg = load_config(config, overrides or [])
         os.environ[ALLOWED_IMPORTS_ENV] = ",".join(allowed)
-        preflight(cfg, measure_prompts=False)  # the deployment's own defaults pass every check, incl. the list
-        schedules = schedules_for(cron, interval, anchor, timezone)
+        # the deployment's own defaults pass every check, incl. the list; each run checks its run directory
+        preflight(cfg, measure_prompts=False, skip=(check_run_dir,))
         if not (cron or interval):
             err.print("no --cron/--interval: the deployment runs only when triggered (prefect deployment run)")
         description = f"{config} ({cfg.algorithm.adv_estimator}, {cfg.model.path.name}, resume={cfg.checkpoint.resume})"

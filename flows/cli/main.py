@@ -101,26 +101,13 @@ def _guard(debug: bool, action) -> object:  # type: ignore[no-untyped-def]
 
 
 def _precheck(cfg: RunConfig) -> None:
-    """Refuse, before any flow starts: every pre-flight check (model, data rows, imports, prompts, faults), a
-    run directory that holds another config or a damaged checkpoint, a backend whose package is missing here."""
-    from rlstages.tasks.data import check_data
+    """Refuse, before any flow starts, what the pre-flight finds (`rlstages.tasks.preflight.CHECKS`: the model,
+    data files and rows, imports, the tracking store, LoRA targets, prompts, faults, a run directory of another
+    config or with a damaged checkpoint, a missing backend package, GPUs or CPUs this machine lacks)."""
     from rlstages.tasks.preflight import preflight
 
     for message in preflight(cfg):
         warn(message)
-    check_data(cfg)  # every row of a datasets/JSONL source: file, row and column named
-    from rlstages.tasks.checkpoint import latest_checkpoint
-    from rlstages.tasks.context import RunHandle
-    from rlstages.tasks.run import resolve_run_dir
-    from rlstages.tasks.workers import missing_backend_package
-
-    if cfg.checkpoint.resume != "fresh":
-        path = resolve_run_dir(cfg)
-        if (path / "config.yaml").is_file():  # the run continues: its newest checkpoint must be sound
-            latest_checkpoint(RunHandle(path.name, str(path)), verify=True, on_corrupt=cfg.checkpoint.on_corrupt)
-    problem = missing_backend_package(cfg)
-    if problem:
-        raise ValueError(problem)
 
 
 @app.command()
@@ -191,9 +178,9 @@ def _eval_checkpoint(cfg: RunConfig, run_dir: Path, checkpoint: Path | None) -> 
     from rlstages.configs import config_hash
     from rlstages.tasks.checkpoint import CheckpointError, checked_manifest, latest_checkpoint, verify_checkpoint
     from rlstages.tasks.context import RunHandle
-    from rlstages.tasks.preflight import preflight
+    from rlstages.tasks.preflight import check_run_dir, preflight
 
-    preflight(cfg, measure_prompts=False)
+    preflight(cfg, measure_prompts=False, skip=(check_run_dir,))  # the run exists: its checkpoint is checked below
     if checkpoint is None:
         found = latest_checkpoint(RunHandle(run_dir.name, str(run_dir.resolve())), True, cfg.checkpoint.on_corrupt)
         if found is None:
@@ -209,9 +196,11 @@ def _eval_checkpoint(cfg: RunConfig, run_dir: Path, checkpoint: Path | None) -> 
 
 
 @config_app.command("show")
-def config_show(config: ConfigArg, overrides: Overrides = None) -> None:
-    """Print the resolved config (defaults filled in, overrides applied)."""
+def config_show(config: ConfigArg, overrides: Overrides = None, debug: Debug = False) -> None:
+    """Print the resolved config (defaults filled in, overrides applied) after the pre-flight `run` does: a
+    config shown here starts, as far as anything can be known without starting it."""
     cfg = _load(config, overrides)
+    _guard(debug, lambda: _precheck(cfg))
     sys.stdout.write(to_yaml(cfg))
 
 

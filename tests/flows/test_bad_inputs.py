@@ -1,7 +1,10 @@
 """Bad input at the command line, table-driven: every case exits 2 with one line naming the field or file, and
 leaves every pre-existing file (run directories, checkpoints, the MLflow database and its FINISHED run)
-byte-for-byte as it was, with no new run directory. The commands run in-process (typer's CliRunner); all of
-them fail in the pre-flight, before a run directory, Ray, Prefect or MLflow starts."""
+byte-for-byte as it was, with no new run directory, MLflow store or artifact folder. The commands run
+in-process (typer's CliRunner); all of them fail in the pre-flight, before a run directory, Ray, Prefect or
+MLflow starts. What a run would find out late is rehearsed there (LoRA targets on a meta-device model, the
+tracking store, the GPUs and CPUs of a local cluster, local data paths), and `config show` refuses every
+input that `run` refuses (the same pre-flight)."""
 
 from __future__ import annotations
 
@@ -99,9 +102,24 @@ def workspace(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) ->
         (work / ".rlstages").mkdir()
         (work / ".rlstages" / "servers.json").write_text('{"prefect": {"pid": "x"')
         (work / "mlruns-file").write_text("x")
+        _failed_start(work)
         yield work
     finally:
         os.chdir(old)
+
+
+def _failed_start(work: Path) -> None:
+    """runs/failed: a run of another config that failed at its first stage (nothing committed)."""
+    from rlstages.configs import config_hash, load_config, to_yaml
+
+    cfg = load_config(work / "base.yaml", ["trainer.run_name=failed", "rollout.n=8"])
+    run = work / "runs" / "failed"
+    (run / "steps" / "000001").mkdir(parents=True)
+    (run / "steps" / "000001" / "rollout.safetensors").write_bytes(b"a batch of the other config")
+    (run / ".faults").mkdir()
+    (run / ".faults" / "generate@1-fatal").touch()
+    (run / "config.yaml").write_text(to_yaml(cfg))
+    (run / "run_state.json").write_text(json.dumps({"config_hash": config_hash(cfg), "status": "FAILED"}))
 
 
 def _bad_models(work: Path, good: Path) -> None:
@@ -142,6 +160,8 @@ def _bad_data(work: Path) -> None:
 B = "base.yaml"
 M = "models"
 D = "data"
+LORA = "model.lora={rank: 4, target_modules: [q_proj, %s]}"
+LOCAL_RAY = {"RAY_ADDRESS": ""}  # the run's Ray starts here (or is the one this test process joined)
 
 # (case id, argv, environment, text the one line must contain)
 CASES: list[tuple[str, list[str], dict[str, str], str]] = [
@@ -273,6 +293,98 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
         {},
         "--metric 'reward/nope'",
     ),
+    # found late before, rehearsed in the pre-flight now: LoRA targets (the PEFT wrapper on the meta device)
+    ("lora-target", ["run", B, LORA % "nope_proj"], {}, "model.lora.target_modules: ['nope_proj'] are not linear"),
+    ("lora-target-typo", ["run", B, "model.lora={target_modules: [qproj]}"], {}, "['qproj'] are not linear layers"),
+    ("lora-target-norm", ["run", B, LORA % "input_layernorm"], {}, "['input_layernorm'] are not linear layers"),
+    # ... the tracking store, named by where its URI comes from
+    ("tracking-scheme", ["run", B, "tracking.tracking_uri=foo://bar"], {}, "tracking.tracking_uri: foo://bar has an"),
+    (
+        "tracking-env-scheme",
+        ["run", B, "tracking.tracking_uri=null"],
+        {"MLFLOW_TRACKING_URI": "nope://x"},
+        "MLFLOW_TRACKING_URI: nope://x has an unknown scheme 'nope'",
+    ),
+    (
+        "tracking-under-a-file",
+        ["run", B, "tracking.tracking_uri=sqlite:///a-file/mlflow.db"],
+        {},
+        "tracking.tracking_uri: sqlite:///a-file/mlflow.db cannot be created",
+    ),
+    (
+        "tracking-env-under-a-file",
+        ["run", B, "tracking.tracking_uri=null"],
+        {"MLFLOW_TRACKING_URI": "sqlite:///a-file/sub/mlflow.db"},
+        "MLFLOW_TRACKING_URI: sqlite:///a-file/sub/mlflow.db cannot be created",
+    ),
+    ("tracking-db-is-dir", ["run", B, "tracking.tracking_uri=sqlite:///foreign"], {}, "foreign, which is a directory"),
+    ("tracking-not-sqlite", ["run", B, "tracking.tracking_uri=sqlite:///a-file"], {}, "not an SQLite database"),
+    ("tracking-file-store", ["run", B, "tracking.tracking_uri=./mlruns"], {}, "./mlruns is a file store"),
+    ("tracking-no-host", ["run", B, "tracking.tracking_uri=http://"], {}, "has no host"),
+    # ... the GPUs and CPUs of a cluster whose resources are known before it starts (said before Prefect and Ray)
+    ("cluster-gpus", ["run", B, "cluster.num_gpus=64"], LOCAL_RAY, "cluster.num_gpus: 64 GPUs asked for"),
+    (
+        "cluster-gpus-in-process",
+        ["run", B, "cluster.mode=in_process", "cluster.num_gpus=64"],
+        {},
+        "cluster.num_gpus: 64 GPUs asked for",
+    ),
+    (
+        "cluster-cpus",
+        ["run", B, "cluster.num_cpus=2", "cluster.placement_group=true", "cluster.cpus_per_bundle=3"],
+        LOCAL_RAY,
+        "cluster.cpus_per_bundle: the placement groups reserve 3 CPUs",
+    ),
+    (
+        "cluster-cpus-split",
+        ["run", B, "cluster.num_cpus=2", "cluster.placement_group=true", "cluster.colocate=false"]
+        + ["cluster.cpus_per_bundle=1.5"],
+        LOCAL_RAY,
+        "reserve 3 CPUs (2 x 1.5 per bundle)",
+    ),
+    # ... data paths that can only be local files are missing files, not hub dataset names
+    ("datasets-suffix", ["run", B, "data.source={kind: datasets, path: data/none.parquet}"], {}, "none.parquet does"),
+    ("datasets-dot", ["run", B, "data.source={kind: datasets, path: ./nowhere}"], {}, "path: ./nowhere does not"),
+    ("datasets-abs", ["run", B, "data.source={kind: datasets, path: /no/such/train}"], {}, "/no/such/train does not"),
+    ("datasets-glob", ["run", B, "data.source={kind: datasets, path: 'data/*.parquet'}"], {}, "matches no file"),
+    (
+        "datasets-eval",
+        ["run", B, "data.source={kind: datasets, path: data/good.jsonl, eval_path: ../none.csv}"],
+        {},
+        "data.source.eval_path: ../none.csv does not exist",
+    ),
+    ("jsonl-is-dir", ["run", B, jsonl_config(Path("data"))], {}, "data.source.train_path: data is a directory"),
+    # ... a config path that is a directory, output files that cannot be written, an unknown time zone
+    ("config-is-dir", ["run", "foreign"], {}, "foreign: is a directory, expected a YAML file"),
+    ("show-config-is-dir", ["config", "show", "models"], {}, "models: is a directory, expected a YAML file"),
+    (
+        "compare-png-under-file",
+        ["compare", "rlstages-tiny", "--tracking-uri", TRACKING, "--png", "a-file/curves.png"],
+        {},
+        "--png a-file/curves.png: its directory a-file is not a directory",
+    ),
+    (
+        "compare-png-no-dir",
+        ["compare", "rlstages-tiny", "--tracking-uri", TRACKING, "--png", "plots/curves.png"],
+        {},
+        "its directory plots does not exist",
+    ),
+    (
+        "compare-html-is-dir",
+        ["compare", "--tracking-uri", TRACKING, "--html", "foreign"],
+        {},
+        "foreign: is a directory",
+    ),
+    (
+        "deploy-timezone",
+        ["deploy", B, "--cron", "0 2 * * *", "--timezone", "Mars/Olympus"],
+        {},
+        "--timezone 'Mars/Olympus': not an IANA time zone",
+    ),
+    ("deploy-timezone-case", ["deploy", B, "--interval", "60", "--timezone", "europe/paris"], {}, "--timezone"),
+    # `config show` runs the same pre-flight as `run` (every `run` case is also tried with it below)
+    ("show-reward-unknown", ["config", "show", B, "reward.functions=[{name: nope}]"], {}, "unknown reward function"),
+    ("show-lora-target", ["config", "show", B, LORA % "nope_proj"], {}, "model.lora.target_modules"),
     # deployments import only their allow-list
     (
         "deploy-not-allowed",
@@ -308,10 +420,51 @@ def test_bad_input_exits_2_in_one_line_and_changes_nothing(
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert needle in lines[0], lines[0]
     assert snapshot(workspace) == before  # nothing created, replaced or removed (run dirs, MLflow DB included)
+    assert not {"mlruns", "mlartifacts", "plots"} & {p.name for p in workspace.iterdir()}
+
+
+RUN_CASES = [c for c in CASES if c[1][0] == "run"]
+
+
+@pytest.mark.parametrize(("case", "argv", "env", "needle"), RUN_CASES, ids=[c[0] for c in RUN_CASES])
+def test_config_show_refuses_what_run_refuses(
+    case: str, argv: list[str], env: dict[str, str], needle: str, workspace: Path, cli
+) -> None:
+    """The rule, for every input `run` refuses: `config show` says the same line (the same pre-flight)."""
+    before = snapshot(workspace)
+    old = Path.cwd()
+    os.chdir(workspace)
+    try:
+        argv = ["config", "show", *argv[1:]]
+        result = CliRunner().invoke(cli, argv, env={"RLSTAGES_FAULTS": "", "COLUMNS": "2000", **env})
+    finally:
+        os.chdir(old)
+    lines = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("warning:")]
+    assert result.exit_code == 2 and len(lines) == 1 and needle in lines[0], result.stderr
+    assert result.stdout == ""  # no config printed for a config that cannot run
+    assert snapshot(workspace) == before
+
+
+def test_a_run_that_committed_nothing_does_not_block_its_name(workspace: Path, cli) -> None:
+    """runs/failed holds another config's start that failed before its first step: the pre-flight lets a
+    corrected config start over there (a warning says so) and changes nothing itself."""
+    before = snapshot(workspace)
+    old = Path.cwd()
+    os.chdir(workspace)
+    try:
+        result = CliRunner().invoke(cli, ["config", "show", B, "trainer.run_name=failed"], env={"RLSTAGES_FAULTS": ""})
+        done = CliRunner().invoke(cli, ["config", "show", B, "trainer.run_name=done", "rollout.n=8"])
+    finally:
+        os.chdir(old)
+    assert result.exit_code == 0, result.stderr
+    assert "runs/failed holds a run that committed nothing" in result.stderr and "run_name: failed" in result.stdout
+    assert done.exit_code == 2 and "holds a run of another config" in done.stderr  # one with checkpoints: kept
+    assert snapshot(workspace) == before
 
 
 def test_the_table_is_large_enough() -> None:
     assert len(CASES) >= 60 and len({c[0] for c in CASES}) == len(CASES)
+    assert len(RUN_CASES) >= 40
 
 
 def test_the_finished_mlflow_run_stays_finished(workspace: Path) -> None:

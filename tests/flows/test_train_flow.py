@@ -191,6 +191,43 @@ def test_a_different_config_for_an_existing_run_is_refused(base, tiny_model_dir:
     assert os.path.isdir(tmp / "runs" / "base" / "final")  # nothing overwritten
 
 
+def test_a_failed_start_does_not_block_its_run_name(
+    tmp_path: Path, tiny_model_dir: Path, faults, prefect_harness
+) -> None:
+    """A failure the pre-flight cannot know (the first stage of step 1 dies) leaves a run directory that
+    committed nothing. The corrected config (another config hash) runs under the same trainer.run_name: the
+    pre-flight says it starts over there, the failed start's leftovers go, MLflow keeps the FAILED start."""
+    import json
+
+    from rlstages.configs import config_hash
+    from rlstages.tasks.preflight import preflight
+
+    quick = ("trainer.eval_at_start=false", "trainer.total_steps=1", "cluster.mode=in_process")
+    wrong = tiny_cfg(tmp_path, tiny_model_dir, "late", "rollout.temperature=0.5", *quick)
+    faults("generate@1:fatal")
+    assert preflight(wrong) == []
+    with pytest.raises(RuntimeError, match="injected fatal fault"):
+        rl_post_train(wrong)
+    run_dir = tmp_path / "runs" / "late"
+    assert (run_dir / "config.yaml").is_file() and (run_dir / ".faults" / "generate@1-fatal").exists()
+    faults("")
+    fixed = tiny_cfg(tmp_path, tiny_model_dir, "late", *quick)
+    assert config_hash(fixed) != config_hash(wrong)
+    assert [w for w in preflight(fixed) if "holds a run that committed nothing" in w]  # was: refused
+    policy = Path(rl_post_train(fixed))
+    assert policy == run_dir / "final" and (policy / "model.safetensors").is_file()
+    assert not (run_dir / ".faults").exists()  # the failed start's leftovers were cleared first
+    state = json.loads((run_dir / "run_state.json").read_text())
+    assert state["config_hash"] == config_hash(fixed) and state["status"] == "FINISHED"
+    client = MlflowClient(fixed.tracking.tracking_uri)
+    exp = client.get_experiment_by_name(fixed.tracking.experiment)
+    runs = client.search_runs([exp.experiment_id], filter_string="attributes.run_name = 'late'")
+    assert sorted(r.info.status for r in runs) == ["FAILED", "FINISHED"]
+    finished = next(r for r in runs if r.info.status == "FINISHED")
+    assert finished.info.run_id == state["mlflow_run_id"]
+    assert finished.data.tags["rlstages.config_hash"] == config_hash(fixed)
+
+
 def test_hybrid_engine_gives_the_same_run(base, tiny_model_dir: Path) -> None:
     tmp, ref_cfg, _ = base
     cfg = tiny_cfg(tmp, tiny_model_dir, "hybrid", "cluster.hybrid_engine=true")
