@@ -3,7 +3,8 @@
 `preflight(cfg)` raises `PreflightError` (one line: the field or file, and what was expected) for the first
 problem, cheapest checks first: the run directory, `RLSTAGES_FAULTS`, the model directory (config.json and
 every safetensors header), the data files, what the config asks to import (reward `module:function`,
-`model.plugins`; a deployment may import only its allow-list), and prompts that do not fit the model's
+`model.plugins`; a deployment may import only its allow-list), Megatron context parallelism without
+Transformer Engine, and prompts that do not fit the model's
 context. Nothing here imports torch unless a prompt needs the tokenizer to be measured.
 """
 
@@ -38,7 +39,20 @@ def preflight(cfg: RunConfig, measure_prompts: bool = True) -> list[str]:
         check_model_dir(cfg.reward.reward_model.path, "reward.reward_model.path", required=True)
     check_data(cfg)
     check_imports(cfg)
+    check_context_parallel(cfg)
     return check_prompt_lengths(cfg) if measure_prompts else []
+
+
+def check_context_parallel(cfg: RunConfig) -> None:
+    """Megatron context parallelism needs Transformer Engine's attention (megatron-core's local attention
+    asserts CP = 1): refused here, before any worker starts, where transformer_engine is not installed."""
+    for role in ("actor", "critic"):
+        cp = getattr(getattr(cfg, role), "context_parallel_size", 1)
+        if cp > 1 and importlib.util.find_spec("transformer_engine") is None:
+            raise PreflightError(
+                f"{role}.context_parallel_size={cp}: megatron-core splits attention over CP ranks only with "
+                "Transformer Engine, which is not installed; use 1 or install transformer_engine"
+            )
 
 
 def check_run_name(cfg: RunConfig) -> None:
