@@ -333,6 +333,7 @@ def _check_gpus(cfg: RunConfig) -> None:
     if needed > cluster.num_gpus:
         mode = "colocated (max over roles)" if cluster.colocate else "split (sum over roles)"
         raise ValueError(
-            f"the layout asks for {needed:g} GPUs ({layout} GPU slots x {per:g} GPU, {mode}) but "
+            f"not enough GPUs: need {needed:g}, have {cluster.num_gpus}: the layout asks for {needed:g} GPUs "
+            f"({layout} GPU slots x {per:g} GPU, {mode}) but "
             f"cluster.num_gpus={cluster.num_gpus}; lower the worker counts or set cluster.colocate: true"
         )

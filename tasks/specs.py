@@ -31,6 +31,18 @@ from rlstages.engines.utils import import_object
 from rlstages.tasks.context import RunHandle
 
 _COMMON_TRAINING = set(TorchTrainingConfig.model_fields) - {"backend"}
+MEGATRON_LAYOUT = {  # a Megatron reference beside a Megatron actor runs the actor's parallel layout and MoE options
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "num_layers_in_first_pipeline_stage",
+    "num_layers_in_last_pipeline_stage",
+    "moe",
+    "transformer_impl",
+}
 
 
 def model_dir(cfg: RunConfig) -> str:
@@ -143,6 +155,8 @@ def trainer_settings(cfg: RunConfig, role: Role) -> TrainerSettings:
     if role == "reference":
         common = cfg.actor.model_dump(include=_COMMON_TRAINING)
         common.update(micro_batch_size=cfg.reference.micro_batch_size, num_workers=cfg.reference.num_workers)
+        if cfg.reference.backend == "megatron" and isinstance(cfg.actor, MegatronTrainingConfig):
+            common.update(cfg.actor.model_dump(include=MEGATRON_LAYOUT))  # verl: the ref takes the actor's layout
         train = training_backend(cfg.reference.backend).options.model_validate(common)
     else:
         section = cfg.critic if role == "critic" else cfg.actor
