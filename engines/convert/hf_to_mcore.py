@@ -5,7 +5,7 @@ rank file and to find leftovers, missing tensors and shape errors before a byte 
 tensors, read shard by shard in file order and written as soon as an op has its inputs. Peak memory is
 about one layer plus the tensors in flight, never the whole model. Output layout:
 
-    OUT/mp_rank_<tp>[_<pp>]/model.safetensors   Megatron names, chunk-local layer indices
+    OUT/mp_rank_<tp>[_<pp>][_<ep>]/model.safetensors   Megatron names, chunk-local layer (and expert) indices
     OUT/mcore_config.json                       template, parallel sizes, flat Megatron config, HF config
     OUT/hf/                                     config.json, tokenizer and other side files of the input
     OUT/dist_ckpt/                              megatron-core dist_checkpointing copy (optional)
@@ -30,22 +30,35 @@ from rlstages.engines.convert.manifest import (
 )
 from rlstages.engines.convert.ops import Converted, RowConcat
 from rlstages.engines.convert.safetensors_io import DEFAULT_CHECKSUM, Planned, PlannedWriter, Reader, new_checksum
-from rlstages.engines.convert.sharding import chunk_prefix, pad_vocab, split_tp, tp_kind
+from rlstages.engines.convert.sharding import chunk_prefix, pad_vocab, split_ep, split_tp, tp_kind
 from rlstages.engines.convert.spec import SPEC_FILE, ConversionSpec, TransformerImpl
 from rlstages.engines.convert.stream import ConversionError, HfToMcore
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 RankTensor = tuple[int, int, str, torch.Tensor | RowConcat]  # (tp_rank, pp_rank, name in the rank file, shard)
+EpRankTensor = tuple[int, int, int, str, torch.Tensor | RowConcat]  # (tp_rank, pp_rank, ep_rank, name, shard)
 
 
-def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
-    """Megatron's rank directory name: mp_rank_TT when pp == 1, else mp_rank_TT_PPP."""
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def rank_dir(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
+    """Megatron's rank directory name: mp_rank_TT when pp == 1, else mp_rank_TT_PPP; `_EEE` appended under
+    expert parallelism (ep > 1), as Megatron-LM names its expert-parallel checkpoints."""
+    name = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return name if ep == 1 else f"{name}_{ep_rank:03d}"
 
 
-def rank_file(tp_rank: int, pp_rank: int, pp: int) -> str:
+def rank_file(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
     """Relative path of one rank's safetensors file."""
-    return f"{rank_dir(tp_rank, pp_rank, pp)}/model.safetensors"
+    return f"{rank_dir(tp_rank, pp_rank, pp, ep_rank, ep)}/model.safetensors"
+
+
+def spec_rank_file(spec: ConversionSpec, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> str:
+    """`rank_file` under the spec's own layout."""
+    return rank_file(tp_rank, pp_rank, spec.pp, ep_rank, spec.ep)
+
+
+def rank_keys(spec: ConversionSpec) -> list[tuple[int, int, int]]:
+    """Every (tp_rank, pp_rank, ep_rank) of the spec's layout."""
+    return [(t, p, e) for t in range(spec.tp) for p in range(spec.pp) for e in range(spec.ep)]
 
 
 def read_hf_config(hf_dir: Path) -> dict[str, Any]:
@@ -77,8 +90,9 @@ def hf_weight_files(hf_dir: Path) -> list[Path]:
     return files
 
 
-def shard_global(spec: ConversionSpec, name: str, tensor: Converted) -> Iterator[RankTensor]:
-    """Place one global Megatron tensor: pad vocab, split over TP, locate its pipeline stage and chunk."""
+def shard_global(spec: ConversionSpec, name: str, tensor: Converted) -> Iterator[EpRankTensor]:
+    """Place one global Megatron tensor: pad vocab, split over TP, locate its pipeline stage and chunk, and its
+    expert-parallel rank(s) (a routed expert on one, under its local index; anything else on all)."""
     try:
         kind = tp_kind(name, spec.template.tp_rules)
     except KeyError:
@@ -88,15 +102,33 @@ def shard_global(spec: ConversionSpec, name: str, tensor: Converted) -> Iterator
     if kind == "vocab":
         tensor = pad_vocab(tensor, spec.mcore["padded_vocab_size"])
     place = spec.layer_map.place(name)
-    local = chunk_prefix(place.vp_stage, spec.vpp) + place.local_name
-    for tp_rank, shard in enumerate(split_tp(name, tensor, kind, spec.tp)):
-        yield tp_rank, place.pp_rank, local, shard
+    shards = split_tp(name, tensor, kind, spec.tp)
+    for ep_rank, ep_name in split_ep(place.local_name, spec.experts_per_rank, spec.ep):
+        local = chunk_prefix(place.vp_stage, spec.vpp) + ep_name
+        for tp_rank, shard in enumerate(shards):
+            yield tp_rank, place.pp_rank, ep_rank, local, shard
 
 
 def stream_rank_tensors(
-    spec: ConversionSpec, readers: Sequence[Reader], meta: bool = False, progress: Progress | None = None
+    spec: ConversionSpec,
+    readers: Sequence[Reader],
+    meta: bool = False,
+    progress: Progress | None = None,
+    *,
+    ep_rank: int = 0,
 ) -> Iterator[RankTensor]:
-    """Every rank tensor of the conversion, in a deterministic order; raises on incompleteness at the end."""
+    """Every (tp_rank, pp_rank, name, shard) of expert-parallel rank `ep_rank`, in a deterministic order;
+    raises on incompleteness at the end."""
+    for t, p, e, name, shard in stream_all_rank_tensors(spec, readers, meta, progress):
+        if e == ep_rank:
+            yield t, p, name, shard
+
+
+def stream_all_rank_tensors(
+    spec: ConversionSpec, readers: Sequence[Reader], meta: bool = False, progress: Progress | None = None
+) -> Iterator[EpRankTensor]:
+    """Every rank tensor of the conversion (all TP x PP x EP ranks), in a deterministic order; raises on
+    incompleteness at the end."""
     stream = HfToMcore(spec)
     seen: dict[str, Path] = {}
     total = sum(e.end - e.start for r in readers for e in r.entries.values())
@@ -123,6 +155,7 @@ def convert_hf_to_mcore(
     pp: int = 1,
     vpp: int | None = None,
     *,
+    ep: int = 1,
     transformer_impl: TransformerImpl = "local",
     vocab_divisible_by: int = 1,
     extra_outputs: Mapping[str, Callable[[Path, Path], None]] | None = None,
@@ -135,6 +168,8 @@ def convert_hf_to_mcore(
 ) -> Path:
     """Convert an HF model directory to Megatron-Core rank files under `out_path`; returns `out_path`.
 
+    `ep` > 1 (MoE models) writes one file per (tp, pp, ep) rank: each EP rank holds its contiguous share of
+    every MoE layer's routed experts, renumbered from 0, plus a copy of all other tensors.
     `extra_outputs` maps a subdirectory name to a writer `(conversion_dir, subdir)` run inside the atomic
     directory before the manifest (e.g. megatron's dist checkpoint: `megatron.dist_ckpt.save_dist_checkpoint`);
     `checksum` ("xxh3_128", "crc32", "sha256" or "none") is taken while writing; `input_digests` and
@@ -142,11 +177,13 @@ def convert_hf_to_mcore(
     """
     hf_dir, out = Path(hf_path), Path(out_path)
     new_checksum(checksum)  # an unknown algorithm fails before any work
-    spec = ConversionSpec.from_hf_config(read_hf_config(hf_dir), tp, pp, vpp, transformer_impl, vocab_divisible_by)
+    spec = ConversionSpec.from_hf_config(
+        read_hf_config(hf_dir), tp, pp, vpp, transformer_impl, vocab_divisible_by, ep=ep
+    )
     readers = [Reader(f) for f in hf_weight_files(hf_dir)]
-    plans: dict[tuple[int, int], list[Planned]] = {(t, p): [] for t in range(spec.tp) for p in range(spec.pp)}
-    for t, p, name, shard in stream_rank_tensors(spec, readers, meta=True):
-        plans[(t, p)].append(Planned(name, shard.dtype, tuple(shard.shape)))
+    plans: dict[tuple[int, int, int], list[Planned]] = {k: [] for k in rank_keys(spec)}
+    for t, p, e, name, shard in stream_all_rank_tensors(spec, readers, meta=True):
+        plans[(t, p, e)].append(Planned(name, shard.dtype, tuple(shard.shape)))
     with atomic_directory(out, overwrite) as tmp:
         checksums = _write_ranks(spec, readers, plans, tmp, fsync, checksum, progress)
         (tmp / SPEC_FILE).write_text(json.dumps(spec.to_json(), indent=2, sort_keys=True))
@@ -159,6 +196,7 @@ def convert_hf_to_mcore(
             "tp": spec.tp,
             "pp": spec.pp,
             "vpp": spec.vpp,
+            "ep": spec.ep,
             "transformer_impl": spec.transformer_impl,
             "extra_outputs": sorted(extra_outputs or {}),
             "inputs": {r.path.name: (input_digests or {}).get(r.path.name) for r in readers},
@@ -171,22 +209,21 @@ def convert_hf_to_mcore(
 def _write_ranks(
     spec: ConversionSpec,
     readers: Sequence[Reader],
-    plans: dict[tuple[int, int], list[Planned]],
+    plans: dict[tuple[int, int, int], list[Planned]],
     tmp: Path,
     fsync: bool,
     checksum: str,
     progress: Progress | None,
 ) -> dict[str, str]:
-    writers: dict[tuple[int, int], PlannedWriter] = {}
+    writers: dict[tuple[int, int, int], PlannedWriter] = {}
     try:
-        for (t, p), plan in plans.items():
-            (tmp / rank_dir(t, p, spec.pp)).mkdir()
-            writers[(t, p)] = PlannedWriter(
-                tmp / rank_file(t, p, spec.pp), plan, {"tp_rank": str(t), "pp_rank": str(p)}, checksum
-            )
-        for t, p, name, shard in stream_rank_tensors(spec, readers, progress=progress):
-            writers[(t, p)].write(name, shard)
-        return {rank_file(t, p, spec.pp): w.close(fsync) for (t, p), w in writers.items()}
+        for (t, p, e), plan in plans.items():
+            (tmp / rank_dir(t, p, spec.pp, e, spec.ep)).mkdir()
+            meta = {"tp_rank": str(t), "pp_rank": str(p), **({"ep_rank": str(e)} if spec.ep > 1 else {})}
+            writers[(t, p, e)] = PlannedWriter(tmp / spec_rank_file(spec, t, p, e), plan, meta, checksum)
+        for t, p, e, name, shard in stream_all_rank_tensors(spec, readers, progress=progress):
+            writers[(t, p, e)].write(name, shard)
+        return {spec_rank_file(spec, t, p, e): w.close(fsync) for (t, p, e), w in writers.items()}
     except BaseException:
         for w in writers.values():
             w.abort()
@@ -197,10 +234,10 @@ def _write_ranks(
 
 
 def load_rank_chunk(
-    mcore_dir: Path, spec: ConversionSpec, tp_rank: int, pp_rank: int, vp_stage: int
+    mcore_dir: Path, spec: ConversionSpec, tp_rank: int, pp_rank: int, vp_stage: int, ep_rank: int = 0
 ) -> dict[str, torch.Tensor]:
-    """The state dict of one model chunk of one rank, as GPTModel names it."""
-    reader = Reader(mcore_dir / rank_file(tp_rank, pp_rank, spec.pp), use_mmap=False)
+    """The state dict of one model chunk of one rank, as GPTModel names it (local expert indices under EP)."""
+    reader = Reader(mcore_dir / spec_rank_file(spec, tp_rank, pp_rank, ep_rank), use_mmap=False)
     prefix = chunk_prefix(vp_stage, spec.vpp)
     try:
         return {n[len(prefix) :]: reader.get(n) for n in reader if n.startswith(prefix)}

@@ -3,12 +3,15 @@
 Three entry points share one path (gather TP shards -> global name -> template ops in reverse):
 
 * `mcore_to_hf(source)`: a converted directory, or in-memory rank state dicts `{(tp_rank, pp_rank): {name:
-  tensor}}`, to `(hf_name, tensor)` pairs, one tensor at a time.
+  tensor}}` (`(tp_rank, pp_rank, ep_rank)` keys under expert parallelism), to `(hf_name, tensor)` pairs, one
+  tensor at a time. Routed experts are collected from every EP rank under their global indices.
 * `rank_mcore_to_hf(named_tensors, spec, ...)`: what one Megatron training rank calls on its own local
   parameters. Every rank of a TP group must call it with the same names in the same order (the TP
   all-gather is a collective); each rank then yields the same full HF tensors. Each pipeline stage yields
   the HF tensors of its own layers (the first stage also the embedding, the last the final norm and lm_head),
   which is what a rollout engine's partial `load_weights` accepts; call once per virtual-pipeline chunk.
+  Under expert parallelism every rank of the EP group calls it too: routed experts are all-gathered over
+  `ep_group` (after their TP gather), so each rank yields every expert.
 * `convert_mcore_to_hf(dir, out)`: a converted directory to an HF model directory (sharded safetensors).
 """
 
@@ -21,14 +24,14 @@ from pathlib import Path
 
 import torch
 
-from rlstages.engines.convert.hf_to_mcore import Progress, rank_file
+from rlstages.engines.convert.hf_to_mcore import Progress, rank_keys, spec_rank_file
 from rlstages.engines.convert.manifest import HF_FILES_DIR, WEIGHT_INDEX, atomic_directory, write_manifest
 from rlstages.engines.convert.safetensors_io import DEFAULT_CHECKSUM, Planned, PlannedWriter, Reader, new_checksum
-from rlstages.engines.convert.sharding import chunk_prefix, merge_tp, tp_kind
+from rlstages.engines.convert.sharding import chunk_prefix, expert_index, global_expert_name, merge_tp, tp_kind
 from rlstages.engines.convert.spec import ConversionSpec
 from rlstages.engines.convert.stream import McoreToHf
 
-RankStateDicts = Mapping[tuple[int, int], Mapping[str, torch.Tensor]]
+RankStateDicts = Mapping[tuple[int, ...], Mapping[str, torch.Tensor]]  # keys (tp, pp) or (tp, pp, ep)
 HfTensors = Iterator[tuple[str, torch.Tensor]]
 
 
@@ -53,15 +56,12 @@ def mcore_to_hf(
     """HF-named full tensors from a converted directory or from per-rank state dicts (spec required then)."""
     if isinstance(source, (str, Path)):
         spec = spec or ConversionSpec.load(source)
-        readers = {
-            (t, p): Reader(Path(source) / rank_file(t, p, spec.pp), use_mmap=False)
-            for t in range(spec.tp)
-            for p in range(spec.pp)
-        }
+        readers = {k: Reader(Path(source) / spec_rank_file(spec, *k), use_mmap=False) for k in rank_keys(spec)}
 
         def release(p: int) -> None:  # unmap a finished chunk
-            for t in range(spec.tp):
-                readers[(t, p)].close()
+            for (_, pp_rank, _), reader in readers.items():
+                if pp_rank == p:
+                    reader.close()
 
         try:
             yield from _from_ranks(
@@ -76,26 +76,30 @@ def mcore_to_hf(
         return
     if spec is None:
         raise ValueError("mcore_to_hf(state dicts) needs the ConversionSpec of the model")
-    yield from _from_ranks(spec, source, lambda k, n: source[k][n])
+    dicts = {(k if len(k) == 3 else (*k, 0)): v for k, v in source.items()}
+    yield from _from_ranks(spec, dicts, lambda k, n: dicts[k][n])
 
 
 def _from_ranks(
     spec: ConversionSpec,
-    names: Mapping[tuple[int, int], Iterable[str]],
-    load: Callable[[tuple[int, int], str], torch.Tensor],
+    names: Mapping[tuple[int, ...], Iterable[str]],
+    load: Callable[[tuple[int, int, int], str], torch.Tensor],
     release: Callable[[int], None] | None = None,
 ) -> HfTensors:
-    missing = [k for k in ((t, p) for t in range(spec.tp) for p in range(spec.pp)) if k not in names]
+    missing = [k for k in rank_keys(spec) if k not in names]
     if missing:
-        raise ValueError(f"rank state dicts missing for (tp_rank, pp_rank) {missing}")
+        raise ValueError(f"rank state dicts missing for (tp_rank, pp_rank, ep_rank) {missing}")
     stream = McoreToHf(spec)
     for pp_rank, vp_stage in spec.layer_map.chunks():
         prefix = chunk_prefix(vp_stage, spec.vpp)
-        local_names = [n for n in names[(0, pp_rank)] if n.startswith(prefix)]
+        local_names = [n for n in names[(0, pp_rank, 0)] if n.startswith(prefix)]
         for local in local_names:
-            shards = [load((t, pp_rank), local) for t in range(spec.tp)]
-            name = spec.layer_map.global_name(local[len(prefix) :], pp_rank, vp_stage)
-            yield from stream.add(name, _to_global(stream, spec, name, shards))
+            experts = expert_index(local) is not None
+            for ep_rank in range(spec.ep if experts else 1):
+                shards = [load((t, pp_rank, ep_rank), local) for t in range(spec.tp)]
+                name = global_expert_name(local[len(prefix) :], ep_rank, spec.experts_per_rank)
+                name = spec.layer_map.global_name(name, pp_rank, vp_stage)
+                yield from stream.add(name, _to_global(stream, spec, name, shards))
         if release is not None:
             release(pp_rank)
     stream.finish()
@@ -108,11 +112,16 @@ def rank_mcore_to_hf(
     pp_rank: int = 0,
     vp_stage: int = 0,
     tp_group: object | None = None,
+    ep_group: object | None = None,
+    expert_tp_group: object | None = None,
 ) -> HfTensors:
     """HF tensors from one Megatron rank's local parameters, TP shards all-gathered over `tp_group`.
 
     Names are the model chunk's own (`decoder.layers.<local>...`; a leading "module." is stripped).
     With PP/VPP > 1 only this chunk's tensors are produced, so only leftovers are checked, not completeness.
+    Under expert parallelism (spec.ep > 1) a routed expert's TP shards are gathered over `expert_tp_group`
+    (default `tp_group`; megatron-core's expert tensor parallel group) and the local experts of every EP rank
+    over `ep_group` (megatron-core's expert model parallel group), in EP-rank order.
     """
     stream = McoreToHf(spec)
     for raw, tensor in named_tensors:
@@ -122,10 +131,17 @@ def rank_mcore_to_hf(
         if local.endswith("._extra_state"):
             continue
         name = spec.layer_map.global_name(local, pp_rank, vp_stage)
+        expert = expert_index(name) is not None
         shards = [tensor.detach()]
         if spec.tp > 1 and _kind(spec, name) != "replicated":
-            shards = _all_gather(tensor.detach(), spec.tp, tp_group)
-        yield from stream.add(name, _to_global(stream, spec, name, shards))
+            shards = _all_gather(tensor.detach(), spec.tp, expert_tp_group if expert else tp_group)
+        if not expert or spec.ep == 1:
+            yield from stream.add(name, _to_global(stream, spec, name, shards))
+            continue
+        merged = _to_global(stream, spec, name, shards)
+        for ep_rank, full in enumerate(_all_gather(merged, spec.ep, ep_group)):
+            global_name = global_expert_name(name, ep_rank, spec.experts_per_rank)
+            yield from stream.add(global_name, full)
     stream.finish(check_expected=spec.pp == 1)
 
 

@@ -120,7 +120,9 @@ class WeightOp:
     """Base of all ops: `hf_names` in, `mcore_names` out.
 
     `when` names an mcore-config flag that enables the op (e.g. "add_qkv_bias"); `optional=True` means its
-    tensors may be absent without that being a completeness error.
+    tensors may be absent without that being a completeness error. `layers` limits a layer op to the dense
+    ("dense") or Mixture-of-Experts ("moe") layers of the model; a "moe" op with a `{}` wildcard ranges over the
+    expert indices (so completeness is checked expert by expert).
     """
 
     def __init__(
@@ -130,11 +132,15 @@ class WeightOp:
         *,
         when: str | None = None,
         optional: bool = False,
+        layers: str | None = None,
     ) -> None:
         self.hf_names = _names(hf_names)
         self.mcore_names = _names(mcore_names)
         self.when = when
         self.optional = optional
+        if layers not in (None, "dense", "moe"):
+            raise ValueError(f"{type(self).__name__}: layers must be None, 'dense' or 'moe', got {layers!r}")
+        self.layers = layers
         names = (*self.hf_names, *self.mcore_names)
         if not names:
             raise ValueError(f"{type(self).__name__}: needs at least one name")
@@ -180,8 +186,16 @@ class WeightOp:
 class Rename(WeightOp):
     """One tensor, new name, same bytes."""
 
-    def __init__(self, hf_names: str, mcore_names: str, *, when: str | None = None, optional: bool = False):
-        super().__init__(hf_names, mcore_names, when=when, optional=optional)
+    def __init__(
+        self,
+        hf_names: str,
+        mcore_names: str,
+        *,
+        when: str | None = None,
+        optional: bool = False,
+        layers: str | None = None,
+    ):
+        super().__init__(hf_names, mcore_names, when=when, optional=optional, layers=layers)
         if len(self.hf_names) != 1 or len(self.mcore_names) != 1:
             raise ValueError(f"{self!r}: Rename maps exactly one name to one name")
 
@@ -215,8 +229,16 @@ class Concat(WeightOp):
     The reverse splits into equal parts, so the HF tensors must have equal sizes along `dim`.
     """
 
-    def __init__(self, hf_names: Sequence[str], mcore_names: str, dim: int = 0, *, when: str | None = None):
-        super().__init__(hf_names, mcore_names, when=when)
+    def __init__(
+        self,
+        hf_names: Sequence[str],
+        mcore_names: str,
+        dim: int = 0,
+        *,
+        when: str | None = None,
+        layers: str | None = None,
+    ):
+        super().__init__(hf_names, mcore_names, when=when, layers=layers)
         self.dim = dim
 
     def to_mcore(self, tensors: Sequence[torch.Tensor], dims: AttentionDims) -> list[Converted]:

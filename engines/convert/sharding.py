@@ -5,11 +5,15 @@ contiguous chunk is whole query groups; SwiGLU fc1 is split per half), row-paral
 are padded then split on dim 0, everything else (norms, row-parallel biases) is replicated.
 PP rules (C.5): stage p owns an even, contiguous range of layers, stored under local indices; with virtual
 pipelines model chunk c = v * pp + p. Embedding on the first chunk, final norm and output layer on the last.
+EP rules (Megatron-Core MoE): the routed experts of a layer are split contiguously over the expert-parallel
+ranks (EP rank e holds experts [e*n, (e+1)*n) as local experts 0..n-1), each expert TP-split like a dense MLP
+(expert tensor parallel size = TP); everything else, the router included, is replicated over EP ranks.
 Non-goal: knowing any HF name.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -43,7 +47,47 @@ _DEFAULT_TP_RULES = {
     "linear_fc2.weight": "row",
     "linear_proj.bias": "replicated",
     "linear_fc2.bias": "replicated",
+    "router.weight": "replicated",
+    "router.expert_bias": "replicated",
+    "linear_q_proj.weight": "column",
+    "linear_q_down_proj.weight": "column",
+    "linear_q_up_proj.weight": "column",
+    "linear_kv_down_proj.weight": "column",
+    "linear_kv_up_proj.weight": "column",
 }
+# Routed experts: SequentialMLP's `experts.local_experts.<E>.` and Transformer Engine grouped GEMM's
+# `experts.linear_fc1.weight<E>` (TEGroupedMLP: one parameter per local expert).
+_LOCAL_EXPERT = re.compile(r"^(?P<head>.*\.experts\.local_experts\.)(?P<index>\d+)(?P<tail>\..*)$")
+_GROUPED_EXPERT = re.compile(r"^(?P<head>.*\.experts\.linear_fc[12]\.(?:weight|bias))(?P<index>\d+)(?P<tail>)$")
+
+
+def expert_index(name: str) -> tuple[str, int, str] | None:
+    """(head, expert index, tail) of a routed-expert Megatron name; None for any other tensor."""
+    for pattern in (_LOCAL_EXPERT, _GROUPED_EXPERT):
+        m = pattern.match(name)
+        if m:
+            return m["head"], int(m["index"]), m["tail"]
+    return None
+
+
+def split_ep(name: str, experts_per_rank: int, ep: int) -> list[tuple[int, str]]:
+    """The (EP rank, name there) pairs that hold a global Megatron tensor: a routed expert lives on one EP rank
+    under its local index; every other tensor is replicated on all `ep` ranks."""
+    found = expert_index(name)
+    if found is None or ep == 1:
+        return [(e, name) for e in range(ep)]
+    head, index, tail = found
+    rank, local = divmod(index, experts_per_rank)
+    return [(rank, f"{head}{local}{tail}")]
+
+
+def global_expert_name(name: str, ep_rank: int, experts_per_rank: int) -> str:
+    """A rank's local routed-expert name -> its global name (other names unchanged); inverse of `split_ep`."""
+    found = expert_index(name)
+    if found is None:
+        return name
+    head, local, tail = found
+    return f"{head}{ep_rank * experts_per_rank + local}{tail}"
 
 
 def to_te_name(name: str) -> str:
@@ -64,6 +108,7 @@ def to_local_name(name: str) -> str:
 
 def tp_kind(name: str, rules: Mapping[str, str] | None = None) -> str:
     """TP class of a Megatron tensor name: column, row, vocab or replicated (template rules first)."""
+    name = re.sub(r"(\.experts\.linear_fc[12]\.(?:weight|bias))\d+$", r"\1", name)  # TE grouped GEMM
     for table in (rules or {}, _DEFAULT_TP_RULES):
         for suffix, kind in table.items():
             if name.endswith(suffix):

@@ -48,6 +48,7 @@ class ConversionSpec:
     vpp: int = 1
     transformer_impl: TransformerImpl = "local"
     hf_vocab_size: int = 0
+    ep: int = 1
     layer_map: LayerMap = field(init=False)
 
     def __post_init__(self) -> None:
@@ -62,9 +63,11 @@ class ConversionSpec:
         vpp: int | None = None,
         transformer_impl: TransformerImpl = "local",
         vocab_divisible_by: int = 1,
+        *,
+        ep: int = 1,
     ) -> ConversionSpec:
-        """Build and check a spec from an HF config dict (config.json's contents)."""
-        _check_sizes(tp, pp, vpp or 1, transformer_impl)
+        """Build and check a spec from an HF config dict (config.json's contents); `ep` = expert parallel size."""
+        _check_sizes(tp, pp, vpp or 1, transformer_impl, ep)
         model_type = hf_config.get("model_type")
         if not model_type:
             raise ValueError("HF config has no 'model_type'; expected config.json of a transformers model")
@@ -81,8 +84,8 @@ class ConversionSpec:
         hf_vocab = int(mcore["padded_vocab_size"])
         multiple = max(1, vocab_divisible_by) * tp
         mcore["padded_vocab_size"] = math.ceil(hf_vocab / multiple) * multiple
-        _check_layout(mcore, tp, pp, vpp or 1, transformer_impl)
-        return cls(template, dict(hf_config), mcore, tp, pp, vpp or 1, transformer_impl, hf_vocab)
+        _check_layout(mcore, tp, pp, vpp or 1, transformer_impl, ep)
+        return cls(template, dict(hf_config), mcore, tp, pp, vpp or 1, transformer_impl, hf_vocab, ep)
 
     @property
     def dims(self) -> AttentionDims:
@@ -95,12 +98,27 @@ class ConversionSpec:
         """Input embedding and output layer share weights."""
         return bool(self.mcore.get("share_embeddings_and_output_weights"))
 
-    def with_layout(self, tp: int, pp: int, vpp: int | None = None) -> ConversionSpec:
-        """The same model (same padded vocab) under another parallel layout, re-checked."""
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer (0 for a dense model)."""
+        return int(self.mcore.get("num_moe_experts") or 0)
+
+    @property
+    def experts_per_rank(self) -> int:
+        """Routed experts each expert-parallel rank holds (contiguous: EP rank e has [e*n, (e+1)*n))."""
+        return self.num_experts // self.ep
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` (0-based) is a Mixture-of-Experts layer (Megatron's `moe_layer_freq`)."""
+        return moe_layer_pattern(self.mcore)[layer] == 1
+
+    def with_layout(self, tp: int, pp: int, vpp: int | None = None, ep: int | None = None) -> ConversionSpec:
+        """The same model (same padded vocab) under another parallel layout, re-checked (`ep` None: unchanged)."""
+        ep = self.ep if ep is None else ep
         if self.mcore["padded_vocab_size"] % tp:
             raise ValueError(f"padded_vocab_size={self.mcore['padded_vocab_size']} is not divisible by tp={tp}")
-        _check_layout(self.mcore, tp, pp, vpp or 1, self.transformer_impl)
-        return replace(self, tp=tp, pp=pp, vpp=vpp or 1)
+        _check_layout(self.mcore, tp, pp, vpp or 1, self.transformer_impl, ep)
+        return replace(self, tp=tp, pp=pp, vpp=vpp or 1, ep=ep)
 
     def transformer_kwargs(self, resolve_callables: bool = True) -> dict[str, Any]:
         """TransformerConfig keyword arguments (without the GPTModel ones); activation names -> functions."""
@@ -121,6 +139,7 @@ class ConversionSpec:
             "tp": self.tp,
             "pp": self.pp,
             "vpp": self.vpp,
+            "ep": self.ep,
             "transformer_impl": self.transformer_impl,
             "hf_vocab_size": self.hf_vocab_size,
             "model_cls": self.template.mcore_model_cls,
@@ -143,13 +162,29 @@ class ConversionSpec:
         template = get_template(name, data.get("template_module") if import_module else None)
         return cls(
             template, data["hf_config"], data["mcore"], data["tp"], data["pp"], data["vpp"],
-            data["transformer_impl"], data["hf_vocab_size"],
+            data["transformer_impl"], data["hf_vocab_size"], int(data.get("ep", 1)),
         )  # fmt: skip
 
 
-def transformer_config_kwargs(hf_config: Mapping[str, Any], tp: int = 1, pp: int = 1) -> dict[str, Any]:
-    """Megatron TransformerConfig kwargs for an HF config dict, through its template (for the trainer)."""
-    return ConversionSpec.from_hf_config(hf_config, tp, pp).transformer_kwargs()
+def transformer_config_kwargs(hf_config: Mapping[str, Any], tp: int = 1, pp: int = 1, ep: int = 1) -> dict[str, Any]:
+    """Megatron TransformerConfig kwargs for an HF config dict, through its template (for the trainer); MoE
+    models carry their `num_moe_experts`, `moe_*` and `moe_layer_freq` fields (MLA ones for DeepSeek-V3)."""
+    return ConversionSpec.from_hf_config(hf_config, tp, pp, ep=ep).transformer_kwargs()
+
+
+def moe_layer_pattern(mcore: Mapping[str, Any]) -> list[int]:
+    """Per global layer 1 (MoE) or 0 (dense), from `num_moe_experts` and `moe_layer_freq` as Megatron reads
+    them: an int N puts an MoE layer at every layer i with i % N == 0; a list gives the pattern itself."""
+    layers = int(mcore["num_layers"])
+    if not mcore.get("num_moe_experts"):
+        return [0] * layers
+    freq = mcore.get("moe_layer_freq", 1)
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(layers)]
+    pattern = [int(x) for x in freq]
+    if len(pattern) != layers:
+        raise ValueError(f"moe_layer_freq has {len(pattern)} entries, expected one per layer ({layers})")
+    return pattern
 
 
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu"}
@@ -194,8 +229,8 @@ def _rope_settings(hf: Mapping[str, Any], mcore: Mapping[str, Any]) -> dict[str,
     raise ValueError(f"rope_parameters.rope_type={rope_type!r} is not supported by the converter (default, llama3)")
 
 
-def _check_sizes(tp: int, pp: int, vpp: int, impl: str) -> None:
-    for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp)):
+def _check_sizes(tp: int, pp: int, vpp: int, impl: str, ep: int = 1) -> None:
+    for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp), ("ep", ep)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if vpp > 1 and pp < 2:
@@ -204,9 +239,12 @@ def _check_sizes(tp: int, pp: int, vpp: int, impl: str) -> None:
         raise ValueError(f"transformer_impl must be 'local' or 'transformer_engine', got {impl!r}")
 
 
-def _check_layout(m: Mapping[str, Any], tp: int, pp: int, vpp: int, impl: str) -> None:
-    _check_sizes(tp, pp, vpp, impl)
+def _check_layout(m: Mapping[str, Any], tp: int, pp: int, vpp: int, impl: str, ep: int = 1) -> None:
+    _check_sizes(tp, pp, vpp, impl, ep)
+    _check_moe(m, tp, ep)
     heads, groups = m["num_attention_heads"], m["num_query_groups"]
+    if m.get("multi_latent_attention"):
+        groups = heads  # MLA has no query groups: every head has its own (up-projected) key and value
     if heads % groups:
         raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}")
     for field_name, hf_name in (
@@ -214,6 +252,8 @@ def _check_layout(m: Mapping[str, Any], tp: int, pp: int, vpp: int, impl: str) -
         ("num_query_groups", "num_key_value_heads"),
         ("ffn_hidden_size", "intermediate_size"),
     ):
+        if field_name == "num_query_groups" and m.get("multi_latent_attention"):
+            continue
         if m[field_name] % tp:
             raise ValueError(f"{hf_name}={m[field_name]} is not divisible by tensor parallel size tp={tp}")
     if m.get("add_bias_linear") and not m.get("add_qkv_bias"):
@@ -222,3 +262,20 @@ def _check_layout(m: Mapping[str, Any], tp: int, pp: int, vpp: int, impl: str) -
             "(Llama mlp_bias=True needs attention_bias=True)"
         )
     LayerMap(m["num_layers"], pp, vpp)
+
+
+def _check_moe(m: Mapping[str, Any], tp: int, ep: int) -> None:
+    experts = int(m.get("num_moe_experts") or 0)
+    if not experts:
+        if ep > 1:
+            raise ValueError(f"ep={ep}: expert parallelism needs a Mixture-of-Experts model (this one is dense)")
+        return
+    if experts % ep:
+        raise ValueError(f"num_experts={experts} is not divisible by expert parallel size ep={ep}")
+    for field_name, hf_name in (
+        ("moe_ffn_hidden_size", "moe_intermediate_size"),
+        ("moe_shared_expert_intermediate_size", "n_shared_experts x moe_intermediate_size"),
+    ):
+        if m.get(field_name) and m[field_name] % tp:
+            raise ValueError(f"{hf_name}={m[field_name]} is not divisible by tensor parallel size tp={tp}")
+    moe_layer_pattern(m)

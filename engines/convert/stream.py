@@ -71,13 +71,19 @@ class _Stream:
     def _match(self, layer: int | None, key: str) -> tuple[int, int, tuple[str, ...]] | None:
         hit = self._literal.get((layer is not None, key))
         if hit is not None:
-            return hit[0], hit[1], ()
+            return (hit[0], hit[1], ()) if self._in_layer_kind(self.ops[hit[0]], layer) else None
         for i, op in enumerate(self.ops):
-            if op.has_wildcard and op.is_layer_op == (layer is not None):
+            if op.has_wildcard and op.is_layer_op == (layer is not None) and self._in_layer_kind(op, layer):
                 m = op.match(self.src, key)
                 if m is not None:
                     return i, m[0], m[1]
         return None
+
+    def _in_layer_kind(self, op: WeightOp, layer: int | None) -> bool:
+        """A dense-only op never matches in an MoE layer and the reverse (so a stray tensor is a leftover)."""
+        if op.layers is None or layer is None or not 0 <= layer < self.spec.mcore["num_layers"]:
+            return True
+        return (op.layers == "moe") == self.spec.is_moe_layer(layer)
 
     def _skip(self, layer: int | None, key: str, op: WeightOp | None) -> bool:
         return False
@@ -118,14 +124,20 @@ class _Stream:
         return items
 
     def expected(self) -> set[str]:
-        """Output names that must be produced (non-wildcard, non-optional enabled ops)."""
+        """Output names that must be produced (non-optional enabled ops; wildcards only when they range over
+        the experts of an MoE op)."""
         out: set[str] = set()
         for op in self.ops:
-            if op.has_wildcard or op.optional:
+            expert_op = op.has_wildcard and op.layers == "moe"
+            if op.optional or (op.has_wildcard and not expert_op):
                 continue
-            for name in self._names(op, self.dst):
-                layers = range(self.spec.mcore["num_layers"]) if op.is_layer_op else [None]
-                out.update(self._out_name(layer, name) for layer in layers)
+            experts = [(str(e),) for e in range(self.spec.num_experts)] if expert_op else [()]
+            layers = range(self.spec.mcore["num_layers"]) if op.is_layer_op else [None]
+            for layer in layers:
+                if not self._in_layer_kind(op, layer):
+                    continue
+                for name in self._names(op, self.dst):
+                    out.update(self._out_name(layer, fill(name, e)) for e in experts)
         return out
 
     def finish(self, check_expected: bool = True) -> None:

@@ -10,7 +10,7 @@ Non-goal: reading files or splitting tensors over ranks.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,9 +32,11 @@ class Template:
     mcore_model_cls: str | None = None
     tp_rules: Mapping[str, str] = field(default_factory=dict)
     module: str | None = None  # where register_template was called; imported again by worker processes
+    derive_mcore_config: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
 
     def mcore_config(self, hf_config: Mapping[str, Any]) -> dict[str, Any]:
-        """Flat Megatron config from an HF config dict: mapped fields, then the constants (which win)."""
+        """Flat Megatron config from an HF config dict: mapped fields, derived fields, then the constants (which
+        win)."""
         out: dict[str, Any] = {}
         for hf_key, mcore_key in self.config_hf_to_mcore.items():
             if mcore_key in out:
@@ -42,6 +44,8 @@ class Template:
             value = lookup(hf_config, hf_key)
             if value is not _MISSING:
                 out[mcore_key] = value
+        if self.derive_mcore_config is not None:
+            out.update(self.derive_mcore_config(hf_config))
         out.update(self.constant_mcore_config)
         return out
 
@@ -80,12 +84,15 @@ def register_template(
     *,
     mcore_model_cls: str | None = None,
     tp_rules: Mapping[str, str] | None = None,
+    derive_mcore_config: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
     replace: bool = False,
 ) -> Template:
     """Register the template of `hf_model_type` (config.json's `model_type`) and return it.
 
     `mcore_model_cls` ("module:Class") names a GPTModel subclass for custom architectures; `tp_rules` maps
-    Megatron name suffixes to "column", "row", "replicated" or "vocab" where the defaults do not know them.
+    Megatron name suffixes to "column", "row", "replicated" or "vocab" where the defaults do not know them;
+    `derive_mcore_config(hf_config) -> {field: value}` computes the Megatron fields that are not a plain
+    rename of one HF key (e.g. MoE routing flags, the dense/MoE layer pattern).
     """
     if not hf_model_type:
         raise ValueError("register_template: hf_model_type must be config.json's non-empty model_type")
@@ -111,6 +118,7 @@ def register_template(
         mcore_model_cls=mcore_model_cls,
         tp_rules=dict(tp_rules or {}),
         module=sys._getframe(1).f_globals.get("__name__"),
+        derive_mcore_config=derive_mcore_config,
     )
     _TEMPLATES[hf_model_type] = template
     return template

@@ -1,4 +1,5 @@
-"""Built-in templates: llama, qwen2 (QKV bias), qwen3 (q/k norm), mistral.
+"""Built-in templates: llama, qwen2 (QKV bias), qwen3 (q/k norm), mistral; the Mixture-of-Experts ones
+(qwen3_moe, mixtral, deepseek_v3) are in `moe_templates`, loaded with these.
 
 Megatron names are the local layer spec's; `rlstages.engines.convert.names` maps them to the Transformer Engine
 spec's fused-norm names when a conversion asks for `transformer_impl="transformer_engine"`.
@@ -44,9 +45,14 @@ ATTN = ".self_attn."
 
 
 def decoder_ops(
-    *, qkv_bias: str | None = None, qk_norm: bool = False, linear_bias: str | None = None
+    *,
+    qkv_bias: str | None = None,
+    qk_norm: bool = False,
+    linear_bias: str | None = None,
+    mlp_layers: str | None = None,
 ) -> list[WeightOp]:
-    """The ops of a Llama-style decoder; `qkv_bias`/`linear_bias` name the config flags that enable biases."""
+    """The ops of a Llama-style decoder; `qkv_bias`/`linear_bias` name the config flags that enable biases;
+    `mlp_layers="dense"` limits the dense MLP to the dense layers of an MoE model."""
     ops: list[WeightOp] = [
         Rename("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
         Rename("model.norm.weight", "decoder.final_layernorm.weight"),
@@ -55,8 +61,8 @@ def decoder_ops(
         QKV([f"{ATTN}{p}_proj.weight" for p in "qkv"], ".self_attention.linear_qkv.weight"),
         Rename(f"{ATTN}o_proj.weight", ".self_attention.linear_proj.weight"),
         Rename(".post_attention_layernorm.weight", ".pre_mlp_layernorm.weight"),
-        Stack([".mlp.gate_proj.weight", ".mlp.up_proj.weight"], ".mlp.linear_fc1.weight"),
-        Rename(".mlp.down_proj.weight", ".mlp.linear_fc2.weight"),
+        Stack([".mlp.gate_proj.weight", ".mlp.up_proj.weight"], ".mlp.linear_fc1.weight", layers=mlp_layers),
+        Rename(".mlp.down_proj.weight", ".mlp.linear_fc2.weight", layers=mlp_layers),
     ]
     if qkv_bias:
         ops.append(QKVBias([f"{ATTN}{p}_proj.bias" for p in "qkv"], ".self_attention.linear_qkv.bias", when=qkv_bias))
@@ -78,10 +84,10 @@ ROTARY_BUFFERS = [f"{ATTN}rotary_emb.inv_freq"]  # saved by old Llama checkpoint
 NO_BIAS = {"add_bias_linear": False, "add_qkv_bias": False}
 
 
-def _builtin(hf_model_type: str, *args: Any) -> None:
+def _builtin(hf_model_type: str, *args: Any, **kwargs: Any) -> None:
     # A user template registered before the built-ins were loaded keeps precedence.
     if hf_model_type not in _TEMPLATES:
-        register_template(hf_model_type, *args)
+        register_template(hf_model_type, *args, **kwargs)
 
 
 _builtin(
@@ -107,6 +113,8 @@ _builtin(
     "model.layers.",
     {**DECODER_CONSTANTS, "add_bias_linear": False, "qk_layernorm": True},
 )
+
+importlib.import_module("rlstages.engines.convert.moe_templates")  # registers the MoE built-ins
 
 
 def get_template(hf_model_type: str, module: str | None = None) -> Template:

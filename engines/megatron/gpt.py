@@ -98,10 +98,13 @@ def destroy_model_parallel() -> None:
 
 
 def make_transformer_config(spec: ConversionSpec, dtype: torch.dtype = torch.float32, **overrides: Any) -> Any:
-    """A megatron-core TransformerConfig from the spec (CPU-safe flags when CUDA is absent) plus overrides."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """A megatron-core TransformerConfig from the spec (CPU-safe flags when CUDA is absent) plus overrides;
+    MoE / MLA specs get their config class and fields from `moe_model`."""
+    from rlstages.engines.megatron import moe_model
 
+    config_cls = moe_model.transformer_config_class(spec)
     kwargs = spec.transformer_kwargs()
+    kwargs.update(moe_model.moe_config_kwargs(spec))
     kwargs.update(
         tensor_model_parallel_size=spec.tp,
         pipeline_model_parallel_size=spec.pp,
@@ -112,7 +115,7 @@ def make_transformer_config(spec: ConversionSpec, dtype: torch.dtype = torch.flo
     if not torch.cuda.is_available():
         kwargs.update(CPU_SAFE_CONFIG)
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return config_cls(**kwargs)
 
 
 def layer_spec(spec: ConversionSpec) -> Any:
@@ -146,6 +149,10 @@ def build_gpt_model(
     stage = vp_stage if vpp else None
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+    from rlstages.engines.megatron import moe_model
+
+    if moe_model.is_moe_or_mla(spec):
+        return moe_model.build_moe_gpt_model(spec, config, model_class(spec), pre, post, stage)
     return model_class(spec)(
         config=config,
         transformer_layer_spec=layer_spec(spec),

@@ -40,6 +40,7 @@ class ParityReport:
     hf_fp32_diff: float = 0.0
     tolerance: float = 0.0
     max_abs_logit: float = 0.0
+    ep: int = 1
 
     @property
     def passed(self) -> bool:
@@ -103,6 +104,10 @@ def verify_parity_many(
     if len(layouts) != 1:
         raise ValueError(f"verify_parity_many: rank-file cases need one parallel layout, got {sorted(layouts)}")
     tp, pp, vpp = layouts.pop()
+    eps = {s.ep for s, (_, _, src) in zip(specs, items, strict=True) if src == "ranks"} or {1}
+    if len(eps) != 1:
+        raise ValueError(f"verify_parity_many: rank-file cases need one expert parallel size, got {sorted(eps)}")
+    ep = eps.pop()
     for spec in specs:
         spec.with_layout(tp, pp, vpp)  # clear error before any process starts
     gen = torch.Generator().manual_seed(seed)
@@ -117,8 +122,8 @@ def verify_parity_many(
     ]
     results = run_world(
         "rlstages.engines.megatron.parity:parity_worker",
-        tp * pp,
-        {"cases": jobs, "layout": [tp, pp, vpp]},
+        tp * pp * ep,  # the EP ranks are data-parallel replicas of the TP x PP grid, each runs the same tokens
+        {"cases": jobs, "layout": [tp, pp, vpp, ep]},
         timeout=timeout,
     )
     gathered = next(r for r in results if r is not None)
@@ -137,6 +142,7 @@ def verify_parity_many(
             hf_fp32_diff=floor,
             tolerance=tolerance,
             max_abs_logit=float(ref64.abs().max()),
+            ep=ep,
         )
         if raise_on_fail and not report.passed:
             raise ParityError(f"{path}: Megatron logits differ from HF: {report.to_dict()}")
@@ -175,6 +181,8 @@ def _hf_logits(
     model = model.float().eval()
     with torch.no_grad():
         fp32 = model(input_ids=tokens).logits.float()
+        if type(model)._can_set_experts_implementation():  # MoE: torch's grouped_mm has no float64 kernel
+            model.set_experts_implementation("eager")
         fp64 = model.double()(input_ids=tokens).logits.double()
     del model
     return fp32, fp64
@@ -197,14 +205,15 @@ def parity_worker(rank: int, world_size: int, port: int, cases: list[dict[str, A
 
     from rlstages.engines.megatron import gpt
 
-    tp, pp, vpp = layout
-    gpt.init_model_parallel(rank, world_size, port, tp, pp, vpp)
+    tp, pp, vpp, ep = (*layout, 1)[:4]
+    gpt.init_model_parallel(rank, world_size, port, tp, pp, vpp, ep=ep)
     try:
         tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        ep_rank = ps.get_expert_model_parallel_rank() if ep > 1 else 0
         outputs = []
         for case in cases:
             mcore_dir = Path(case["mcore_dir"])
-            spec = ConversionSpec.load(mcore_dir).with_layout(tp, pp, vpp)
+            spec = ConversionSpec.load(mcore_dir).with_layout(tp, pp, vpp, ep)
             chunks = [gpt.build_gpt_model(spec, vp_stage=v).eval() for v in range(vpp)]
             if case["source"] == "dist_ckpt":
                 from rlstages.engines.megatron.dist_ckpt import load_dist_checkpoint
@@ -212,7 +221,8 @@ def parity_worker(rank: int, world_size: int, port: int, cases: list[dict[str, A
                 load_dist_checkpoint(chunks, mcore_dir / "dist_ckpt")
             else:
                 for v, chunk in enumerate(chunks):
-                    chunk.load_state_dict(load_rank_chunk(mcore_dir, spec, tp_rank, pp_rank, v), strict=True)
+                    state = load_rank_chunk(mcore_dir, spec, tp_rank, pp_rank, v, ep_rank)
+                    chunk.load_state_dict(state, strict=True)
             outputs.append(_pipeline_forward(spec, dict(enumerate(chunks)), torch.tensor(case["tokens"]), pp_rank))
         return outputs if outputs and outputs[0] is not None else None
     finally:
