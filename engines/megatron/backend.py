@@ -121,9 +121,8 @@ class MegatronBackend:
         self.dp = ps.get_data_parallel_world_size(with_context_parallel=True)
         self.dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
         self.dtype = torch_dtype(settings.dtype)
-        states = MP.rank_state(
-            self.spec, converted, settings.model_path, self.tp_rank, ps.get_pipeline_model_parallel_rank()
-        )
+        pp_rank, ep_rank = ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+        states = MP.rank_state(self.spec, converted, settings.model_path, self.tp_rank, pp_rank, ep_rank)
         self.chunks = MP.build_chunks(self.spec, states, self.role, self.dtype, self._config_overrides(), settings.seed)
         del states
         self.expert_load = MOE.ExpertLoad(self.chunks) if self.is_moe else None

@@ -10,10 +10,10 @@ Training adds a fifth place: the optimizer, gradient clipping and the pipeline s
 tensors with a literal `device="cuda"` and assert `tensor.type() == "torch.cuda.FloatTensor"`;
 `cuda_as_cpu()` is a scoped torch function mode that maps those to the CPU while it is active.
 Mixture-of-Experts adds two (`apply_moe_shim`): megatron-core 0.16's router GEMM reads `te_general_gemm`, which is
-unbound when Transformer Engine is absent (a NameError on any machine without TE: set to None, its own
-fallback); and the alltoall token dispatcher copies its split sizes device-to-host on a side CUDA stream, then
-passes them to `all_to_all_single`, which takes lists, not CPU tensors: without CUDA its dtoh step becomes
-"split sizes to numpy" and no stream is made.
+unbound when Transformer Engine is absent (a NameError on any machine without TE: `moe_model` sets it to None,
+megatron's own fallback); and the alltoall token dispatcher copies its split sizes device-to-host on a side
+CUDA stream, then passes them to `all_to_all_single`, which takes lists, not CPU tensors: without CUDA its
+dtoh step becomes "split sizes to numpy" and no stream is made.
 On a GPU every function here is a no-op, except the TE-absent router fix. Non-goal: building models or process
 groups (`gpt.py`).
 """
@@ -92,11 +92,11 @@ def _splits_to_numpy(self: Any, point: str, tokens_per_expert: torch.Tensor | No
 def apply_moe_shim() -> None:
     """megatron-core MoE without Transformer Engine (router GEMM fallback) and without CUDA (alltoall dispatcher
     over gloo); idempotent."""
-    from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    from rlstages.engines.megatron.moe_model import define_missing_te_symbols
+
+    define_missing_te_symbols()
     if torch.cuda.is_available():
         return
     if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:

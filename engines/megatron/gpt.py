@@ -123,12 +123,9 @@ def layer_spec(spec: ConversionSpec) -> Any:
     from megatron.core.models.gpt import gpt_layer_specs
 
     args = {"qk_layernorm": bool(spec.mcore.get("qk_layernorm")), "normalization": spec.mcore.get("normalization")}
-    experts = spec.mcore.get("num_moe_experts")  # MoE: routed experts as SequentialMLP local experts
     if spec.transformer_impl == "transformer_engine":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=experts, qk_layernorm=args["qk_layernorm"]
-        )
-    return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, **args)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args["qk_layernorm"])
+    return gpt_layer_specs.get_gpt_layer_local_spec(**args)
 
 
 def build_gpt_model(

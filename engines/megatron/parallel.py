@@ -99,29 +99,43 @@ def resolve_spec(
     """The converted checkpoint's spec (it must match the layout), else one built from the HF config."""
     if converted_path is None:
         hf = read_hf_config(Path(model_path))
-        return ConversionSpec.from_hf_config(hf, layout.tp, layout.pp, layout.vpp, impl)  # type: ignore[arg-type]
-    spec = ConversionSpec.load(converted_path)
-    if (spec.tp, spec.pp, spec.vpp, spec.transformer_impl) != (layout.tp, layout.pp, layout.vpp, impl):
-        raise ValueError(
-            f"{converted_path}: converted for tp={spec.tp} pp={spec.pp} vpp={spec.vpp} "
-            f"({spec.transformer_impl}), the engine runs tp={layout.tp} pp={layout.pp} vpp={layout.vpp} ({impl}); "
-            "convert again for this layout (tasks/convert.py)"
+        spec = ConversionSpec.from_hf_config(hf, layout.tp, layout.pp, layout.vpp, impl, ep=layout.ep)  # type: ignore[arg-type]
+    else:
+        spec = ConversionSpec.load(converted_path)
+        here = (spec.tp, spec.pp, spec.vpp, spec.ep, spec.transformer_impl)
+        if here != (layout.tp, layout.pp, layout.vpp, layout.ep, impl):
+            raise ValueError(
+                f"{converted_path}: converted for tp={spec.tp} pp={spec.pp} vpp={spec.vpp} ep={spec.ep} "
+                f"({spec.transformer_impl}), the engine runs tp={layout.tp} pp={layout.pp} vpp={layout.vpp} "
+                f"ep={layout.ep} ({impl}); convert again for this layout (tasks/convert.py)"
+            )
+    if spec.num_experts and (layout.etp or layout.tp) != layout.tp:
+        raise NotImplementedError(
+            f"expert_tensor_parallel_size={layout.etp} with tensor_model_parallel_size={layout.tp}: the converter "
+            "splits each expert like a dense MLP over the TP ranks (expert TP = TP); unset it here"
         )
     return spec
 
 
 def rank_state(
-    spec: ConversionSpec, converted_path: str | Path | None, model_path: str | Path, tp_rank: int, pp_rank: int
+    spec: ConversionSpec,
+    converted_path: str | Path | None,
+    model_path: str | Path,
+    tp_rank: int,
+    pp_rank: int,
+    ep_rank: int = 0,
 ) -> list[dict[str, torch.Tensor]]:
-    """This rank's state dict per virtual-pipeline chunk: its rank file, or converted in memory from HF."""
+    """This rank's state dict per virtual-pipeline chunk (its EP rank's experts): its rank file, or converted in
+    memory from HF."""
     if converted_path is not None:
-        return [load_rank_chunk(Path(converted_path), spec, tp_rank, pp_rank, v) for v in range(spec.vpp)]
+        path = Path(converted_path)
+        return [load_rank_chunk(path, spec, tp_rank, pp_rank, v, ep_rank) for v in range(spec.vpp)]
     from rlstages.engines.convert.hf_to_mcore import hf_weight_files, stream_rank_tensors
     from rlstages.engines.convert.safetensors_io import Reader
 
     chunks: list[dict[str, torch.Tensor]] = [{} for _ in range(spec.vpp)]
     readers = [Reader(f, use_mmap=False) for f in hf_weight_files(Path(model_path))]
-    for t, p, name, shard in stream_rank_tensors(spec, readers):
+    for t, p, name, shard in stream_rank_tensors(spec, readers, ep_rank=ep_rank):
         if (t, p) != (tp_rank, pp_rank):
             continue
         v = next(v for v in range(spec.vpp) if name.startswith(chunk_prefix(v, spec.vpp)))
@@ -301,11 +315,17 @@ def _stage_hf(chunks: list[Any], spec: ConversionSpec, role: str, pp_rank: int) 
     from megatron.core import parallel_state as ps
 
     tp_group = ps.get_tensor_model_parallel_group()
+    experts = {}  # routed experts: TP shards over the expert-TP group, local experts of every EP rank
+    if spec.num_experts:
+        experts = {
+            "ep_group": ps.get_expert_model_parallel_group(),
+            "expert_tp_group": ps.get_expert_tensor_parallel_group(),
+        }
     if role == "critic":  # the backbone exports like a tied model (no lm_head); the value head is added below
         spec = replace(spec, mcore={**spec.mcore, "share_embeddings_and_output_weights": True})
     for v, chunk in enumerate(chunks):
         state = {k: t for k, t in chunk.state_dict().items() if not (role == "critic" and k.startswith(OUTPUT_LAYER))}
-        yield from rank_mcore_to_hf(state.items(), spec, pp_rank=pp_rank, vp_stage=v, tp_group=tp_group)
+        yield from rank_mcore_to_hf(state.items(), spec, pp_rank=pp_rank, vp_stage=v, tp_group=tp_group, **experts)
         if role == "critic" and isinstance(getattr(chunk, "output_layer", None), ValueHead):
             for name, tensor in chunk.output_layer.score.state_dict().items():
                 yield VALUE_HEAD_HF + name, tensor.detach()
