@@ -17,6 +17,7 @@ from tensordict import TensorDict
 
 from rlstages.engines.base import NamedTensors
 from rlstages.engines.models import eos_token_ids, load_causal_lm, load_tokenizer
+from rlstages.engines.models.expert_layout import expert_view
 from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
 from rlstages.engines.rollout.decode import decode, picker
 from rlstages.engines.types import Prompt, SamplingParams
@@ -127,10 +128,13 @@ class HFRolloutEngine:
         """Copy HF-named tensors into the model in place (cast to the rollout dtype), one at a time."""
         params = self.model.state_dict(keep_vars=True)
         for name, tensor in named_tensors:
-            if name not in params:
+            target = params.get(name)
+            if target is None:  # an MoE expert in the on-disk layout (Megatron's export) into the fused one
+                target = expert_view(params, name)
+            if target is None:
                 raise KeyError(f"update_weights: {name!r} is not a weight of {type(self.model).__name__}")
             with torch.no_grad():
-                params[name].copy_(torch.as_tensor(tensor))
+                target.copy_(torch.as_tensor(tensor))
         self.needs_weights = False
 
     def adopt_weights(self, named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
@@ -140,6 +144,9 @@ class HFRolloutEngine:
         params = self.model.state_dict(keep_vars=True)
         rest = []
         for name, tensor in named_tensors:
+            if name not in params and expert_view(params, name) is not None:
+                rest.append((name, tensor))  # one expert of a fused parameter: copied in by update_weights
+                continue
             if name not in params:
                 raise KeyError(f"adopt_weights: {name!r} is not a weight of {type(self.model).__name__}")
             target = params[name]
