@@ -188,6 +188,7 @@ def convert_checkpoint(
     pp: int,
     vpp: int | None = None,
     *,
+    ep: int = 1,
     transformer_impl: str = "local",
     dist_checkpoint: bool = False,
     checksum: str = DEFAULT_CHECKSUM,
@@ -195,8 +196,9 @@ def convert_checkpoint(
     overwrite: bool = False,
 ) -> str:
     """HF directory -> Megatron-Core rank files in `out_dir` (replacing an older conversion of ours there only
-    with `overwrite`)."""
-    options = {"transformer_impl": transformer_impl, "dist_checkpoint": dist_checkpoint, "checksum": checksum}
+    with `overwrite`); `ep` > 1 splits an MoE model's experts over that many expert-parallel ranks."""
+    options: dict[str, Any] = {"transformer_impl": transformer_impl, "dist_checkpoint": dist_checkpoint}
+    options.update({"checksum": checksum, **({"ep": ep} if ep > 1 else {})})  # dense keys as before
     key = conversion_key(hf_dir, out_dir, tp, pp, vpp, **options)
     out = Path(out_dir)
     if holds_conversion(out, key):
@@ -204,7 +206,7 @@ def convert_checkpoint(
     check_replaceable(out, overwrite, key)
     with _progress_bar(progress, f"convert {Path(hf_dir).name} -> tp{tp} pp{pp}") as report:
         convert_hf_to_mcore(
-            hf_dir, out, tp, pp, vpp, transformer_impl=transformer_impl,  # type: ignore[arg-type]
+            hf_dir, out, tp, pp, vpp, ep=ep, transformer_impl=transformer_impl,  # type: ignore[arg-type]
             extra_outputs=dist_checkpoint_writer() if dist_checkpoint else None, overwrite=True,
             checksum=checksum, input_digests=input_digests(hf_dir),
             manifest_extra={"cache_key": key}, progress=report,

@@ -58,7 +58,8 @@ def converted_dir(cfg: RunConfig) -> Path | None:
     if not isinstance(a, MegatronTrainingConfig):
         return None
     vpp = f"-vpp{a.virtual_pipeline_model_parallel_size}" if a.virtual_pipeline_model_parallel_size else ""
-    name = f"{cfg.model.path.name}-tp{a.tensor_model_parallel_size}-pp{a.pipeline_model_parallel_size}{vpp}"
+    ep = f"-ep{a.expert_model_parallel_size}" if a.expert_model_parallel_size > 1 else ""
+    name = f"{cfg.model.path.name}-tp{a.tensor_model_parallel_size}-pp{a.pipeline_model_parallel_size}{vpp}{ep}"
     return (Path(".cache") / "mcore" / name).resolve()
 
 
