@@ -67,7 +67,11 @@ def gather_output(local: torch.Tensor, inputs: CPInputs, width: int, group: obje
     token order (`width`: the length before `split_for_rank`); differentiable (the backward reduce-scatters)."""
     from torch.distributed.nn.functional import all_gather
 
-    parts = all_gather(local.contiguous(), group=group)
+    return reassemble(list(all_gather(local.contiguous(), group=group)), inputs, width)
+
+
+def reassemble(parts: list[torch.Tensor], inputs: CPInputs, width: int) -> torch.Tensor:
+    """Every CP rank's [B, 2 x chunk, ...] (by rank) -> [B, width, ...] in the original left-padded order."""
     cp = len(parts)
     chunk = inputs.seq_len // (2 * cp)
     ordered: list[torch.Tensor | None] = [None] * (2 * cp)
