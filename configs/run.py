@@ -234,7 +234,7 @@ EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # qwen3_
 def _model_sizes(cfg: RunConfig) -> dict[str, int] | None:
     if cfg.model.architecture is not None:
         return cfg.model.architecture.model_dump()
-    if cfg.model.tiny is not None:
+    if cfg.model.tiny is not None and cfg.model.provider == "tiny-random":  # else the directory's config.json
         return cfg.model.tiny.model_dump()
     config_json = cfg.model.path / "config.json"
     if config_json.is_file():
