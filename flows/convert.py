@@ -1,6 +1,6 @@
 """Checkpoint conversion as Prefect flows, their Python API, and the `rlstages convert` / `export` commands.
 
-    rlstages convert HF_DIR OUT_DIR --tp 2 --pp 2 [--vpp 2] [--verify] [--dist-checkpoint]
+    rlstages convert HF_DIR OUT_DIR --tp 2 --pp 2 [--vpp 2] [--ep 2] [--verify] [--dist-checkpoint]
     rlstages export MCORE_DIR OUT_DIR [--overwrite]
 
 The conversion task is cached (see `rlstages.tasks.convert`): converting the same inputs to the same layout again,
@@ -48,14 +48,16 @@ def convert_flow(
     checksum: Literal["xxh3_128", "crc32", "sha256", "none"] = "xxh3_128",
     progress: bool = False,
     overwrite: bool = False,
+    ep: int = 1,
 ) -> dict[str, Any]:
     """Convert (cached) and optionally check logits parity; returns the output path and the parity report."""
     out = convert_checkpoint(
         hf_dir, out_dir, tp, pp, vpp, transformer_impl=transformer_impl, dist_checkpoint=dist_checkpoint,
-        checksum=checksum, progress=progress, overwrite=overwrite,
+        checksum=checksum, progress=progress, overwrite=overwrite, ep=ep,
     )  # fmt: skip
     parity = verify_conversion(hf_dir, out) if verify else None
-    lines = [f"**{Path(hf_dir).name}** -> `{out}` with TP={tp} PP={pp} VPP={vpp or 1} ({transformer_impl})"]
+    experts = f" EP={ep}" if ep != 1 else ""
+    lines = [f"**{Path(hf_dir).name}** -> `{out}` with TP={tp} PP={pp} VPP={vpp or 1}{experts} ({transformer_impl})"]
     if parity is not None:
         lines.append(
             f"parity: max |diff| {parity['max_abs_diff']:.2e} vs fp64 HF (tolerance {parity['tolerance']:.2e}; "
@@ -103,6 +105,7 @@ def convert_command(
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel size.")] = 1,
     pp: Annotated[int, typer.Option("--pp", min=1, help="Pipeline-parallel size.")] = 1,
     vpp: Annotated[int | None, typer.Option("--vpp", min=1, help="Virtual pipeline chunks per stage.")] = None,
+    ep: Annotated[int, typer.Option("--ep", min=1, help="Expert-parallel size (MoE models).")] = 1,
     verify: Annotated[bool, typer.Option("--verify", help="Check logits against HF (needs megatron-core).")] = False,
     transformer_impl: Annotated[str, typer.Option(help="Layer-spec names: local or transformer_engine.")] = "local",
     dist_checkpoint: Annotated[
@@ -118,10 +121,10 @@ def convert_command(
 ) -> None:
     """Convert an HF checkpoint to Megatron-Core rank files (cached: a re-run on the same inputs is free)."""
     _run(debug, lambda: check_conversion_inputs(
-        hf_dir, out_dir, tp, pp, vpp, transformer_impl, checksum, overwrite, dist_checkpoint))  # fmt: skip
+        hf_dir, out_dir, tp, pp, vpp, transformer_impl, checksum, overwrite, dist_checkpoint, ep))  # fmt: skip
     result = _run(debug, lambda: convert_flow(
         str(hf_dir), str(out_dir), tp, pp, vpp, verify, cast(_Impl, transformer_impl), dist_checkpoint,
-        cast(_Checksum, checksum), progress=True, overwrite=overwrite))  # fmt: skip
+        cast(_Checksum, checksum), progress=True, overwrite=overwrite, ep=ep))  # fmt: skip
     err.print(f"[green]converted[/]: {escape(str(result['out_dir']))}")
     if result["parity"]:
         p = result["parity"]

@@ -104,17 +104,19 @@ def check_conversion_inputs(
     checksum: str = DEFAULT_CHECKSUM,
     overwrite: bool = False,
     dist_checkpoint: bool = False,
+    ep: int = 1,
 ) -> None:
     """Fail fast, before any flow run, on a bad HF directory, config or parallel layout (one-line errors)."""
     new_checksum(checksum)
     hf = Path(hf_dir)
     if not hf.is_dir():
         raise FileNotFoundError(f"{hf}: HF model directory not found")
-    ConversionSpec.from_hf_config(read_hf_config(hf), tp, pp, vpp, transformer_impl)  # type: ignore[arg-type]
+    ConversionSpec.from_hf_config(read_hf_config(hf), tp, pp, vpp, transformer_impl, ep=ep)  # type: ignore[arg-type]
     hf_weight_files(hf)
     out = Path(out_dir)
     if out.is_dir() and any(out.iterdir()) and ours(out):  # the same conversion again is a cache hit, not a clash
         options = {"transformer_impl": transformer_impl, "dist_checkpoint": dist_checkpoint, "checksum": checksum}
+        options |= expert_option(ep)
         check_replaceable(out, overwrite, conversion_key(str(hf), str(out), tp, pp, vpp, **options))
     else:
         check_replaceable(out, overwrite)
@@ -163,8 +165,13 @@ def _exported_by_us(out: Path) -> bool:
         return False
 
 
+def expert_option(ep: int) -> dict[str, int]:
+    """The expert-parallel size as a cache-key option, only when it is not 1 (dense keys stay as they were)."""
+    return {"ep": ep} if ep != 1 else {}
+
+
 def _cache_key(context: TaskRunContext, params: dict[str, Any]) -> str:
-    options = {k: params.get(k, DEFAULTS[k]) for k in DEFAULTS}
+    options = {k: params.get(k, DEFAULTS[k]) for k in DEFAULTS} | expert_option(params.get("ep", 1))
     key = conversion_key(params["hf_dir"], params["out_dir"], params["tp"], params["pp"], params.get("vpp"), **options)
     store = getattr(context, "result_store", None)
     if not holds_conversion(params["out_dir"], key) and store is not None and store.exists(key):
@@ -188,17 +195,17 @@ def convert_checkpoint(
     pp: int,
     vpp: int | None = None,
     *,
-    ep: int = 1,
     transformer_impl: str = "local",
     dist_checkpoint: bool = False,
     checksum: str = DEFAULT_CHECKSUM,
     progress: bool = False,
     overwrite: bool = False,
+    ep: int = 1,
 ) -> str:
     """HF directory -> Megatron-Core rank files in `out_dir` (replacing an older conversion of ours there only
-    with `overwrite`); `ep` > 1 splits an MoE model's experts over that many expert-parallel ranks."""
-    options: dict[str, Any] = {"transformer_impl": transformer_impl, "dist_checkpoint": dist_checkpoint}
-    options.update({"checksum": checksum, **({"ep": ep} if ep > 1 else {})})  # dense keys as before
+    with `overwrite`); `ep` > 1 splits an MoE model's experts over expert-parallel ranks."""
+    options = {"transformer_impl": transformer_impl, "dist_checkpoint": dist_checkpoint, "checksum": checksum}
+    options |= expert_option(ep)
     key = conversion_key(hf_dir, out_dir, tp, pp, vpp, **options)
     out = Path(out_dir)
     if holds_conversion(out, key):

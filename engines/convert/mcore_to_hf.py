@@ -134,7 +134,7 @@ def rank_mcore_to_hf(
         expert = expert_index(name) is not None
         shards = [tensor.detach()]
         if spec.tp > 1 and _kind(spec, name) != "replicated":
-            shards = _all_gather(tensor.detach(), spec.tp, expert_tp_group if expert else tp_group)
+            shards = _all_gather(tensor.detach(), spec.tp, (expert_tp_group or tp_group) if expert else tp_group)
         if not expert or spec.ep == 1:
             yield from stream.add(name, _to_global(stream, spec, name, shards))
             continue

@@ -90,17 +90,38 @@ def global_expert_name(name: str, ep_rank: int, experts_per_rank: int) -> str:
     return f"{head}{ep_rank * experts_per_rank + local}{tail}"
 
 
-def to_te_name(name: str) -> str:
-    """Local-spec Megatron name -> Transformer Engine spec name (unchanged when not a fused norm)."""
-    for local, te in TE_NAMES.items():
-        if name.endswith(local):
+# MLA under Transformer Engine: the q/kv norms fuse into the up-projections that follow them.
+TE_MLA_NAMES = {
+    ".self_attention.q_layernorm.weight": ".self_attention.linear_q_up_proj.layer_norm_weight",
+    ".self_attention.kv_layernorm.weight": ".self_attention.linear_kv_up_proj.layer_norm_weight",
+}
+_PRE_MLP = (".pre_mlp_layernorm.weight", ".pre_mlp_layernorm.bias")
+_LOCAL_EXPERT_LINEAR = re.compile(r"\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
+_GROUPED_EXPERT_LINEAR = re.compile(r"\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
+
+
+def to_te_name(name: str, *, moe_layer: bool = False, mla: bool = False, grouped_experts: bool = False) -> str:
+    """Local-spec Megatron name -> Transformer Engine spec name (unchanged when TE names it the same).
+
+    In an MoE layer the pre-MLP norm stays separate (TE fuses it only into a dense fc1); with MLA the q/kv norms
+    fuse into the up-projections; `grouped_experts` gives TEGroupedMLP's `experts.linear_fc1.weight<E>`.
+    """
+    m = _LOCAL_EXPERT_LINEAR.search(name)
+    if grouped_experts and m:
+        return f"{name[: m.start()]}.experts.{m[2]}.{m[3]}{m[1]}"
+    table = {**TE_NAMES, **(TE_MLA_NAMES if mla else {})}
+    for local, te in table.items():
+        if name.endswith(local) and not (moe_layer and local in _PRE_MLP):
             return name[: -len(local)] + te
     return name
 
 
 def to_local_name(name: str) -> str:
-    """Transformer Engine spec name -> local-spec name (unchanged when not a fused norm)."""
-    for te, local in LOCAL_NAMES.items():
+    """Transformer Engine spec name -> local-spec name (unchanged when not a fused norm or grouped expert)."""
+    m = _GROUPED_EXPERT_LINEAR.search(name)
+    if m:
+        return f"{name[: m.start()]}.experts.local_experts.{m[3]}.{m[1]}.{m[2]}"
+    for te, local in (*LOCAL_NAMES.items(), *((te, loc) for loc, te in TE_MLA_NAMES.items())):
         if name.endswith(te):
             return name[: -len(te)] + local
     return name

@@ -78,6 +78,8 @@ class ConversionSpec:
         if missing:
             raise ValueError(f"HF config ({model_type}) is missing {', '.join(missing)}")
         mcore.update(_rope_settings(resolved, mcore))
+        if transformer_impl == "transformer_engine" and mcore.get("num_moe_experts"):
+            mcore["moe_grouped_gemm"] = True  # TEGroupedMLP: experts.linear_fc1.weight<E> (sharding.to_te_name)
         mcore.setdefault("num_query_groups", mcore["num_attention_heads"])
         mcore.setdefault("kv_channels", mcore["hidden_size"] // mcore["num_attention_heads"])
         mcore.setdefault("share_embeddings_and_output_weights", False)
@@ -212,8 +214,8 @@ def _with_hf_defaults(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rope_settings(hf: Mapping[str, Any], mcore: Mapping[str, Any]) -> dict[str, Any]:
-    if mcore.get("position_embedding_type") != "rope":
-        return {}
+    if mcore.get("position_embedding_type") != "rope" or mcore.get("multi_latent_attention"):
+        return {}  # MLA templates map their RoPE (incl. YaRN) into MLATransformerConfig fields themselves
     params = lookup(hf, "rope_parameters")
     params = params if isinstance(params, Mapping) else (hf.get("rope_scaling") or {})
     rope_type = params.get("rope_type", params.get("type", "default"))

@@ -176,14 +176,33 @@ class HfToMcore(_Stream):
     def _skip(self, layer: int | None, key: str, op: WeightOp | None) -> bool:
         if key in self.spec.template.hf_invalid_keys:
             return True
+        if (
+            layer is not None
+            and layer >= self.spec.mcore["num_layers"]
+            and self.spec.hf_config.get("num_nextn_predict_layers")
+        ):
+            return True  # DeepSeek-V3's multi-token-prediction layers after the last one (HF ignores them too)
         # A tied checkpoint may still carry lm_head: the embedding is the source of truth.
         return self.spec.tied and op is not None and layer is None and OUTPUT_LAYER in op.mcore_names
+
+    def _split_dst(self, name: str) -> tuple[int | None, str]:
+        if name.startswith(LAYER_PREFIX):
+            index, dot, rest = name[len(LAYER_PREFIX) :].partition(".")
+            if index.isdigit() and dot:
+                return int(index), "." + rest
+        return None, name
 
     def _post(self, items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         out = []
         for name, tensor in items:
             if self.spec.transformer_impl == "transformer_engine":
-                name = to_te_name(name)
+                layer, _ = self._split_dst(name)
+                name = to_te_name(
+                    name,
+                    moe_layer=layer is not None and self.spec.is_moe_layer(layer),
+                    mla=bool(self.spec.mcore.get("multi_latent_attention")),
+                    grouped_experts=bool(self.spec.mcore.get("moe_grouped_gemm")),
+                )
             out.append((name, tensor))
             if name == EMBEDDING and self.spec.tied and self.spec.pp > 1:
                 out.append((OUTPUT_LAYER, tensor))  # the last stage keeps its own copy (reference C.2)

@@ -10,6 +10,7 @@ training (the trainer overrides `moe_token_dispatcher_type`), router losses.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -34,10 +35,14 @@ def transformer_config_class(spec: ConversionSpec) -> type:
 
 
 def moe_config_kwargs(spec: ConversionSpec) -> dict[str, Any]:
-    """TransformerConfig fields an MoE spec adds to the dense ones: EP size, dispatcher default, CPU-safe flags."""
+    """TransformerConfig fields an MoE / MLA spec adds to the dense ones: EP size, dispatcher default, CPU-safe
+    flags; for MLA the RoPE base (MLA's attention builds its own rotary embedding from the config)."""
+    out: dict[str, Any] = {}
+    if spec.mcore.get("multi_latent_attention"):
+        out.update({k: spec.mcore[k] for k in ("rotary_base", "rotary_percent") if k in spec.mcore})
     if not spec.num_experts:
-        return {}
-    out: dict[str, Any] = {
+        return out
+    out |= {
         "expert_model_parallel_size": spec.ep,
         "moe_token_dispatcher_type": "alltoall" if spec.ep > 1 and torch.cuda.is_available() else "allgather",
     }
@@ -50,12 +55,34 @@ def block_spec(spec: ConversionSpec, config: Any, vp_stage: int | None = None) -
     """This pipeline stage's decoder block spec (dense/MoE per `moe_layer_freq`, MLA attention if set)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    return get_gpt_decoder_block_spec(
+    block = get_gpt_decoder_block_spec(
         config,
         use_transformer_engine=spec.transformer_impl == "transformer_engine",
         normalization=spec.mcore.get("normalization"),
         vp_stage=vp_stage,
     )
+    if spec.mcore.get("multi_latent_attention") and spec.transformer_impl == "local":
+        for layer in block.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = local_mla_attention_class()
+    return block
+
+
+@functools.cache
+def local_mla_attention_class() -> type:
+    """megatron-core's local `DotProductAttention` taking MLA's separate key and value head sizes.
+
+    MLA passes `k_channels` (qk_head_dim + rope dim) and `v_channels`; 0.16's local attention accepts neither
+    (only Transformer Engine's does), though its math only needs the output width set to heads x v_channels.
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class LocalMLADotProductAttention(DotProductAttention):
+        def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None, **kw: Any):
+            super().__init__(*args, **kw)
+            if v_channels is not None:
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return LocalMLADotProductAttention
 
 
 # Names megatron-core 0.16's moe_utils imports from Transformer Engine inside a try block, then tests against
@@ -74,12 +101,20 @@ _TE_OPTIONAL = (
 
 
 def define_missing_te_symbols() -> None:
-    """Without Transformer Engine, give megatron-core's MoE utils the `None` it tests for; idempotent."""
+    """Without Transformer Engine, give megatron-core's MoE utils the `None` it tests for, and tell its MLA module
+    that TE is absent (0.16 imports placeholder TE classes without failing, so its `HAVE_TE` reads True and an
+    `isinstance(..., TELinear)` check raises); idempotent, a no-op when TE is installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return
+    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
     for name in _TE_OPTIONAL:
         if not hasattr(moe_utils, name):
             setattr(moe_utils, name, None)
+    multi_latent_attention.HAVE_TE = False
 
 
 def build_moe_gpt_model(spec: ConversionSpec, config: Any, model_cls: type, pre: bool, post: bool, stage: Any) -> Any:

@@ -17,7 +17,7 @@ from tensordict import TensorDict
 
 from rlstages.engines.base import NamedTensors
 from rlstages.engines.models import eos_token_ids, load_causal_lm, load_tokenizer
-from rlstages.engines.models.expert_layout import expert_view
+from rlstages.engines.models.moe_layout import ExpertSlots
 from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
 from rlstages.engines.rollout.decode import decode, picker
 from rlstages.engines.types import Prompt, SamplingParams
@@ -50,6 +50,7 @@ class HFRolloutEngine:
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.needs_weights = False
         self._shapes: dict[str, torch.Size] = {}
+        self._expert_slots = ExpertSlots(self.model)  # on-disk MoE expert names -> slices of fused parameters
 
     @torch.no_grad()
     def generate(self, prompts: list[Prompt], sampling: SamplingParams, seed: int) -> TensorDict:
@@ -125,16 +126,18 @@ class HFRolloutEngine:
         return responses, logprobs, texts
 
     def update_weights(self, named_tensors: NamedTensors) -> None:
-        """Copy HF-named tensors into the model in place (cast to the rollout dtype), one at a time."""
+        """Copy HF-named tensors into the model in place (cast to the rollout dtype), one at a time; MoE experts
+        may come in the on-disk layout (one tensor per expert), copied into their slice of the fused weight."""
         params = self.model.state_dict(keep_vars=True)
         for name, tensor in named_tensors:
-            target = params.get(name)
-            if target is None:  # an MoE expert in the on-disk layout (Megatron's export) into the fused one
-                target = expert_view(params, name)
-            if target is None:
-                raise KeyError(f"update_weights: {name!r} is not a weight of {type(self.model).__name__}")
+            index: tuple = ()
+            if name not in params:
+                slot = self._expert_slots.target(name)
+                if slot is None:
+                    raise KeyError(f"update_weights: {name!r} is not a weight of {type(self.model).__name__}")
+                name, index = slot
             with torch.no_grad():
-                target.copy_(torch.as_tensor(tensor))
+                params[name][index].copy_(torch.as_tensor(tensor))
         self.needs_weights = False
 
     def adopt_weights(self, named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
@@ -144,8 +147,8 @@ class HFRolloutEngine:
         params = self.model.state_dict(keep_vars=True)
         rest = []
         for name, tensor in named_tensors:
-            if name not in params and expert_view(params, name) is not None:
-                rest.append((name, tensor))  # one expert of a fused parameter: copied in by update_weights
+            if name not in params and self._expert_slots.target(name) is not None:
+                rest.append((name, tensor))  # one expert of a fused MoE weight: copied in by update_weights
                 continue
             if name not in params:
                 raise KeyError(f"adopt_weights: {name!r} is not a weight of {type(self.model).__name__}")

@@ -21,7 +21,7 @@ from tensordict import TensorDict
 
 from rlstages.configs.training import TorchTrainingConfig, TrainingConfig
 from rlstages.engines.base import OnOutput, Readout
-from rlstages.engines.models import load_causal_lm, lora, torch_dtype
+from rlstages.engines.models import load_causal_lm, lora, moe_layout, torch_dtype
 from rlstages.engines.training import ppo_step as P
 from rlstages.engines.training import state_io
 from rlstages.engines.training.fp32_matmul import use_fp32_kernel, wants_fp32_kernel
@@ -138,8 +138,9 @@ class TorchBackend:
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named tensors of the model, one at a time (tied weights under every name HF uses; merged W + BA
-        under LoRA)."""
-        yield from lora.named_weights(self.model)
+        under LoRA), in the checkpoint's on-disk layout: MoE experts one tensor per expert, as vLLM loads them."""
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        yield from moe_layout.disk_named_weights(base, lora.named_weights(self.model))
 
     def save_hf(self, path: Path) -> bool:
         """`save_pretrained` of the model (config + safetensors)."""

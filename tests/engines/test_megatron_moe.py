@@ -60,10 +60,8 @@ def setup_module() -> None:
 
 
 def snapshot(named) -> dict[str, torch.Tensor]:
-    """HF tensors in the on-disk layout (the torch backend holds experts fused, as transformers 5 does)."""
-    from rlstages.engines.models.expert_layout import per_expert
-
-    return {k: v.detach().clone() for k, v in per_expert(named)}
+    """HF tensors by name (both backends yield MoE experts in the on-disk layout, one tensor per expert)."""
+    return {k: v.detach().clone() for k, v in named}
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -1,7 +1,7 @@
 """Tiny Mixture-of-Experts models as they are, through the model registry: a Qwen3-MoE built from a config
 (one safetensors tensor per expert on disk, fused in memory by transformers 5) generates with the HF rollout
-and trains a GRPO step on the torch backend; the rollout takes weights in the on-disk per-expert layout
-(Megatron's export) into its fused experts. CPU, in process."""
+and trains a GRPO step on the torch backend; the rollout takes the trainer's weights in the on-disk
+per-expert layout into its fused experts. CPU, in process."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from rlstages.configs.training import OptimConfig, TorchTrainingConfig
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
 from rlstages.engines.models import read_model_type
-from rlstages.engines.models.expert_layout import per_expert
+from rlstages.engines.models.moe_layout import disk_named_weights
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
 from rlstages.engines.training.core import PPOTrainer
 from rlstages.engines.training.settings import TrainerSettings
@@ -37,10 +37,11 @@ def test_tiny_qwen3_moe_generates_and_trains_on_torch(tiny_moe_dir: Path) -> Non
     engine = PPOTrainer(TrainerSettings(str(tiny_moe_dir), role="actor", train=train))
     before = {k: v.clone() for k, v in engine.named_weights()}
     metrics = engine.train_step(batch)
-    after = dict(per_expert(engine.named_weights()))
+    after = {k: v.clone() for k, v in engine.named_weights()}  # the on-disk layout: one tensor per expert
     assert metrics["grad_norm"] > 0 and abs(metrics["logprob_diff"]) < 1e-4  # rollout and trainer agree
-    assert not torch.equal(dict(engine.named_weights())["model.layers.0.mlp.experts.gate_up_proj"],
-                           before["model.layers.0.mlp.experts.gate_up_proj"])  # fmt: skip
-    rollout.update_weights(after.items())  # per-expert names into the fused experts
-    synced = dict(per_expert((k, v.detach()) for k, v in rollout.model.state_dict().items()))
-    assert all(torch.equal(synced[k], after[k]) for k in after)
+    expert = "model.layers.0.mlp.experts.0.gate_proj.weight"
+    assert expert in after and not torch.equal(after[expert], before[expert])
+    rollout.update_weights(after.items())  # per-expert names into the rollout's fused experts
+    state = rollout.model.state_dict()
+    synced = dict(disk_named_weights(rollout.model, state.items()))
+    assert sorted(synced) == sorted(after) and all(torch.equal(synced[k], after[k]) for k in after)

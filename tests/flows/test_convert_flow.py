@@ -178,3 +178,23 @@ def test_export_never_imports_a_template_module_from_metadata(hf_dir: Path, tmp_
     unregistered = CliRunner().invoke(_app(), ["export", str(mcore), str(tmp_path / "back")])
     assert unregistered.exit_code == 2 and "no conversion template for model_type 'evil'" in unregistered.output
     assert not marker.exists() and not (tmp_path / "back").exists()
+
+
+def test_cli_convert_moe_with_expert_parallelism(hf_dir: Path, tmp_path: Path) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "engines" / "convert"))
+    from moe_fixtures import make_moe_model
+
+    moe = make_moe_model(tmp_path / "moe", "qwen3_moe")
+    runner = CliRunner()
+    done = runner.invoke(_app(), ["convert", str(moe), str(tmp_path / "m"), "--tp", "2", "--ep", "2"])
+    assert done.exit_code == 0, done.output
+    assert (tmp_path / "m" / "mp_rank_01_001" / "model.safetensors").is_file()  # TP rank 1, EP rank 1
+    done = runner.invoke(_app(), ["export", str(tmp_path / "m"), str(tmp_path / "back")])
+    assert done.exit_code == 0, done.output
+    back, original = load_file(tmp_path / "back" / "model.safetensors"), load_file(moe / "model.safetensors")
+    assert sorted(back) == sorted(original) and all(torch.equal(back[k], original[k]) for k in original)
+    dense = runner.invoke(_app(), ["convert", str(hf_dir), str(tmp_path / "d"), "--ep", "2"])
+    assert dense.exit_code == 2 and "expert parallelism needs a Mixture-of-Experts model" in dense.output
+    assert len(dense.output.strip().splitlines()) == 1 and not (tmp_path / "d").exists()

@@ -82,3 +82,33 @@ def make_moe_model(
                 b.copy_(torch.randn_like(b) * 0.1)
     model.save_pretrained(out)
     return out
+
+
+def ep_export_worker(
+    rank: int, world_size: int, port: int, mcore_dir: str, out_dir: str, tp: int, ep: int
+) -> list[str]:
+    """Gloo worker: one training rank of a TP x EP grid exports its shard with `rank_mcore_to_hf` (TP gather,
+    then the routed experts gathered over the EP group); writes `out_dir/rank<r>.safetensors`, returns names."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from rlstages.engines.convert import ConversionSpec, rank_mcore_to_hf
+    from rlstages.engines.convert.hf_to_mcore import spec_rank_file
+    from rlstages.engines.convert.safetensors_io import Reader
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        tp_rank, ep_rank = rank % tp, rank // tp  # TP fastest, then EP (megatron-core's expert grid)
+        groups = {}
+        for e in range(ep):  # every rank creates every group, in the same order
+            groups[("tp", e)] = dist.new_group([e * tp + t for t in range(tp)])
+        for t in range(tp):
+            groups[("ep", t)] = dist.new_group([e * tp + t for e in range(ep)])
+        spec = ConversionSpec.load(mcore_dir)
+        reader = Reader(Path(mcore_dir) / spec_rank_file(spec, tp_rank, 0, ep_rank))
+        local = ((name, reader.get(name)) for name in reader)
+        out = dict(rank_mcore_to_hf(local, spec, tp_group=groups[("tp", ep_rank)], ep_group=groups[("ep", tp_rank)]))
+        save_file(out, str(Path(out_dir) / f"rank{rank}.safetensors"))
+        return sorted(out)
+    finally:
+        dist.destroy_process_group()
