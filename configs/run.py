@@ -228,10 +228,13 @@ def _check_batches(cfg: RunConfig) -> None:
         )
 
 
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # qwen3_moe, mixtral, deepseek_v3
+
+
 def _model_sizes(cfg: RunConfig) -> dict[str, int] | None:
     if cfg.model.architecture is not None:
         return cfg.model.architecture.model_dump()
-    if cfg.model.tiny is not None:
+    if cfg.model.tiny is not None and cfg.model.provider == "tiny-random":  # else the directory's config.json
         return cfg.model.tiny.model_dump()
     config_json = cfg.model.path / "config.json"
     if config_json.is_file():
@@ -239,8 +242,20 @@ def _model_sizes(cfg: RunConfig) -> dict[str, int] | None:
         keys = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")
         if all(k in raw for k in keys[:2]):
             raw.setdefault("num_key_value_heads", raw["num_attention_heads"])
-            return {k: int(raw[k]) for k in keys if k in raw}
+            experts = next((raw[k] for k in EXPERT_KEYS if raw.get(k)), 0)
+            return {**{k: int(raw[k]) for k in keys if k in raw}, "num_experts": int(experts)}
     return None
+
+
+def _check_experts(role: str, train: MegatronTrainingConfig, experts: int | None) -> None:
+    """Expert parallelism needs an MoE model whose routed experts split evenly over the EP ranks."""
+    ep = train.expert_model_parallel_size
+    if ep == 1 or experts is None:
+        return
+    if not experts:
+        raise ValueError(f"{role}.expert_model_parallel_size={ep}: the model is dense (no routed experts); use 1")
+    if experts % ep:
+        raise ValueError(f"{role}.expert_model_parallel_size={ep} must divide the model's {experts} routed experts")
 
 
 def _check_layout(cfg: RunConfig) -> None:
@@ -257,7 +272,14 @@ def _check_layout(cfg: RunConfig) -> None:
             )
         layers = sizes["num_hidden_layers"]
         vpp = train.virtual_pipeline_model_parallel_size or 1
-        if layers % (pp * vpp):
+        _check_experts(role, train, sizes.get("num_experts"))
+        uneven = train.num_layers_in_first_pipeline_stage or train.num_layers_in_last_pipeline_stage
+        if uneven:
+            try:
+                train.stage_layers(layers)
+            except ValueError as exc:
+                raise ValueError(f"{role}.{exc}") from None
+        elif layers % (pp * vpp):
             raise ValueError(
                 f"{role}.pipeline_model_parallel_size={pp} (x virtual {vpp}) must divide the model's {layers} layers"
             )
@@ -311,6 +333,7 @@ def _check_gpus(cfg: RunConfig) -> None:
     if needed > cluster.num_gpus:
         mode = "colocated (max over roles)" if cluster.colocate else "split (sum over roles)"
         raise ValueError(
-            f"the layout asks for {needed:g} GPUs ({layout} GPU slots x {per:g} GPU, {mode}) but "
+            f"not enough GPUs: need {needed:g}, have {cluster.num_gpus}: the layout asks for {needed:g} GPUs "
+            f"({layout} GPU slots x {per:g} GPU, {mode}) but "
             f"cluster.num_gpus={cluster.num_gpus}; lower the worker counts or set cluster.colocate: true"
         )

@@ -94,6 +94,38 @@ class DeepSpeedTrainingConfig(_TrainingCommon):
         return self
 
 
+class MoERouterConfig(StrictModel):
+    """Mixture-of-Experts router and dispatcher options of the Megatron backend (megatron-core's `moe_*` fields;
+    verl sets them through `override_transformer_config`). Dense models ignore them."""
+
+    router_topk: int | None = Field(
+        default=None, ge=1, description="Experts per token; None = the model's (num_experts_per_tok)."
+    )
+    aux_loss_coeff: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="Load-balancing auxiliary loss coefficient (moe_aux_loss_coeff); 0 = the HF forward's loss "
+        "(transformers adds router_aux_loss_coef only with output_router_logits).",
+    )
+    load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = Field(
+        default="aux_loss", description="How the auxiliary loss is computed (moe_router_load_balancing_type)."
+    )
+    z_loss_coeff: float | None = Field(
+        default=None, ge=0.0, description="Router z-loss coefficient (moe_z_loss_coeff); None = off."
+    )
+    expert_capacity_factor: float | None = Field(
+        default=None,
+        gt=0.0,
+        description="Tokens an expert takes, as a multiple of its even share; tokens over capacity are dropped. "
+        "None = dropless (every routed token is computed, the HF forward).",
+    )
+    token_dispatcher: Literal["alltoall", "allgather"] = Field(
+        default="alltoall",
+        description="How tokens reach experts on other EP ranks. alltoall: NCCL on GPU, gloo on CPU (megatron's "
+        "CUDA-stream bookkeeping mapped to the CPU); the only one with pipeline parallelism (variable lengths).",
+    )
+
+
 class MegatronTrainingConfig(_TrainingCommon):
     """Megatron-Core GPTModel from our converted checkpoint, with 5-D parallelism and offload (verl's knobs)."""
 
@@ -101,8 +133,22 @@ class MegatronTrainingConfig(_TrainingCommon):
     tensor_model_parallel_size: int = Field(default=1, ge=1)
     pipeline_model_parallel_size: int = Field(default=1, ge=1)
     virtual_pipeline_model_parallel_size: int | None = Field(default=None, ge=1)
-    context_parallel_size: int = Field(default=1, ge=1)
-    expert_model_parallel_size: int = Field(default=1, ge=1)
+    context_parallel_size: int = Field(
+        default=1, ge=1, description="Sequence split over CP ranks; > 1 needs Transformer Engine's attention."
+    )
+    expert_model_parallel_size: int = Field(
+        default=1, ge=1, description="EP: each MoE layer's experts split over this many ranks (within DP x CP x TP)."
+    )
+    expert_tensor_parallel_size: int | None = Field(
+        default=None, ge=1, description="TP inside each expert; None = tensor_model_parallel_size (megatron's default)."
+    )
+    num_layers_in_first_pipeline_stage: int | None = Field(
+        default=None, ge=1, description="Uneven pipeline: layers of the first stage (the others share the rest)."
+    )
+    num_layers_in_last_pipeline_stage: int | None = Field(
+        default=None, ge=1, description="Uneven pipeline: layers of the last stage (the others share the rest)."
+    )
+    moe: MoERouterConfig = MoERouterConfig()
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = True
     param_offload: bool = False
@@ -125,7 +171,43 @@ class MegatronTrainingConfig(_TrainingCommon):
                 f"megatron num_workers={self.num_workers} is not a multiple of TP x PP x CP = {model_parallel}; "
                 "data-parallel size must be a whole number"
             )
+        expert_group = self.expert_model_parallel_size * self.expert_tp * self.pipeline_model_parallel_size
+        if self.num_workers % expert_group:
+            raise ValueError(
+                f"megatron num_workers={self.num_workers} is not a multiple of expert_model_parallel_size x "
+                f"expert_tensor_parallel_size x pipeline_model_parallel_size = {expert_group} (megatron-core's "
+                "expert groups); lower expert_model_parallel_size or set expert_tensor_parallel_size: 1"
+            )
+        uneven = (self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage)
+        if any(n is not None for n in uneven) and self.pipeline_model_parallel_size == 1:
+            raise ValueError("megatron num_layers_in_first/last_pipeline_stage need pipeline_model_parallel_size > 1")
         return self
+
+    @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel size (megatron-core's default: the dense TP size)."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Layers per pipeline stage (x virtual chunks counted together): even, or the first / last stage as set
+        and the rest shared evenly by the middle stages; raises when they do not add up."""
+        pp = self.pipeline_model_parallel_size
+        first, last = self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage
+        fixed = [n for n in (first, last) if n is not None]
+        middle = pp - len(fixed)
+        rest = num_layers - sum(fixed)
+        if rest < 0 or (middle == 0 and rest) or (middle and rest % middle):
+            raise ValueError(
+                f"pipeline stages: {num_layers} layers minus first={first} / last={last} do not split evenly over "
+                f"the other {middle} of pipeline_model_parallel_size={pp} stages"
+            )
+        share = rest // middle if middle else 0
+        stages = [share] * pp
+        if first is not None:
+            stages[0] = first
+        if last is not None:
+            stages[-1] = last
+        return stages
 
     @property
     def data_parallel_size(self) -> int:

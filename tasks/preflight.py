@@ -60,6 +60,18 @@ def preflight(cfg: RunConfig, measure_prompts: bool = True, skip: Collection[Che
     return warnings
 
 
+def check_context_parallel(cfg: RunConfig) -> None:
+    """Megatron context parallelism needs Transformer Engine's attention (megatron-core's local attention
+    asserts CP = 1): refused here, before any worker starts, where transformer_engine is not installed."""
+    for role in ("actor", "critic"):
+        cp = getattr(getattr(cfg, role), "context_parallel_size", 1)
+        if cp > 1 and importlib.util.find_spec("transformer_engine") is None:
+            raise PreflightError(
+                f"{role}.context_parallel_size={cp}: megatron-core splits attention over CP ranks only with "
+                "Transformer Engine, which is not installed; use 1 or install transformer_engine"
+            )
+
+
 def check_run_name(cfg: RunConfig) -> None:
     """The run directory is a plain child of trainer.output_dir (never `..`, a path, or a file in the way)."""
     name = cfg.trainer.run_name
@@ -520,6 +532,7 @@ CHECKS: tuple[Check, ...] = (
     check_tracking_store,
     check_lora_targets,
     check_multi_turn,
+    check_context_parallel,
     check_prompt_lengths,
     check_data_rows,
     check_run_dir,

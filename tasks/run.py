@@ -168,6 +168,7 @@ def convert_for_training(cfg: RunConfig, run: RunHandle) -> str | None:
             a.tensor_model_parallel_size,
             a.pipeline_model_parallel_size,
             a.virtual_pipeline_model_parallel_size,
+            ep=a.expert_model_parallel_size,
             overwrite=True,  # our own cache directory: an older conversion of ours there is replaced
         )
     )

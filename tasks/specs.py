@@ -34,6 +34,18 @@ from rlstages.engines.utils import import_object
 from rlstages.tasks.context import RunHandle
 
 _COMMON_TRAINING = set(TorchTrainingConfig.model_fields) - {"backend"}
+MEGATRON_LAYOUT = {  # a Megatron reference beside a Megatron actor runs the actor's parallel layout and MoE options
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "num_layers_in_first_pipeline_stage",
+    "num_layers_in_last_pipeline_stage",
+    "moe",
+    "transformer_impl",
+}
 
 
 def worker_gpu_env(cfg: RunConfig) -> dict[str, str]:
@@ -56,7 +68,8 @@ def converted_dir(cfg: RunConfig) -> Path | None:
     if not isinstance(a, MegatronTrainingConfig):
         return None
     vpp = f"-vpp{a.virtual_pipeline_model_parallel_size}" if a.virtual_pipeline_model_parallel_size else ""
-    name = f"{cfg.model.path.name}-tp{a.tensor_model_parallel_size}-pp{a.pipeline_model_parallel_size}{vpp}"
+    ep = f"-ep{a.expert_model_parallel_size}" if a.expert_model_parallel_size > 1 else ""
+    name = f"{cfg.model.path.name}-tp{a.tensor_model_parallel_size}-pp{a.pipeline_model_parallel_size}{vpp}{ep}"
     return (Path(".cache") / "mcore" / name).resolve()
 
 
@@ -165,6 +178,8 @@ def trainer_settings(cfg: RunConfig, role: Role) -> TrainerSettings:
     if role == "reference":
         common = cfg.actor.model_dump(include=_COMMON_TRAINING)
         common.update(micro_batch_size=cfg.reference.micro_batch_size, num_workers=cfg.reference.num_workers)
+        if cfg.reference.backend == "megatron" and isinstance(cfg.actor, MegatronTrainingConfig):
+            common.update(cfg.actor.model_dump(include=MEGATRON_LAYOUT))  # verl: the ref takes the actor's layout
         train = training_backend(cfg.reference.backend).options.model_validate(common)
     else:
         section = cfg.critic if role == "critic" else cfg.actor

@@ -47,6 +47,27 @@ def tiny_model_dir(session_tmp: Path) -> Path:
     return path
 
 
+TINY_MOE = {  # a tiny Qwen3-MoE: hidden 32, 2 layers, 4 routed experts (top-2), every layer MoE
+    "model_type": "qwen3_moe",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(session_tmp: Path) -> Path:
+    """A random-init Qwen3-MoE (`TINY_MOE`) with a char tokenizer, saved once (one tensor per expert)."""
+    from rlstages.engines.models import build_tiny_model
+
+    path = session_tmp / "tiny-qwen3-moe"
+    if not (path / "config.json").is_file():
+        build_tiny_model(path, **TINY_MOE)  # type: ignore[arg-type]
+    return path
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray for the session (2 CPUs, no dashboard; token auth on, 127.0.0.1 only)."""

@@ -17,8 +17,15 @@ offload_to_cpu/reload_from_cpu around every call. Without CUDA all three are no-
 lives in host memory; logged once). Collectives: `named_weights`, `weight_buckets`, `save_pretrained`,
 `save` and `load` must be called on every rank of the model-parallel group at once.
 
-Non-goals: context / expert parallelism, float16 and bf16_autocast (use dtype bfloat16); without CUDA also
-activation recompute and sequence parallelism (megatron-core's torch-norm fallback rejects it).
+Mixture-of-Experts (`megatron.moe`): experts split over `expert_model_parallel_size` ranks (each loads its
+own experts from the converted checkpoint), tokens routed by megatron's alltoall (or allgather) dispatcher,
+expert gradients reduced by megatron's DDP over the expert-data-parallel group, router options from
+`options.moe`, `moe/*` metrics every train step. Context parallelism only with Transformer Engine
+(`megatron.context_parallel`; refused without it).
+
+Non-goals: float16 and bf16_autocast (use dtype bfloat16); uneven pipeline stages (the converter splits layers
+evenly); without CUDA also activation recompute and sequence parallelism (megatron-core's torch-norm fallback
+rejects it).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
 from rlstages.engines.base import OnOutput, Readout
 from rlstages.engines.megatron import cuda_shim
+from rlstages.engines.megatron import moe as MOE
 from rlstages.engines.megatron import optim as MO
 from rlstages.engines.megatron import parallel as MP
 from rlstages.engines.models import torch_dtype
@@ -65,6 +73,18 @@ def check_supported(settings: TrainerSettings, options: MegatronTrainingConfig) 
         raise NotImplementedError("megatron activation recompute saves CUDA RNG state: it needs a GPU")
     if options.transformer_impl == "transformer_engine" and not has_module("transformer_engine"):
         raise ImportError("transformer_impl='transformer_engine' needs transformer_engine (GPU); use 'local'")
+    if options.context_parallel_size > 1 and not has_module("transformer_engine"):
+        raise NotImplementedError(MP.CP_NEEDS_TE.format(cp=options.context_parallel_size))
+    if options.num_layers_in_first_pipeline_stage or options.num_layers_in_last_pipeline_stage:
+        raise NotImplementedError(
+            "megatron backend: num_layers_in_first/last_pipeline_stage: the converter splits layers evenly over "
+            "pipeline stages; unset them (a layer count the stages divide)"
+        )
+    if options.moe.token_dispatcher == "allgather" and options.pipeline_model_parallel_size > 1:
+        raise ValueError(
+            "megatron moe.token_dispatcher=allgather does not take variable sequence lengths, which pipeline "
+            "parallelism uses here; use alltoall"
+        )
 
 
 class MegatronBackend:
@@ -89,11 +109,13 @@ class MegatronBackend:
             options.context_parallel_size,
             options.expert_model_parallel_size,
             options.sequence_parallel,
+            options.expert_tensor_parallel_size,
         )
         MP.init_distributed(self.layout, settings.seed)
         from megatron.core import parallel_state as ps
 
         converted = settings.converted_path
+        self.options = options
         self.spec = MP.resolve_spec(converted, settings.model_path, self.layout, options.transformer_impl)
         if settings.model_type is not None and settings.model_type != self.spec.template.hf_model_type:
             raise ValueError(
@@ -104,11 +126,11 @@ class MegatronBackend:
         self.dp = ps.get_data_parallel_world_size(with_context_parallel=True)
         self.dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
         self.dtype = torch_dtype(settings.dtype)
-        states = MP.rank_state(
-            self.spec, converted, settings.model_path, self.tp_rank, ps.get_pipeline_model_parallel_rank()
-        )
+        pp_rank, ep_rank = ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+        states = MP.rank_state(self.spec, converted, settings.model_path, self.tp_rank, pp_rank, ep_rank)
         self.chunks = MP.build_chunks(self.spec, states, self.role, self.dtype, self._config_overrides(), settings.seed)
         del states
+        self.expert_load = MOE.ExpertLoad(self.chunks) if self.is_moe else None
         self.offload = {
             "param": options.param_offload,
             "grad": options.grad_offload,
@@ -148,7 +170,14 @@ class MegatronBackend:
             config.update(batch_p2p_comm=self.device.type == "cuda")
         if self.settings.train.gradient_checkpointing:
             config.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        if self.is_moe:
+            config.update(MOE.config_overrides(self.options, lay.tp))
         return config
+
+    @property
+    def is_moe(self) -> bool:
+        """The model has routed experts (megatron's num_moe_experts)."""
+        return bool(self.spec.mcore.get("num_moe_experts"))
 
     def _wrap_ddp(self, distributed_optimizer: bool) -> list[Any]:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -189,7 +218,13 @@ class MegatronBackend:
             for model in self.models:
                 model.zero_grad_buffer()
             self.optimizer.zero_grad()
-        MP.run_schedule(self.models, mbs, loss_fn, not train, self.layout.tp)
+        if self.expert_load is not None:
+            self.expert_load.reset()
+            self.microbatches = len(mbs)
+        tokens = sum(mb[T.ATTENTION_MASK].numel() for mb in mbs)  # routed tokens of this rank, pads included
+        scale = MOE.aux_loss_scale(1.0 / max(1, tokens)) if self.is_moe else contextlib.nullcontext()
+        with scale:
+            MP.run_schedule(self.models, mbs, loss_fn, not train, self.layout.tp)
         if not train:
             return
         with cuda_shim.cuda_as_cpu():
@@ -199,8 +234,12 @@ class MegatronBackend:
                 model.scale_gradients(1.0 / self.dp)
 
     def share(self, metrics: dict[str, float]) -> dict[str, float]:
-        """The last stage's metrics on every stage of the pipeline."""
-        return MP.share_from_last_stage(metrics)  # type: ignore[no-any-return]
+        """The last stage's metrics on every stage of the pipeline, with the `moe/*` ones of an MoE model."""
+        if self.expert_load is not None:  # a collective: every rank of a train step gets here
+            names = MOE.tracked_losses(self.options)
+            moe = MOE.step_metrics(self.expert_load, names, self.microbatches, self.spec.mcore["num_layers"])
+        shared: dict[str, float] = MP.share_from_last_stage(metrics)
+        return {**shared, **moe} if self.expert_load is not None else shared
 
     def optimizer_step(self) -> float:
         """Set this step's LR, clip, step (skipped on a non-finite norm)."""

@@ -9,7 +9,13 @@ with the inference RNG tracker (its `fork()` is a null context; dropout draws fr
 Training adds a fifth place: the optimizer, gradient clipping and the pipeline schedules allocate small
 tensors with a literal `device="cuda"` and assert `tensor.type() == "torch.cuda.FloatTensor"`;
 `cuda_as_cpu()` is a scoped torch function mode that maps those to the CPU while it is active.
-On a GPU every function here is a no-op. Non-goal: building models or process groups (`gpt.py`).
+Mixture-of-Experts adds two (`apply_moe_shim`): megatron-core 0.16's router GEMM reads `te_general_gemm`, which is
+unbound when Transformer Engine is absent (a NameError on any machine without TE: `moe_model` sets it to None,
+megatron's own fallback); and the alltoall token dispatcher copies its split sizes device-to-host on a side
+CUDA stream, then passes them to `all_to_all_single`, which takes lists, not CPU tensors: without CUDA its
+dtoh step becomes "split sizes to numpy" and no stream is made.
+On a GPU every function here is a no-op, except the TE-absent router fix. Non-goal: building models or process
+groups (`gpt.py`).
 """
 
 from __future__ import annotations
@@ -66,3 +72,33 @@ def cuda_as_cpu() -> Iterator[None]:
     apply_cpu_shim()
     with _CudaAsCpuMode():
         yield
+
+
+class _NoStream:
+    """Stands in for the alltoall dispatcher's class-level dtoh CUDA stream (never used on the CPU)."""
+
+
+def _splits_to_numpy(self: Any, point: str, tokens_per_expert: torch.Tensor | None = None) -> torch.Tensor | None:
+    """CPU version of `MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`: what it moves to the host is
+    already there; the all-to-all split sizes become numpy arrays, as the CUDA path leaves them."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name, None)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
+
+
+def apply_moe_shim() -> None:
+    """megatron-core MoE without Transformer Engine (router GEMM fallback) and without CUDA (alltoall dispatcher
+    over gloo); idempotent."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from rlstages.engines.megatron.moe_model import define_missing_te_symbols
+
+    define_missing_te_symbols()
+    if torch.cuda.is_available():
+        return
+    if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NoStream()
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _splits_to_numpy  # type: ignore[method-assign]

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from rlstages.engines.convert.spec import ConversionSpec
-from rlstages.engines.megatron.cuda_shim import apply_cpu_shim
+from rlstages.engines.megatron.cuda_shim import apply_cpu_shim, apply_moe_shim
 from rlstages.engines.runtime.device import dist_backend, worker_device
 
 # Fusions that need CUDA kernels (apex / TE / torch.compile'd CUDA code); off on CPU.
@@ -40,9 +40,11 @@ def init_model_parallel(
     backend: str | None = None,
     cp: int = 1,
     ep: int = 1,
+    etp: int | None = None,
 ) -> None:
     """Join a process group (gloo on CPU; on a GPU `cpu:gloo,cuda:nccl`, the worker's GPU made current first)
     and set up megatron-core's TP x PP (x CP x EP) groups.
+    `etp` is the expert tensor-parallel size (None: TP, megatron-core's default).
 
     In a process that already has the same layout (several engines in one test process) the groups are kept;
     a different layout is rebuilt only in a single-process world.
@@ -51,6 +53,7 @@ def init_model_parallel(
 
     cpu = apply_cpu_shim()
     device = worker_device()  # torch.cuda.set_device before NCCL or megatron-core touches a GPU
+    apply_moe_shim()  # MoE layers without Transformer Engine / CUDA (any EP size)
     os.environ.setdefault("MASTER_ADDR", master_addr)
     os.environ.setdefault("MASTER_PORT", str(master_port))
     if not torch.distributed.is_initialized():
@@ -63,17 +66,19 @@ def init_model_parallel(
     vpp = vpp if vpp and vpp > 1 else None
     if parallel_state.model_parallel_is_initialized():
         current = _layout_now()
-        if current == (tp, pp, vpp, cp, ep):
+        if current == (tp, pp, vpp, cp, ep, etp or tp):
             tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=cpu)
             return
         if torch.distributed.get_world_size() > 1:
-            raise RuntimeError(f"megatron-core groups already built for (tp, pp, vpp, cp, ep)={current}")
+            raise RuntimeError(f"megatron-core groups already built for (tp, pp, vpp, cp, ep, etp)={current}")
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tp, pp, vpp, context_parallel_size=cp, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(
+        tp, pp, vpp, context_parallel_size=cp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
+    )
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=cpu)
 
 
-def _layout_now() -> tuple[int, int, int | None, int, int]:
+def _layout_now() -> tuple[int, int, int | None, int, int, int]:
     from megatron.core import parallel_state as ps
 
     return (
@@ -82,6 +87,7 @@ def _layout_now() -> tuple[int, int, int | None, int, int]:
         ps.get_virtual_pipeline_model_parallel_world_size(),
         ps.get_context_parallel_world_size(),
         ps.get_expert_model_parallel_world_size(),
+        ps.get_expert_tensor_parallel_world_size(),
     )
 
 

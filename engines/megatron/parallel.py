@@ -3,8 +3,10 @@ chunks (loaded from the converted checkpoint, or converted in memory from the HF
 value head, the pipeline schedule, and the HF weight export of a model-parallel group.
 
 Every megatron-core call that hard-codes CUDA runs under `rlstages.engines.megatron.cuda_shim.cuda_as_cpu()`.
-Non-goals: context parallelism and expert parallelism (the converter's templates are dense models), the
-loss (`training.core`) and the optimizer (`megatron.optim`, `megatron.backend`).
+Expert parallelism: megatron-core's EP groups (`initialize_model_parallel(expert_model_parallel_size=...)`) and
+this rank's experts from the converted checkpoint; context parallelism (Transformer Engine only) through
+`megatron.context_parallel`. Non-goals: the loss (`training.core`) and the optimizer (`megatron.optim`,
+`megatron.backend`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ OUTPUT_LAYER = "output_layer."
 VALUE_HEAD_HF = "score."  # HF *ForTokenClassification's head, the torch backend's critic
 
 
+CP_NEEDS_TE = (
+    "context_parallel_size={cp}: megatron-core splits attention over CP ranks only with Transformer Engine "
+    "(transformer_engine is not installed); use 1"
+)
+
+
 @dataclass(frozen=True)
 class Layout:
     """Parallel sizes of one engine (verl's knobs); `check` rejects what this backend cannot run."""
@@ -40,17 +48,17 @@ class Layout:
     cp: int = 1
     ep: int = 1
     sequence_parallel: bool = False
+    etp: int | None = None  # expert tensor parallel size; None = tp
 
     def check(self, world_size: int) -> None:
         """Raise on layouts this backend does not implement or that do not divide the world."""
-        if self.cp > 1:
-            raise NotImplementedError(
-                "context_parallel_size > 1: this backend does not split sequences over CP ranks "
-                "(needs load-balanced sequence chunks and Transformer Engine attention); use 1"
-            )
-        if self.ep > 1:
-            raise NotImplementedError(
-                "expert_model_parallel_size > 1: the converter's templates are dense (no MoE experts); use 1"
+        if self.cp > 1 and not has_module("transformer_engine"):
+            raise NotImplementedError(CP_NEEDS_TE.format(cp=self.cp))
+        expert_group = self.ep * (self.etp or self.tp) * self.pp
+        if world_size % expert_group:
+            raise ValueError(
+                f"WORLD_SIZE={world_size} is not a multiple of EP x expert TP x PP = {expert_group} "
+                "(megatron-core's expert groups)"
             )
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
@@ -72,7 +80,17 @@ def init_distributed(layout: Layout, seed: int) -> None:
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.get("MASTER_PORT") or free_port())
     gpt.init_model_parallel(
-        rank, world, port, layout.tp, layout.pp, layout.vpp, master_addr=addr, seed=seed, cp=layout.cp, ep=layout.ep
+        rank,
+        world,
+        port,
+        layout.tp,
+        layout.pp,
+        layout.vpp,
+        master_addr=addr,
+        seed=seed,
+        cp=layout.cp,
+        ep=layout.ep,
+        etp=layout.etp,
     )
 
 
@@ -82,29 +100,43 @@ def resolve_spec(
     """The converted checkpoint's spec (it must match the layout), else one built from the HF config."""
     if converted_path is None:
         hf = read_hf_config(Path(model_path))
-        return ConversionSpec.from_hf_config(hf, layout.tp, layout.pp, layout.vpp, impl)  # type: ignore[arg-type]
-    spec = ConversionSpec.load(converted_path)
-    if (spec.tp, spec.pp, spec.vpp, spec.transformer_impl) != (layout.tp, layout.pp, layout.vpp, impl):
-        raise ValueError(
-            f"{converted_path}: converted for tp={spec.tp} pp={spec.pp} vpp={spec.vpp} "
-            f"({spec.transformer_impl}), the engine runs tp={layout.tp} pp={layout.pp} vpp={layout.vpp} ({impl}); "
-            "convert again for this layout (tasks/convert.py)"
+        spec = ConversionSpec.from_hf_config(hf, layout.tp, layout.pp, layout.vpp, impl, ep=layout.ep)  # type: ignore[arg-type]
+    else:
+        spec = ConversionSpec.load(converted_path)
+        here = (spec.tp, spec.pp, spec.vpp, spec.ep, spec.transformer_impl)
+        if here != (layout.tp, layout.pp, layout.vpp, layout.ep, impl):
+            raise ValueError(
+                f"{converted_path}: converted for tp={spec.tp} pp={spec.pp} vpp={spec.vpp} ep={spec.ep} "
+                f"({spec.transformer_impl}), the engine runs tp={layout.tp} pp={layout.pp} vpp={layout.vpp} "
+                f"ep={layout.ep} ({impl}); convert again for this layout (tasks/convert.py)"
+            )
+    if spec.num_experts and (layout.etp or layout.tp) != layout.tp:
+        raise NotImplementedError(
+            f"expert_tensor_parallel_size={layout.etp} with tensor_model_parallel_size={layout.tp}: the converter "
+            "splits each expert like a dense MLP over the TP ranks (expert TP = TP); unset it here"
         )
     return spec
 
 
 def rank_state(
-    spec: ConversionSpec, converted_path: str | Path | None, model_path: str | Path, tp_rank: int, pp_rank: int
+    spec: ConversionSpec,
+    converted_path: str | Path | None,
+    model_path: str | Path,
+    tp_rank: int,
+    pp_rank: int,
+    ep_rank: int = 0,
 ) -> list[dict[str, torch.Tensor]]:
-    """This rank's state dict per virtual-pipeline chunk: its rank file, or converted in memory from HF."""
+    """This rank's state dict per virtual-pipeline chunk (its EP rank's experts): its rank file, or converted in
+    memory from HF."""
     if converted_path is not None:
-        return [load_rank_chunk(Path(converted_path), spec, tp_rank, pp_rank, v) for v in range(spec.vpp)]
+        path = Path(converted_path)
+        return [load_rank_chunk(path, spec, tp_rank, pp_rank, v, ep_rank) for v in range(spec.vpp)]
     from rlstages.engines.convert.hf_to_mcore import hf_weight_files, stream_rank_tensors
     from rlstages.engines.convert.safetensors_io import Reader
 
     chunks: list[dict[str, torch.Tensor]] = [{} for _ in range(spec.vpp)]
     readers = [Reader(f, use_mmap=False) for f in hf_weight_files(Path(model_path))]
-    for t, p, name, shard in stream_rank_tensors(spec, readers):
+    for t, p, name, shard in stream_rank_tensors(spec, readers, ep_rank=ep_rank):
         if (t, p) != (tp_rank, pp_rank):
             continue
         v = next(v for v in range(spec.vpp) if name.startswith(chunk_prefix(v, spec.vpp)))
@@ -185,8 +217,11 @@ def run_schedule(models: list[Any], mbs: list[TensorDict], loss_fn: ForwardFn, f
 
     def forward_step(data: Iterator[TensorDict], model: Any) -> tuple[torch.Tensor, Callable]:
         mb = next(data)
-        ids, pos, mask = model_inputs(mb, multiple)
-        out = model(input_ids=ids, position_ids=pos, attention_mask=mask, runtime_gather_output=True)
+        if model.config.context_parallel_size > 1:
+            out = _cp_forward(model, mb, multiple)
+        else:
+            ids, pos, mask = model_inputs(mb, multiple)
+            out = model(input_ids=ids, position_ids=pos, attention_mask=mask, runtime_gather_output=True)
 
         def loss(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
             value, tokens = loss_fn(mb, output)
@@ -195,6 +230,8 @@ def run_schedule(models: list[Any], mbs: list[TensorDict], loss_fn: ForwardFn, f
         return out, loss
 
     longest = max(int(mb[T.ATTENTION_MASK].shape[1]) for mb in mbs)
+    cp = models[0].config.context_parallel_size
+    padded = multiple * (2 * cp if cp > 1 else 1)  # with CP: each rank holds 2 of 2 x CP chunks of the sequence
     data = [iter(mbs) for _ in models] if len(models) > 1 else iter(mbs)
     with cuda_shim.cuda_as_cpu():
         get_forward_backward_func()(
@@ -202,10 +239,29 @@ def run_schedule(models: list[Any], mbs: list[TensorDict], loss_fn: ForwardFn, f
             data_iterator=data,
             model=models if len(models) > 1 else models[0],
             num_microbatches=len(mbs),
-            seq_length=longest + (-longest % multiple),
+            seq_length=(longest + (-longest % padded)) // cp,
             micro_batch_size=max(mb.batch_size[0] for mb in mbs),
             forward_only=forward_only,
         )
+
+
+def _cp_forward(model: Any, mb: TensorDict, multiple: int) -> torch.Tensor:
+    """This CP rank's share of the micro-batch through the model (TE causal attention, no explicit mask); on
+    the last stage the output gathered over the CP group back to [B, S, ...] (`megatron.context_parallel`)."""
+    from megatron.core import parallel_state as ps
+
+    from rlstages.engines.megatron import context_parallel as CP
+
+    ids = torch.cat([mb[T.PROMPT_IDS], mb[T.RESPONSE_IDS]], dim=1)
+    valid = mb[T.ATTENTION_MASK].bool()
+    cp, rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    part = CP.split_for_rank(ids, mb[T.POSITION_IDS], valid, cp, rank, multiple)
+    out = model(
+        input_ids=part.input_ids, position_ids=part.position_ids, attention_mask=None, runtime_gather_output=True
+    )
+    if not model.post_process:
+        return out
+    return CP.gather_output(out, part, ids.shape[1], ps.get_context_parallel_group())
 
 
 def is_last_stage() -> bool:
@@ -261,11 +317,17 @@ def _stage_hf(chunks: list[Any], spec: ConversionSpec, role: str, pp_rank: int) 
     from megatron.core import parallel_state as ps
 
     tp_group = ps.get_tensor_model_parallel_group()
+    experts = {}  # routed experts: TP shards over the expert-TP group, local experts of every EP rank
+    if spec.num_experts:
+        experts = {
+            "ep_group": ps.get_expert_model_parallel_group(),
+            "expert_tp_group": ps.get_expert_tensor_parallel_group(),
+        }
     if role == "critic":  # the backbone exports like a tied model (no lm_head); the value head is added below
         spec = replace(spec, mcore={**spec.mcore, "share_embeddings_and_output_weights": True})
     for v, chunk in enumerate(chunks):
         state = {k: t for k, t in chunk.state_dict().items() if not (role == "critic" and k.startswith(OUTPUT_LAYER))}
-        yield from rank_mcore_to_hf(state.items(), spec, pp_rank=pp_rank, vp_stage=v, tp_group=tp_group)
+        yield from rank_mcore_to_hf(state.items(), spec, pp_rank=pp_rank, vp_stage=v, tp_group=tp_group, **experts)
         if role == "critic" and isinstance(getattr(chunk, "output_layer", None), ValueHead):
             for name, tensor in chunk.output_layer.score.state_dict().items():
                 yield VALUE_HEAD_HF + name, tensor.detach()

@@ -62,9 +62,13 @@ def build_tiny_model(
     num_key_value_heads: int = 2,
     max_position_embeddings: int = 512,
     tie_word_embeddings: bool = False,
+    num_experts: int = 0,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 32,
     seed: int = 0,
 ) -> Path:
-    """A random-init model and a character-level tokenizer, built offline into `out`."""
+    """A random-init model and a character-level tokenizer, built offline into `out` (`num_experts` > 0: a
+    qwen3_moe of that many routed experts per layer, top-`num_experts_per_tok`, saved one tensor per expert)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rlstages.engines.models.tiny_tokenizer import build_char_tokenizer
@@ -72,6 +76,9 @@ def build_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     tok = build_char_tokenizer(vocab_size)
     extra: dict[str, Any] = {"attention_bias": True} if model_type == "qwen2" else {}
+    if num_experts:
+        extra = {"num_experts": num_experts, "num_experts_per_tok": num_experts_per_tok, "norm_topk_prob": True}
+        extra.update(moe_intermediate_size=moe_intermediate_size, decoder_sparse_step=1, mlp_only_layers=[])
     cfg = AutoConfig.for_model(
         model_type,
         vocab_size=vocab_size,
@@ -86,7 +93,7 @@ def build_tiny_model(
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         head_dim=hidden_size // num_attention_heads,
-        **{k: v for k, v in extra.items() if model_type == "qwen2"},
+        **extra,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

@@ -6,7 +6,8 @@ collective; collective weight sync from a trainer on node 1 to rollout workers o
 within 1e-4 after every sync; an impossible layout fails with "not enough GPUs: need X, have Y"; the split
 DeepSpeed + rollout layout runs 2 steps with trainer ranks on one node and rollout on the other (checkpoints
 committed to the run dir on the host filesystem); the Megatron layout (TP2 x PP2 x DP2 = 8 ranks, hybrid engine) runs
-across both nodes; killing a worker node mid-run is recovered on the capacity left plus a node added meanwhile.
+across both nodes (opt-in with -m slow: its MoE twin, a tiny Qwen3-MoE at TP2 x PP2 x EP2); killing a worker node
+mid-run is recovered on the capacity left plus a node added meanwhile.
 Flow runs are `rlstages run` subprocesses (the pytest process's own Ray is never touched).
 """
 
@@ -179,6 +180,51 @@ def test_megatron_layout_across_nodes(sim_cluster: SimCluster, tiny_model_dir: P
     client, found = mlflow_run(tmp_path, "mcore")
     assert found.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(found.info.run_id, "reward/mean")] == [1, 2]
+    (rows,) = placements(tmp_path, "mcore")
+    actor = [r for r in rows if r["role"] == "actor"]
+    assert {r["node_ip"] for r in actor} == {sim_cluster.node_ip(1), sim_cluster.node_ip(2)}  # TP/PP span nodes
+    held = gpu_holders(rows)
+    assert len(held) == 8 and all(roles.count("actor") == 1 for roles in held.values())  # one rank per GPU
+    for roles in held.values():  # colocated: a fake GPU holds at most one rank of each role
+        assert len(roles) == len(set(roles)), roles
+    committed = sorted(p.name for p in (tmp_path / "runs" / "mcore" / "checkpoints").iterdir())
+    assert committed == ["step_000001", "step_000002"]  # shards written by ranks on both nodes, one commit
+
+
+@pytest.mark.slow  # opt-in (-m slow): 8 MoE ranks + 8 rollouts; here start_workers timed out (machine loaded)
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs `pip install .[megatron]`")
+def test_megatron_moe_layout_across_nodes(sim_cluster: SimCluster, tiny_moe_dir: Path, tmp_path: Path) -> None:
+    # the scaled-down twin of configs/qwen3_235b_grpo_megatron.yaml (TP4 x PP8 x EP4): a tiny Qwen3-MoE at
+    # TP2 x PP2 x EP2 (attention and embeddings DP2) over all 8 fake GPUs of both nodes, hybrid engine
+    cmd = flow(
+        sim_cluster,
+        tmp_path,
+        tiny_moe_dir,
+        "mcore",
+        "actor.backend=megatron",
+        "actor.tensor_model_parallel_size=2",
+        "actor.pipeline_model_parallel_size=2",
+        "actor.expert_model_parallel_size=2",
+        "actor.num_workers=8",
+        "rollout.num_workers=8",
+        "data.prompts_per_step=8",  # a prompt for each rollout rank
+        "cluster.hybrid_engine=true",
+        "cluster.colocate=true",
+        "cluster.placement_strategy=SPREAD",
+        "algorithm.use_kl_loss=true",
+        "reference.backend=torch",
+        "reference.num_workers=1",
+        "cluster.placement_timeout_seconds=300",
+    )
+    run = subprocess.run(cmd, env=sim_cluster.env(), cwd=tmp_path, capture_output=True, text=True, timeout=3000)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    client, found = mlflow_run(tmp_path, "mcore")
+    assert found.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(found.info.run_id, "reward/mean")] == [1, 2]
+    imbalance = client.get_metric_history(found.info.run_id, "actor/moe/tokens_per_expert_imbalance")
+    assert [m.step for m in imbalance] == [1, 2] and all(m.value >= 1.0 for m in imbalance)
+    diffs = client.get_metric_history(found.info.run_id, "rollout/logprob_diff")
+    assert diffs and max(m.value for m in diffs) < 1e-4  # hybrid resharding: every expert reached the rollout
     (rows,) = placements(tmp_path, "mcore")
     actor = [r for r in rows if r["role"] == "actor"]
     assert {r["node_ip"] for r in actor} == {sim_cluster.node_ip(1), sim_cluster.node_ip(2)}  # TP/PP span nodes

@@ -179,6 +179,18 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     ("zero-steps", ["run", B, "trainer.total_steps=0"], {}, "trainer.total_steps"),
     ("grpo-n1", ["run", B, "rollout.n=1"], {}, "needs rollout.n > 1"),
     ("gae-no-critic", ["run", B, "algorithm.adv_estimator=gae"], {}, "add a `critic:` section"),
+    (
+        "megatron-cp-without-te",
+        ["run", B, "actor.backend=megatron", "actor.num_workers=2", "actor.context_parallel_size=2"],
+        {},
+        "actor.context_parallel_size=2: megatron-core splits attention over CP ranks only with Transformer Engine",
+    ),
+    (
+        "megatron-ep-dense-model",
+        ["run", B, "actor.backend=megatron", "actor.num_workers=2", "actor.expert_model_parallel_size=2"],
+        {},
+        "actor.expert_model_parallel_size=2: the model is dense",
+    ),
     ("micro-batch", ["run", B, "actor.micro_batch_size=5"], {}, "actor.micro_batch_size=5 must divide"),
     ("resume-mode", ["run", B, "checkpoint.resume=sometimes"], {}, "checkpoint.resume"),
     ("on-corrupt", ["run", B, "checkpoint.on_corrupt=maybe"], {}, "checkpoint.on_corrupt"),

@@ -1,0 +1,71 @@
+"""The seeds' Mixture-of-Experts presets (Qwen3-235B: TP4 x PP8 x EP4 on 32 GPUs; DeepSeek-V3 671B: TP8 x PP12 x EP8
+on 96 GPUs, offload_fraction 1.0): their layouts as the seed sets them, accepted by `rlstages config show` and the
+pre-flight's config checks against a cluster of their size, refused with "not enough GPUs" against a smaller one;
+the MoE layout checks (EP x expert TP x PP dividing the ranks, EP dividing the experts, uneven first / last
+pipeline stages adding up); the router options' defaults (dropless, no aux loss beyond HF's forward)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlstages.configs import load_config
+from rlstages.configs.run import gpus_needed
+from rlstages.configs.training import MegatronTrainingConfig
+from rlstages.tasks.specs import trainer_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+QWEN3 = ROOT / "configs" / "qwen3_235b_grpo_megatron.yaml"
+DSV3 = ROOT / "configs" / "deepseek_v3_671b_grpo_megatron.yaml"
+# preset -> (GPUs, TP, PP, EP, stage layers)
+LAYOUTS = {QWEN3: (32, 4, 8, 4, [11] + [12] * 6 + [11]), DSV3: (96, 8, 12, 8, [5] * 11 + [6])}
+
+
+@pytest.mark.parametrize("preset", LAYOUTS, ids=lambda p: p.stem)
+def test_moe_preset_has_the_seed_layout_and_fits_its_cluster(preset: Path) -> None:
+    gpus, tp, pp, ep, stages = LAYOUTS[preset]
+    cfg = load_config(preset)
+    actor = cfg.actor
+    assert isinstance(actor, MegatronTrainingConfig)
+    sizes = (actor.tensor_model_parallel_size, actor.pipeline_model_parallel_size, actor.expert_model_parallel_size)
+    assert sizes == (tp, pp, ep) and actor.num_workers == gpus and actor.data_parallel_size == 1
+    assert actor.expert_tp == 1 and actor.offload_fraction == 1.0 and actor.param_offload
+    assert actor.moe.expert_capacity_factor is None  # dropless, as HF
+    assert actor.stage_layers(cfg.model.architecture.num_hidden_layers) == stages
+    assert cfg.cluster.num_gpus == gpus and gpus_needed(cfg) == gpus
+    ref = trainer_settings(cfg, "reference").train  # the Megatron reference runs the actor's layout
+    assert isinstance(ref, MegatronTrainingConfig) and ref.expert_model_parallel_size == ep
+    assert ref.tensor_model_parallel_size == tp and ref.num_layers_in_last_pipeline_stage is not None
+
+
+@pytest.mark.parametrize("preset", LAYOUTS, ids=lambda p: p.stem)
+def test_moe_preset_is_refused_on_a_smaller_cluster(preset: Path) -> None:
+    gpus = LAYOUTS[preset][0]
+    with pytest.raises(ValueError, match=f"not enough GPUs: need {gpus}, have {gpus // 2}"):
+        load_config(preset, [f"cluster.num_gpus={gpus // 2}"])
+
+
+def test_config_show_accepts_both_presets() -> None:
+    from typer.testing import CliRunner
+
+    from rlstages.flows.cli.main import app
+
+    for preset in LAYOUTS:
+        out = CliRunner().invoke(app, ["config", "show", str(preset)])
+        assert out.exit_code == 0, out.output[-2000:]
+        assert "expert_model_parallel_size" in out.stdout and "expert_tensor_parallel_size: 1" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["model.architecture.num_experts=6"], "must divide the model's 6 routed experts"),
+        (["actor.expert_tensor_parallel_size=4"], "expert_model_parallel_size x expert_tensor_parallel_size x"),
+        (["actor.num_layers_in_first_pipeline_stage=12"], "do not split evenly"),
+        (["model.architecture.num_experts=0"], "the model is dense"),
+    ],
+)
+def test_moe_layout_checks(overrides: list[str], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        load_config(QWEN3, overrides)
