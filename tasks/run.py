@@ -28,7 +28,7 @@ from rlstages.tasks.data import cursor, data_record
 from rlstages.tasks.policies import guard_workers, stage_logger
 from rlstages.tasks.preflight import check_import_allowed
 from rlstages.tasks.rollout import sync_weights
-from rlstages.tasks.run_dir import RUN_STATE, clear_dir, read_state, resolve_run_dir, starts_over
+from rlstages.tasks.run_dir import clear_dir, read_state, resolve_run_dir, starts_over
 from rlstages.tasks.run_dir import run_dir as run_dir  # re-exported: flows import it from here
 from rlstages.tasks.workers import (
     build_workers,
