@@ -51,10 +51,14 @@ def test_config_show_accepts_both_presets() -> None:
 
     from rlstages.flows.cli.main import app
 
-    for preset in LAYOUTS:
-        out = CliRunner().invoke(app, ["config", "show", str(preset)])
+    for preset in LAYOUTS:  # the presets name model directories of their own cluster: the config alone is checked
+        out = CliRunner().invoke(app, ["config", "show", str(preset), "--schema-only"])
         assert out.exit_code == 0, out.output[-2000:]
         assert "expert_model_parallel_size" in out.stdout and "expert_tensor_parallel_size: 1" in out.stdout
+        here = CliRunner().invoke(app, ["config", "show", str(preset)])  # the whole pre-flight: no such model here
+        assert here.exit_code == 2 and "model.path" in here.output and "does not exist" in here.output
+        small = CliRunner().invoke(app, ["config", "show", str(preset), "--schema-only", "cluster.num_gpus=8"])
+        assert small.exit_code == 2 and "not enough GPUs" in small.output
 
 
 @pytest.mark.parametrize(
