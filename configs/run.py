@@ -238,7 +238,12 @@ def _model_sizes(cfg: RunConfig) -> dict[str, int] | None:
         return cfg.model.tiny.model_dump()
     config_json = cfg.model.path / "config.json"
     if config_json.is_file():
-        raw = json.loads(config_json.read_text())
+        try:
+            raw = json.loads(config_json.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return None  # the pre-flight's model check names the file and what is wrong with it
+        if not isinstance(raw, dict):
+            return None
         keys = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")
         if all(k in raw for k in keys[:2]):
             raw.setdefault("num_key_value_heads", raw["num_attention_heads"])
