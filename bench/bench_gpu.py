@@ -23,36 +23,20 @@ from typing import Any
 
 import torch
 
-from bench.common import best_of, record
+from bench.common import MODEL_SHAPES, best_of, record, shape_fields
 
-QWEN2_1_5B = {
-    "hidden_size": 1536,
-    "intermediate_size": 8960,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 2,
-    "vocab_size": 151936,
-    "tie_word_embeddings": True,
-}
-SMOLLM2_135M = {
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "vocab_size": 49152,
-    "tie_word_embeddings": True,
-}
 ROWS, PROMPT, RESPONSE, MICRO = 16, 512, 512, 4
 
 
-def random_model(model_type: str, shape: dict[str, Any], name: str) -> Path:
-    """A random-init bf16 model of `shape` with a character tokenizer, saved once into the temp dir."""
+def random_model(name: str) -> Path:
+    """A random-init model of `MODEL_SHAPES[name]` with a character tokenizer, saved once into the temp dir."""
     from rlstages.engines.models import build_tiny_model
 
     path = Path(tempfile.gettempdir()) / f"rlstages-bench-gpu-{name}"
     if not (path / "config.json").is_file():
-        build_tiny_model(path, model_type=model_type, max_position_embeddings=4096, **shape)
+        build_tiny_model(
+            path, model_type=MODEL_SHAPES[name]["model_type"], max_position_embeddings=4096, **shape_fields(name)
+        )
     return path
 
 
@@ -113,14 +97,15 @@ def plain_update(path: Path, batch: Any) -> float:
 def update_vs_transformers() -> None:
     from rlstages.engines.training import flops as F
 
-    path = random_model("qwen2", QWEN2_1_5B, "qwen2-1.5b")
-    batch = grpo_batch(QWEN2_1_5B["vocab_size"], ROWS, PROMPT, RESPONSE)  # on-policy: ratio 1, nothing clipped
+    path = random_model("qwen2-1.5b")
+    vocab = MODEL_SHAPES["qwen2-1.5b"]["vocab_size"]
+    batch = grpo_batch(vocab, ROWS, PROMPT, RESPONSE)  # on-policy: ratio 1, nothing clipped
     plain = plain_update(path, batch)
     torch.cuda.empty_cache()
     engine = trainer(path, MICRO)
     ours = best_of(lambda: engine.train_step(batch))
     name = torch.cuda.get_device_name(0)
-    flops = F.step_flops(QWEN2_1_5B, [PROMPT + RESPONSE] * ROWS)
+    flops = F.step_flops(MODEL_SHAPES["qwen2-1.5b"], [PROMPT + RESPONSE] * ROWS)
     mfu = [F.mfu(flops, t, name, True) for t in (ours, plain)]
     detail = f"{name}: ours {ours:.3f} s, transformers {plain:.3f} s"
     if mfu[0] is not None:
@@ -132,7 +117,7 @@ def rollout_vs_generate() -> None:
     from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
     from rlstages.engines.types import Prompt, SamplingParams
 
-    path = random_model("llama", SMOLLM2_135M, "smollm2-135m")
+    path = random_model("smollm2-135m")
     engine = HFRolloutEngine(path, dtype="bfloat16", apply_chat_template=False, attention="sdpa")
     prompts = [Prompt(f"p{i}", f"What is {i} + 7? Think, then answer with a number.") for i in range(8)]
     sampling = SamplingParams(n=8, temperature=0.7, max_new_tokens=48)
@@ -169,7 +154,7 @@ def demo_step_vs_cpu() -> None:
     from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
     from rlstages.engines.types import Prompt, SamplingParams
 
-    path = random_model("llama", SMOLLM2_135M, "smollm2-135m")
+    path = random_model("smollm2-135m")
     prompts = [Prompt(f"p{i}", f"What is {i} + 7?") for i in range(8)]
     sampling = SamplingParams(n=8, temperature=0.7, max_new_tokens=48)
 

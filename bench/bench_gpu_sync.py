@@ -21,28 +21,9 @@ from typing import Any
 
 import torch
 
-from bench.common import record
+from bench.common import MODEL_SHAPES, record, shape_fields
 
-SHAPES = {  # HF config fields of the models whose weights are pushed
-    "demo-135M": {
-        "hidden_size": 576,
-        "intermediate_size": 1536,
-        "num_hidden_layers": 30,
-        "num_attention_heads": 9,
-        "num_key_value_heads": 3,
-        "vocab_size": 49152,
-        "model_type": "llama",
-    },
-    "qwen2-1.5B": {
-        "hidden_size": 1536,
-        "intermediate_size": 8960,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 12,
-        "num_key_value_heads": 2,
-        "vocab_size": 151936,
-        "model_type": "qwen2",
-    },
-}
+SHAPES = ("smollm2-135m", "qwen2-1.5b")  # the models (bench.common.MODEL_SHAPES) whose weights are pushed
 BUCKET_BYTES = 512 * 2**20
 
 
@@ -51,7 +32,7 @@ def random_weights(shape: dict[str, Any], device: torch.device) -> list[tuple[st
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = dict(shape)
-    cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)  # tie_word_embeddings as the real model
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     return [(n, p.detach()) for n, p in model.named_parameters()]
@@ -79,7 +60,8 @@ def sync_figures(device: torch.device) -> None:
     from rlstages.engines.runtime import cuda_ipc
 
     ctx = mp.get_context("spawn")
-    for label, shape in SHAPES.items():
+    for label in SHAPES:
+        shape = MODEL_SHAPES[label]
         weights = random_weights(shape, device)
         targets = {n: torch.empty_like(t, dtype=torch.bfloat16) for n, t in weights}
         here, there = ctx.Pipe()
@@ -132,7 +114,7 @@ def vllm_figures(device: torch.device) -> None:
     from rlstages.engines.training.settings import TrainerSettings
     from rlstages.engines.types import Prompt, SamplingParams
 
-    shape = {k: v for k, v in SHAPES["demo-135M"].items() if k not in ("vocab_size", "model_type")}
+    shape = shape_fields("smollm2-135m", "vocab_size")
     path = build_tiny_model(Path(tempfile.mkdtemp(prefix="rlstages-gpu-demo-")), "llama", vocab_size=512, **shape)
     prompts = [Prompt(f"u{i}", f"{i}+{i + 3}=", str(2 * i + 3)) for i in range(8)]
     sampling = SamplingParams(n=8, temperature=0.7, max_new_tokens=48)

@@ -17,6 +17,35 @@ from rich.table import Table
 
 RESULTS_ENV = "RLSTAGES_BENCH_RESULTS"  # a JSON-lines file `python -m bench` hands every bench process
 
+# HF config fields of the real models the GPU benches take the shape of (random weights), ties included.
+MODEL_SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": {
+        "model_type": "llama",
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+    },
+    "qwen2-1.5b": {
+        "model_type": "qwen2",
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
+}
+
+
+def shape_fields(name: str, *drop: str) -> dict[str, Any]:
+    """The HF config fields of `MODEL_SHAPES[name]` without `model_type` and the fields named in `drop`."""
+    return {k: v for k, v in MODEL_SHAPES[name].items() if k != "model_type" and k not in drop}
+
 
 def small_model(hidden: int = 256, layers: int = 4, vocab: int = 2048, name: str = "bench-model") -> Path:
     """A random Qwen2 of a few million parameters, built once into the temp dir."""
