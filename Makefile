@@ -51,9 +51,10 @@ demo: setup
 smoke: setup
 	$(BIN)/rlstages run configs/tiny.yaml
 
-# The torch-free unit tests on Python 3.12 first, then the whole suite on 3.11 (its summary is the last line).
+# The torch-free unit tests on Python 3.12 first, then the whole suite on 3.11 (its summary is the last line;
+# the 25 slowest tests are listed above it, to keep the suite inside CI's budget).
 test: setup-test test-py312
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 test-py312:
 	bash scripts/py312_tests.sh .venv-py312
