@@ -23,9 +23,11 @@ expert gradients reduced by megatron's DDP over the expert-data-parallel group, 
 `options.moe`, `moe/*` metrics every train step. Context parallelism only with Transformer Engine
 (`megatron.context_parallel`; refused without it).
 
-Non-goals: float16 and bf16_autocast (use dtype bfloat16); uneven pipeline stages (the converter splits layers
-evenly); without CUDA also activation recompute and sequence parallelism (megatron-core's torch-norm fallback
-rejects it).
+Uneven pipeline stages (`num_layers_in_first/last_pipeline_stage`) go to megatron-core's TransformerConfig and to
+the converter's layer map alike (`ConversionSpec.first_stage_layers`), so each stage loads the layers it builds.
+
+Non-goals: float16 and bf16_autocast (use dtype bfloat16); without CUDA also activation recompute and sequence
+parallelism (megatron-core's torch-norm fallback rejects it).
 """
 
 from __future__ import annotations
@@ -75,10 +77,12 @@ def check_supported(settings: TrainerSettings, options: MegatronTrainingConfig) 
         raise ImportError("transformer_impl='transformer_engine' needs transformer_engine (GPU); use 'local'")
     if options.context_parallel_size > 1 and not has_module("transformer_engine"):
         raise NotImplementedError(MP.CP_NEEDS_TE.format(cp=options.context_parallel_size))
-    if options.num_layers_in_first_pipeline_stage or options.num_layers_in_last_pipeline_stage:
+    both = options.num_layers_in_first_pipeline_stage and options.num_layers_in_last_pipeline_stage
+    if both and options.virtual_pipeline_model_parallel_size and options.pipeline_model_parallel_size == 2:
         raise NotImplementedError(
-            "megatron backend: num_layers_in_first/last_pipeline_stage: the converter splits layers evenly over "
-            "pipeline stages; unset them (a layer count the stages divide)"
+            "megatron num_layers_in_first_pipeline_stage and num_layers_in_last_pipeline_stage with virtual "
+            "pipeline stages need a middle stage (megatron-core 0.16 divides by their count): use "
+            "pipeline_model_parallel_size > 2 or set one of them"
         )
     if options.moe.token_dispatcher == "allgather" and options.pipeline_model_parallel_size > 1:
         raise ValueError(
@@ -110,6 +114,7 @@ class MegatronBackend:
             options.expert_model_parallel_size,
             options.sequence_parallel,
             options.expert_tensor_parallel_size,
+            (options.num_layers_in_first_pipeline_stage, options.num_layers_in_last_pipeline_stage),
         )
         MP.init_distributed(self.layout, settings.seed)
         from megatron.core import parallel_state as ps
