@@ -344,8 +344,9 @@ class MegatronBackend:
             for v, chunk in enumerate(self.chunks):
                 chunk.load_state_dict(models if len(self.chunks) == 1 else models[f"model{v}"], strict=True)
             if self.optimizer is not None:
-                with cuda_shim.cuda_as_cpu(), torch.no_grad():
-                    self.optimizer.load_state_dict(state["optimizer"])
+                optimizer_state = MO.fit_loaded_state(self.optimizer, state["optimizer"])  # EP changed: refit
+                with cuda_shim.cuda_as_cpu(), torch.no_grad(), MO.keep_adam_steps(self.optimizer):
+                    self.optimizer.load_state_dict(optimizer_state)
                 MO.restore_adam_steps(self.optimizer)
         extra = json.loads((path / state_io.EXTRA_FILE).read_text())
         self.sched_steps = int(extra["sched_steps"])
