@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from rlstages.configs.training import MegatronTrainingConfig
+from rlstages.configs.training import UNEVEN_VPP_NEEDS_MIDDLE, MegatronTrainingConfig
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
 from rlstages.engines.base import OnOutput, Readout
@@ -79,11 +79,7 @@ def check_supported(settings: TrainerSettings, options: MegatronTrainingConfig) 
         raise NotImplementedError(MP.CP_NEEDS_TE.format(cp=options.context_parallel_size))
     both = options.num_layers_in_first_pipeline_stage and options.num_layers_in_last_pipeline_stage
     if both and options.virtual_pipeline_model_parallel_size and options.pipeline_model_parallel_size == 2:
-        raise NotImplementedError(
-            "megatron num_layers_in_first_pipeline_stage and num_layers_in_last_pipeline_stage with virtual "
-            "pipeline stages need a middle stage (megatron-core 0.16 divides by their count): use "
-            "pipeline_model_parallel_size > 2 or set one of them"
-        )
+        raise NotImplementedError(UNEVEN_VPP_NEEDS_MIDDLE)
     if options.moe.token_dispatcher == "allgather" and options.pipeline_model_parallel_size > 1:
         raise ValueError(
             "megatron moe.token_dispatcher=allgather does not take variable sequence lengths, which pipeline "
@@ -335,7 +331,8 @@ class MegatronBackend:
         torch.distributed.barrier()
 
     def load(self, path: Path) -> int | None:
-        """Restore what `save` wrote (every rank, same TP/PP layout; the data-parallel size may differ)."""
+        """Restore what `save` wrote (every rank, same TP/PP layout; the data-parallel and expert-parallel sizes
+        may differ: weights and optimizer state reshard)."""
         from megatron.core import dist_checkpointing
 
         with self.resident(train=False):

@@ -219,6 +219,11 @@ def test_unsupported_layouts_fail_clearly(tiny_model_dir: Path, converted) -> No
         megatron(tiny_model_dir, converted["tp2"])  # a TP=2 checkpoint for a TP=1 engine
     from rlstages.engines.megatron import parallel as MP
 
+    both = {"num_layers_in_first_pipeline_stage": 2, "num_layers_in_last_pipeline_stage": 2}
+    with pytest.raises(ValueError, match="need a middle stage"):  # megatron-core would divide by zero
+        MegatronTrainingConfig(
+            num_workers=2, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, **both
+        )
     uneven = MP.Layout(pp=2, stages=(1, None))  # an evenly split checkpoint for an engine with uneven stages
     with pytest.raises(ValueError, match=r"stages=even .* stages=first=1,last=None"):
         MP.resolve_spec(converted["pp2"], tiny_model_dir, uneven, "local")
