@@ -126,6 +126,13 @@ class MoERouterConfig(StrictModel):
     )
 
 
+UNEVEN_VPP_NEEDS_MIDDLE = (
+    "megatron num_layers_in_first_pipeline_stage and num_layers_in_last_pipeline_stage with virtual pipeline "
+    "stages need a middle stage (megatron-core 0.16 divides by their count): use pipeline_model_parallel_size > 2 "
+    "or set one of them"
+)
+
+
 class MegatronTrainingConfig(_TrainingCommon):
     """Megatron-Core GPTModel from our converted checkpoint, with 5-D parallelism and offload (verl's knobs)."""
 
@@ -181,6 +188,8 @@ class MegatronTrainingConfig(_TrainingCommon):
         uneven = (self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage)
         if any(n is not None for n in uneven) and self.pipeline_model_parallel_size == 1:
             raise ValueError("megatron num_layers_in_first/last_pipeline_stage need pipeline_model_parallel_size > 1")
+        if all(uneven) and self.virtual_pipeline_model_parallel_size and self.pipeline_model_parallel_size == 2:
+            raise ValueError(UNEVEN_VPP_NEEDS_MIDDLE)
         return self
 
     @property

@@ -165,13 +165,16 @@ def _exported_by_us(out: Path) -> bool:
         return False
 
 
-def expert_option(ep: int) -> dict[str, int]:
-    """The expert-parallel size as a cache-key option, only when it is not 1 (dense keys stay as they were)."""
-    return {"ep": ep} if ep != 1 else {}
+def expert_option(ep: int, first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> dict:
+    """The expert-parallel size and uneven pipeline stages as cache-key options, only when set (the keys of
+    dense, evenly split conversions stay as they were)."""
+    stages = {"first_stage_layers": first_stage_layers, "last_stage_layers": last_stage_layers}
+    return ({"ep": ep} if ep != 1 else {}) | {k: n for k, n in stages.items() if n is not None}
 
 
 def _cache_key(context: TaskRunContext, params: dict[str, Any]) -> str:
-    options = {k: params.get(k, DEFAULTS[k]) for k in DEFAULTS} | expert_option(params.get("ep", 1))
+    options = {k: params.get(k, DEFAULTS[k]) for k in DEFAULTS}
+    options |= expert_option(params.get("ep", 1), params.get("first_stage_layers"), params.get("last_stage_layers"))
     key = conversion_key(params["hf_dir"], params["out_dir"], params["tp"], params["pp"], params.get("vpp"), **options)
     store = getattr(context, "result_store", None)
     if not holds_conversion(params["out_dir"], key) and store is not None and store.exists(key):
@@ -201,11 +204,14 @@ def convert_checkpoint(
     progress: bool = False,
     overwrite: bool = False,
     ep: int = 1,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
 ) -> str:
     """HF directory -> Megatron-Core rank files in `out_dir` (replacing an older conversion of ours there only
-    with `overwrite`); `ep` > 1 splits an MoE model's experts over expert-parallel ranks."""
+    with `overwrite`); `ep` > 1 splits an MoE model's experts over expert-parallel ranks; `first_stage_layers` /
+    `last_stage_layers` give megatron-core's uneven first / last pipeline stage."""
     options = {"transformer_impl": transformer_impl, "dist_checkpoint": dist_checkpoint, "checksum": checksum}
-    options |= expert_option(ep)
+    options |= expert_option(ep, first_stage_layers, last_stage_layers)
     key = conversion_key(hf_dir, out_dir, tp, pp, vpp, **options)
     out = Path(out_dir)
     if holds_conversion(out, key):
@@ -214,6 +220,7 @@ def convert_checkpoint(
     with _progress_bar(progress, f"convert {Path(hf_dir).name} -> tp{tp} pp{pp}") as report:
         convert_hf_to_mcore(
             hf_dir, out, tp, pp, vpp, ep=ep, transformer_impl=transformer_impl,  # type: ignore[arg-type]
+            first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
             extra_outputs=dist_checkpoint_writer() if dist_checkpoint else None, overwrite=True,
             checksum=checksum, input_digests=input_digests(hf_dir),
             manifest_extra={"cache_key": key}, progress=report,

@@ -156,6 +156,8 @@ def convert_hf_to_mcore(
     vpp: int | None = None,
     *,
     ep: int = 1,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
     transformer_impl: TransformerImpl = "local",
     vocab_divisible_by: int = 1,
     extra_outputs: Mapping[str, Callable[[Path, Path], None]] | None = None,
@@ -170,6 +172,8 @@ def convert_hf_to_mcore(
 
     `ep` > 1 (MoE models) writes one file per (tp, pp, ep) rank: each EP rank holds its contiguous share of
     every MoE layer's routed experts, renumbered from 0, plus a copy of all other tensors.
+    `first_stage_layers` / `last_stage_layers` give the first / last pipeline stage that many layers (megatron-core's
+    `num_layers_in_first/last_pipeline_stage`; the middle stages share the rest evenly).
     `extra_outputs` maps a subdirectory name to a writer `(conversion_dir, subdir)` run inside the atomic
     directory before the manifest (e.g. megatron's dist checkpoint: `megatron.dist_ckpt.save_dist_checkpoint`);
     `checksum` ("xxh3_128", "crc32", "sha256" or "none") is taken while writing; `input_digests` and
@@ -178,8 +182,9 @@ def convert_hf_to_mcore(
     hf_dir, out = Path(hf_path), Path(out_path)
     new_checksum(checksum)  # an unknown algorithm fails before any work
     spec = ConversionSpec.from_hf_config(
-        read_hf_config(hf_dir), tp, pp, vpp, transformer_impl, vocab_divisible_by, ep=ep
-    )
+        read_hf_config(hf_dir), tp, pp, vpp, transformer_impl, vocab_divisible_by, ep=ep,
+        first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
+    )  # fmt: skip
     readers = [Reader(f) for f in hf_weight_files(hf_dir)]
     plans: dict[tuple[int, int, int], list[Planned]] = {k: [] for k in rank_keys(spec)}
     for t, p, e, name, shard in stream_all_rank_tensors(spec, readers, meta=True):
@@ -197,6 +202,7 @@ def convert_hf_to_mcore(
             "pp": spec.pp,
             "vpp": spec.vpp,
             "ep": spec.ep,
+            **({"stage_layers": spec.layer_map.stage_layers()} if spec.layer_map.uneven else {}),
             "transformer_impl": spec.transformer_impl,
             "extra_outputs": sorted(extra_outputs or {}),
             "inputs": {r.path.name: (input_digests or {}).get(r.path.name) for r in readers},

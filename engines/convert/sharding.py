@@ -3,8 +3,9 @@
 TP rules (reference C.4): column-parallel tensors are split on dim 0 (fused QKV is group-major, so a
 contiguous chunk is whole query groups; SwiGLU fc1 is split per half), row-parallel on dim 1, vocab tensors
 are padded then split on dim 0, everything else (norms, row-parallel biases) is replicated.
-PP rules (C.5): stage p owns an even, contiguous range of layers, stored under local indices; with virtual
-pipelines model chunk c = v * pp + p. Embedding on the first chunk, final norm and output layer on the last.
+PP rules (C.5): stage p owns a contiguous range of layers (even, or Megatron-Core's uneven first / last
+stage), stored under local indices; with virtual pipelines model chunk c = v * pp + p. Embedding on the first
+chunk, final norm and output layer on the last.
 EP rules (Megatron-Core MoE): the routed experts of a layer are split contiguously over the expert-parallel
 ranks (EP rank e holds experts [e*n, (e+1)*n) as local experts 0..n-1), each expert TP-split like a dense MLP
 (expert tensor parallel size = TP); everything else, the router included, is replicated over EP ranks.
@@ -13,6 +14,7 @@ Non-goal: knowing any HF name.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -205,24 +207,68 @@ class Placement:
 
 @dataclass(frozen=True)
 class LayerMap:
-    """Even split of `num_layers` over `pp` stages x `vpp` virtual chunks (reference C.5)."""
+    """Split of `num_layers` over `pp` stages x `vpp` virtual chunks (reference C.5): even, or Megatron-Core's
+    uneven first / last stage (`first` / `last` layers there, the middle stages share the rest evenly; each
+    stage's layers split evenly over its `vpp` chunks). Model order: chunk c = v * pp + p."""
 
     num_layers: int
     pp: int = 1
     vpp: int = 1
+    first: int | None = None
+    last: int | None = None
 
     def __post_init__(self) -> None:
-        chunks = self.pp * self.vpp
-        if self.num_layers % chunks:
+        if self.first is None and self.last is None:
+            if self.num_layers % (self.pp * self.vpp):
+                raise ValueError(
+                    f"num_layers={self.num_layers} is not divisible by pipeline stages x virtual chunks = "
+                    f"{self.pp} x {self.vpp}; choose pp/vpp that divide the layer count"
+                )
+            return
+        stages = self.stage_layers()
+        if self.pp < 2 or min(stages) < 1 or any(n % self.vpp for n in stages):
             raise ValueError(
-                f"num_layers={self.num_layers} is not divisible by pipeline stages x virtual chunks = "
-                f"{self.pp} x {self.vpp}; choose pp/vpp that divide the layer count"
+                f"uneven pipeline stages first={self.first} last={self.last}: {self.num_layers} layers over pp="
+                f"{self.pp} give stages {stages}; every stage needs >= 1 layer, a multiple of vpp={self.vpp}"
             )
+
+    def stage_layers(self) -> list[int]:
+        """Layers of each pipeline stage (its virtual chunks together)."""
+        fixed = [n for n in (self.first, self.last) if n is not None]
+        middle = self.pp - len(fixed)
+        rest = self.num_layers - sum(fixed)
+        if middle < 0 or rest < 0 or (middle == 0 and rest) or (middle and rest % middle):
+            raise ValueError(
+                f"uneven pipeline stages: {self.num_layers} layers minus first={self.first} / last={self.last} do "
+                f"not split evenly over the other {max(middle, 0)} of pp={self.pp} stages"
+            )
+        stages = [rest // middle if middle else 0] * self.pp
+        if self.first is not None:
+            stages[0] = self.first
+        if self.last is not None:
+            stages[-1] = self.last
+        return stages
+
+    @property
+    def uneven(self) -> bool:
+        """The first or last stage has its own layer count."""
+        return self.first is not None or self.last is not None
 
     @property
     def layers_per_chunk(self) -> int:
-        """Layers in each model chunk."""
+        """Layers in each model chunk (even split only)."""
+        if self.uneven:
+            raise ValueError("layers_per_chunk: the pipeline stages are uneven; use chunk_layers()")
         return self.num_layers // (self.pp * self.vpp)
+
+    def chunk_layers(self) -> list[tuple[int, int]]:
+        """(first global layer, layer count) of each model chunk, in model order (chunk c = v * pp + p)."""
+        return list(self._spans)
+
+    @functools.cached_property
+    def _spans(self) -> tuple[tuple[int, int], ...]:
+        sizes = [n // self.vpp for n in self.stage_layers()] * self.vpp
+        return tuple((sum(sizes[:c]), n) for c, n in enumerate(sizes))
 
     def chunks(self) -> list[tuple[int, int]]:
         """All (pp_rank, vp_stage) pairs in model order."""
@@ -235,7 +281,7 @@ class LayerMap:
             layer = int(index)
             if not 0 <= layer < self.num_layers:
                 raise ValueError(f"{name}: layer {layer} is outside 0..{self.num_layers - 1}")
-            chunk, local = divmod(layer, self.layers_per_chunk)
+            chunk, local = next((c, layer - s) for c, (s, n) in enumerate(self._spans) if layer < s + n)
             return Placement(chunk % self.pp, chunk // self.pp, f"{LAYER_PREFIX}{local}.{rest}")
         if name.startswith("decoder.final_layernorm") or name.startswith("output_layer"):
             return Placement(self.pp - 1, self.vpp - 1, name)
@@ -246,8 +292,8 @@ class LayerMap:
         if not local_name.startswith(LAYER_PREFIX):
             return local_name
         index, _, rest = local_name[len(LAYER_PREFIX) :].partition(".")
-        chunk = vp_stage * self.pp + pp_rank
-        return f"{LAYER_PREFIX}{chunk * self.layers_per_chunk + int(index)}.{rest}"
+        start, _ = self._spans[vp_stage * self.pp + pp_rank]
+        return f"{LAYER_PREFIX}{start + int(index)}.{rest}"
 
 
 def chunk_prefix(vp_stage: int, vpp: int) -> str:

@@ -49,10 +49,13 @@ class ConversionSpec:
     transformer_impl: TransformerImpl = "local"
     hf_vocab_size: int = 0
     ep: int = 1
+    first_stage_layers: int | None = None  # megatron-core's num_layers_in_first_pipeline_stage (uneven PP)
+    last_stage_layers: int | None = None  # num_layers_in_last_pipeline_stage
     layer_map: LayerMap = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "layer_map", LayerMap(self.mcore["num_layers"], self.pp, self.vpp))
+        layers = LayerMap(self.mcore["num_layers"], self.pp, self.vpp, self.first_stage_layers, self.last_stage_layers)
+        object.__setattr__(self, "layer_map", layers)
 
     @classmethod
     def from_hf_config(
@@ -65,8 +68,11 @@ class ConversionSpec:
         vocab_divisible_by: int = 1,
         *,
         ep: int = 1,
+        first_stage_layers: int | None = None,
+        last_stage_layers: int | None = None,
     ) -> ConversionSpec:
-        """Build and check a spec from an HF config dict (config.json's contents); `ep` = expert parallel size."""
+        """Build and check a spec from an HF config dict (config.json's contents); `ep` = expert parallel size,
+        `first_stage_layers` / `last_stage_layers` = megatron-core's uneven first / last pipeline stage."""
         _check_sizes(tp, pp, vpp or 1, transformer_impl, ep)
         model_type = hf_config.get("model_type")
         if not model_type:
@@ -86,8 +92,9 @@ class ConversionSpec:
         hf_vocab = int(mcore["padded_vocab_size"])
         multiple = max(1, vocab_divisible_by) * tp
         mcore["padded_vocab_size"] = math.ceil(hf_vocab / multiple) * multiple
-        _check_layout(mcore, tp, pp, vpp or 1, transformer_impl, ep)
-        return cls(template, dict(hf_config), mcore, tp, pp, vpp or 1, transformer_impl, hf_vocab, ep)
+        stages = (first_stage_layers, last_stage_layers)
+        _check_layout(mcore, tp, pp, vpp or 1, transformer_impl, ep, stages)
+        return cls(template, dict(hf_config), mcore, tp, pp, vpp or 1, transformer_impl, hf_vocab, ep, *stages)
 
     @property
     def dims(self) -> AttentionDims:
@@ -114,13 +121,34 @@ class ConversionSpec:
         """Whether global layer `layer` (0-based) is a Mixture-of-Experts layer (Megatron's `moe_layer_freq`)."""
         return moe_layer_pattern(self.mcore)[layer] == 1
 
-    def with_layout(self, tp: int, pp: int, vpp: int | None = None, ep: int | None = None) -> ConversionSpec:
-        """The same model (same padded vocab) under another parallel layout, re-checked (`ep` None: unchanged)."""
+    def with_layout(
+        self,
+        tp: int,
+        pp: int,
+        vpp: int | None = None,
+        ep: int | None = None,
+        stages: tuple[int | None, int | None] | None = None,
+    ) -> ConversionSpec:
+        """The same model (same padded vocab) under another parallel layout, re-checked (`ep` None: unchanged;
+        `stages` = (first, last) stage layers, None: the spec's own at the same PP size, else even)."""
         ep = self.ep if ep is None else ep
+        if stages is None:
+            stages = self.stage_split if pp == self.pp else (None, None)
         if self.mcore["padded_vocab_size"] % tp:
             raise ValueError(f"padded_vocab_size={self.mcore['padded_vocab_size']} is not divisible by tp={tp}")
-        _check_layout(self.mcore, tp, pp, vpp or 1, self.transformer_impl, ep)
-        return replace(self, tp=tp, pp=pp, vpp=vpp or 1, ep=ep)
+        _check_layout(self.mcore, tp, pp, vpp or 1, self.transformer_impl, ep, stages)
+        first, last = stages
+        return replace(self, tp=tp, pp=pp, vpp=vpp or 1, ep=ep, first_stage_layers=first, last_stage_layers=last)
+
+    @property
+    def stage_split(self) -> tuple[int | None, int | None]:
+        """(first, last) pipeline stage layers when set (megatron-core's uneven stages), else None."""
+        return self.first_stage_layers, self.last_stage_layers
+
+    def pipeline_config(self) -> dict[str, Any]:
+        """TransformerConfig's uneven-stage fields, set only when the split is uneven."""
+        names = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
+        return {k: n for k, n in zip(names, self.stage_split, strict=True) if n is not None}
 
     def transformer_kwargs(self, resolve_callables: bool = True) -> dict[str, Any]:
         """TransformerConfig keyword arguments (without the GPTModel ones); activation names -> functions."""
@@ -142,6 +170,7 @@ class ConversionSpec:
             "pp": self.pp,
             "vpp": self.vpp,
             "ep": self.ep,
+            **{k: n for k, n in zip(("first_stage_layers", "last_stage_layers"), self.stage_split, strict=True) if n},
             "transformer_impl": self.transformer_impl,
             "hf_vocab_size": self.hf_vocab_size,
             "model_cls": self.template.mcore_model_cls,
@@ -165,6 +194,7 @@ class ConversionSpec:
         return cls(
             template, data["hf_config"], data["mcore"], data["tp"], data["pp"], data["vpp"],
             data["transformer_impl"], data["hf_vocab_size"], int(data.get("ep", 1)),
+            data.get("first_stage_layers"), data.get("last_stage_layers"),
         )  # fmt: skip
 
 
@@ -241,7 +271,15 @@ def _check_sizes(tp: int, pp: int, vpp: int, impl: str, ep: int = 1) -> None:
         raise ValueError(f"transformer_impl must be 'local' or 'transformer_engine', got {impl!r}")
 
 
-def _check_layout(m: Mapping[str, Any], tp: int, pp: int, vpp: int, impl: str, ep: int = 1) -> None:
+def _check_layout(
+    m: Mapping[str, Any],
+    tp: int,
+    pp: int,
+    vpp: int,
+    impl: str,
+    ep: int = 1,
+    stages: tuple[int | None, int | None] = (None, None),
+) -> None:
     _check_sizes(tp, pp, vpp, impl, ep)
     _check_moe(m, tp, ep)
     heads, groups = m["num_attention_heads"], m["num_query_groups"]
@@ -263,7 +301,7 @@ def _check_layout(m: Mapping[str, Any], tp: int, pp: int, vpp: int, impl: str, e
             "add_bias_linear without add_qkv_bias: Megatron would give linear_qkv a bias the HF model lacks "
             "(Llama mlp_bias=True needs attention_bias=True)"
         )
-    LayerMap(m["num_layers"], pp, vpp)
+    LayerMap(m["num_layers"], pp, vpp, *stages)
 
 
 def _check_moe(m: Mapping[str, Any], tp: int, ep: int) -> None:

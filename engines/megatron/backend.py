@@ -23,9 +23,11 @@ expert gradients reduced by megatron's DDP over the expert-data-parallel group, 
 `options.moe`, `moe/*` metrics every train step. Context parallelism only with Transformer Engine
 (`megatron.context_parallel`; refused without it).
 
-Non-goals: float16 and bf16_autocast (use dtype bfloat16); uneven pipeline stages (the converter splits layers
-evenly); without CUDA also activation recompute and sequence parallelism (megatron-core's torch-norm fallback
-rejects it).
+Uneven pipeline stages (`num_layers_in_first/last_pipeline_stage`) go to megatron-core's TransformerConfig and to
+the converter's layer map alike (`ConversionSpec.first_stage_layers`), so each stage loads the layers it builds.
+
+Non-goals: float16 and bf16_autocast (use dtype bfloat16); without CUDA also activation recompute and sequence
+parallelism (megatron-core's torch-norm fallback rejects it).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from rlstages.configs.training import MegatronTrainingConfig
+from rlstages.configs.training import UNEVEN_VPP_NEEDS_MIDDLE, MegatronTrainingConfig
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
 from rlstages.engines.base import OnOutput, Readout
@@ -75,11 +77,9 @@ def check_supported(settings: TrainerSettings, options: MegatronTrainingConfig) 
         raise ImportError("transformer_impl='transformer_engine' needs transformer_engine (GPU); use 'local'")
     if options.context_parallel_size > 1 and not has_module("transformer_engine"):
         raise NotImplementedError(MP.CP_NEEDS_TE.format(cp=options.context_parallel_size))
-    if options.num_layers_in_first_pipeline_stage or options.num_layers_in_last_pipeline_stage:
-        raise NotImplementedError(
-            "megatron backend: num_layers_in_first/last_pipeline_stage: the converter splits layers evenly over "
-            "pipeline stages; unset them (a layer count the stages divide)"
-        )
+    both = options.num_layers_in_first_pipeline_stage and options.num_layers_in_last_pipeline_stage
+    if both and options.virtual_pipeline_model_parallel_size and options.pipeline_model_parallel_size == 2:
+        raise NotImplementedError(UNEVEN_VPP_NEEDS_MIDDLE)
     if options.moe.token_dispatcher == "allgather" and options.pipeline_model_parallel_size > 1:
         raise ValueError(
             "megatron moe.token_dispatcher=allgather does not take variable sequence lengths, which pipeline "
@@ -110,6 +110,7 @@ class MegatronBackend:
             options.expert_model_parallel_size,
             options.sequence_parallel,
             options.expert_tensor_parallel_size,
+            (options.num_layers_in_first_pipeline_stage, options.num_layers_in_last_pipeline_stage),
         )
         MP.init_distributed(self.layout, settings.seed)
         from megatron.core import parallel_state as ps
@@ -330,7 +331,8 @@ class MegatronBackend:
         torch.distributed.barrier()
 
     def load(self, path: Path) -> int | None:
-        """Restore what `save` wrote (every rank, same TP/PP layout; the data-parallel size may differ)."""
+        """Restore what `save` wrote (every rank, same TP/PP layout; the data-parallel and expert-parallel sizes
+        may differ: weights and optimizer state reshard)."""
         from megatron.core import dist_checkpointing
 
         with self.resident(train=False):
@@ -339,8 +341,9 @@ class MegatronBackend:
             for v, chunk in enumerate(self.chunks):
                 chunk.load_state_dict(models if len(self.chunks) == 1 else models[f"model{v}"], strict=True)
             if self.optimizer is not None:
-                with cuda_shim.cuda_as_cpu(), torch.no_grad():
-                    self.optimizer.load_state_dict(state["optimizer"])
+                optimizer_state = MO.fit_loaded_state(self.optimizer, state["optimizer"])  # EP changed: refit
+                with cuda_shim.cuda_as_cpu(), torch.no_grad(), MO.keep_adam_steps(self.optimizer):
+                    self.optimizer.load_state_dict(optimizer_state)
                 MO.restore_adam_steps(self.optimizer)
         extra = json.loads((path / state_io.EXTRA_FILE).read_text())
         self.sched_steps = int(extra["sched_steps"])

@@ -1,8 +1,10 @@
 """megatron-core's own `dist_checkpointing` format, written from our rank files (needs megatron-core).
 
-Each of the TP x PP workers builds its model chunk(s), loads its rank file, and takes part in one collective
-`dist_checkpointing.save` of the sharded state dict. The result is parallelism-agnostic: megatron-core can
-load it under another TP/PP (`load_dist_checkpoint`). Virtual-pipeline chunks are saved under "model<v>".
+Each of the TP x PP (x EP) workers builds its model chunk(s), loads its rank file (its EP rank's experts), and
+takes part in one collective `dist_checkpointing.save` of the sharded state dict. The result is
+parallelism-agnostic: megatron-core can load it under another TP/PP/EP (`load_dist_checkpoint`; routed experts
+are sharded by their global index, the rest is replicated over EP ranks). Virtual-pipeline chunks are saved
+under "model<v>".
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ def save_dist_checkpoint(mcore_dir: str | Path, out_dir: str | Path, timeout: fl
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     run_world(
         "rlstages.engines.megatron.dist_ckpt:save_worker",
-        spec.tp * spec.pp,
+        spec.tp * spec.pp * spec.ep,
         {"mcore_dir": str(mcore_dir), "out_dir": str(out_dir)},
         timeout=timeout,
     )
@@ -64,13 +66,15 @@ def save_worker(rank: int, world_size: int, port: int, mcore_dir: str, out_dir: 
     from rlstages.engines.megatron import gpt
 
     spec = ConversionSpec.load(mcore_dir)
-    gpt.init_model_parallel(rank, world_size, port, spec.tp, spec.pp, spec.vpp)
+    gpt.init_model_parallel(rank, world_size, port, spec.tp, spec.pp, spec.vpp, ep=spec.ep)
     try:
         tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        ep_rank = ps.get_expert_model_parallel_rank()
         chunks = []
         for v in range(spec.vpp):
             model = gpt.build_gpt_model(spec, vp_stage=v)
-            model.load_state_dict(load_rank_chunk(Path(mcore_dir), spec, tp_rank, pp_rank, v), strict=True)
+            state = load_rank_chunk(Path(mcore_dir), spec, tp_rank, pp_rank, v, ep_rank)
+            model.load_state_dict(state, strict=True)
             chunks.append(model)
         dist_checkpointing.save(sharded_state_dict(chunks), out_dir)
     finally:

@@ -115,6 +115,7 @@ def make_transformer_config(spec: ConversionSpec, dtype: torch.dtype = torch.flo
         params_dtype=dtype,
         pipeline_dtype=dtype,
     )
+    kwargs.update(spec.pipeline_config())  # uneven first / last stage: megatron-core's layer offsets
     if not torch.cuda.is_available():
         kwargs.update(CPU_SAFE_CONFIG)
     kwargs.update(overrides)

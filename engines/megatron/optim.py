@@ -8,7 +8,9 @@ Non-goals: the LR scheduler object (the backend sets each step's LR from `traini
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -16,9 +18,17 @@ import torch
 from rlstages.configs.training import OptimConfig
 from rlstages.engines.megatron import cuda_shim
 
-# dist_checkpointing format of the distributed optimizer: 0.16's default ("fully_sharded_model_space")
-# cannot be saved any more, "fully_reshardable" breaks on torch AdamW's per-parameter step.
-OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+# dist_checkpointing format of the distributed optimizer: "fully_reshardable" keeps each parameter's Adam state in
+# model space under the parameter's own sharded key (routed experts by their global index), so it loads under
+# another EP (and TP / PP / DP) size; without a "chained_<i>." prefix, EP>1's dense + expert chain and EP=1's
+# single optimizer name their tensors alike (`fit_loaded_state` fits the rest). 0.16's default
+# ("fully_sharded_model_space") cannot be saved any more; "dp_reshardable" reshards over DP only.
+# `..._mem_efficient`: the state is gathered over gloo (host memory) onto DP rank 0 only, not all-gathered on GPUs.
+OPTIM_METADATA = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "chained_optim_avoid_prefix": True,
+    "distrib_optim_fully_reshardable_mem_efficient": True,
+}
 
 
 def build_optimizer(
@@ -85,6 +95,54 @@ def init_adam_state(optimizer: Any) -> None:
                     inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": zeros, "exp_avg_sq": zeros.clone()}
 
 
+@contextlib.contextmanager
+def keep_adam_steps(optimizer: Any) -> Iterator[None]:
+    """During a fully-reshardable load: megatron-core 0.16 copies every key of torch AdamW's state from the
+    checkpoint, which holds no per-parameter `step` (it keeps the step in the param groups and has just set
+    it); each distributed optimizer keeps its own `step` for the copy. Undone on exit."""
+    subs = [
+        s for s in getattr(optimizer, "chained_optimizers", [optimizer]) if hasattr(s, "model_param_group_index_map")
+    ]
+    for sub in subs:
+        original = sub._set_main_param_and_optimizer_states
+
+        def set_states(model_param: Any, tensors: dict, sub: Any = sub, original: Any = original) -> None:
+            group, order = sub.model_param_group_index_map[model_param]
+            current = sub.optimizer.state[sub.optimizer.param_groups[group]["params"][order]]
+            original(model_param, {**{k: v for k, v in current.items() if k not in tensors}, **tensors})
+
+        sub._set_main_param_and_optimizer_states = set_states
+    try:
+        yield
+    finally:
+        for sub in subs:
+            del sub._set_main_param_and_optimizer_states  # the class's method again
+
+
+def fit_loaded_state(optimizer: Any, loaded: dict) -> Any:
+    """The loaded optimizer state in this optimizer's shape when the checkpoint was saved under another expert
+    parallel size: EP>1 chains a dense and an expert optimizer (state keyed 0, 1), EP=1 has one. The per-parameter
+    tensors already came in this optimizer's shape (model space); the rest (param groups) is this optimizer's own
+    with the saved Adam step."""
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    saved_chained = 0 in loaded
+    if saved_chained == (len(subs) > 1):
+        return loaded
+    saved = [loaded[k] for k in loaded if isinstance(k, int)] if saved_chained else [loaded]
+    steps = {g["step"] for s in saved for g in s["optimizer"]["param_groups"] if "step" in g}
+    if len(steps) != 1:
+        raise ValueError(f"optimizer checkpoint: expected one Adam step over its optimizers, found {sorted(steps)}")
+    step = steps.pop()
+    param_states = [loaded[i]["param_state"] for i in range(len(subs))] if len(subs) > 1 else [loaded["param_state"]]
+    fitted = []
+    for sub, param_state in zip(subs, param_states, strict=True):
+        own = sub.state_dict()
+        for group in own["optimizer"]["param_groups"]:
+            group["step"] = step
+        fitted.append({**own, "param_state": param_state, "param_state_sharding_type": "fully_reshardable"})
+    return fitted[0] if len(fitted) == 1 else dict(enumerate(fitted))
+
+
 def restore_adam_steps(optimizer: Any) -> None:
     """After a load: megatron-core 0.16's distributed optimizer restores Adam's step into the param groups
     (FusedAdam's place); torch AdamW keeps it per parameter, so copy it there."""
@@ -94,5 +152,5 @@ def restore_adam_steps(optimizer: Any) -> None:
                 continue
             for p in group["params"]:
                 state = inner.state.get(p, {})
-                if "step" in state:
-                    state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
+                if "exp_avg" in state:
+                    state["step"] = torch.tensor(float(group["step"]))

@@ -49,6 +49,7 @@ class Layout:
     ep: int = 1
     sequence_parallel: bool = False
     etp: int | None = None  # expert tensor parallel size; None = tp
+    stages: tuple[int | None, int | None] = (None, None)  # uneven (first, last) pipeline stage layers
 
     def check(self, world_size: int) -> None:
         """Raise on layouts this backend does not implement or that do not divide the world."""
@@ -100,15 +101,20 @@ def resolve_spec(
     """The converted checkpoint's spec (it must match the layout), else one built from the HF config."""
     if converted_path is None:
         hf = read_hf_config(Path(model_path))
-        spec = ConversionSpec.from_hf_config(hf, layout.tp, layout.pp, layout.vpp, impl, ep=layout.ep)  # type: ignore[arg-type]
+        first, last = layout.stages
+        spec = ConversionSpec.from_hf_config(
+            hf, layout.tp, layout.pp, layout.vpp, impl, ep=layout.ep,  # type: ignore[arg-type]
+            first_stage_layers=first, last_stage_layers=last,
+        )  # fmt: skip
     else:
         spec = ConversionSpec.load(converted_path)
-        here = (spec.tp, spec.pp, spec.vpp, spec.ep, spec.transformer_impl)
-        if here != (layout.tp, layout.pp, layout.vpp, layout.ep, impl):
+        here = (spec.tp, spec.pp, spec.vpp, spec.ep, spec.stage_split, spec.transformer_impl)
+        if here != (layout.tp, layout.pp, layout.vpp, layout.ep, layout.stages, impl):
             raise ValueError(
                 f"{converted_path}: converted for tp={spec.tp} pp={spec.pp} vpp={spec.vpp} ep={spec.ep} "
-                f"({spec.transformer_impl}), the engine runs tp={layout.tp} pp={layout.pp} vpp={layout.vpp} "
-                f"ep={layout.ep} ({impl}); convert again for this layout (tasks/convert.py)"
+                f"stages={_stages(spec.stage_split)} ({spec.transformer_impl}), the engine runs tp={layout.tp} "
+                f"pp={layout.pp} vpp={layout.vpp} ep={layout.ep} stages={_stages(layout.stages)} ({impl}); "
+                "convert again for this layout (tasks/convert.py)"
             )
     if spec.num_experts and (layout.etp or layout.tp) != layout.tp:
         raise NotImplementedError(
@@ -116,6 +122,11 @@ def resolve_spec(
             "splits each expert like a dense MLP over the TP ranks (expert TP = TP); unset it here"
         )
     return spec
+
+
+def _stages(split: tuple[int | None, int | None]) -> str:
+    first, last = split
+    return "even" if first is None and last is None else f"first={first},last={last}"
 
 
 def rank_state(

@@ -3,8 +3,8 @@
 EP=2 as a real Ray actor group of 2 ranks over gloo (experts split 2 + 2, tokens through megatron's alltoall
 dispatcher): log-probs within the dense tolerance, the HF export bit-exact (experts gathered over the EP group),
 one GRPO step with the same metrics and the same moved weights, `moe/*` metrics; a `dist_checkpointing` save at
-EP=2 loaded by an EP=1 engine in this process (resharded) gives the same weights bit for bit and log-probs
-(megatron-core 0.16's optimizer state does not reshard across EP sizes: the EP=1 engine loads the model).
+EP=2 loaded by an EP=1 engine in this process (resharded) gives the same weights bit for bit and log-probs, and
+Adam's moments and step as an EP=1 engine's own first step (megatron-core's fully-reshardable optimizer format).
 In this process at EP=1: the router options reach megatron-core (aux / z-loss tracked,
 their gradient reaching the router), and a dense model at EP > 1 is refused.
 
@@ -140,12 +140,37 @@ def test_ep2_ray_group_matches_torch_and_reshards_to_ep1(
         logprobs_ep2 = group.dp(300).logprobs(batch)["logprobs"]
     finally:
         group.kill()
-    # EP=1 in this process, converted in memory, loads the EP=2 dist checkpoint (the model; megatron-core 0.16's
-    # optimizer state does not reshard across EP: EP > 1 chains a dense and an expert optimizer, EP=1 has one)
-    single = PPOTrainer(settings(tiny_moe_dir, "megatron", role="reference"))
+    # EP=1 in this process, converted in memory, loads the EP=2 dist checkpoint: the model resharded bit for bit,
+    # the optimizer (EP=2 chains a dense and an expert optimizer; EP=1 has one) through megatron-core's
+    # fully-reshardable, model-space format: Adam's moments and step as an EP=1 engine's own first step has them
+    single = PPOTrainer(settings(tiny_moe_dir, "megatron"))
     single.load(tmp_path / "ckpt")
     assert max_diff(snapshot(single.named_weights()), after) == 0.0  # resharded EP 2 -> 1 bit for bit
     assert masked_max(single.logprobs(batch)["logprobs"], logprobs_ep2, mask) <= 1e-5
+    own = PPOTrainer(settings(tiny_moe_dir, "megatron"))
+    own.train_step(batch)
+    loaded, expected = adam_state(single), adam_state(own)
+    assert sorted(loaded) == sorted(expected) and any(".experts." in k for k in loaded)
+    for name, (m, v, step) in expected.items():
+        assert loaded[name][2] == step == 1.0, name
+        assert torch.allclose(loaded[name][0], m, rtol=1e-4, atol=1e-4 * float(m.abs().max())), name
+        assert torch.allclose(loaded[name][1], v, rtol=1e-3, atol=1e-3 * float(v.abs().max())), name
+
+
+def adam_state(engine: PPOTrainer) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """(exp_avg, exp_avg_sq, step) of every parameter of a one-rank Megatron engine, by Megatron name (the
+    distributed optimizer's main params are flat views: reshaped to the parameter's shape)."""
+    backend = engine.backend
+    out = {}
+    for sub in backend.optimizer.chained_optimizers:
+        for name, param in backend.chunks[0].named_parameters():
+            if param not in sub.model_param_group_index_map:
+                continue
+            group, order = sub.model_param_group_index_map[param]
+            state = sub.optimizer.state[sub.optimizer.param_groups[group]["params"][order]]
+            moments = [state[k].detach().clone().reshape(param.shape) for k in ("exp_avg", "exp_avg_sq")]
+            out[name] = (*moments, float(state["step"]))
+    return out
 
 
 def test_router_options_reach_megatron(tiny_moe_dir: Path, batch) -> None:

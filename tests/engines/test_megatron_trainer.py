@@ -1,10 +1,11 @@
 """The PPO trainer on the Megatron-Core backend against the torch backend on the same weights: log-probs, a GRPO step
 (first Adam moments and moved weights), save/load that continues bitwise, HF export, critic, reference;
-TP=1 in this process; TP=2, PP=2, DP=2 and PP=2 x VPP=2 as real Ray actor groups of 2 ranks over gloo.
+TP=1 in this process; TP=2, PP=2, uneven PP=2 (1 + 2 layers), DP=2 and PP=2 x VPP=2 as real Ray actor groups of
+2 ranks over gloo.
 
 Run: .venv/bin/python -m pytest tests/engines/test_megatron_trainer.py -q
 Hardware: CPU only (torch CPU, megatron-core local spec + rlstages.engines.megatron.cuda_shim shim); starts a local Ray
-with 2 CPUs and four 2-rank groups (TP=2, PP=2, DP=2, PP=2 x VPP=2); about 2-3 minutes on 2 cores.
+with 2 CPUs and five 2-rank groups (TP=2, PP=2, uneven PP=2, DP=2, PP=2 x VPP=2); about 3 minutes on 2 cores.
 Skipped without megatron-core.
 """
 
@@ -216,6 +217,16 @@ def test_unsupported_layouts_fail_clearly(tiny_model_dir: Path, converted) -> No
         megatron(tiny_model_dir, converted["tp1"], context_parallel_size=2, num_workers=2)
     with pytest.raises(ValueError, match="convert again"):
         megatron(tiny_model_dir, converted["tp2"])  # a TP=2 checkpoint for a TP=1 engine
+    from rlstages.engines.megatron import parallel as MP
+
+    both = {"num_layers_in_first_pipeline_stage": 2, "num_layers_in_last_pipeline_stage": 2}
+    with pytest.raises(ValueError, match="need a middle stage"):  # megatron-core would divide by zero
+        MegatronTrainingConfig(
+            num_workers=2, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, **both
+        )
+    uneven = MP.Layout(pp=2, stages=(1, None))  # an evenly split checkpoint for an engine with uneven stages
+    with pytest.raises(ValueError, match=r"stages=even .* stages=first=1,last=None"):
+        MP.resolve_spec(converted["pp2"], tiny_model_dir, uneven, "local")
 
 
 # ---- TP=2, PP=2, DP=2, VPP: Ray actor groups of 2 ranks ---------------------------------------------------------
@@ -300,6 +311,35 @@ def test_dp2_ray_group_averages_gradients(ray_session, tiny_model_dir: Path, con
         assert max_diff(group_weights(group), ref_after) <= STEP_ATOL
         replica0, replica1 = group.all(300).logprobs(batch)  # both DP replicas took the same step
         assert torch.equal(replica0["logprobs"], replica1["logprobs"])
+    finally:
+        group.kill()
+
+
+def test_pp2_uneven_stages_ray_group_matches_torch(ray_session, batch, tmp_path: Path) -> None:
+    """num_layers_in_first_pipeline_stage=1 on 3 layers (stages of 1 + 2, as the MoE presets' uneven split):
+    megatron-core builds and the converter fills the same layers on each stage; save / load continues bitwise."""
+    from rlstages.engines.convert import convert_hf_to_mcore
+    from rlstages.engines.models import build_tiny_model
+
+    hf = build_tiny_model(tmp_path / "hf3", num_hidden_layers=3)
+    ref = torch_engine(hf)
+    ref_before = snapshot(ref.named_weights())
+    ref_logprobs, ref_metrics = ref.logprobs(batch), ref.train_step(batch)
+    mcore = convert_hf_to_mcore(hf, tmp_path / "mcore", pp=2, first_stage_layers=1)
+    uneven = {"pipeline_model_parallel_size": 2, "num_layers_in_first_pipeline_stage": 1}
+    group = run_group("megatron-uneven", hf, mcore, **uneven)
+    try:
+        _, out = group.all(300).logprobs(batch)
+        assert masked_max(out["logprobs"], ref_logprobs["logprobs"], batch[T.RESPONSE_MASK]) <= 1e-5
+        assert max_diff(group_weights(group), ref_before) == 0.0  # stage 1 exports layers 1 and 2 under HF names
+        metrics = group.all(300).train_step(batch)
+        assert metrics[1]["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-5)
+        assert max_diff(group_weights(group), snapshot(ref.named_weights())) <= STEP_ATOL
+        group.all(300).save(str(tmp_path / "ckpt"))  # dist checkpoint keys: global layer numbers from the offsets
+        m1, w1 = group.all(300).train_step(batch)[1], group_weights(group)
+        group.all(300).load(str(tmp_path / "ckpt"))
+        m2, w2 = group.all(300).train_step(batch)[1], group_weights(group)
+        assert without_perf(m1) == without_perf(m2) and all(torch.equal(w1[k], w2[k]) for k in w1)
     finally:
         group.kill()
 

@@ -1,7 +1,8 @@
 """Parity gate: a megatron-core GPTModel loaded from the converted checkpoint gives the HF model's logits.
 
-Every template (and bias / MHA / tied variants) at TP=1 and TP=2, a pipeline with virtual stages, and the
-dist_checkpointing copy (saved at TP=1) loaded under TP=2: max |logits diff| <= 1e-5 in fp32 and argmax equal.
+Every template (and bias / MHA / tied variants) at TP=1 and TP=2, a pipeline with virtual stages (even, and
+megatron-core's uneven first stage), and the dist_checkpointing copy (saved at TP=1) loaded under TP=2:
+max |logits diff| <= 1e-5 in fp32 and argmax equal.
 Run: .venv/bin/python -m pytest tests/engines/convert/test_convert_parity.py -q
 Hardware: CPU; megatron-core installed (skipped otherwise); up to 2 local gloo processes; ~1 min on 2 cores.
 """
@@ -74,5 +75,7 @@ def test_parity_pipeline_with_virtual_stages(tmp_path: Path) -> None:
     for tie in (False, True):
         hf = make_hf_model(tmp_path / f"hf{tie}", "qwen2", layers=4, tie=tie)
         cases.append((convert_hf_to_mcore(hf, tmp_path / f"m{tie}", pp=2, vpp=2), hf))
+    hf = make_hf_model(tmp_path / "hf6", "qwen2", layers=6)  # uneven: stage 0 holds 2 layers, stage 1 holds 4
+    cases.append((convert_hf_to_mcore(hf, tmp_path / "uneven", pp=2, vpp=2, first_stage_layers=2), hf))
     for report in verify_parity_many(cases):
         assert report.passed and (report.pp, report.vpp) == (2, 2)

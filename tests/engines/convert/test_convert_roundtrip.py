@@ -231,3 +231,52 @@ def test_pure_conversion_needs_no_megatron(models, tmp_path: Path) -> None:
     assert "ok" in done.stdout
     assert_same(hf_tensors(hf), hf_tensors(tmp_path / "back"))
     assert not (tmp_path / "m-dist").exists()
+
+
+@pytest.mark.parametrize("pp,vpp,first,last", [(2, None, 1, None), (3, None, 1, 2), (2, 2, 2, None)])
+def test_uneven_pipeline_stages_round_trip(models, tmp_path: Path, pp: int, vpp, first, last) -> None:
+    """megatron-core's num_layers_in_first/last_pipeline_stage: each stage's rank file holds the layers that
+    megatron-core builds there (its own `get_transformer_layer_offset` / `get_num_layers_to_build` where
+    installed), and the round trip is bit-exact."""
+    layers = 6 if vpp else 5
+    hf_dir = models("qwen2", layers=layers)
+    hf = hf_tensors(hf_dir)
+    out = convert_hf_to_mcore(hf_dir, tmp_path / "m", pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last)
+    assert_same(hf, dict(mcore_to_hf(out)))
+    spec = ConversionSpec.load(out)
+    assert (spec.first_stage_layers, spec.last_stage_layers) == (first, last)
+    expected = megatron_chunk_layers(spec)
+    assert spec.layer_map.chunk_layers() == expected
+    for c, (p, v) in enumerate(spec.layer_map.chunks()):
+        start, count = expected[c]
+        prefix = f"model{v}." if vpp else ""
+        names = load_file(out / rank_file(0, p, pp)).keys()
+        local = {int(n[len(prefix) :].split(".")[2]) for n in names if n.startswith(prefix + "decoder.layers.")}
+        assert local == set(range(count)), (p, v)
+        fc2 = load_file(out / rank_file(0, p, pp))[f"{prefix}decoder.layers.{count - 1}.mlp.linear_fc2.weight"]
+        assert torch.equal(fc2, hf[f"model.layers.{start + count - 1}.mlp.down_proj.weight"])
+    with pytest.raises(ValueError, match="do not split evenly"):
+        convert_hf_to_mcore(hf_dir, tmp_path / "bad", pp=3, first_stage_layers=layers - 3)  # 3 left, 2 stages
+
+
+def megatron_chunk_layers(spec: ConversionSpec) -> list[tuple[int, int]]:
+    """(offset, layers) of each chunk in model order from megatron-core's own functions (the layer map's
+    arithmetic when megatron-core is not installed)."""
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None:
+        return spec.layer_map.chunk_layers()
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    vpp = spec.vpp if spec.vpp > 1 else None
+    config = TransformerConfig(
+        num_layers=spec.mcore["num_layers"], hidden_size=32, num_attention_heads=4, pipeline_dtype=torch.float32,
+        pipeline_model_parallel_size=spec.pp, virtual_pipeline_model_parallel_size=vpp, **spec.pipeline_config(),
+    )  # fmt: skip
+    out = []
+    for p, v in spec.layer_map.chunks():
+        stage = v if spec.vpp > 1 else None
+        out.append((get_transformer_layer_offset(config, stage, p), get_num_layers_to_build(config, stage, p)))
+    return out
