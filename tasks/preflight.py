@@ -439,7 +439,8 @@ MULTI_TURN_BACKENDS = ("hf", "vllm")
 
 def check_multi_turn(cfg: RunConfig) -> None:
     """`rollout.multi_turn`: a backend that runs it, a chat template, no stop strings (turns end at EOS), an
-    environment whose classes import, and, once the model exists, a prefix-preserving template or `new_row`."""
+    environment whose classes import, and, once the model exists, a prefix-preserving template or `new_row` and
+    an assistant prefill that fits; `tool_call_format` only with multi-turn rollouts."""
     mt = cfg.rollout.multi_turn
     field = "rollout.multi_turn"
     if not mt.enabled:
