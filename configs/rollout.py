@@ -47,6 +47,12 @@ class MultiTurnConfig(StrictModel):
     environment: EnvironmentSpec | None = Field(
         default=None, description="The environment each trajectory gets and its tools (required when enabled)."
     )
+    assistant_prefill: str = Field(
+        default="",
+        description="Text put after the generation prompt of the first policy turn, as template glue: its tokens "
+        "are part of the trajectory (encoded once, never re-tokenized) with loss mask 0, and the policy continues "
+        "from them (e.g. '<tool_call>' to start a call). They count against max_response_tokens. Empty: none.",
+    )
 
     @model_validator(mode="after")
     def _needs_environment(self) -> MultiTurnConfig:
@@ -58,6 +64,11 @@ class MultiTurnConfig(StrictModel):
             raise ValueError(
                 f"per_turn_max_tokens ({self.per_turn_max_tokens}) exceeds "
                 f"max_response_tokens ({self.max_response_tokens})"
+            )
+        if self.assistant_prefill and not self.assistant_prefill.strip():
+            raise ValueError(
+                "assistant_prefill is only whitespace; expected the text the first policy turn starts with "
+                "(e.g. '<tool_call>'), or '' for none"
             )
         return self
 

@@ -439,11 +439,18 @@ MULTI_TURN_BACKENDS = ("hf", "vllm")
 
 def check_multi_turn(cfg: RunConfig) -> None:
     """`rollout.multi_turn`: a backend that runs it, a chat template, no stop strings (turns end at EOS), an
-    environment whose classes import, and, once the model exists, a prefix-preserving template or `new_row`."""
+    environment whose classes import, and, once the model exists, a prefix-preserving template or `new_row` and
+    an assistant prefill that fits; `tool_call_format` only with multi-turn rollouts."""
     mt = cfg.rollout.multi_turn
-    if not mt.enabled:
-        return
     field = "rollout.multi_turn"
+    if not mt.enabled:
+        for i, fn in enumerate(cfg.reward.functions):
+            if fn.name == "tool_call_format":
+                raise PreflightError(
+                    f"reward.functions.{i}.name: tool_call_format scores the tool calls of multi-turn rollouts; "
+                    f"expected {field}.enabled=true"
+                )
+        return
     if cfg.rollout.backend not in MULTI_TURN_BACKENDS:
         raise PreflightError(
             f"{field}.enabled: multi-turn rollouts run on rollout.backend {' or '.join(MULTI_TURN_BACKENDS)}, "
@@ -472,16 +479,23 @@ def check_multi_turn_template(cfg: RunConfig) -> None:
     from transformers import AutoTokenizer
 
     from rlstages.engines.rollout.chat_render import ChatRenderer, TemplateError
+    from rlstages.engines.rollout.multi_turn import prefill_ids
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     if cfg.data.chat_template:
         tokenizer.chat_template = cfg.data.chat_template
     eos = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+    mt = cfg.rollout.multi_turn
     try:
-        preserving = ChatRenderer(tokenizer, eos, cfg.data.system_prompt).prefix_preserving()
+        renderer = ChatRenderer(tokenizer, eos, cfg.data.system_prompt)
+        preserving = renderer.prefix_preserving()
     except TemplateError as exc:
         raise PreflightError(f"rollout.multi_turn.enabled: {exc}") from None
-    if not preserving and cfg.rollout.multi_turn.template_not_prefix_preserving == "refuse":
+    try:
+        prefill_ids(renderer, mt.assistant_prefill, eos, mt.max_response_tokens)
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from None
+    if not preserving and mt.template_not_prefix_preserving == "refuse":
         raise PreflightError(
             "rollout.multi_turn.template_not_prefix_preserving: the chat template of "
             f"{path} rewrites earlier turns; expected 'new_row' to train on it (a new row per turn)"

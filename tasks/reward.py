@@ -30,14 +30,19 @@ def score_batch(
     truths = T.get_rows(batch, "ground_truth")
     sources = T.get_rows(batch, "data_source") if "data_source" in batch.keys() else None
     infos = [json.loads(x) for x in T.get_rows(batch, "extra_info")] if "extra_info" in batch.keys() else None
+    trajectories = trajectory_infos(batch)
+    if trajectories is not None:  # multi-turn: the functions may read the row's calls (e.g. tool_call_format)
+        infos = [
+            {**info, "trajectory": {k: t[k] for k in ("turns", "stop_reason", "tool_calls")}}
+            for info, t in zip(infos or [{} for _ in trajectories], trajectories, strict=True)
+        ]
     result = guard_workers(lambda: workers.reward.one(0, timeout).score(prompts, responses, truths, sources, infos))
     scores = torch.tensor(result.scores, dtype=torch.float32)
     metrics = dict(result.metrics)
-    infos = trajectory_infos(batch)
-    if infos is not None:  # multi-turn: an environment's own final reward wins, the tools' turn rewards add
-        env = [x["env_reward"] for x in infos]
+    if trajectories is not None:  # multi-turn: an environment's own final reward wins, the tools' turn rewards add
+        env = [x["env_reward"] for x in trajectories]
         scores = torch.tensor([s if e is None else e for s, e in zip(scores.tolist(), env, strict=True)])
-        scores = scores + torch.tensor([float(sum(x["turn_rewards"])) for x in infos])
+        scores = scores + torch.tensor([float(sum(x["turn_rewards"])) for x in trajectories])
         metrics["reward/environment_scored"] = sum(e is not None for e in env) / max(len(env), 1)
     metrics["reward/accuracy"] = float((scores > 0).float().mean())
     if workers.reward_model is not None and cfg.reward.reward_model is not None:

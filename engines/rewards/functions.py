@@ -109,6 +109,18 @@ def boxed_format(prompt: str, response: str, ground_truth: str, require_number: 
     return 0.0
 
 
+def tool_call_format(
+    prompt: str, response: str, ground_truth: str, extra_info: dict[str, Any] | None = None, **extra: Any
+) -> float:
+    """1.0 if the multi-turn trajectory made a tool call that parsed and ran without an error, else 0.0: a
+    format reward (weight it small) so the groups of a model that rarely writes a valid call have variance.
+    Reads the trajectory record the reward stage puts in `extra_info["trajectory"]` for multi-turn rollouts."""
+    record = (extra_info or {}).get("trajectory")
+    if not isinstance(record, dict):
+        raise ValueError("tool_call_format scores multi-turn rollouts: this row has no trajectory record")
+    return 1.0 if any(c["parsed"] and c["error"] is None for c in record.get("tool_calls", ())) else 0.0
+
+
 def digit_ratio(prompt: str, response: str, ground_truth: str, **extra: Any) -> float:
     """Fraction of the response's characters that are digits: a dense toy reward for smoke runs on tiny
     random models (verl's digit-completion idea), where an exact checker would always score 0."""

@@ -24,6 +24,7 @@ REWARD_FUNCTIONS: dict[str, str] = {
     "math_verify": "rlstages.engines.rewards.functions:math_verify",
     "exact_match": "rlstages.engines.rewards.functions:exact_match",
     "boxed_format": "rlstages.engines.rewards.functions:boxed_format",
+    "tool_call_format": "rlstages.engines.rewards.functions:tool_call_format",
     "digit_ratio": "rlstages.engines.rewards.functions:digit_ratio",
     "gsm8k": "rlstages.engines.rewards.functions:gsm8k",
     "by_data_source": "rlstages.engines.rewards.functions:by_data_source",

@@ -9,9 +9,11 @@ same samples and the same trajectories when the `generate` task is retried.
 Each trajectory has its own environment (`reset(row, seed)` ... `close()`). Budgets: `max_turns` policy
 turns; `max_response_tokens` over the whole response (policy and observation tokens); each turn's
 `max_tokens = min(per_turn_max_tokens, what is left)` (and what the context window leaves); a tool's output
-is cut to `tool_output_max_tokens`. A malformed call, an unknown tool or a failing tool becomes an error
-observation (masked, counted); an exception in an environment ends that trajectory with `stop_reason`
-"error", never the step.
+is cut to `tool_output_max_tokens`. An `assistant_prefill` (e.g. `<tool_call>`) is put after the first
+turn's generation prompt as template glue (mask 0, counted in the response budget); that turn's text, parsed
+for calls, is the prefill's and the sampled tokens' together. A malformed call, an unknown tool or a failing
+tool becomes an error observation (masked, counted); an exception in an environment ends that trajectory
+with `stop_reason` "error", never the step.
 
 Non-goal: the model's decode loop (`decode`, vLLM); what the tools do (`rlstages.engines.tools`).
 """
@@ -76,6 +78,7 @@ class MultiTurnRunner:
         hooks: ToolHooks,
         budgets: Budgets,
         eos_ids: set[int],
+        assistant_prefill: str = "",
     ) -> None:
         self.renderer = renderer
         self.generate = generate
@@ -83,6 +86,7 @@ class MultiTurnRunner:
         self.hooks = hooks
         self.budgets = budgets
         self.eos_ids = set(eos_ids)
+        self.prefill_ids = prefill_ids(renderer, assistant_prefill, self.eos_ids, budgets.max_response_tokens)
         self.new_rows = not renderer.prefix_preserving()
         if self.new_rows and budgets.not_prefix_preserving == "refuse":
             raise TemplateError(
@@ -119,6 +123,8 @@ class MultiTurnRunner:
             traj.tools = [t.schema() for t in env.tools()]
             traj.messages = self.renderer.messages_with_tools(messages, traj.tools)  # a new row renders these again
             traj.segments = [Segment(self.renderer.prompt_ids(messages, traj.tools))]
+            if self.prefill_ids:  # template glue the first turn continues from: in the trajectory, mask 0
+                traj.current.add("prefill", 1, self.prefill_ids)
         except Exception as exc:  # noqa: BLE001  # a failing environment ends its trajectory, not the step
             traj.stop_reason, traj.error = "error", f"reset: {type(exc).__name__}: {exc}"
         return traj
@@ -143,7 +149,8 @@ class MultiTurnRunner:
             ids, logprobs = list(ids)[:limit], list(logprobs)[:limit]
             traj.turns += 1
             traj.current.add("assistant", traj.turns, ids, logprobs)
-            text = self.renderer.tokenizer.decode(ids, skip_special_tokens=True)
+            turn_ids = self.prefill_ids + ids if traj.turns == 1 else ids  # the prefill is the turn's start
+            text = self.renderer.tokenizer.decode(turn_ids, skip_special_tokens=True)
             traj.final_text = text
             traj.messages.append({"role": "assistant", "content": text})
             traj.turn_rewards.append(0.0)
@@ -213,6 +220,23 @@ class MultiTurnRunner:
             traj.error = f"final_reward: {type(exc).__name__}: {exc}"
 
 
+def prefill_ids(renderer: ChatRenderer, prefill: str, eos_ids: set[int], max_response_tokens: int) -> list[int]:
+    """The ids of `rollout.multi_turn.assistant_prefill` (encoded once, on its own); a prefill holding an
+    end-of-turn token or leaving no room for the policy in `max_response_tokens` is refused (ValueError)."""
+    ids = renderer.encode(prefill) if prefill else []
+    if any(i in eos_ids for i in ids):
+        raise ValueError(
+            f"rollout.multi_turn.assistant_prefill {prefill!r} holds an end-of-turn token: the first turn would "
+            "end inside the prefill; expected the text the turn starts with"
+        )
+    if ids and len(ids) + 1 > max_response_tokens:
+        raise ValueError(
+            f"rollout.multi_turn.assistant_prefill is {len(ids)} tokens, which leaves no room in "
+            f"max_response_tokens ({max_response_tokens}); shorten it or raise the budget"
+        )
+    return ids
+
+
 async def _close(env: Environment) -> None:
     try:
         await env.close()
@@ -256,7 +280,9 @@ def build_runner(
     )
     hooks = ToolHooks(tools.parse_tool_calls, tools.run_tool_call)
     renderer = ChatRenderer(tokenizer, eos_ids, system_prompt)
-    return MultiTurnRunner(renderer, generate, lambda: tools.build_environment(spec), hooks, budgets, eos_ids)
+    return MultiTurnRunner(
+        renderer, generate, lambda: tools.build_environment(spec), hooks, budgets, eos_ids, cfg.assistant_prefill
+    )
 
 
 def multi_turn_enabled(settings: Any) -> bool:

@@ -32,7 +32,9 @@ STOP_REASONS = ("done", "length", "max_turns", "context", "error")
 class Span:
     """Tokens [start, end) of the response that one turn's role wrote (policy or observation)."""
 
-    role: str  # "assistant" (sampled, mask 1) or "observation" (tool results and template glue, mask 0)
+    # "assistant" (sampled, mask 1), "observation" (tool results and template glue, mask 0) or "prefill" (the
+    # configured start of the first policy turn, mask 0)
+    role: str
     turn: int
     start: int
     end: int
@@ -107,7 +109,7 @@ class Trajectory:
         row = self.segments[segment]
         parts = [f"[prompt]{decode(row.prompt_ids)}[/prompt]"]
         for span in row.spans:
-            tag = "policy" if span.role == "assistant" else "obs"
+            tag = {"assistant": "policy", "prefill": "prefill"}.get(span.role, "obs")
             parts.append(f"[{tag}]{decode(row.response_ids[span.start : span.end])}[/{tag}]")
         return {
             "decoded": "".join(parts),

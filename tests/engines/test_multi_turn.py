@@ -77,9 +77,11 @@ class ScriptedEngine:
         return out
 
 
-def runner(engine: ScriptedEngine, spec: EnvironmentSpec = CALC, tok: Any = TOK, **budgets: Any) -> MultiTurnRunner:
+def runner(
+    engine: ScriptedEngine, spec: EnvironmentSpec = CALC, tok: Any = TOK, prefill: str = "", **budgets: Any
+) -> MultiTurnRunner:
     b = Budgets(**{"max_turns": 3, "max_response_tokens": 400, "per_turn_max_tokens": 120, **budgets})
-    return MultiTurnRunner(ChatRenderer(tok, {EOS}), engine, lambda: build_environment(spec), HOOKS, b, {EOS})
+    return MultiTurnRunner(ChatRenderer(tok, {EOS}), engine, lambda: build_environment(spec), HOOKS, b, {EOS}, prefill)
 
 
 def prompt(q: str, uid: str = "u0") -> Prompt:
@@ -173,6 +175,63 @@ def test_invalid_json_unknown_tool_and_non_object_arguments_become_masked_error_
     start = trajectory_infos(batch)[0]["spans"][1]["start"]
     assert batch[T.RESPONSE_MASK][0, start : start + len(obs)].sum() == 0
     assert rollout_metrics(batch)["tools/failure_rate"] == 1.0
+
+
+PREFILL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "'
+
+
+def test_an_assistant_prefill_is_masked_glue_of_the_first_turn_only() -> None:
+    engine = ScriptedEngine({"12 * 34": ['12*34"}}\n</tool_call>', "408"]})
+    trajs = runner(engine, prefill=PREFILL).run([prompt("What is 12 * 34?")], n=1, seed=0)
+    batch = build_trajectory_batch(trajs, TOK.pad_token_id, TOK.decode)
+    prefill = TOK(PREFILL, add_special_tokens=False)["input_ids"]
+    first_context, first_limit, first_sampled = engine.received[0]
+    assert first_context[-len(prefill) :] == prefill  # the engine continued from the prefill's ids
+    assert first_limit == 120  # the per-turn cap is for sampled tokens; the prefill counts in the response
+    info = trajectory_infos(batch)[0]
+    assert [s["role"] for s in info["spans"]] == ["prefill", "assistant", "observation", "assistant"]
+    assert spans(batch, 0, "prefill") == [prefill]
+    start, end = info["spans"][0]["start"], info["spans"][0]["end"]
+    assert batch[T.RESPONSE_MASK][0, start:end].sum() == 0 and batch[T.ROLLOUT_LOGPROBS][0, start:end].sum() == 0
+    assert spans(batch, 0, "assistant") == [first_sampled, engine.received[1][2]]
+    assert batch[T.RESPONSE_MASK][0].sum() == len(first_sampled) + len(engine.received[1][2])
+    # the call is parsed from the prefill and the sampled text together; it ran
+    assert info["tool_calls"][0]["error"] is None
+    assert json.loads(info["tool_calls"][0]["raw_arguments"]) == {"expression": "12*34"}
+    # turn 2 starts at the template's generation prompt, not at the prefill: the prefill is in the row once
+    second_context, _, second_sampled = engine.received[1]
+    assert TOK.decode(second_context).endswith("408<|im_end|>\n<|im_start|>assistant\n")
+    real = batch[T.ATTENTION_MASK][0].bool()
+    row = torch.cat([batch[T.PROMPT_IDS][0], batch[T.RESPONSE_IDS][0]])[real].tolist()
+    assert row == second_context + second_sampled and TOK.decode(row).count(PREFILL) == 1
+    assert "[prefill]<tool_call>" in info["decoded"] and trajs[0].messages[-3]["content"].startswith(PREFILL)
+    assert T.get_rows(batch, "response") == ["408"]
+
+
+def test_an_assistant_prefill_is_validated() -> None:
+    from pydantic import ValidationError
+
+    from rlstages.configs.rollout import MultiTurnConfig
+
+    with pytest.raises(ValidationError, match="assistant_prefill is only whitespace"):
+        MultiTurnConfig(enabled=True, environment=CALC, assistant_prefill=" \n")
+    with pytest.raises(ValueError, match="assistant_prefill .* holds an end-of-turn token"):
+        runner(ScriptedEngine({}), prefill="<tool_call><|im_end|>")
+    with pytest.raises(ValueError, match=r"assistant_prefill is \d+ tokens, which leaves no room"):
+        runner(ScriptedEngine({}), prefill=PREFILL, max_response_tokens=len(PREFILL), per_turn_max_tokens=8)
+
+
+def test_the_format_reward_scores_a_call_that_parsed_and_ran() -> None:
+    from rlstages.engines.rewards.functions import tool_call_format
+
+    bad = '<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>'
+    engine = ScriptedEngine({"3 * 3": [call("3*3"), "9"], "4 * 4": [bad, "16"], "5 * 5": ["25"]})
+    questions = [prompt(f"What is {q}?", q) for q in ("3 * 3", "4 * 4", "5 * 5")]
+    batch = build_trajectory_batch(runner(engine).run(questions, 1, 0), TOK.pad_token_id, TOK.decode)
+    got = [tool_call_format("", "", "", extra_info={"trajectory": x}) for x in trajectory_infos(batch)]
+    assert got == [1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="no trajectory record"):
+        tool_call_format("", "", "", extra_info={})
 
 
 class Counter:

@@ -1,6 +1,7 @@
 """A 2-step GRPO flow with multi-turn rollouts and the calculator tool, on a tiny random model with real
 Prefect, Ray and MLflow: every step logs the tool and trajectory metrics and a decoded trajectory table,
-and evaluation logs the tool-call rate. CPU only: `pytest tests/flows/test_multi_turn_flow.py`."""
+and evaluation logs the tool-call rate; split placement.
+CPU only: `pytest tests/flows/test_multi_turn_flow.py`."""
 
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_two_grpo_steps_with_the_calculator_log_the_multi_turn_metrics(
     tmp_path: Path, model_dir: Path, ray_session, prefect_harness
 ) -> None:
+    """Split placement (rollout and trainer in separate workers, weights synced every step; the hybrid engine
+    runs in the agentic_multiply preset), with the assistant prefill, the format reward and token-level
+    rollout IS correction from the stored log-probs."""
     cfg = load_config(
         ROOT / "configs" / "tiny.yaml",
         [
@@ -61,8 +65,13 @@ def test_two_grpo_steps_with_the_calculator_log_the_multi_turn_metrics(
             "rollout.multi_turn.per_turn_max_tokens=8",
             "rollout.multi_turn.max_response_tokens=24",
             "rollout.multi_turn.environment={tools: [{name: calculator}]}",
+            "cluster.hybrid_engine=false",
+            "algorithm.rollout_is.level=token",
+            "rollout.multi_turn.assistant_prefill=<tool_call>",
+            "reward.functions=[{name: digit_ratio}, {name: tool_call_format, weight: 0.1}]",
         ],
     )
+    assert not cfg.cluster.hybrid_engine and cfg.cluster.mode == "ray"
     rl_post_train(cfg)
     client = MlflowClient(cfg.tracking.tracking_uri)
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
@@ -83,3 +92,6 @@ def test_two_grpo_steps_with_the_calculator_log_the_multi_turn_metrics(
     table = json.loads(Path(path).read_text())
     rows = [dict(zip(table["columns"], r, strict=True)) for r in table["data"]]
     assert rows and all(r["trajectory"].startswith("[prompt]") and "[policy]" in r["trajectory"] for r in rows)
+    assert all("[/prompt][prefill]<tool_call>[/prefill][policy]" in r["trajectory"] for r in rows)
+    for key in ("reward/tool_call_format/mean", "rollout_corr/is_ratio_mean"):
+        assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == [1, 2], key

@@ -54,6 +54,12 @@ def test_a_good_multi_turn_config_passes(tiny_model_dir: Path) -> None:
             ["rollout.multi_turn.environment={tools: [{name: no_such_tool}]}"],
             "rollout.multi_turn.environment.tools.0.name",
         ),
+        (["rollout.multi_turn.assistant_prefill=<tool_call></s>"], "rollout.multi_turn.assistant_prefill"),
+        (["rollout.multi_turn.assistant_prefill=" + "x" * 300], "rollout.multi_turn.assistant_prefill is 300 tokens"),
+        (
+            ["rollout.multi_turn.enabled=false", "reward.functions=[{name: tool_call_format}]"],
+            "reward.functions.0.name: tool_call_format scores the tool calls of multi-turn rollouts",
+        ),
     ],
 )
 def test_bad_multi_turn_settings_are_refused_naming_the_field(
