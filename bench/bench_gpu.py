@@ -10,7 +10,7 @@
 - `gpu_demo_step_vs_cpu`: one demo step (generate 64 x 48, then the update) on the GPU over the same step on
   this machine's CPU (CPU time / GPU time; informative).
 
-`python -m bench.bench_gpu`. Not run on a GPU yet (this project's machines had none when it was written).
+`python -m bench.bench_gpu`. Ran on one H100 on 2026-11-26 (README, Benchmarks).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def rollout_vs_generate() -> None:
 
     path = random_model("smollm2-135m")
     engine = HFRolloutEngine(path, dtype="bfloat16", apply_chat_template=False, attention="sdpa")
-    prompts = [Prompt(f"p{i}", f"What is {i} + 7? Think, then answer with a number.") for i in range(8)]
+    prompts = [Prompt(f"p{i}", f"What is {i} + 7? Think, then answer with a number.", str(i + 7)) for i in range(8)]
     sampling = SamplingParams(n=8, temperature=0.7, max_new_tokens=48)
     out: dict[str, Any] = {}
 
@@ -155,7 +155,7 @@ def demo_step_vs_cpu() -> None:
     from rlstages.engines.types import Prompt, SamplingParams
 
     path = random_model("smollm2-135m")
-    prompts = [Prompt(f"p{i}", f"What is {i} + 7?") for i in range(8)]
+    prompts = [Prompt(f"p{i}", f"What is {i} + 7?", str(i + 7)) for i in range(8)]
     sampling = SamplingParams(n=8, temperature=0.7, max_new_tokens=48)
 
     def step_time() -> float:

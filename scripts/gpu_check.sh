@@ -2,14 +2,18 @@
 # Run the `gpu` tests (tests/gpu, `pytest -m gpu`) on a machine with a CUDA build of torch and no network.
 #
 #   scripts/gpu_check.sh --download   # on a machine WITH network: fill $WHEELS (.whl/) with the wheels the gpu
-#                                     # tests need (torch, triton and nvidia-* left out: the GPU machine has them)
-#   scripts/gpu_check.sh              # on the GPU machine: a venv over its torch, the wheels installed offline,
-#                                     # each test file in its own pytest process (each sets up its own process
-#                                     # group), output and device name written to $RESULTS
+#                                     # tests need, at the versions this checkout's .venv has, for CPython 3.12
+#                                     # on x86-64 Linux, without their dependencies (torch, triton, nvidia-*,
+#                                     # numpy, tokenizers... are the GPU machine's own); DeepSpeed (an sdist) is
+#                                     # built into a pure-Python wheel here
+#   scripts/gpu_check.sh [--bench]    # on the GPU machine: the wheels installed offline into $SITE (put first on
+#                                     # PYTHONPATH, over the machine's own versions), each test file in its own
+#                                     # pytest process (each sets up its own process group); with --bench, then
+#                                     # bench/bench_gpu.py and bench/bench_gpu_sync.py; all output in $RESULTS
 #
 # Environment: PYTHON (default python3, the interpreter whose torch has CUDA), WHEELS (default .whl),
-# RESULTS (default gpu_check_results.txt), VENV (default .venv-gpu), TIMEOUT per file in seconds (600).
-# The gpu tests import only torch, transformers, tensordict, safetensors, pydantic, pyyaml (and deepspeed /
+# RESULTS (default gpu_check_results.txt), SITE (default /tmp/rlstages-gpu-site), TIMEOUT per file in seconds
+# (600). The gpu tests import only torch, transformers, tensordict, safetensors, pydantic, pyyaml (and deepspeed /
 # megatron-core for their files): no Ray, Prefect or MLflow. A file whose package is missing is skipped with
 # the reason (pytest's skip), not failed.
 set -uo pipefail
@@ -18,14 +22,28 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 WHEELS="${WHEELS:-$ROOT/.whl}"
 RESULTS="${RESULTS:-$ROOT/gpu_check_results.txt}"
-VENV="${VENV:-$ROOT/.venv-gpu}"
+SITE="${SITE:-/tmp/rlstages-gpu-site}"
 TIMEOUT="${TIMEOUT:-600}"
-PACKAGES=(transformers tokenizers safetensors tensordict "pydantic>=2" pyyaml pytest deepspeed megatron-core)
+# Pure-Python or cp312 wheels the GPU machine may lack or hold at another version than the one tested here
+PACKAGES=(transformers tensordict pyvers pydantic pydantic_core annotated-types typing-inspection typing_extensions
+  regex megatron-core hjson py-cpuinfo)
+BENCH=0
+[[ "${1:-}" == "--bench" ]] && BENCH=1
 
 if [[ "${1:-}" == "--download" ]]; then
+  LOCAL="${LOCAL_PYTHON:-$ROOT/.venv/bin/python}"
   mkdir -p "$WHEELS"
-  "$PYTHON" -m pip download --only-binary=:all: -d "$WHEELS" "${PACKAGES[@]}" || exit 1
-  rm -f "$WHEELS"/torch-*.whl "$WHEELS"/triton-*.whl "$WHEELS"/nvidia_*.whl
+  platform=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+    --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+  for name in "${PACKAGES[@]}"; do
+    version="$("$LOCAL" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")" || exit 1
+    "$LOCAL" -m pip download -q --no-deps "${platform[@]}" -d "$WHEELS" "$name==$version" || exit 1
+  done
+  version="$("$LOCAL" -c "import importlib.metadata as m; print(m.version('deepspeed'))")" || exit 1
+  DS_BUILD_OPS=0 "$LOCAL" -m pip wheel -q --no-deps --no-build-isolation --no-binary=:all: -w "$WHEELS" \
+    "deepspeed==$version" || exit 1
+  rm -f "$WHEELS"/*.tar.gz
+  du -sh "$WHEELS"
   echo "wheels in $WHEELS; copy the repository with it to the GPU machine and run scripts/gpu_check.sh there"
   exit 0
 fi
@@ -34,14 +52,12 @@ if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() el
   echo "gpu_check: $PYTHON has no CUDA torch or sees no GPU (torch.cuda.is_available() is False)" >&2
   exit 2
 fi
-if [[ ! -x "$VENV/bin/python" ]]; then
-  "$PYTHON" -m venv --system-site-packages "$VENV" || exit 2  # its torch (CUDA build) stays visible
-fi
-if [[ -d "$WHEELS" ]]; then
-  "$VENV/bin/python" -m pip install -q --no-index --find-links "$WHEELS" "${PACKAGES[@]}" \
-    || echo "gpu_check: some wheels did not install; files that need them will be skipped" >&2
+if compgen -G "$WHEELS/*.whl" > /dev/null; then
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    "$WHEELS"/*.whl || { echo "gpu_check: the wheels in $WHEELS did not install" >&2; exit 2; }
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 else
-  echo "gpu_check: no wheel folder $WHEELS; using what $PYTHON already has" >&2
+  echo "gpu_check: no wheels in $WHEELS; using what $PYTHON already has" >&2
 fi
 
 PKGROOT="$(mktemp -d)"  # `rlstages.*` resolves to this checkout, without installing it (or its Ray/Prefect deps)
@@ -51,7 +67,7 @@ cd "$ROOT" || exit 2
 
 {
   echo "# gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-  "$VENV/bin/python" - <<'EOF'
+  "$PYTHON" - <<'EOF'
 import torch
 print(f"device: {torch.cuda.get_device_name(0)} (x{torch.cuda.device_count()}), torch {torch.__version__}, "
       f"CUDA {torch.version.cuda}")
@@ -67,11 +83,18 @@ EOF
 status=0
 for file in tests/gpu/test_gpu_*.py; do
   echo "== $file" | tee -a "$RESULTS"
-  timeout "$TIMEOUT" "$VENV/bin/python" -m pytest -p no:cacheprovider -m gpu -rA -q "$file" >> "$RESULTS" 2>&1
+  timeout "$TIMEOUT" "$PYTHON" -m pytest -p no:cacheprovider -m gpu -rA -q "$file" >> "$RESULTS" 2>&1
   rc=$?
   echo "== $file exit $rc" | tee -a "$RESULTS"
   [[ $rc -ne 0 && $rc -ne 5 ]] && status=1  # 5: nothing collected
 done
+if [[ $BENCH == 1 ]]; then
+  for bench in bench_gpu bench_gpu_sync; do
+    echo "== bench/$bench.py" | tee -a "$RESULTS"
+    timeout "$TIMEOUT" "$PYTHON" -m "bench.$bench" >> "$RESULTS" 2>&1
+    echo "== bench/$bench.py exit $?" | tee -a "$RESULTS"
+  done
+fi
 rm -rf "$PKGROOT"
 echo "gpu_check: results in $RESULTS (exit $status)"
 exit $status

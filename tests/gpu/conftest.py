@@ -10,29 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from gpu_helpers import CONFIGS, LR, PROMPTS
+from gpu_helpers import CONFIGS, LR, sample_grpo_batch
 
 from rlstages.configs.training import OptimConfig
-from rlstages.engines import algorithms as A
-from rlstages.engines import types as T
-from rlstages.engines.runtime.device import DEVICE_ENV
 from rlstages.engines.training.settings import TrainerSettings
-from rlstages.engines.types import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def batch(tiny_model_dir: Path):
     """16 sampled rows (4 prompts x 4) with GRPO advantages, sampled on the CPU."""
-    from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(DEVICE_ENV, "cpu")
-        rollout = HFRolloutEngine(tiny_model_dir, dtype="float32", apply_chat_template=False)
-        b = rollout.generate(PROMPTS, SamplingParams(n=4, max_new_tokens=8), seed=3)
-    token = A.outcome_to_token_rewards((torch.arange(16) % 3 == 0).float(), b[T.RESPONSE_MASK])
-    b[T.ADVANTAGES], b[T.RETURNS] = A.compute_advantages("grpo", token, b[T.RESPONSE_MASK], T.get_rows(b, "uid"))
-    b[T.VALUES] = torch.zeros_like(b[T.ADVANTAGES])
-    return b
+    return sample_grpo_batch(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
