@@ -7,8 +7,8 @@ export TRANSFORMERS_OFFLINE := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
-# DeepSpeed's JIT-built ops (shm comm, cpu_adam: ~80 s each) are built once and cached here (git-ignored).
-export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
+# DeepSpeed's JIT-built ops (shm comm, cpu_adam: ~80 s each) are built once into torch's own cache
+# (~/.cache/torch_extensions/py3X_cpu, keyed by their sources and flags), shared by every clone of the repo.
 
 .PHONY: setup setup-test browser-env demo test test-py312 test-all lint smoke bench clean
 

@@ -61,6 +61,14 @@ def resolve_run_dir(cfg: RunConfig, flow_run_id: str | None = None) -> Path:
     return path
 
 
+def finished(path: Path, cfg: RunConfig) -> bool:
+    """True when `path` holds this config's run, ended FINISHED with its final policy exported: resuming it has
+    nothing left to do (its saved config fixes the number of steps)."""
+    state = read_state(path)
+    done = state.get("status") == "FINISHED" and state.get("config_hash") == config_hash(cfg)
+    return done and (path / "final").is_dir()
+
+
 def holds_progress(path: Path) -> bool:
     """True when a run directory holds what a run continues from or must not lose: a committed checkpoint (a
     manifest, even a damaged one) or an exported policy."""

@@ -138,6 +138,11 @@ def resume(
             "checkpoint.resume=auto",
         ],
     )
+    from rlstages.tasks.run_dir import finished
+
+    if _guard(debug, lambda: finished(run_dir, cfg)):  # nothing starts: no Ray, Prefect or MLflow
+        out.print(f"[green]nothing to resume[/]: {escape(str(run_dir))} finished; final policy in {run_dir / 'final'}")
+        return
     _guard(debug, lambda: _precheck(cfg))
     quiet_prefect(debug)
     from rlstages.flows.train import rl_post_train

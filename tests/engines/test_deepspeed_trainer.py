@@ -5,8 +5,8 @@ data-parallel group on Ray.
 
 CPU only, real DeepSpeed (skipped when it is not installed): `.venv/bin/python -m pytest -q
 tests/engines/test_deepspeed_trainer.py`. The first run JIT-builds DeepSpeed's `deepspeed_shm_comm` op (~80 s)
-and, for the offload test, `cpu_adam` (~80 s) into TORCH_EXTENSIONS_DIR (default `.cache/torch_extensions`
-in the repo, as the Makefile sets it); later runs load the cached builds.
+and, for the offload test, `cpu_adam` (~80 s) into TORCH_EXTENSIONS_DIR (default: torch's own cache,
+`~/.cache/torch_extensions/py3X_cpu`, shared by every clone); later runs load the cached builds.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.cpp_extension import get_default_build_root
 
 pytest.importorskip("deepspeed")
 
@@ -36,7 +37,9 @@ from rlstages.engines.training.settings import TrainerSettings  # noqa: E402
 from rlstages.engines.types import Prompt, SamplingParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-EXT_DIR = os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+EXT_DIR = os.environ.get("TORCH_EXTENSIONS_DIR") or str(  # torch's default, given to the Ray workers alike
+    Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
+)
 PROMPTS = [Prompt(f"u{i}", f"{i}+{i}=", str(2 * i)) for i in range(4)]
 OPTIM = OptimConfig(lr=1e-2, total_steps=10, schedule="cosine")
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR")

@@ -67,9 +67,10 @@ CASES = {
 
 @pytest.mark.parametrize("loss", list(CASES))
 def test_two_steps_with_each_policy_loss(loss, tmp_path: Path, tiny_model_dir: Path, ray_session, prefect_harness):
-    """Two PPO epochs per step, so the second sees ratios != 1 and each loss's own branch runs."""
+    """Two PPO epochs per step, so the second sees ratios != 1 and each loss's own branch runs. The engines run
+    in the driver (`cluster.mode=in_process`): the loss is the point here, Ray's actors are the off-policy test's."""
     cfg = cheap_cfg(tmp_path, tiny_model_dir, f"loss-{loss}", f"algorithm.policy_loss={loss}", "actor.ppo_epochs=2",
-                    *CASES[loss])  # fmt: skip
+                    "cluster.mode=in_process", *CASES[loss])  # fmt: skip
     rl_post_train(cfg)
     assert changed_tensors(cfg, tiny_model_dir) > 0
     for key in ("actor/pg_loss", "actor/ppo_kl", "actor/grad_norm", "rollout_corr/kl"):

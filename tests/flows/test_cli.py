@@ -58,6 +58,7 @@ def test_resume_of_a_finished_run_is_a_no_op_that_succeeds(finished_run: Path) -
     before = (finished_run / "final" / "model.safetensors").read_bytes()
     out = rlstages("resume", str(finished_run), cwd=finished_run.parent.parent)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "nothing to resume" in out.stdout and "finished" in out.stdout  # nothing started (no flow run)
     assert (finished_run / "final" / "model.safetensors").read_bytes() == before
 
 

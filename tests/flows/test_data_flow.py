@@ -1,6 +1,7 @@
 """A user's own data and model through the whole flow: a verl-format parquet file (chat-message prompts,
 data_source, reward_model, extra_info) with a custom chat template and a prompt-length filter, and the
-policy given as a hub id resolved offline from a temporary HF cache. Real Prefect, Ray and MLflow."""
+policy given as a hub id resolved offline from a temporary HF cache. Real Prefect and MLflow; the engines in
+the driver (`cluster.mode=in_process`): data and models are the point here, not Ray."""
 
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def test_verl_parquet_and_hub_model_id_run_and_are_recorded(
             "data.chat_template=" + TEMPLATE.replace("'", "''").join("''"),
             "data.max_prompt_length=40",
             "data.overlong_prompts=drop",
+            "cluster.mode=in_process",
             "data.prompts_per_step=2",
             "data.eval_prompts=4",
             "reward.functions=[{name: by_data_source}, {name: digit_ratio}]",
@@ -117,6 +119,7 @@ def test_lora_actor_with_kl_to_its_frozen_base(
             "actor.optim.lr=0.05",
             f"trainer.output_dir={tmp_path / 'runs'}",
             "trainer.run_name=lora",
+            "cluster.mode=in_process",
             f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
             "tracking.log_model=false",
         ],

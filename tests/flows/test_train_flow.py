@@ -1,6 +1,8 @@
 """The training flow end to end on a tiny random model with real Prefect (no server), real Ray and a
 real MLflow SQLite store: 2 steps learn and are recorded; a transient stage fault is retried; a crash is
-resumed bitwise into the same MLflow run; a killed worker is recovered from the last checkpoint.
+resumed bitwise into the same MLflow run; a killed worker is recovered from the last checkpoint. The retry and
+resume runs put the engines in the driver (`cluster.mode=in_process`, `IN_DRIVER`) and still end bit for bit
+where the Ray run ends: the two modes run the same engines.
 CPU only, ~3 minutes: `pytest tests/flows/test_train_flow.py`."""
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from rlstages.tasks.checkpoint import latest_checkpoint
 from rlstages.tasks.context import RunHandle
 
 ROOT = Path(__file__).resolve().parents[2]
+IN_DRIVER = "cluster.mode=in_process"  # no actor start-up (~25 s a run on two cores) where Ray is not the point
 
 
 def tiny_cfg(tmp: Path, model_dir: Path, name: str, *extra: str) -> RunConfig:
@@ -143,7 +146,7 @@ def test_task_runs_are_named_by_stage_and_step(base) -> None:
 
 def test_transient_fault_is_retried(base, tiny_model_dir: Path, faults) -> None:
     tmp, ref_cfg, _ = base
-    cfg = tiny_cfg(tmp, tiny_model_dir, "retried")
+    cfg = tiny_cfg(tmp, tiny_model_dir, "retried", IN_DRIVER)
     faults("generate@1:transient,score_rewards@2:transient")
     rl_post_train(cfg)
     run_dir = cfg.trainer.output_dir / "retried"
@@ -156,7 +159,7 @@ def test_transient_fault_is_retried(base, tiny_model_dir: Path, faults) -> None:
 
 def test_crash_then_resume_is_bitwise_and_logs_each_step_once(base, tiny_model_dir: Path, faults) -> None:
     tmp, ref_cfg, _ = base
-    cfg = tiny_cfg(tmp, tiny_model_dir, "crashed")
+    cfg = tiny_cfg(tmp, tiny_model_dir, "crashed", IN_DRIVER)
     faults("checkpoint@2:fatal")  # step 2's metrics are logged, then the run dies before committing it
     with pytest.raises(RuntimeError, match="injected fatal fault"):
         rl_post_train(cfg)
@@ -202,7 +205,7 @@ def test_a_failed_start_does_not_block_its_run_name(
     from rlstages.configs import config_hash
     from rlstages.tasks.preflight import preflight
 
-    quick = ("trainer.eval_at_start=false", "trainer.total_steps=1", "cluster.mode=in_process")
+    quick = ("trainer.eval_at_start=false", "trainer.total_steps=1", IN_DRIVER)
     wrong = tiny_cfg(tmp_path, tiny_model_dir, "late", "rollout.temperature=0.5", *quick)
     faults("generate@1:fatal")
     assert preflight(wrong) == []
@@ -244,7 +247,7 @@ def test_bf16_stochastic_rounding_run_resumes_bitwise(base, tiny_model_dir: Path
     """The demo's training shape (bf16 weights, torchao's AdamW, hybrid engine) through the flow: a run that
     crashes before its step-2 checkpoint resumes to the uninterrupted run's weights, bit for bit."""
     tmp, _, _ = base
-    shape = ("cluster.hybrid_engine=true", "model.dtype=bfloat16", "actor.bf16_stochastic_round=true")
+    shape = ("cluster.hybrid_engine=true", "model.dtype=bfloat16", "actor.bf16_stochastic_round=true", IN_DRIVER)
     ref_cfg = tiny_cfg(tmp, tiny_model_dir, "bf16-sr", *shape)
     rl_post_train(ref_cfg)
     cfg = tiny_cfg(tmp, tiny_model_dir, "bf16-sr-crashed", *shape)

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 from gpu_helpers import CONFIGS, LR, sample_grpo_batch
 
 from rlstages.configs.training import OptimConfig

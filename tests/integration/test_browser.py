@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from integration_support import REPO, RLSTAGES, TINY, PrefectAPI, RayCluster, Servers, base_env, tiny_overrides
+from integration_support import REPO, RLSTAGES, TINY, PrefectAPI, Servers, base_env, tiny_overrides
 from mlflow import MlflowClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400)]
@@ -54,19 +54,16 @@ class Run:
     flow_run_id: str
 
 
-def train(
-    servers: Servers, ray_address: str, workdir: Path, model_dir: Path, name: str, faults: str, *extra: str
-) -> Run:
-    """`rlstages run configs/tiny.yaml` against the servers, on the session's Ray cluster; the run's ids."""
+def train(servers: Servers, workdir: Path, model_dir: Path, name: str, faults: str, *extra: str) -> Run:
+    """`rlstages run configs/tiny.yaml` against the servers, the engines in the run's process; the run's ids."""
     overrides = tiny_overrides(workdir, model_dir, servers.mlflow_uri, name, EXPERIMENT, *extra)
     env = base_env(
         PREFECT_API_URL=servers.prefect_api,
         PREFECT_HOME=str(workdir / "prefect-client"),
         RLSTAGES_FAULTS=faults,
-        RAY_ADDRESS=ray_address,
     )
     proc = subprocess.run(
-        [RLSTAGES, "run", TINY, *overrides, "cluster.hybrid_engine=true"],
+        [RLSTAGES, "run", TINY, *overrides, "cluster.mode=in_process"],  # the pages are the point, not Ray
         cwd=workdir,
         env=env,
         capture_output=True,
@@ -83,13 +80,11 @@ def train(
 
 
 @pytest.fixture(scope="module")
-def runs(
-    servers: Servers, ray_cluster: RayCluster, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Run, Run]:
+def runs(servers: Servers, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, Run]:
     """Run A (a transient fault in generate at step 2, retried) and run B (another learning rate)."""
     work = tmp_path_factory.mktemp("browser")
-    a = train(servers, ray_cluster.address, work, tiny_model_dir, "browser-a", "generate@2:transient")
-    b = train(servers, ray_cluster.address, work, tiny_model_dir, "browser-b", "", "actor.optim.lr=5e-4")
+    a = train(servers, work, tiny_model_dir, "browser-a", "generate@2:transient")
+    b = train(servers, work, tiny_model_dir, "browser-b", "", "actor.optim.lr=5e-4")
     return a, b
 
 
