@@ -105,18 +105,27 @@ def check_conversion_inputs(
     overwrite: bool = False,
     dist_checkpoint: bool = False,
     ep: int = 1,
+    etp: int | None = None,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
 ) -> None:
     """Fail fast, before any flow run, on a bad HF directory, config or parallel layout (one-line errors)."""
     new_checksum(checksum)
     hf = Path(hf_dir)
     if not hf.is_dir():
         raise FileNotFoundError(f"{hf}: HF model directory not found")
-    ConversionSpec.from_hf_config(read_hf_config(hf), tp, pp, vpp, transformer_impl, ep=ep)  # type: ignore[arg-type]
+    stages = (first_stage_layers, last_stage_layers)
+    if any(n is not None for n in stages) and pp < 2:
+        raise ValueError(f"--first-stage-layers / --last-stage-layers need --pp > 1 (uneven stages), got pp={pp}")
+    ConversionSpec.from_hf_config(
+        read_hf_config(hf), tp, pp, vpp, transformer_impl, ep=ep, etp=etp,  # type: ignore[arg-type]
+        first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
+    )  # fmt: skip
     hf_weight_files(hf)
     out = Path(out_dir)
     if out.is_dir() and any(out.iterdir()) and ours(out):  # the same conversion again is a cache hit, not a clash
         options = {"transformer_impl": transformer_impl, "dist_checkpoint": dist_checkpoint, "checksum": checksum}
-        options |= expert_option(ep)
+        options |= expert_option(ep, *stages, etp)
         check_replaceable(out, overwrite, conversion_key(str(hf), str(out), tp, pp, vpp, **options))
     else:
         check_replaceable(out, overwrite)

@@ -291,6 +291,12 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     ),
     ("convert-into-foreign", ["convert", "MODEL", "foreign"], {}, "foreign: exists and is not an rlstages conversion"),
     ("convert-into-file", ["convert", "MODEL", "a-file"], {}, "a-file: exists and is not a directory"),
+    (
+        "convert-uneven-stages",
+        ["convert", "MODEL", "out", "--pp", "2", "--first-stage-layers", "5"],
+        {},
+        "uneven pipeline stages: 2 layers minus first=5",
+    ),
     ("export-not-converted", ["export", "foreign", "out"], {}, "foreign is not a complete conversion output"),
     # servers and comparisons
     ("server-status-broken", ["server", "status"], {}, "servers.json: damaged server state file"),
