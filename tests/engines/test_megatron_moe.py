@@ -5,11 +5,14 @@ dispatcher): log-probs within the dense tolerance, the HF export bit-exact (expe
 one GRPO step with the same metrics and the same moved weights, `moe/*` metrics; a `dist_checkpointing` save at
 EP=2 loaded by an EP=1 engine in this process (resharded) gives the same weights bit for bit and log-probs, and
 Adam's moments and step as an EP=1 engine's own first step (megatron-core's fully-reshardable optimizer format).
+TP2 x EP2 with expert TP 1 (the presets' ETP=1) as a second 2-rank group: the same log-probs, GRPO step (sequence
+parallel, torch norms) and HF export, then it loads a 1-rank TP1 / EP1 engine's checkpoint (EP 1 -> 2): the weights
+bit for bit and every rank's Adam moments and step as saved.
 In this process at EP=1: the router options reach megatron-core (aux / z-loss tracked,
 their gradient reaching the router), and a dense model at EP > 1 is refused.
 
 Run: .venv/bin/python -m pytest tests/engines/test_megatron_moe.py -q
-Hardware: CPU only (megatron-core local spec, SequentialMLP experts, gloo); one 2-rank Ray group; ~1-2 min.
+Hardware: CPU only (megatron-core local spec, SequentialMLP experts, gloo); two 2-rank Ray groups; ~1-2 min.
 Skipped without megatron-core.
 """
 
