@@ -252,7 +252,8 @@ def test_tp2_ep2_etp1_ray_group_matches_torch_and_loads_ep1(
         assert [(v["tp_rank"], v["ep_rank"]) for v in views] == [(0, 0), (1, 1)]  # expert rank order: ETP, then EP
         assert all(v["sequence_parallel"] for v in views)  # megatron-core trains MoE under TP only with it
         shapes = views[0]["shapes"]
-        assert shapes["decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"] == (64, 32)  # full width
+        whole = (2 * conv.mcore["moe_ffn_hidden_size"], conv.mcore["hidden_size"])  # gate + up, not split over TP
+        assert shapes["decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"] == whole
         assert shapes["decoder.layers.0.self_attention.linear_proj.weight"][1] * 2 == conv.mcore["hidden_size"]
         mask = batch[T.RESPONSE_MASK]
         out = group.dp(300).logprobs(batch)
