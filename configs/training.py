@@ -147,7 +147,10 @@ class MegatronTrainingConfig(_TrainingCommon):
         default=1, ge=1, description="EP: each MoE layer's experts split over this many ranks (within DP x CP x TP)."
     )
     expert_tensor_parallel_size: int | None = Field(
-        default=None, ge=1, description="TP inside each expert; None = tensor_model_parallel_size (megatron's default)."
+        default=None,
+        ge=1,
+        description="TP inside each expert, a divisor of tensor_model_parallel_size (the seeds' MoE presets: 1); "
+        "None = tensor_model_parallel_size (megatron's default).",
     )
     num_layers_in_first_pipeline_stage: int | None = Field(
         default=None, ge=1, description="Uneven pipeline: layers of the first stage (the others share the rest)."
@@ -177,6 +180,11 @@ class MegatronTrainingConfig(_TrainingCommon):
             raise ValueError(
                 f"megatron num_workers={self.num_workers} is not a multiple of TP x PP x CP = {model_parallel}; "
                 "data-parallel size must be a whole number"
+            )
+        if self.tensor_model_parallel_size % self.expert_tp:
+            raise ValueError(
+                f"megatron expert_tensor_parallel_size={self.expert_tp} must divide tensor_model_parallel_size="
+                f"{self.tensor_model_parallel_size} (expert TP larger than TP is not supported)"
             )
         expert_group = self.expert_model_parallel_size * self.expert_tp * self.pipeline_model_parallel_size
         if self.num_workers % expert_group:

@@ -1,6 +1,7 @@
 """Checkpoint conversion as Prefect flows, their Python API, and the `rlstages convert` / `export` commands.
 
-    rlstages convert HF_DIR OUT_DIR --tp 2 --pp 2 [--vpp 2] [--ep 2] [--verify] [--dist-checkpoint]
+    rlstages convert HF_DIR OUT_DIR --tp 2 --pp 2 [--vpp 2] [--ep 2] [--etp 1] [--first-stage-layers N]
+                     [--last-stage-layers N] [--verify] [--dist-checkpoint]
     rlstages export MCORE_DIR OUT_DIR [--overwrite]
 
 The conversion task is cached (see `rlstages.tasks.convert`): converting the same inputs to the same layout again,
@@ -25,6 +26,7 @@ from rlstages.tasks.convert import (
     check_conversion_inputs,
     check_export_inputs,
     convert_checkpoint,
+    expert_option,
     export_checkpoint,
     verify_conversion,
 )
@@ -49,14 +51,20 @@ def convert_flow(
     progress: bool = False,
     overwrite: bool = False,
     ep: int = 1,
+    etp: int | None = None,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
 ) -> dict[str, Any]:
-    """Convert (cached) and optionally check logits parity; returns the output path and the parity report."""
+    """Convert (cached) and optionally check logits parity; returns the output path and the parity report.
+    `etp`: expert tensor parallel size (None: tp); `first_stage_layers` / `last_stage_layers`: uneven pipeline."""
     out = convert_checkpoint(
         hf_dir, out_dir, tp, pp, vpp, transformer_impl=transformer_impl, dist_checkpoint=dist_checkpoint,
-        checksum=checksum, progress=progress, overwrite=overwrite, ep=ep,
+        checksum=checksum, progress=progress, overwrite=overwrite, ep=ep, etp=etp,
+        first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
     )  # fmt: skip
     parity = verify_conversion(hf_dir, out) if verify else None
-    experts = f" EP={ep}" if ep != 1 else ""
+    options = expert_option(ep, first_stage_layers, last_stage_layers, etp)
+    experts = "".join(f" {k.upper() if k in ('ep', 'etp') else k}={n}" for k, n in options.items())
     lines = [f"**{Path(hf_dir).name}** -> `{out}` with TP={tp} PP={pp} VPP={vpp or 1}{experts} ({transformer_impl})"]
     if parity is not None:
         lines.append(
@@ -106,6 +114,15 @@ def convert_command(
     pp: Annotated[int, typer.Option("--pp", min=1, help="Pipeline-parallel size.")] = 1,
     vpp: Annotated[int | None, typer.Option("--vpp", min=1, help="Virtual pipeline chunks per stage.")] = None,
     ep: Annotated[int, typer.Option("--ep", min=1, help="Expert-parallel size (MoE models).")] = 1,
+    etp: Annotated[
+        int | None, typer.Option("--etp", min=1, help="Expert tensor-parallel size, a divisor of --tp (default: --tp).")
+    ] = None,
+    first_stage_layers: Annotated[
+        int | None, typer.Option("--first-stage-layers", min=1, help="Layers of the first pipeline stage (uneven).")
+    ] = None,
+    last_stage_layers: Annotated[
+        int | None, typer.Option("--last-stage-layers", min=1, help="Layers of the last pipeline stage (uneven).")
+    ] = None,
     verify: Annotated[bool, typer.Option("--verify", help="Check logits against HF (needs megatron-core).")] = False,
     transformer_impl: Annotated[str, typer.Option(help="Layer-spec names: local or transformer_engine.")] = "local",
     dist_checkpoint: Annotated[
@@ -120,11 +137,12 @@ def convert_command(
     debug: Debug = False,
 ) -> None:
     """Convert an HF checkpoint to Megatron-Core rank files (cached: a re-run on the same inputs is free)."""
+    layout = {"ep": ep, "etp": etp, "first_stage_layers": first_stage_layers, "last_stage_layers": last_stage_layers}
     _run(debug, lambda: check_conversion_inputs(
-        hf_dir, out_dir, tp, pp, vpp, transformer_impl, checksum, overwrite, dist_checkpoint, ep))  # fmt: skip
+        hf_dir, out_dir, tp, pp, vpp, transformer_impl, checksum, overwrite, dist_checkpoint, **layout))  # fmt: skip
     result = _run(debug, lambda: convert_flow(
         str(hf_dir), str(out_dir), tp, pp, vpp, verify, cast(_Impl, transformer_impl), dist_checkpoint,
-        cast(_Checksum, checksum), progress=True, overwrite=overwrite, ep=ep))  # fmt: skip
+        cast(_Checksum, checksum), progress=True, overwrite=overwrite, **layout))  # fmt: skip
     err.print(f"[green]converted[/]: {escape(str(result['out_dir']))}")
     if result["parity"]:
         p = result["parity"]

@@ -105,18 +105,27 @@ def check_conversion_inputs(
     overwrite: bool = False,
     dist_checkpoint: bool = False,
     ep: int = 1,
+    etp: int | None = None,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
 ) -> None:
     """Fail fast, before any flow run, on a bad HF directory, config or parallel layout (one-line errors)."""
     new_checksum(checksum)
     hf = Path(hf_dir)
     if not hf.is_dir():
         raise FileNotFoundError(f"{hf}: HF model directory not found")
-    ConversionSpec.from_hf_config(read_hf_config(hf), tp, pp, vpp, transformer_impl, ep=ep)  # type: ignore[arg-type]
+    stages = (first_stage_layers, last_stage_layers)
+    if any(n is not None for n in stages) and pp < 2:
+        raise ValueError(f"--first-stage-layers / --last-stage-layers need --pp > 1 (uneven stages), got pp={pp}")
+    ConversionSpec.from_hf_config(
+        read_hf_config(hf), tp, pp, vpp, transformer_impl, ep=ep, etp=etp,  # type: ignore[arg-type]
+        first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
+    )  # fmt: skip
     hf_weight_files(hf)
     out = Path(out_dir)
     if out.is_dir() and any(out.iterdir()) and ours(out):  # the same conversion again is a cache hit, not a clash
         options = {"transformer_impl": transformer_impl, "dist_checkpoint": dist_checkpoint, "checksum": checksum}
-        options |= expert_option(ep)
+        options |= expert_option(ep, *stages, etp)
         check_replaceable(out, overwrite, conversion_key(str(hf), str(out), tp, pp, vpp, **options))
     else:
         check_replaceable(out, overwrite)
@@ -165,16 +174,19 @@ def _exported_by_us(out: Path) -> bool:
         return False
 
 
-def expert_option(ep: int, first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> dict:
-    """The expert-parallel size and uneven pipeline stages as cache-key options, only when set (the keys of
+def expert_option(
+    ep: int, first_stage_layers: int | None = None, last_stage_layers: int | None = None, etp: int | None = None
+) -> dict:
+    """The expert-parallel sizes and uneven pipeline stages as cache-key options, only when set (the keys of
     dense, evenly split conversions stay as they were)."""
-    stages = {"first_stage_layers": first_stage_layers, "last_stage_layers": last_stage_layers}
-    return ({"ep": ep} if ep != 1 else {}) | {k: n for k, n in stages.items() if n is not None}
+    experts = ({"ep": ep} if ep != 1 else {}) | ({"etp": etp} if etp is not None else {})
+    return experts | ConversionSpec.stage_fields((first_stage_layers, last_stage_layers))
 
 
 def _cache_key(context: TaskRunContext, params: dict[str, Any]) -> str:
     options = {k: params.get(k, DEFAULTS[k]) for k in DEFAULTS}
-    options |= expert_option(params.get("ep", 1), params.get("first_stage_layers"), params.get("last_stage_layers"))
+    stages = (params.get("first_stage_layers"), params.get("last_stage_layers"))
+    options |= expert_option(params.get("ep", 1), *stages, params.get("etp"))
     key = conversion_key(params["hf_dir"], params["out_dir"], params["tp"], params["pp"], params.get("vpp"), **options)
     store = getattr(context, "result_store", None)
     if not holds_conversion(params["out_dir"], key) and store is not None and store.exists(key):
@@ -206,12 +218,14 @@ def convert_checkpoint(
     ep: int = 1,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    etp: int | None = None,
 ) -> str:
     """HF directory -> Megatron-Core rank files in `out_dir` (replacing an older conversion of ours there only
-    with `overwrite`); `ep` > 1 splits an MoE model's experts over expert-parallel ranks; `first_stage_layers` /
-    `last_stage_layers` give megatron-core's uneven first / last pipeline stage."""
+    with `overwrite`); `ep` > 1 splits an MoE model's experts over expert-parallel ranks, `etp` each expert over
+    that many expert-TP ranks (None: tp); `first_stage_layers` / `last_stage_layers` give megatron-core's uneven
+    first / last pipeline stage."""
     options = {"transformer_impl": transformer_impl, "dist_checkpoint": dist_checkpoint, "checksum": checksum}
-    options |= expert_option(ep, first_stage_layers, last_stage_layers)
+    options |= expert_option(ep, first_stage_layers, last_stage_layers, etp)
     key = conversion_key(hf_dir, out_dir, tp, pp, vpp, **options)
     out = Path(out_dir)
     if holds_conversion(out, key):
@@ -219,7 +233,7 @@ def convert_checkpoint(
     check_replaceable(out, overwrite, key)
     with _progress_bar(progress, f"convert {Path(hf_dir).name} -> tp{tp} pp{pp}") as report:
         convert_hf_to_mcore(
-            hf_dir, out, tp, pp, vpp, ep=ep, transformer_impl=transformer_impl,  # type: ignore[arg-type]
+            hf_dir, out, tp, pp, vpp, ep=ep, etp=etp, transformer_impl=transformer_impl,  # type: ignore[arg-type]
             first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
             extra_outputs=dist_checkpoint_writer() if dist_checkpoint else None, overwrite=True,
             checksum=checksum, input_digests=input_digests(hf_dir),

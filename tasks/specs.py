@@ -69,6 +69,7 @@ def converted_dir(cfg: RunConfig) -> Path | None:
         return None
     vpp = f"-vpp{a.virtual_pipeline_model_parallel_size}" if a.virtual_pipeline_model_parallel_size else ""
     ep = f"-ep{a.expert_model_parallel_size}" if a.expert_model_parallel_size > 1 else ""
+    ep += f"-etp{a.expert_tp}" if a.expert_tp != a.tensor_model_parallel_size else ""
     first, last = a.num_layers_in_first_pipeline_stage, a.num_layers_in_last_pipeline_stage
     ep += (f"-first{first}" if first else "") + (f"-last{last}" if last else "")  # uneven pipeline stages
     name = f"{cfg.model.path.name}-tp{a.tensor_model_parallel_size}-pp{a.pipeline_model_parallel_size}{vpp}{ep}"

@@ -30,7 +30,7 @@ from rlstages.engines.convert.manifest import (
 )
 from rlstages.engines.convert.ops import Converted, RowConcat
 from rlstages.engines.convert.safetensors_io import DEFAULT_CHECKSUM, Planned, PlannedWriter, Reader, new_checksum
-from rlstages.engines.convert.sharding import chunk_prefix, pad_vocab, split_ep, split_tp, tp_kind
+from rlstages.engines.convert.sharding import chunk_prefix, expert_index, pad_vocab, split_ep, split_tp, tp_kind
 from rlstages.engines.convert.spec import SPEC_FILE, ConversionSpec, TransformerImpl
 from rlstages.engines.convert.stream import ConversionError, HfToMcore
 
@@ -92,7 +92,9 @@ def hf_weight_files(hf_dir: Path) -> list[Path]:
 
 def shard_global(spec: ConversionSpec, name: str, tensor: Converted) -> Iterator[EpRankTensor]:
     """Place one global Megatron tensor: pad vocab, split over TP, locate its pipeline stage and chunk, and its
-    expert-parallel rank(s) (a routed expert on one, under its local index; anything else on all)."""
+    expert-parallel rank(s) (a routed expert on one, under its local index; anything else on all). A routed
+    expert is split over the expert TP size instead: TP rank t's file holds its shard t % expert_tp (megatron-core
+    orders expert ranks ETP fastest, so the rank with dense TP rank t has that expert TP rank)."""
     try:
         kind = tp_kind(name, spec.template.tp_rules)
     except KeyError:
@@ -102,11 +104,12 @@ def shard_global(spec: ConversionSpec, name: str, tensor: Converted) -> Iterator
     if kind == "vocab":
         tensor = pad_vocab(tensor, spec.mcore["padded_vocab_size"])
     place = spec.layer_map.place(name)
-    shards = split_tp(name, tensor, kind, spec.tp)
+    parts = spec.expert_tp if expert_index(place.local_name) is not None else spec.tp
+    shards = split_tp(name, tensor, kind, parts)  # a routed expert: over expert TP, the rest over TP
     for ep_rank, ep_name in split_ep(place.local_name, spec.experts_per_rank, spec.ep):
         local = chunk_prefix(place.vp_stage, spec.vpp) + ep_name
-        for tp_rank, shard in enumerate(shards):
-            yield tp_rank, place.pp_rank, ep_rank, local, shard
+        for tp_rank in range(spec.tp):
+            yield tp_rank, place.pp_rank, ep_rank, local, shards[tp_rank % parts]
 
 
 def stream_rank_tensors(
@@ -156,6 +159,7 @@ def convert_hf_to_mcore(
     vpp: int | None = None,
     *,
     ep: int = 1,
+    etp: int | None = None,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
     transformer_impl: TransformerImpl = "local",
@@ -171,7 +175,8 @@ def convert_hf_to_mcore(
     """Convert an HF model directory to Megatron-Core rank files under `out_path`; returns `out_path`.
 
     `ep` > 1 (MoE models) writes one file per (tp, pp, ep) rank: each EP rank holds its contiguous share of
-    every MoE layer's routed experts, renumbered from 0, plus a copy of all other tensors.
+    every MoE layer's routed experts, renumbered from 0, plus a copy of all other tensors. `etp` (a divisor of
+    `tp`, None = tp) splits each routed expert over that many expert-TP ranks instead of over TP.
     `first_stage_layers` / `last_stage_layers` give the first / last pipeline stage that many layers (megatron-core's
     `num_layers_in_first/last_pipeline_stage`; the middle stages share the rest evenly).
     `extra_outputs` maps a subdirectory name to a writer `(conversion_dir, subdir)` run inside the atomic
@@ -182,7 +187,7 @@ def convert_hf_to_mcore(
     hf_dir, out = Path(hf_path), Path(out_path)
     new_checksum(checksum)  # an unknown algorithm fails before any work
     spec = ConversionSpec.from_hf_config(
-        read_hf_config(hf_dir), tp, pp, vpp, transformer_impl, vocab_divisible_by, ep=ep,
+        read_hf_config(hf_dir), tp, pp, vpp, transformer_impl, vocab_divisible_by, ep=ep, etp=etp,
         first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
     )  # fmt: skip
     readers = [Reader(f) for f in hf_weight_files(hf_dir)]
@@ -202,6 +207,7 @@ def convert_hf_to_mcore(
             "pp": spec.pp,
             "vpp": spec.vpp,
             "ep": spec.ep,
+            **({"etp": spec.etp} if spec.etp else {}),
             **({"stage_layers": spec.layer_map.stage_layers()} if spec.layer_map.uneven else {}),
             "transformer_impl": spec.transformer_impl,
             "extra_outputs": sorted(extra_outputs or {}),

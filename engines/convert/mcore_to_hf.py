@@ -96,7 +96,7 @@ def _from_ranks(
         for local in local_names:
             experts = expert_index(local) is not None
             for ep_rank in range(spec.ep if experts else 1):
-                shards = [load((t, pp_rank, ep_rank), local) for t in range(spec.tp)]
+                shards = [load((t, pp_rank, ep_rank), local) for t in range(spec.expert_tp if experts else spec.tp)]
                 name = global_expert_name(local[len(prefix) :], ep_rank, spec.experts_per_rank)
                 name = spec.layer_map.global_name(name, pp_rank, vp_stage)
                 yield from stream.add(name, _to_global(stream, spec, name, shards))
@@ -119,8 +119,8 @@ def rank_mcore_to_hf(
 
     Names are the model chunk's own (`decoder.layers.<local>...`; a leading "module." is stripped).
     With PP/VPP > 1 only this chunk's tensors are produced, so only leftovers are checked, not completeness.
-    Under expert parallelism (spec.ep > 1) a routed expert's TP shards are gathered over `expert_tp_group`
-    (default `tp_group`; megatron-core's expert tensor parallel group) and the local experts of every EP rank
+    A routed expert's `spec.expert_tp` shards are gathered over `expert_tp_group` (default `tp_group`;
+    megatron-core's expert tensor parallel group) and under expert parallelism the local experts of every EP rank
     over `ep_group` (megatron-core's expert model parallel group), in EP-rank order.
     """
     stream = McoreToHf(spec)
@@ -132,9 +132,9 @@ def rank_mcore_to_hf(
             continue
         name = spec.layer_map.global_name(local, pp_rank, vp_stage)
         expert = expert_index(name) is not None
-        shards = [tensor.detach()]
-        if spec.tp > 1 and _kind(spec, name) != "replicated":
-            shards = _all_gather(tensor.detach(), spec.tp, (expert_tp_group or tp_group) if expert else tp_group)
+        shards, parts = [tensor.detach()], spec.expert_tp if expert else spec.tp
+        if parts > 1 and _kind(spec, name) != "replicated":
+            shards = _all_gather(tensor.detach(), parts, (expert_tp_group or tp_group) if expert else tp_group)
         if not expert or spec.ep == 1:
             yield from stream.add(name, _to_global(stream, spec, name, shards))
             continue

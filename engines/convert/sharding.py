@@ -8,7 +8,8 @@ stage), stored under local indices; with virtual pipelines model chunk c = v * p
 chunk, final norm and output layer on the last.
 EP rules (Megatron-Core MoE): the routed experts of a layer are split contiguously over the expert-parallel
 ranks (EP rank e holds experts [e*n, (e+1)*n) as local experts 0..n-1), each expert TP-split like a dense MLP
-(expert tensor parallel size = TP); everything else, the router included, is replicated over EP ranks.
+over the expert tensor parallel size (TP, or a divisor of it: `ConversionSpec.expert_tp`); everything else, the
+router included, is replicated over EP ranks.
 Non-goal: knowing any HF name.
 """
 

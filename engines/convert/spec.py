@@ -51,6 +51,7 @@ class ConversionSpec:
     ep: int = 1
     first_stage_layers: int | None = None  # megatron-core's num_layers_in_first_pipeline_stage (uneven PP)
     last_stage_layers: int | None = None  # num_layers_in_last_pipeline_stage
+    etp: int | None = None  # expert tensor parallel size (megatron-core's); None = tp
     layer_map: LayerMap = field(init=False)
 
     def __post_init__(self) -> None:
@@ -70,9 +71,11 @@ class ConversionSpec:
         ep: int = 1,
         first_stage_layers: int | None = None,
         last_stage_layers: int | None = None,
+        etp: int | None = None,
     ) -> ConversionSpec:
         """Build and check a spec from an HF config dict (config.json's contents); `ep` = expert parallel size,
-        `first_stage_layers` / `last_stage_layers` = megatron-core's uneven first / last pipeline stage."""
+        `etp` = expert tensor parallel size (None: tp), `first_stage_layers` / `last_stage_layers` = megatron-core's
+        uneven first / last pipeline stage."""
         _check_sizes(tp, pp, vpp or 1, transformer_impl, ep)
         model_type = hf_config.get("model_type")
         if not model_type:
@@ -93,8 +96,9 @@ class ConversionSpec:
         multiple = max(1, vocab_divisible_by) * tp
         mcore["padded_vocab_size"] = math.ceil(hf_vocab / multiple) * multiple
         stages = (first_stage_layers, last_stage_layers)
-        _check_layout(mcore, tp, pp, vpp or 1, transformer_impl, ep, stages)
-        return cls(template, dict(hf_config), mcore, tp, pp, vpp or 1, transformer_impl, hf_vocab, ep, *stages)
+        etp = None if etp == tp else etp
+        _check_layout(mcore, tp, pp, vpp or 1, transformer_impl, ep, stages, etp)
+        return cls(template, dict(hf_config), mcore, tp, pp, vpp or 1, transformer_impl, hf_vocab, ep, *stages, etp)
 
     @property
     def dims(self) -> AttentionDims:
@@ -113,6 +117,12 @@ class ConversionSpec:
         return int(self.mcore.get("num_moe_experts") or 0)
 
     @property
+    def expert_tp(self) -> int:
+        """Expert tensor parallel size: each routed expert is split over this many ranks (a divisor of tp; the
+        rank file of TP rank t holds expert-TP shard t % expert_tp, as megatron-core's rank order places it)."""
+        return self.etp or self.tp
+
+    @property
     def experts_per_rank(self) -> int:
         """Routed experts each expert-parallel rank holds (contiguous: EP rank e has [e*n, (e+1)*n))."""
         return self.num_experts // self.ep
@@ -128,27 +138,40 @@ class ConversionSpec:
         vpp: int | None = None,
         ep: int | None = None,
         stages: tuple[int | None, int | None] | None = None,
+        etp: int | None = None,
     ) -> ConversionSpec:
         """The same model (same padded vocab) under another parallel layout, re-checked (`ep` None: unchanged;
-        `stages` = (first, last) stage layers, None: the spec's own at the same PP size, else even)."""
+        `stages` = (first, last) stage layers, None: the spec's own at the same PP size, else even; `etp` None:
+        expert TP = tp)."""
         ep = self.ep if ep is None else ep
+        etp = None if etp == tp else etp
         if stages is None:
             stages = self.stage_split if pp == self.pp else (None, None)
         if self.mcore["padded_vocab_size"] % tp:
             raise ValueError(f"padded_vocab_size={self.mcore['padded_vocab_size']} is not divisible by tp={tp}")
-        _check_layout(self.mcore, tp, pp, vpp or 1, self.transformer_impl, ep, stages)
+        _check_layout(self.mcore, tp, pp, vpp or 1, self.transformer_impl, ep, stages, etp)
         first, last = stages
-        return replace(self, tp=tp, pp=pp, vpp=vpp or 1, ep=ep, first_stage_layers=first, last_stage_layers=last)
+        return replace(
+            self, tp=tp, pp=pp, vpp=vpp or 1, ep=ep, first_stage_layers=first, last_stage_layers=last, etp=etp
+        )
 
     @property
     def stage_split(self) -> tuple[int | None, int | None]:
         """(first, last) pipeline stage layers when set (megatron-core's uneven stages), else None."""
         return self.first_stage_layers, self.last_stage_layers
 
+    @staticmethod
+    def stage_fields(
+        split: tuple[int | None, int | None], names: tuple[str, str] = ("first_stage_layers", "last_stage_layers")
+    ) -> dict[str, int]:
+        """A (first, last) stage split under `names`, only the sides that are set (an even split: {}): how
+        mcore_config.json, the conversion cache key and TransformerConfig record it."""
+        return {k: n for k, n in zip(names, split, strict=True) if n is not None}
+
     def pipeline_config(self) -> dict[str, Any]:
         """TransformerConfig's uneven-stage fields, set only when the split is uneven."""
         names = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
-        return {k: n for k, n in zip(names, self.stage_split, strict=True) if n is not None}
+        return self.stage_fields(self.stage_split, names)
 
     def transformer_kwargs(self, resolve_callables: bool = True) -> dict[str, Any]:
         """TransformerConfig keyword arguments (without the GPTModel ones); activation names -> functions."""
@@ -170,7 +193,8 @@ class ConversionSpec:
             "pp": self.pp,
             "vpp": self.vpp,
             "ep": self.ep,
-            **{k: n for k, n in zip(("first_stage_layers", "last_stage_layers"), self.stage_split, strict=True) if n},
+            **({"etp": self.etp} if self.etp else {}),
+            **self.stage_fields(self.stage_split),
             "transformer_impl": self.transformer_impl,
             "hf_vocab_size": self.hf_vocab_size,
             "model_cls": self.template.mcore_model_cls,
@@ -194,7 +218,7 @@ class ConversionSpec:
         return cls(
             template, data["hf_config"], data["mcore"], data["tp"], data["pp"], data["vpp"],
             data["transformer_impl"], data["hf_vocab_size"], int(data.get("ep", 1)),
-            data.get("first_stage_layers"), data.get("last_stage_layers"),
+            data.get("first_stage_layers"), data.get("last_stage_layers"), data.get("etp"),
         )  # fmt: skip
 
 
@@ -279,9 +303,10 @@ def _check_layout(
     impl: str,
     ep: int = 1,
     stages: tuple[int | None, int | None] = (None, None),
+    etp: int | None = None,
 ) -> None:
     _check_sizes(tp, pp, vpp, impl, ep)
-    _check_moe(m, tp, ep)
+    _check_moe(m, tp, ep, etp)
     heads, groups = m["num_attention_heads"], m["num_query_groups"]
     if m.get("multi_latent_attention"):
         groups = heads  # MLA has no query groups: every head has its own (up-projected) key and value
@@ -304,18 +329,24 @@ def _check_layout(
     LayerMap(m["num_layers"], pp, vpp, *stages)
 
 
-def _check_moe(m: Mapping[str, Any], tp: int, ep: int) -> None:
+def _check_moe(m: Mapping[str, Any], tp: int, ep: int, etp: int | None = None) -> None:
     experts = int(m.get("num_moe_experts") or 0)
     if not experts:
-        if ep > 1:
-            raise ValueError(f"ep={ep}: expert parallelism needs a Mixture-of-Experts model (this one is dense)")
+        if ep > 1 or etp:
+            name = f"ep={ep}" if ep > 1 else f"etp={etp}"
+            raise ValueError(f"{name}: expert parallelism needs a Mixture-of-Experts model (this one is dense)")
         return
     if experts % ep:
         raise ValueError(f"num_experts={experts} is not divisible by expert parallel size ep={ep}")
-    for field_name, hf_name in (
-        ("moe_ffn_hidden_size", "moe_intermediate_size"),
-        ("moe_shared_expert_intermediate_size", "n_shared_experts x moe_intermediate_size"),
+    if etp is not None and (not isinstance(etp, int) or etp < 1 or tp % etp):
+        raise ValueError(
+            f"etp={etp!r}: the expert tensor parallel size must divide tp={tp} (expert TP larger than TP is not "
+            "supported by the converter)"
+        )
+    for field_name, hf_name, size, what in (
+        ("moe_ffn_hidden_size", "moe_intermediate_size", etp or tp, f"expert tensor parallel size {etp or tp}"),
+        ("moe_shared_expert_intermediate_size", "n_shared_experts x moe_intermediate_size", tp, f"tp={tp}"),
     ):
-        if m.get(field_name) and m[field_name] % tp:
-            raise ValueError(f"{hf_name}={m[field_name]} is not divisible by tensor parallel size tp={tp}")
+        if m.get(field_name) and m[field_name] % size:
+            raise ValueError(f"{hf_name}={m[field_name]} is not divisible by {what}")
     moe_layer_pattern(m)

@@ -26,8 +26,9 @@ expert gradients reduced by megatron's DDP over the expert-data-parallel group, 
 Uneven pipeline stages (`num_layers_in_first/last_pipeline_stage`) go to megatron-core's TransformerConfig and to
 the converter's layer map alike (`ConversionSpec.first_stage_layers`), so each stage loads the layers it builds.
 
-Non-goals: float16 and bf16_autocast (use dtype bfloat16); without CUDA also activation recompute and sequence
-parallelism (megatron-core's torch-norm fallback rejects it).
+Sequence parallelism runs with torch norms too (`cuda_shim.apply_torch_norm_sp_shim`); an MoE model under TP > 1
+always runs with it (megatron-core trains MoE layers under TP only so). Non-goals: float16 and bf16_autocast (use
+dtype bfloat16); without CUDA also activation recompute.
 """
 
 from __future__ import annotations
@@ -159,7 +160,9 @@ class MegatronBackend:
         lay = self.layout
         config: dict[str, Any] = {
             "calculate_per_token_loss": True,  # our losses are already normalised: the schedule must not divide
-            "sequence_parallel": lay.sequence_parallel,
+            # megatron-core trains an MoE layer under TP > 1 only with the sequence split over the TP ranks (each
+            # rank routes its own tokens; without it every TP rank would send the same tokens to the experts)
+            "sequence_parallel": lay.sequence_parallel or (self.is_moe and lay.tp > 1),
             "context_parallel_size": lay.cp,
             "expert_model_parallel_size": lay.ep,
             "bf16": self.dtype == torch.bfloat16,
@@ -331,8 +334,8 @@ class MegatronBackend:
         torch.distributed.barrier()
 
     def load(self, path: Path) -> int | None:
-        """Restore what `save` wrote (every rank, same TP/PP layout; the data-parallel and expert-parallel sizes
-        may differ: weights and optimizer state reshard)."""
+        """Restore what `save` wrote (every rank; the data-parallel, expert-parallel and tensor-parallel sizes
+        may differ: weights and optimizer state reshard; a rank the saver did not have keeps its RNG state)."""
         from megatron.core import dist_checkpointing
 
         with self.resident(train=False):
@@ -347,5 +350,9 @@ class MegatronBackend:
                 MO.restore_adam_steps(self.optimizer)
         extra = json.loads((path / state_io.EXTRA_FILE).read_text())
         self.sched_steps = int(extra["sched_steps"])
-        state_io.load_rng(path / state_io.rank_rng_file(self.rank))
+        rng = path / state_io.rank_rng_file(self.rank)
+        if rng.is_file():
+            state_io.load_rng(rng)
+        else:  # saved by fewer ranks (another EP / DP size): this rank keeps its own RNG stream
+            log.info("megatron load: %s has no RNG state for rank %d; keeping this rank's", path, self.rank)
         return int(extra["steps_done"])

@@ -14,8 +14,13 @@ unbound when Transformer Engine is absent (a NameError on any machine without TE
 megatron's own fallback); and the alltoall token dispatcher copies its split sizes device-to-host on a side
 CUDA stream, then passes them to `all_to_all_single`, which takes lists, not CPU tensors: without CUDA its
 dtoh step becomes "split sizes to numpy" and no stream is made.
-On a GPU every function here is a no-op, except the TE-absent router fix. Non-goal: building models or process
-groups (`gpt.py`).
+Without Transformer Engine or Apex megatron-core builds its norms as torch's (`WrappedTorchNorm`), which refuses
+sequence parallelism only because it does not tag its weights for the TP gradient all-reduce that sequence-parallel
+norms need; `apply_torch_norm_sp_shim` tags them (`param.sequence_parallel`, as Transformer Engine's norms do), so
+`finalize_model_grads` sums their gradients over the TP group. Sequence parallelism is what megatron-core requires
+to train an MoE model under TP > 1 (each TP rank routes its own share of the tokens).
+On a GPU every function here is a no-op, except the TE-absent router and norm fixes. Non-goal: building models or
+process groups (`gpt.py`).
 """
 
 from __future__ import annotations
@@ -102,3 +107,32 @@ def apply_moe_shim() -> None:
     if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
         MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NoStream()
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _splits_to_numpy  # type: ignore[method-assign]
+
+
+_NORM_SHIM_APPLIED = False
+
+
+def apply_torch_norm_sp_shim() -> None:
+    """Let megatron-core's torch norm fallback run under sequence parallelism: built as without it, its parameters
+    tagged `sequence_parallel` (their gradients then summed over the TP group); idempotent."""
+    global _NORM_SHIM_APPLIED
+    if _NORM_SHIM_APPLIED:
+        return
+    import copy
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original = WrappedTorchNorm.__new__
+
+    def new(cls: type, config: Any, *args: Any, **kwargs: Any) -> Any:
+        if not config.sequence_parallel:
+            return original(cls, config, *args, **kwargs)
+        plain = copy.copy(config)  # the same config without the flag the torch wrapper asserts against
+        plain.sequence_parallel = False
+        norm = original(cls, plain, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    WrappedTorchNorm.__new__ = new  # type: ignore[method-assign]
+    _NORM_SHIM_APPLIED = True

@@ -66,7 +66,7 @@ def save_worker(rank: int, world_size: int, port: int, mcore_dir: str, out_dir: 
     from rlstages.engines.megatron import gpt
 
     spec = ConversionSpec.load(mcore_dir)
-    gpt.init_model_parallel(rank, world_size, port, spec.tp, spec.pp, spec.vpp, ep=spec.ep)
+    gpt.init_model_parallel(rank, world_size, port, spec.tp, spec.pp, spec.vpp, ep=spec.ep, etp=spec.expert_tp)
     try:
         tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         ep_rank = ps.get_expert_model_parallel_rank()

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from rlstages.engines.convert.spec import ConversionSpec
-from rlstages.engines.megatron.cuda_shim import apply_cpu_shim, apply_moe_shim
+from rlstages.engines.megatron.cuda_shim import apply_cpu_shim, apply_moe_shim, apply_torch_norm_sp_shim
 from rlstages.engines.runtime.device import dist_backend, worker_device
 
 # Fusions that need CUDA kernels (apex / TE / torch.compile'd CUDA code); off on CPU.
@@ -54,6 +54,7 @@ def init_model_parallel(
     cpu = apply_cpu_shim()
     device = worker_device()  # torch.cuda.set_device before NCCL or megatron-core touches a GPU
     apply_moe_shim()  # MoE layers without Transformer Engine / CUDA (any EP size)
+    apply_torch_norm_sp_shim()  # sequence parallelism with torch norms (no Transformer Engine / Apex)
     os.environ.setdefault("MASTER_ADDR", master_addr)
     os.environ.setdefault("MASTER_PORT", str(master_port))
     if not torch.distributed.is_initialized():

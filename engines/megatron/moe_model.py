@@ -44,6 +44,7 @@ def moe_config_kwargs(spec: ConversionSpec) -> dict[str, Any]:
         return out
     out |= {
         "expert_model_parallel_size": spec.ep,
+        "expert_tensor_parallel_size": spec.expert_tp,
         "moe_token_dispatcher_type": "alltoall" if spec.ep > 1 and torch.cuda.is_available() else "allgather",
     }
     if not torch.cuda.is_available():

@@ -123,17 +123,19 @@ def fit_loaded_state(optimizer: Any, loaded: dict) -> Any:
     """The loaded optimizer state in this optimizer's shape when the checkpoint was saved under another expert
     parallel size: EP>1 chains a dense and an expert optimizer (state keyed 0, 1), EP=1 has one. The per-parameter
     tensors already came in this optimizer's shape (model space); the rest (param groups) is this optimizer's own
-    with the saved Adam step."""
+    with the saved Adam step. The loaded dict is this optimizer's structure (a chain: keys 0, 1) with the saver's
+    common state merged in (a single optimizer's: "optimizer", ...; a chain's: 0, 1), so that tells them apart."""
     subs = getattr(optimizer, "chained_optimizers", [optimizer])
-    saved_chained = 0 in loaded
-    if saved_chained == (len(subs) > 1):
+    chained = len(subs) > 1
+    saved_chained = "optimizer" not in loaded if chained else any(isinstance(k, int) for k in loaded)
+    if saved_chained == chained:
         return loaded
     saved = [loaded[k] for k in loaded if isinstance(k, int)] if saved_chained else [loaded]
     steps = {g["step"] for s in saved for g in s["optimizer"]["param_groups"] if "step" in g}
     if len(steps) != 1:
         raise ValueError(f"optimizer checkpoint: expected one Adam step over its optimizers, found {sorted(steps)}")
     step = steps.pop()
-    param_states = [loaded[i]["param_state"] for i in range(len(subs))] if len(subs) > 1 else [loaded["param_state"]]
+    param_states = [loaded[i]["param_state"] for i in range(len(subs))] if chained else [loaded["param_state"]]
     fitted = []
     for sub, param_state in zip(subs, param_states, strict=True):
         own = sub.state_dict()

@@ -3,10 +3,10 @@ chunks (loaded from the converted checkpoint, or converted in memory from the HF
 value head, the pipeline schedule, and the HF weight export of a model-parallel group.
 
 Every megatron-core call that hard-codes CUDA runs under `rlstages.engines.megatron.cuda_shim.cuda_as_cpu()`.
-Expert parallelism: megatron-core's EP groups (`initialize_model_parallel(expert_model_parallel_size=...)`) and
-this rank's experts from the converted checkpoint; context parallelism (Transformer Engine only) through
-`megatron.context_parallel`. Non-goals: the loss (`training.core`) and the optimizer (`megatron.optim`,
-`megatron.backend`).
+Expert parallelism: megatron-core's EP and expert-TP groups (`initialize_model_parallel(expert_model_parallel_size=
+..., expert_tensor_parallel_size=...)`) and this rank's experts from the converted checkpoint; context
+parallelism (Transformer Engine only) through `megatron.context_parallel`. Non-goals: the loss (`training.core`)
+and the optimizer (`megatron.optim`, `megatron.backend`).
 """
 
 from __future__ import annotations
@@ -63,11 +63,6 @@ class Layout:
             )
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
-        if self.sequence_parallel and not (has_module("transformer_engine") or has_module("apex")):
-            raise NotImplementedError(
-                "sequence_parallel needs Transformer Engine or Apex norms (megatron-core's torch LayerNorm "
-                "fallback rejects it); turn it off on this machine"
-            )
         if world_size % (self.tp * self.pp * self.cp):
             raise ValueError(
                 f"WORLD_SIZE={world_size} is not a multiple of TP x PP x CP = {self.tp * self.pp * self.cp}"
@@ -104,23 +99,19 @@ def resolve_spec(
         first, last = layout.stages
         spec = ConversionSpec.from_hf_config(
             hf, layout.tp, layout.pp, layout.vpp, impl, ep=layout.ep,  # type: ignore[arg-type]
-            first_stage_layers=first, last_stage_layers=last,
+            first_stage_layers=first, last_stage_layers=last, etp=layout.etp,
         )  # fmt: skip
     else:
         spec = ConversionSpec.load(converted_path)
-        here = (spec.tp, spec.pp, spec.vpp, spec.ep, spec.stage_split, spec.transformer_impl)
-        if here != (layout.tp, layout.pp, layout.vpp, layout.ep, layout.stages, impl):
+        etp = layout.etp or layout.tp
+        here = (spec.tp, spec.pp, spec.vpp, spec.ep, spec.expert_tp, spec.stage_split, spec.transformer_impl)
+        if here != (layout.tp, layout.pp, layout.vpp, layout.ep, etp, layout.stages, impl):
             raise ValueError(
                 f"{converted_path}: converted for tp={spec.tp} pp={spec.pp} vpp={spec.vpp} ep={spec.ep} "
-                f"stages={_stages(spec.stage_split)} ({spec.transformer_impl}), the engine runs tp={layout.tp} "
-                f"pp={layout.pp} vpp={layout.vpp} ep={layout.ep} stages={_stages(layout.stages)} ({impl}); "
-                "convert again for this layout (tasks/convert.py)"
+                f"etp={spec.expert_tp} stages={_stages(spec.stage_split)} ({spec.transformer_impl}), the engine "
+                f"runs tp={layout.tp} pp={layout.pp} vpp={layout.vpp} ep={layout.ep} etp={etp} "
+                f"stages={_stages(layout.stages)} ({impl}); convert again for this layout (tasks/convert.py)"
             )
-    if spec.num_experts and (layout.etp or layout.tp) != layout.tp:
-        raise NotImplementedError(
-            f"expert_tensor_parallel_size={layout.etp} with tensor_model_parallel_size={layout.tp}: the converter "
-            "splits each expert like a dense MLP over the TP ranks (expert TP = TP); unset it here"
-        )
     return spec
 
 

@@ -104,10 +104,10 @@ def verify_parity_many(
     if len(layouts) != 1:
         raise ValueError(f"verify_parity_many: rank-file cases need one parallel layout, got {sorted(layouts)}")
     tp, pp, vpp = layouts.pop()
-    eps = {s.ep for s, (_, _, src) in zip(specs, items, strict=True) if src == "ranks"} or {1}
-    if len(eps) != 1:
-        raise ValueError(f"verify_parity_many: rank-file cases need one expert parallel size, got {sorted(eps)}")
-    ep = eps.pop()
+    eps = {(s.ep, s.expert_tp) for s, (_, _, src) in zip(specs, items, strict=True) if src == "ranks"}
+    if len(eps) > 1:
+        raise ValueError(f"verify_parity_many: rank-file cases need one (ep, expert tp), got {sorted(eps)}")
+    ep, etp = eps.pop() if eps else (1, tp)
     for spec in specs:
         spec.with_layout(tp, pp, vpp)  # clear error before any process starts
     gen = torch.Generator().manual_seed(seed)
@@ -123,7 +123,7 @@ def verify_parity_many(
     results = run_world(
         "rlstages.engines.megatron.parity:parity_worker",
         tp * pp * ep,  # the EP ranks are data-parallel replicas of the TP x PP grid, each runs the same tokens
-        {"cases": jobs, "layout": [tp, pp, vpp, ep]},
+        {"cases": jobs, "layout": [tp, pp, vpp, ep, etp]},
         timeout=timeout,
     )
     gathered = next(r for r in results if r is not None)
@@ -205,8 +205,9 @@ def parity_worker(rank: int, world_size: int, port: int, cases: list[dict[str, A
 
     from rlstages.engines.megatron import gpt
 
-    tp, pp, vpp, ep = (*layout, 1)[:4]
-    gpt.init_model_parallel(rank, world_size, port, tp, pp, vpp, ep=ep)
+    tp, pp, vpp = layout[:3]
+    ep, etp = (layout[3] if len(layout) > 3 else 1), (layout[4] if len(layout) > 4 else None)
+    gpt.init_model_parallel(rank, world_size, port, tp, pp, vpp, ep=ep, etp=etp)
     try:
         tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         ep_rank = ps.get_expert_model_parallel_rank() if ep > 1 else 0

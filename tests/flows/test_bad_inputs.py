@@ -191,6 +191,12 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
         {},
         "actor.expert_model_parallel_size=2: the model is dense",
     ),
+    (
+        "megatron-etp-over-tp",
+        ["run", B, "actor.backend=megatron", "actor.num_workers=2", "actor.expert_tensor_parallel_size=2"],
+        {},
+        "expert_tensor_parallel_size=2 must divide tensor_model_parallel_size=1",
+    ),
     ("micro-batch", ["run", B, "actor.micro_batch_size=5"], {}, "actor.micro_batch_size=5 must divide"),
     ("resume-mode", ["run", B, "checkpoint.resume=sometimes"], {}, "checkpoint.resume"),
     ("on-corrupt", ["run", B, "checkpoint.on_corrupt=maybe"], {}, "checkpoint.on_corrupt"),
@@ -291,6 +297,12 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     ),
     ("convert-into-foreign", ["convert", "MODEL", "foreign"], {}, "foreign: exists and is not an rlstages conversion"),
     ("convert-into-file", ["convert", "MODEL", "a-file"], {}, "a-file: exists and is not a directory"),
+    (
+        "convert-uneven-stages",
+        ["convert", "MODEL", "out", "--pp", "2", "--first-stage-layers", "5"],
+        {},
+        "uneven pipeline stages: 2 layers minus first=5",
+    ),
     ("export-not-converted", ["export", "foreign", "out"], {}, "foreign is not a complete conversion output"),
     # servers and comparisons
     ("server-status-broken", ["server", "status"], {}, "servers.json: damaged server state file"),

@@ -180,17 +180,29 @@ def test_export_never_imports_a_template_module_from_metadata(hf_dir: Path, tmp_
     assert not marker.exists() and not (tmp_path / "back").exists()
 
 
-def test_cli_convert_moe_with_expert_parallelism(hf_dir: Path, tmp_path: Path) -> None:
+def test_cli_convert_moe_with_expert_parallelism(hf_dir: Path, tmp_path: Path, count_conversions: list[str]) -> None:
     import sys
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "engines" / "convert"))
     from moe_fixtures import make_moe_model
 
-    moe = make_moe_model(tmp_path / "moe", "qwen3_moe")
+    from rlstages.engines.convert import ConversionSpec, read_manifest
+
+    moe = make_moe_model(tmp_path / "moe", "qwen3_moe", layers=3)
     runner = CliRunner()
-    done = runner.invoke(_app(), ["convert", str(moe), str(tmp_path / "m"), "--tp", "2", "--ep", "2"])
+    argv = ["convert", str(moe), str(tmp_path / "m"), "--tp", "2", "--pp", "2", "--ep", "2", "--etp", "1"]
+    argv += ["--first-stage-layers", "1"]  # uneven: 1 + 2 layers, as the Python API and training runs record it
+    done = runner.invoke(_app(), argv)
     assert done.exit_code == 0, done.output
-    assert (tmp_path / "m" / "mp_rank_01_001" / "model.safetensors").is_file()  # TP rank 1, EP rank 1
+    first = load_file(tmp_path / "m" / "mp_rank_01_000_001" / "model.safetensors")  # TP rank 1, stage 0, EP rank 1
+    assert {n.split(".")[2] for n in first if n.startswith("decoder.layers.")} == {"0"}
+    assert first["decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"].shape == (32, 16)  # expert TP 1
+    spec = ConversionSpec.load(tmp_path / "m")
+    assert (spec.stage_split, spec.expert_tp) == ((1, None), 1)
+    manifest = read_manifest(tmp_path / "m")
+    assert (manifest["stage_layers"], manifest["etp"]) == ([1, 2], 1)
+    again = runner.invoke(_app(), argv)  # the same options: the same cache key, nothing converted again
+    assert again.exit_code == 0 and count_conversions == [str(tmp_path / "m")]
     done = runner.invoke(_app(), ["export", str(tmp_path / "m"), str(tmp_path / "back")])
     assert done.exit_code == 0, done.output
     back, original = load_file(tmp_path / "back" / "model.safetensors"), load_file(moe / "model.safetensors")
@@ -198,3 +210,5 @@ def test_cli_convert_moe_with_expert_parallelism(hf_dir: Path, tmp_path: Path) -
     dense = runner.invoke(_app(), ["convert", str(hf_dir), str(tmp_path / "d"), "--ep", "2"])
     assert dense.exit_code == 2 and "expert parallelism needs a Mixture-of-Experts model" in dense.output
     assert len(dense.output.strip().splitlines()) == 1 and not (tmp_path / "d").exists()
+    even = runner.invoke(_app(), ["convert", str(moe), str(tmp_path / "e"), "--last-stage-layers", "2"])
+    assert even.exit_code == 2 and "--last-stage-layers need --pp > 1" in even.output and not (tmp_path / "e").exists()

@@ -1,4 +1,5 @@
-"""Mixture-of-Experts conversion: qwen3_moe, mixtral, deepseek_v3 round trip bit-exact at EP 1/2 x TP 1/2 x PP 1/2,
+"""Mixture-of-Experts conversion: qwen3_moe, mixtral, deepseek_v3 round trip bit-exact at EP 1/2 x TP 1/2 x PP 1/2
+(and TP2 x PP2 x EP2 with expert TP 1: experts whole in every TP rank's file),
 the rank files hold Megatron's expert-parallel layout, completeness errors name the tensor, the config maps
 routing and the dense/MoE layer pattern, and the weight-sync export gathers experts over the EP group.
 
@@ -32,13 +33,18 @@ from rlstages.engines.convert import (
 from rlstages.engines.convert.hf_to_mcore import spec_rank_file
 from rlstages.engines.megatron.gloo_world import run_world
 
-LAYOUTS = [(tp, pp, ep) for ep in (1, 2) for tp in (1, 2) for pp in (1, 2)]
+# (tp, pp, ep, expert tp): every TP x PP x EP with expert TP = TP, and the presets' expert TP 1 under TP 2
+LAYOUTS = [(tp, pp, ep, None) for ep in (1, 2) for tp in (1, 2) for pp in (1, 2)] + [(2, 2, 2, 1)]
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("moe-hf")
     return {t: make_moe_model(root / t, t) for t in MOE_TYPES}
+
+
+MOE_BLOCK = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe", "deepseek_v3": "mlp"}
+MOE_GATE = {"qwen3_moe": "gate_proj", "mixtral": "w1", "deepseek_v3": "gate_proj"}
 
 
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -51,12 +57,21 @@ def test_every_layout_round_trips_bit_exact(models: dict[str, Path], tmp_path: P
     for model_type, hf in models.items():
         original = hf_tensors(hf)
         assert any(".experts.3." in n for n in original)  # the on-disk layout: one tensor per expert
-        for tp, pp, ep in LAYOUTS:
-            out = convert_hf_to_mcore(hf, tmp_path / f"{model_type}-{tp}{pp}{ep}", tp=tp, pp=pp, ep=ep)
+        for tp, pp, ep, etp in LAYOUTS:
+            out = convert_hf_to_mcore(hf, tmp_path / f"{model_type}-{tp}{pp}{ep}{etp}", tp=tp, pp=pp, ep=ep, etp=etp)
             assert_same(original, dict(mcore_to_hf(out)))
             manifest = verify_manifest(out)
-            assert manifest["ep"] == ep
+            assert manifest["ep"] == ep and manifest.get("etp") == etp
             assert len([f for f in manifest["files"] if f.endswith("model.safetensors")]) == tp * pp * ep
+            if etp is None:
+                continue
+            spec = ConversionSpec.load(out)
+            assert spec.expert_tp == etp and spec.with_layout(tp, pp, ep=ep, etp=etp) == spec
+            last = load_file(out / spec_rank_file(spec, 1, 1, 1))  # TP rank 1, last stage, EP rank 1
+            fc1 = last["decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"]  # global expert 3
+            gate = original[f"model.layers.1.{MOE_BLOCK[model_type]}.experts.3.{MOE_GATE[model_type]}.weight"]
+            assert fc1.shape[0] == 2 * gate.shape[0]  # whole (gate and up), not split over the TP ranks
+            assert last["decoder.layers.0.self_attention.linear_proj.weight"].shape[1] * 2 == gate.shape[1]
 
 
 def test_expert_parallel_rank_files(models: dict[str, Path], tmp_path: Path) -> None:
@@ -149,6 +164,8 @@ def test_completeness_and_layout_errors(models: dict[str, Path], tmp_path: Path)
         convert_hf_to_mcore(hf, tmp_path / "b")
     with pytest.raises(ValueError, match=r"num_experts=4 is not divisible by expert parallel size ep=3"):
         convert_hf_to_mcore(models["mixtral"], tmp_path / "c", ep=3)
+    with pytest.raises(ValueError, match=r"etp=2: the expert tensor parallel size must divide tp=1"):
+        convert_hf_to_mcore(models["mixtral"], tmp_path / "c", ep=2, etp=2)
     from convert_fixtures import make_hf_model
 
     dense = make_hf_model(tmp_path / "dense", "qwen3")
