@@ -194,8 +194,9 @@ def test_megatron_layout_across_nodes(sim_cluster: SimCluster, tiny_model_dir: P
 @pytest.mark.slow  # opt-in (-m slow): 8 MoE ranks + 8 rollouts; here start_workers timed out (machine loaded)
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs `pip install .[megatron]`")
 def test_megatron_moe_layout_across_nodes(sim_cluster: SimCluster, tiny_moe_dir: Path, tmp_path: Path) -> None:
-    # the scaled-down twin of configs/qwen3_235b_grpo_megatron.yaml (TP4 x PP8 x EP4): a tiny Qwen3-MoE at
-    # TP2 x PP2 x EP2 (attention and embeddings DP2) over all 8 fake GPUs of both nodes, hybrid engine
+    # the scaled-down twin of configs/qwen3_235b_grpo_megatron.yaml (TP4 x PP8 x EP4, expert TP 1): a tiny
+    # Qwen3-MoE at TP2 x PP2 x EP2, expert TP 1 (attention and embeddings DP2; experts whole, EP2 x expert-DP2)
+    # over all 8 fake GPUs of both nodes, hybrid engine
     cmd = flow(
         sim_cluster,
         tmp_path,
@@ -205,6 +206,7 @@ def test_megatron_moe_layout_across_nodes(sim_cluster: SimCluster, tiny_moe_dir:
         "actor.tensor_model_parallel_size=2",
         "actor.pipeline_model_parallel_size=2",
         "actor.expert_model_parallel_size=2",
+        "actor.expert_tensor_parallel_size=1",
         "actor.num_workers=8",
         "rollout.num_workers=8",
         "data.prompts_per_step=8",  # a prompt for each rollout rank
@@ -215,6 +217,7 @@ def test_megatron_moe_layout_across_nodes(sim_cluster: SimCluster, tiny_moe_dir:
         "reference.backend=torch",
         "reference.num_workers=1",
         "cluster.placement_timeout_seconds=300",
+        "cluster.rendezvous_timeout_seconds=900",  # 8 Megatron ranks + 8 rollouts start on two cores
     )
     run = subprocess.run(cmd, env=sim_cluster.env(), cwd=tmp_path, capture_output=True, text=True, timeout=3000)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
