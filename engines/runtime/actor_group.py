@@ -70,8 +70,9 @@ class GroupSpec:
         return self.num_workers // (self.tp * self.pp)
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """(dp, pp, tp) coordinates of a rank; tp varies fastest."""
-        return rank // (self.tp * self.pp), (rank // self.tp) % self.pp, rank % self.tp
+        """(dp, pp, tp) coordinates of a rank in megatron-core's default order `tp-cp-ep-dp-pp`: tp varies
+        fastest, then dp, pp slowest (the stages of one data-parallel replica are TP x DP ranks apart)."""
+        return (rank // self.tp) % self.dp, rank // (self.tp * self.dp), rank % self.tp
 
 
 # The Hugging Face settings a worker inherits from the driver (also on a remote cluster's nodes).

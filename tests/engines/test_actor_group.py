@@ -94,6 +94,21 @@ def test_worker_env_lets_openmp_spin_only_when_asked() -> None:
     assert spin["OMP_NUM_THREADS"] == "2" and spin["MALLOC_CONF"].startswith("narenas:1")
 
 
+def test_rank_coordinates_are_megatron_cores() -> None:
+    """The group sends a data-parallel replica's rows to the ranks megatron-core puts in that replica: with
+    TP, PP and DP all > 1 a wrong order feeds one replica's stages different rows."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.parallel_state import RankGenerator
+
+    spec = GroupSpec(name="mesh", engine="x:Y", num_workers=8, tp=2, pp=2)
+    ranks = RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=1, order="tp-cp-ep-dp-pp")
+    for axis, index in (("dp", 0), ("pp", 1), ("tp", 2)):  # ranks that differ only along `axis`
+        for group in ranks.get_ranks(axis):
+            others = {tuple(c for i, c in enumerate(spec.coords(r)) if i != index) for r in group}
+            assert len(others) == 1 and sorted(spec.coords(r)[index] for r in group) == list(range(2)), (axis, group)
+    assert [spec.coords(r) for r in (2, 4)] == [(1, 0, 0), (0, 1, 0)]
+
+
 def test_pp_as_dp_splits_over_pipeline_stages(ray_session) -> None:
     spec = GroupSpec(name="echo-pp", engine=f"{__name__}:Echo", num_workers=4, tp=2, pp=2)
     group = ActorGroup(spec, namespace="rlstages-tests")
