@@ -205,8 +205,7 @@ def parity_worker(rank: int, world_size: int, port: int, cases: list[dict[str, A
 
     from rlstages.engines.megatron import gpt
 
-    tp, pp, vpp = layout[:3]
-    ep, etp = (layout[3] if len(layout) > 3 else 1), (layout[4] if len(layout) > 4 else None)
+    tp, pp, vpp, ep, etp = layout  # verify_parity_many's [tp, pp, vpp, ep, expert tp]
     gpt.init_model_parallel(rank, world_size, port, tp, pp, vpp, ep=ep, etp=etp)
     try:
         tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
