@@ -10,10 +10,13 @@ from pydantic import Field, model_validator
 from rlstages.configs.base import StrictModel
 
 
+TINY_MOE_TYPES = ("qwen3_moe", "mixtral", "deepseek_v3")
+
+
 class TinyModelSpec(StrictModel):
     """A random-init model built from a config (tests, smoke runs): a few layers, hidden 32–64."""
 
-    model_type: Literal["llama", "qwen2", "qwen3", "mistral", "qwen3_moe"] = "qwen2"
+    model_type: Literal["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "deepseek_v3"] = "qwen2"
     vocab_size: int = Field(default=512, ge=16)
     hidden_size: int = Field(default=64, ge=8)
     intermediate_size: int = Field(default=128, ge=8)
@@ -22,15 +25,21 @@ class TinyModelSpec(StrictModel):
     num_key_value_heads: int = Field(default=2, ge=1)
     max_position_embeddings: int = 512
     tie_word_embeddings: bool = False
-    num_experts: int = Field(default=0, ge=0, description="Routed experts per layer (qwen3_moe only); 0 = dense.")
-    num_experts_per_tok: int = Field(default=2, ge=1, description="Top-k experts per token (qwen3_moe).")
-    moe_intermediate_size: int = Field(default=32, ge=8, description="Each expert's MLP width (qwen3_moe).")
+    num_experts: int = Field(
+        default=0, ge=0, description="Routed experts per layer (the MoE types: qwen3_moe, mixtral, deepseek_v3); 0 = dense."
+    )
+    num_experts_per_tok: int = Field(default=2, ge=1, description="Top-k experts per token (MoE types).")
+    moe_intermediate_size: int = Field(
+        default=32, ge=8, description="Each routed expert's MLP width (MoE types; deepseek_v3's shared expert too)."
+    )
     seed: int = 0
 
     @model_validator(mode="after")
     def _experts_match_type(self) -> TinyModelSpec:
-        if (self.model_type == "qwen3_moe") != (self.num_experts > 0):
-            raise ValueError("model.tiny: num_experts > 0 goes with model_type qwen3_moe (and only with it)")
+        if (self.model_type in TINY_MOE_TYPES) != (self.num_experts > 0):
+            raise ValueError(
+                f"model.tiny: num_experts > 0 goes with model_type {' / '.join(TINY_MOE_TYPES)} (and only with them)"
+            )
         if self.num_experts and self.num_experts_per_tok > self.num_experts:
             raise ValueError(f"model.tiny.num_experts_per_tok={self.num_experts_per_tok} > num_experts")
         return self

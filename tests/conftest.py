@@ -69,6 +69,18 @@ def tiny_moe_dir(session_tmp: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_deepseek_dir(session_tmp: Path) -> Path:
+    """A random-init DeepSeek-V3 (hidden 32, 3 layers: the dense first one, then two with 4 routed experts (top-2)
+    and a shared expert; Multi-head Latent Attention) with a char tokenizer, saved once."""
+    from rlstages.engines.models import build_tiny_model
+
+    path = session_tmp / "tiny-deepseek-v3"
+    if not (path / "config.json").is_file():
+        build_tiny_model(path, **{**TINY_MOE, "model_type": "deepseek_v3", "num_hidden_layers": 3})  # type: ignore[arg-type]
+    return path
+
+
+@pytest.fixture(scope="session")
 def ray_session():
     """One local Ray for the session (2 CPUs, no dashboard; token auth on, 127.0.0.1 only)."""
     import ray

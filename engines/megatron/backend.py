@@ -313,7 +313,7 @@ class MegatronBackend:
         if self.optimizer is not None:
             if loading:
                 MO.init_adam_state(self.optimizer)
-            with cuda_shim.cuda_as_cpu():
+            with cuda_shim.cuda_as_cpu(), MO.steps_for_empty_optimizers(self.optimizer):
                 state["optimizer"] = self.optimizer.sharded_state_dict(
                     state["model"], is_loading=loading, metadata=MO.OPTIM_METADATA
                 )

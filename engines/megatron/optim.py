@@ -96,6 +96,29 @@ def init_adam_state(optimizer: Any) -> None:
 
 
 @contextlib.contextmanager
+def steps_for_empty_optimizers(optimizer: Any) -> Iterator[None]:
+    """While a state dict is built: megatron-core gives every rank the same param groups, so a pipeline stage without
+    experts (DeepSeek-V3's dense first layers) holds an expert optimizer with no parameters; without Apex or
+    Transformer Engine its distributed optimizer reads Adam's step from the per-parameter state, which an empty one
+    lacks. It reports its siblings' step (they all step together). Undone on exit."""
+    inners = _inner_optimizers(optimizer)
+    steps = [float(state["step"]) for inner in inners for state in inner.state.values() if "step" in state]
+    step = max(steps, default=0.0)
+    empty = [inner for inner in inners if not any(group["params"] for group in inner.param_groups)]
+    for inner in empty:
+
+        def state_dict(original: Any = inner.state_dict) -> dict[str, Any]:
+            return {**original(), "state": {0: {"step": torch.tensor(step)}}}  # "state" is never saved from here
+
+        inner.state_dict = state_dict
+    try:
+        yield
+    finally:
+        for inner in empty:
+            del inner.state_dict  # the class's method again
+
+
+@contextlib.contextmanager
 def keep_adam_steps(optimizer: Any) -> Iterator[None]:
     """During a fully-reshardable load: megatron-core 0.16 copies every key of torch AdamW's state from the
     checkpoint, which holds no per-parameter `step` (it keeps the step in the param groups and has just set

@@ -51,6 +51,35 @@ def ensure_model(
     return path
 
 
+def tiny_hf_config(spec: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The HF model type and config keys a tiny spec (`TinyModelSpec`'s fields) stands for: sizes as given,
+    and per MoE type its own expert keys (mixtral's experts take `moe_intermediate_size` as their width;
+    deepseek_v3 gets Multi-head Latent Attention, one dense first layer and one shared expert)."""
+    spec = dict(spec)
+    spec.pop("seed", None)
+    model_type = spec.pop("model_type", "qwen2")
+    experts = spec.pop("num_experts", 0)
+    top_k = spec.pop("num_experts_per_tok", 2)
+    expert_width = spec.pop("moe_intermediate_size", 32)
+    hidden, heads = spec.get("hidden_size", 64), spec.get("num_attention_heads", 4)
+    head_dim = hidden // heads
+    keys: dict[str, Any] = {"head_dim": head_dim, **spec}
+    if model_type == "qwen2":
+        keys["attention_bias"] = True
+    if model_type == "qwen3_moe":
+        keys.update(num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True)
+        keys.update(moe_intermediate_size=expert_width, decoder_sparse_step=1, mlp_only_layers=[])
+    elif model_type == "mixtral":
+        keys.update(num_local_experts=experts, num_experts_per_tok=top_k, intermediate_size=expert_width)
+    elif model_type == "deepseek_v3":
+        del keys["head_dim"]  # MLA's head sizes are its own: nope + rope for q/k, v apart
+        keys.update(n_routed_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_width)
+        keys.update(first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=1.0)
+        keys.update(q_lora_rank=hidden // 2, kv_lora_rank=hidden // 2, qk_nope_head_dim=head_dim)
+        keys.update(qk_rope_head_dim=max(2, head_dim // 2), v_head_dim=head_dim, num_key_value_heads=heads)
+    return model_type, keys
+
+
 def build_tiny_model(
     out: Path,
     model_type: str = "qwen2",
@@ -67,34 +96,26 @@ def build_tiny_model(
     moe_intermediate_size: int = 32,
     seed: int = 0,
 ) -> Path:
-    """A random-init model and a character-level tokenizer, built offline into `out` (`num_experts` > 0: a
-    qwen3_moe of that many routed experts per layer, top-`num_experts_per_tok`, saved one tensor per expert)."""
+    """A random-init model and a character-level tokenizer, built offline into `out` (an MoE type with
+    `num_experts` routed experts per layer, top-`num_experts_per_tok`, saved one tensor per expert)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rlstages.engines.models.tiny_tokenizer import build_char_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     tok = build_char_tokenizer(vocab_size)
-    extra: dict[str, Any] = {"attention_bias": True} if model_type == "qwen2" else {}
-    if num_experts:
-        extra = {"num_experts": num_experts, "num_experts_per_tok": num_experts_per_tok, "norm_topk_prob": True}
-        extra.update(moe_intermediate_size=moe_intermediate_size, decoder_sparse_step=1, mlp_only_layers=[])
-    cfg = AutoConfig.for_model(
-        model_type,
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        head_dim=hidden_size // num_attention_heads,
-        **extra,
-    )
+    model_type, keys = tiny_hf_config(
+        {
+            "model_type": model_type, "vocab_size": vocab_size, "hidden_size": hidden_size,
+            "intermediate_size": intermediate_size, "num_hidden_layers": num_hidden_layers,
+            "num_attention_heads": num_attention_heads, "num_key_value_heads": num_key_value_heads,
+            "max_position_embeddings": max_position_embeddings, "tie_word_embeddings": tie_word_embeddings,
+            "num_experts": num_experts, "num_experts_per_tok": num_experts_per_tok,
+            "moe_intermediate_size": moe_intermediate_size,
+        }
+    )  # fmt: skip
+    special = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    cfg = AutoConfig.for_model(model_type, **keys, **special)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.generation_config.eos_token_id = tok.eos_token_id
@@ -118,8 +139,8 @@ def planned_config(path: str | Path, provider: str, tiny: dict[str, Any] | None 
     if (path / "config.json").is_file():
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
     if provider == "tiny-random":
-        spec = {k: v for k, v in (tiny or {}).items() if k != "seed"}  # the spec's fields are HF config keys
-        return AutoConfig.for_model(spec.pop("model_type", "qwen2"), **spec)
+        model_type, keys = tiny_hf_config(tiny or {})
+        return AutoConfig.for_model(model_type, **keys)
     if provider in PROVIDER_MODEL_TYPES:
         return AutoConfig.for_model(
             PROVIDER_MODEL_TYPES[provider], hidden_size=64, intermediate_size=128, num_hidden_layers=1,

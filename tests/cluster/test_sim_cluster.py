@@ -7,7 +7,9 @@ within 1e-4 after every sync; an impossible layout fails with "not enough GPUs: 
 DeepSpeed + rollout layout runs 2 steps with trainer ranks on one node and rollout on the other (checkpoints
 committed to the run dir on the host filesystem); the scaled-down twin of the Qwen3-235B preset, a tiny Qwen3-MoE at
 TP2 x PP2 x EP2 with expert TP 1 (attention TP2 x PP2 x DP2 = 8 ranks, hybrid engine), runs across both nodes with the
-rollout's log-probs within 1e-4 of the trainer's (opt-in with -m slow: the same layout dense); killing a worker node
+rollout's log-probs within 1e-4 of the trainer's (opt-in with -m slow: the same layout dense); the DeepSeek-V3
+preset's twin, a tiny DeepSeek-V3 at TP2 x PP2 x EP2, expert TP 1, DP 1 (4 ranks), its last stage a layer longer,
+offload on, likewise; killing a worker node
 mid-run is recovered on the capacity left plus a node added meanwhile.
 Flow runs are `rlstages run` subprocesses (the pytest process's own Ray is never touched).
 """
@@ -240,6 +242,55 @@ def test_megatron_moe_layout_across_nodes(sim_cluster: SimCluster, tiny_moe_dir:
         assert len(roles) == len(set(roles)), roles
     committed = sorted(p.name for p in (tmp_path / "runs" / "mcore" / "checkpoints").iterdir())
     assert committed == ["step_000001", "step_000002"]  # shards written by ranks on both nodes, one commit
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs `pip install .[megatron]`")
+def test_megatron_deepseek_layout_across_nodes(sim_cluster: SimCluster, tiny_deepseek_dir: Path, tmp_path: Path) -> None:
+    # the scaled-down twin of configs/deepseek_v3_671b_grpo_megatron.yaml (TP8 x PP12 x EP8, expert TP 1, DP 1, the
+    # last stage one layer longer, param / grad / optimizer offload at fraction 1.0): a tiny DeepSeek-V3 (MLA, a dense
+    # first layer, two MoE layers with a shared expert) at TP2 x PP2 x EP2, expert TP 1, DP 1, its last stage holding
+    # 2 of the 3 layers, over 4 fake GPUs of both nodes, hybrid engine (the offload flags are no-ops without CUDA)
+    cmd = flow(
+        sim_cluster,
+        tmp_path,
+        tiny_deepseek_dir,
+        "dsv3",
+        "actor.backend=megatron",
+        "actor.tensor_model_parallel_size=2",
+        "actor.pipeline_model_parallel_size=2",
+        "actor.expert_model_parallel_size=2",
+        "actor.expert_tensor_parallel_size=1",
+        "actor.num_layers_in_last_pipeline_stage=2",
+        "actor.moe.token_dispatcher=alltoall",
+        "actor.param_offload=true",
+        "actor.grad_offload=true",
+        "actor.optimizer_offload=true",
+        "actor.offload_fraction=1.0",
+        "actor.num_workers=4",
+        "rollout.num_workers=4",
+        "data.prompts_per_step=4",  # a prompt for each rollout rank
+        "cluster.hybrid_engine=true",
+        "cluster.colocate=true",
+        "cluster.placement_strategy=SPREAD",
+        "reference.backend=torch",
+        "reference.num_workers=1",
+        "cluster.placement_timeout_seconds=300",
+        "cluster.rendezvous_timeout_seconds=900",
+    )
+    run = subprocess.run(cmd, env=sim_cluster.env(), cwd=tmp_path, capture_output=True, text=True, timeout=3000)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    client, found = mlflow_run(tmp_path, "dsv3")
+    assert found.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(found.info.run_id, "reward/mean")] == [1, 2]
+    aux = client.get_metric_history(found.info.run_id, "actor/moe/tokens_per_expert_imbalance")
+    assert [m.step for m in aux] == [1, 2] and all(m.value >= 1.0 for m in aux)
+    diffs = client.get_metric_history(found.info.run_id, "rollout/logprob_diff")
+    assert diffs and max(m.value for m in diffs) < 1e-4, [m.value for m in diffs]  # MLA, experts, shared expert
+    (rows,) = placements(tmp_path, "dsv3")
+    actor = [r for r in rows if r["role"] == "actor"]
+    assert len(actor) == 4 and {r["node_ip"] for r in actor} == {sim_cluster.node_ip(1), sim_cluster.node_ip(2)}
+    committed = sorted(p.name for p in (tmp_path / "runs" / "dsv3" / "checkpoints").iterdir())
+    assert committed == ["step_000001", "step_000002"]
 
 
 def test_node_lost_mid_run_is_rebuilt_on_a_new_node(
