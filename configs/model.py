@@ -9,7 +9,6 @@ from pydantic import Field, model_validator
 
 from rlstages.configs.base import StrictModel
 
-
 TINY_MOE_TYPES = ("qwen3_moe", "mixtral", "deepseek_v3")
 
 
@@ -26,7 +25,7 @@ class TinyModelSpec(StrictModel):
     max_position_embeddings: int = 512
     tie_word_embeddings: bool = False
     num_experts: int = Field(
-        default=0, ge=0, description="Routed experts per layer (the MoE types: qwen3_moe, mixtral, deepseek_v3); 0 = dense."
+        default=0, ge=0, description="Routed experts per layer (MoE types: qwen3_moe, mixtral, deepseek_v3); 0 = dense."
     )
     num_experts_per_tok: int = Field(default=2, ge=1, description="Top-k experts per token (MoE types).")
     moe_intermediate_size: int = Field(

@@ -245,7 +245,9 @@ def test_megatron_moe_layout_across_nodes(sim_cluster: SimCluster, tiny_moe_dir:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs `pip install .[megatron]`")
-def test_megatron_deepseek_layout_across_nodes(sim_cluster: SimCluster, tiny_deepseek_dir: Path, tmp_path: Path) -> None:
+def test_megatron_deepseek_layout_across_nodes(
+    sim_cluster: SimCluster, tiny_deepseek_dir: Path, tmp_path: Path
+) -> None:
     # the scaled-down twin of configs/deepseek_v3_671b_grpo_megatron.yaml (TP8 x PP12 x EP8, expert TP 1, DP 1, the
     # last stage one layer longer, param / grad / optimizer offload at fraction 1.0): a tiny DeepSeek-V3 (MLA, a dense
     # first layer, two MoE layers with a shared expert) at TP2 x PP2 x EP2, expert TP 1, DP 1, its last stage holding

@@ -45,3 +45,36 @@ def test_tiny_qwen3_moe_generates_and_trains_on_torch(tiny_moe_dir: Path) -> Non
     state = rollout.model.state_dict()
     synced = dict(disk_named_weights(rollout.model, state.items()))
     assert sorted(synced) == sorted(after) and all(torch.equal(synced[k], after[k]) for k in after)
+
+
+def test_tiny_spec_builds_every_moe_type(tmp_path: Path) -> None:
+    # `model.tiny` names each MoE type the converter has a template for; the planned config (the pre-flight's view
+    # before the model exists) and the built one agree, experts saved one tensor per expert
+    import pytest
+    from pydantic import ValidationError
+    from transformers import AutoConfig
+
+    from rlstages.configs.model import TinyModelSpec
+    from rlstages.engines.models import build_tiny_model
+    from rlstages.engines.models.providers import planned_config
+
+    # the HF config key of the routed experts per type (mixtral's on-disk experts are w1 / w2 / w3)
+    experts_key = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts"}
+    for model_type, key in experts_key.items():
+        spec = TinyModelSpec(model_type=model_type, hidden_size=32, num_hidden_layers=2, num_experts=4)
+        path = build_tiny_model(tmp_path / model_type, **spec.model_dump())
+        built = AutoConfig.from_pretrained(path)
+        planned = planned_config(tmp_path / "absent", "tiny-random", spec.model_dump())
+        assert built.model_type == planned.model_type == model_type and getattr(built, key) == 4
+        assert getattr(planned, key) == 4
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            assert any(k.endswith((".experts.3.down_proj.weight", ".experts.3.w2.weight")) for k in f.keys()), (
+                model_type
+            )
+        rollout = HFRolloutEngine(path, dtype="float32", apply_chat_template=False)
+        batch = rollout.generate([Prompt("u", "1+1=", "2")], SamplingParams(n=2, max_new_tokens=4), seed=0)
+        assert batch[T.RESPONSE_MASK].sum() > 0
+    assert AutoConfig.from_pretrained(tmp_path / "deepseek_v3").first_k_dense_replace == 1
+    for bad in ({"model_type": "mixtral"}, {"model_type": "qwen2", "num_experts": 4}):
+        with pytest.raises(ValidationError, match="num_experts > 0 goes with model_type"):
+            TinyModelSpec(**bad)
