@@ -63,7 +63,7 @@ def convert_flow(
         first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
     )  # fmt: skip
     parity = verify_conversion(hf_dir, out) if verify else None
-    options = expert_option(ep, first_stage_layers, last_stage_layers, etp)
+    options = expert_option(ep, first_stage_layers, last_stage_layers, etp, tp)
     experts = "".join(f" {k.upper() if k in ('ep', 'etp') else k}={n}" for k, n in options.items())
     lines = [f"**{Path(hf_dir).name}** -> `{out}` with TP={tp} PP={pp} VPP={vpp or 1}{experts} ({transformer_impl})"]
     if parity is not None:

@@ -125,7 +125,7 @@ def check_conversion_inputs(
     out = Path(out_dir)
     if out.is_dir() and any(out.iterdir()) and ours(out):  # the same conversion again is a cache hit, not a clash
         options = {"transformer_impl": transformer_impl, "dist_checkpoint": dist_checkpoint, "checksum": checksum}
-        options |= expert_option(ep, *stages, etp)
+        options |= expert_option(ep, *stages, etp, tp)
         check_replaceable(out, overwrite, conversion_key(str(hf), str(out), tp, pp, vpp, **options))
     else:
         check_replaceable(out, overwrite)
@@ -175,18 +175,22 @@ def _exported_by_us(out: Path) -> bool:
 
 
 def expert_option(
-    ep: int, first_stage_layers: int | None = None, last_stage_layers: int | None = None, etp: int | None = None
+    ep: int,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+    etp: int | None = None,
+    tp: int | None = None,
 ) -> dict:
     """The expert-parallel sizes and uneven pipeline stages as cache-key options, only when set (the keys of
-    dense, evenly split conversions stay as they were)."""
-    experts = ({"ep": ep} if ep != 1 else {}) | ({"etp": etp} if etp is not None else {})
+    dense, evenly split conversions stay as they were); an expert TP equal to `tp` is the default, not an option."""
+    experts = ({"ep": ep} if ep != 1 else {}) | ({"etp": etp} if etp not in (None, tp) else {})
     return experts | ConversionSpec.stage_fields((first_stage_layers, last_stage_layers))
 
 
 def _cache_key(context: TaskRunContext, params: dict[str, Any]) -> str:
     options = {k: params.get(k, DEFAULTS[k]) for k in DEFAULTS}
     stages = (params.get("first_stage_layers"), params.get("last_stage_layers"))
-    options |= expert_option(params.get("ep", 1), *stages, params.get("etp"))
+    options |= expert_option(params.get("ep", 1), *stages, params.get("etp"), params["tp"])
     key = conversion_key(params["hf_dir"], params["out_dir"], params["tp"], params["pp"], params.get("vpp"), **options)
     store = getattr(context, "result_store", None)
     if not holds_conversion(params["out_dir"], key) and store is not None and store.exists(key):
@@ -225,7 +229,7 @@ def convert_checkpoint(
     that many expert-TP ranks (None: tp); `first_stage_layers` / `last_stage_layers` give megatron-core's uneven
     first / last pipeline stage."""
     options = {"transformer_impl": transformer_impl, "dist_checkpoint": dist_checkpoint, "checksum": checksum}
-    options |= expert_option(ep, first_stage_layers, last_stage_layers, etp)
+    options |= expert_option(ep, first_stage_layers, last_stage_layers, etp, tp)
     key = conversion_key(hf_dir, out_dir, tp, pp, vpp, **options)
     out = Path(out_dir)
     if holds_conversion(out, key):

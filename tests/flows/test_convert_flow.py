@@ -203,6 +203,10 @@ def test_cli_convert_moe_with_expert_parallelism(hf_dir: Path, tmp_path: Path, c
     assert (manifest["stage_layers"], manifest["etp"]) == ([1, 2], 1)
     again = runner.invoke(_app(), argv)  # the same options: the same cache key, nothing converted again
     assert again.exit_code == 0 and count_conversions == [str(tmp_path / "m")]
+    default = ["convert", str(moe), str(tmp_path / "m2"), "--tp", "2", "--ep", "2"]
+    assert runner.invoke(_app(), [*default, "--etp", "2"]).exit_code == 0
+    assert runner.invoke(_app(), default).exit_code == 0  # expert TP = TP is the default: the same conversion
+    assert count_conversions == [str(tmp_path / "m"), str(tmp_path / "m2")]
     done = runner.invoke(_app(), ["export", str(tmp_path / "m"), str(tmp_path / "back")])
     assert done.exit_code == 0, done.output
     back, original = load_file(tmp_path / "back" / "model.safetensors"), load_file(moe / "model.safetensors")
