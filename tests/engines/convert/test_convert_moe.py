@@ -205,3 +205,21 @@ def test_transformer_engine_names(models: dict[str, Path], tmp_path: Path) -> No
         assert_same(hf_tensors(hf), dict(mcore_to_hf(out)))
     assert "decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_weight" in names  # MLA: fused q norm
     assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in names  # DeepSeek's dense first layer: fused
+
+
+def test_expert_tp_between_one_and_tp(tmp_path: Path) -> None:
+    # TP4 with expert TP 2: each expert split in two, TP rank t's file holding expert shard t % 2 (ranks 0 and 2 alike)
+    for model_type in MOE_TYPES:
+        hf = make_moe_model(tmp_path / model_type, model_type, num_key_value_heads=4)
+        original = hf_tensors(hf)
+        for ep in (1, 2):
+            out = convert_hf_to_mcore(hf, tmp_path / f"m-{model_type}-{ep}", tp=4, ep=ep, etp=2)
+            assert_same(original, dict(mcore_to_hf(out)))
+            spec = ConversionSpec.load(out)
+            assert (spec.tp, spec.expert_tp) == (4, 2)
+            files = [load_file(out / spec_rank_file(spec, t, 0, 0)) for t in range(4)]
+            name = "decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight"  # an MoE layer in every type
+            gate = original[f"model.layers.1.{MOE_BLOCK[model_type]}.experts.0.{MOE_GATE[model_type]}.weight"]
+            assert files[0][name].shape[1] * 2 == gate.shape[0]  # fc2 split over the expert TP ranks (input dim)
+            assert torch.equal(files[0][name], files[2][name]) and torch.equal(files[1][name], files[3][name])
+            assert not torch.equal(files[0][name], files[1][name])
