@@ -102,8 +102,10 @@ class _ChunkedEntropy(torch.autograd.Function):
         out = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
         for rows, z in _scaled_chunks(logits, temperature):
-            lse[rows] = torch.logsumexp(z, dim=-1)
-            out[rows] = entropy_from_logits(z)
+            chunk_lse = torch.logsumexp(z, dim=-1)
+            lse[rows] = chunk_lse
+            # H = lse - sum(p z) with p = exp(z - lse): one logsumexp per chunk, not a second one and a softmax
+            out[rows] = chunk_lse - (z - chunk_lse.unsqueeze(-1)).exp_().mul_(z).sum(dim=-1)
         ctx.temperature = temperature
         ctx.save_for_backward(logits, lse, out)
         return out
