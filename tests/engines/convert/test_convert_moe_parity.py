@@ -1,10 +1,10 @@
 """MoE parity gate: megatron-core's GPTModel loaded from a converted qwen3_moe / mixtral / deepseek_v3 checkpoint
-gives the HF model's logits (scale-aware tolerance, argmax equal), at EP1 TP1 PP1 and at TP2 x EP2 with expert TP 1
-(two gloo processes, the allgather token dispatcher) for every type; a dist checkpoint written at EP2 loads at EP1.
-(TP2 x PP2 x EP2 is checked end to end by the simulated cluster's twins: the rollout's log-probs against Megatron's.)
+gives the HF model's logits (scale-aware tolerance, argmax equal), at EP1 TP1 PP1 and at TP2 x PP2 x EP2 with expert
+TP 1 (four gloo processes, the allgather token dispatcher) for every type; a dist checkpoint written at EP2 loads at
+EP1. (EP2 at TP1: tests/engines/test_megatron_moe.py, against the torch backend.)
 
 Run: .venv/bin/python -m pytest tests/engines/convert/test_convert_moe_parity.py -q
-Hardware: CPU; megatron-core installed (skipped otherwise); up to 2 local gloo processes; ~1 min on 2 quiet cores.
+Hardware: CPU; megatron-core installed (skipped otherwise); up to 4 local gloo processes; ~1-2 min on 2 quiet cores.
 """
 
 from __future__ import annotations
@@ -40,12 +40,13 @@ def test_parity_every_moe_type(tmp_path: Path) -> None:
     assert reports[4].ep == 1 and (ep2 / "dist_ckpt" / "metadata.json").is_file()
 
 
-def test_parity_every_moe_type_at_tp2_ep2(tmp_path: Path) -> None:
-    # one 2-process world at TP2 x EP2 with expert TP 1 (the presets' ETP): qwen3_moe with softmax-then-top-k routing,
-    # mixtral, deepseek_v3 (MLA's heads split over TP; experts and the router's score-correction bias over EP)
+def test_parity_every_moe_type_at_tp2_pp2_ep2(tmp_path: Path) -> None:
+    # one 4-process world at TP2 x PP2 x EP2 with expert TP 1 (the presets' ETP): qwen3_moe with softmax-then-top-k
+    # routing, mixtral, deepseek_v3 (its dense first layer alone on stage 0; MLA's heads split over TP; experts and
+    # the router's score-correction bias over EP)
     hfs = [make_moe_model(tmp_path / "qwen3_moe", "qwen3_moe", norm_topk_prob=False)]
-    hfs += [make_moe_model(tmp_path / t, t, layers=3 if t == "deepseek_v3" else 2) for t in MOE_TYPES[1:]]
-    cases = [(convert_hf_to_mcore(hf, tmp_path / f"m-{hf.name}", tp=2, ep=2, etp=1), hf) for hf in hfs]
+    hfs += [make_moe_model(tmp_path / t, t) for t in MOE_TYPES[1:]]
+    cases = [(convert_hf_to_mcore(hf, tmp_path / f"m-{hf.name}", tp=2, pp=2, ep=2, etp=1), hf) for hf in hfs]
     for hf, report in zip(hfs, verify_parity_many(cases, raise_on_fail=False), strict=True):
-        assert report.passed and (report.tp, report.ep) == (2, 2) and report.max_abs_diff <= 1e-5, (hf.name, report)
-        assert report.argmax_agreement == 1.0, (hf.name, report)
+        assert report.passed and (report.tp, report.pp, report.ep) == (2, 2, 2), (hf.name, report)
+        assert report.max_abs_diff <= 1e-5 and report.argmax_agreement == 1.0, (hf.name, report)
