@@ -79,6 +79,10 @@ def optimizer_step(optimizer: Any, optim: OptimConfig, lr: float) -> float:
     return grad_norm
 
 
+def _holds_params(inner: Any) -> bool:
+    return any(group["params"] for group in inner.param_groups)
+
+
 def _inner_optimizers(optimizer: Any) -> list[Any]:
     subs = getattr(optimizer, "chained_optimizers", [optimizer])
     return [sub.optimizer for sub in subs if getattr(sub, "optimizer", None) is not None]
@@ -104,7 +108,7 @@ def steps_for_empty_optimizers(optimizer: Any) -> Iterator[None]:
     inners = _inner_optimizers(optimizer)
     steps = [float(state["step"]) for inner in inners for state in inner.state.values() if "step" in state]
     step = max(steps, default=0.0)
-    empty = [inner for inner in inners if not any(group["params"] for group in inner.param_groups)]
+    empty = [inner for inner in inners if not _holds_params(inner)]
     for inner in empty:
 
         def state_dict(original: Any = inner.state_dict) -> dict[str, Any]:
@@ -158,10 +162,14 @@ def fit_loaded_state(optimizer: Any, loaded: dict) -> Any:
     if len(steps) != 1:
         raise ValueError(f"optimizer checkpoint: expected one Adam step over its optimizers, found {sorted(steps)}")
     step = steps.pop()
-    param_states = [loaded[i]["param_state"] for i in range(len(subs))] if chained else [loaded["param_state"]]
+    if chained:  # an optimizer holding no parameters on this rank (a stage without experts) loaded no tensors
+        param_states = [loaded[i]["param_state"] if _holds_params(s.optimizer) else {} for i, s in enumerate(subs)]
+    else:
+        param_states = [loaded["param_state"]]
     fitted = []
-    for sub, param_state in zip(subs, param_states, strict=True):
-        own = sub.state_dict()
+    with steps_for_empty_optimizers(optimizer):
+        owns = [sub.state_dict() for sub in subs]
+    for own, param_state in zip(owns, param_states, strict=True):
         for group in own["optimizer"]["param_groups"]:
             group["step"] = step
         fitted.append({**own, "param_state": param_state, "param_state_sharding_type": "fully_reshardable"})

@@ -8,11 +8,12 @@ Adam's moments and step as an EP=1 engine's own first step (megatron-core's full
 TP2 x EP2 with expert TP 1 (the presets' ETP=1) as a second 2-rank group: the same log-probs, GRPO step (sequence
 parallel, torch norms) and HF export, then it loads a 1-rank TP1 / EP1 engine's checkpoint (EP 1 -> 2): the weights
 bit for bit and every rank's Adam moments and step as saved.
-In this process at EP=1: the router options reach megatron-core (aux / z-loss tracked,
-their gradient reaching the router), and a dense model at EP > 1 is refused.
+A 1-rank EP1 checkpoint of a tiny DeepSeek-V3 loads into a 4-rank TP2 x PP2 x EP2 group whose first stage holds no
+experts (an empty expert optimizer there). In this process at EP=1: the router options reach megatron-core (aux /
+z-loss tracked, their gradient reaching the router), and a dense model at EP > 1 is refused.
 
 Run: .venv/bin/python -m pytest tests/engines/test_megatron_moe.py -q
-Hardware: CPU only (megatron-core local spec, SequentialMLP experts, gloo); two 2-rank Ray groups; ~1-2 min.
+Hardware: CPU only (megatron-core local spec, SequentialMLP experts, gloo); 2-rank and 4-rank Ray groups; ~2 min.
 Skipped without megatron-core.
 """
 
@@ -281,3 +282,38 @@ def test_tp2_ep2_etp1_ray_group_matches_torch_and_loads_ep1(
             for got, index in ((m, 0), (v, 1)):
                 saved = {k: t[index] for k, t in saved_adam.items()}
                 assert torch.equal(got, expected_shard(name, saved, view["tp_rank"], view["ep_rank"], conv)), name
+
+
+def test_ep1_checkpoint_loads_where_a_stage_holds_no_experts(
+    ray_session, tiny_deepseek_dir: Path, tmp_path: Path
+) -> None:
+    """A 1-rank EP1 checkpoint of a tiny DeepSeek-V3 loads into TP2 x PP2 x EP2 (expert TP 1) whose first stage is
+    the dense first layer alone: that stage's expert optimizer holds no parameters (megatron-core aligns the param
+    groups over ranks) and loads no tensors; every rank gets the saved weights bit for bit and Adam step 1."""
+    import ray
+
+    from rlstages.engines.convert import convert_hf_to_mcore
+
+    rollout = HFRolloutEngine(tiny_deepseek_dir, dtype="float32", apply_chat_template=False)
+    b = rollout.generate(PROMPTS, SamplingParams(n=4, max_new_tokens=8), seed=3)
+    token = A.outcome_to_token_rewards((torch.arange(16) % 3 == 0).float(), b[T.RESPONSE_MASK])
+    b[T.ADVANTAGES], b[T.RETURNS] = A.compute_advantages("grpo", token, b[T.RESPONSE_MASK], T.get_rows(b, "uid"))
+    saver = PPOTrainer(settings(tiny_deepseek_dir, "megatron"))
+    saver.train_step(b)
+    saver.save(tmp_path / "ckpt-ep1")
+    saved = snapshot(saver.named_weights())
+    layout = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2}
+    layout |= {"expert_tensor_parallel_size": 1, "num_layers_in_first_pipeline_stage": 1}
+    converted = convert_hf_to_mcore(tiny_deepseek_dir, tmp_path / "m", tp=2, pp=2, ep=2, etp=1, first_stage_layers=1)
+    engine_settings = settings(tiny_deepseek_dir, "megatron", converted, num_workers=4, **layout)
+    kwargs = {"settings": engine_settings}
+    spec = GroupSpec(name="megatron-dsv3", engine=ENGINE, kwargs=kwargs, num_workers=4, tp=2, pp=2)
+    group = ActorGroup(spec, namespace="rlstages-tests")
+    try:
+        group.all(600).load(str(tmp_path / "ckpt-ep1"))
+        assert max_diff(group_weights(group), saved) == 0.0
+        views = ray.get([h.__ray_call__.remote(rank_view, True) for h in group.handles], timeout=120)
+    finally:
+        group.kill()
+    assert all(step == 1.0 for view in views for (_, _, step) in view["adam"].values())
+    assert all(view["adam"] for view in views)
