@@ -79,6 +79,18 @@ def optimizer_step(optimizer: Any, optim: OptimConfig, lr: float) -> float:
     return grad_norm
 
 
+@contextlib.contextmanager
+def _overriding(method: str, overrides: list[tuple[Any, Any]]) -> Iterator[None]:
+    """Each object's `method` replaced by its own function while inside; the class's method again on exit."""
+    for target, function in overrides:
+        setattr(target, method, function)
+    try:
+        yield
+    finally:
+        for target, _ in overrides:
+            delattr(target, method)
+
+
 def _holds_params(inner: Any) -> bool:
     return any(group["params"] for group in inner.param_groups)
 
@@ -108,18 +120,13 @@ def steps_for_empty_optimizers(optimizer: Any) -> Iterator[None]:
     inners = _inner_optimizers(optimizer)
     steps = [float(state["step"]) for inner in inners for state in inner.state.values() if "step" in state]
     step = max(steps, default=0.0)
-    empty = [inner for inner in inners if not _holds_params(inner)]
-    for inner in empty:
 
-        def state_dict(original: Any = inner.state_dict) -> dict[str, Any]:
-            return {**original(), "state": {0: {"step": torch.tensor(step)}}}  # "state" is never saved from here
+    def reporting_step(original: Any) -> Any:
+        return lambda: {**original(), "state": {0: {"step": torch.tensor(step)}}}  # "state" is never saved from here
 
-        inner.state_dict = state_dict
-    try:
+    empty = [(inner, reporting_step(inner.state_dict)) for inner in inners if not _holds_params(inner)]
+    with _overriding("state_dict", empty):
         yield
-    finally:
-        for inner in empty:
-            del inner.state_dict  # the class's method again
 
 
 @contextlib.contextmanager
@@ -130,20 +137,19 @@ def keep_adam_steps(optimizer: Any) -> Iterator[None]:
     subs = [
         s for s in getattr(optimizer, "chained_optimizers", [optimizer]) if hasattr(s, "model_param_group_index_map")
     ]
-    for sub in subs:
+
+    def keeping_step(sub: Any) -> Any:
         original = sub._set_main_param_and_optimizer_states
 
-        def set_states(model_param: Any, tensors: dict, sub: Any = sub, original: Any = original) -> None:
+        def set_states(model_param: Any, tensors: dict) -> None:
             group, order = sub.model_param_group_index_map[model_param]
             current = sub.optimizer.state[sub.optimizer.param_groups[group]["params"][order]]
             original(model_param, {**{k: v for k, v in current.items() if k not in tensors}, **tensors})
 
-        sub._set_main_param_and_optimizer_states = set_states
-    try:
+        return set_states
+
+    with _overriding("_set_main_param_and_optimizer_states", [(sub, keeping_step(sub)) for sub in subs]):
         yield
-    finally:
-        for sub in subs:
-            del sub._set_main_param_and_optimizer_states  # the class's method again
 
 
 def fit_loaded_state(optimizer: Any, loaded: dict) -> Any:
