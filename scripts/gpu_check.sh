@@ -6,6 +6,13 @@
 #                                     # on x86-64 Linux, without their dependencies (torch, triton, nvidia-*,
 #                                     # numpy, tokenizers... are the GPU machine's own); DeepSpeed (an sdist) is
 #                                     # built into a pure-Python wheel here
+#   scripts/gpu_check.sh --stack --download  # here: the whole run stack (Ray, Prefect, MLflow, ... and the demo
+#                                     # model's GGUF) for CPython 3.12, as .gpu/stack.tar.xz.part-* of <= 56 MiB each
+#                                     # (scripts/gpu_stack.py); each part travels in its own call to a warm machine
+#   scripts/gpu_check.sh --stack [--bench]  # on the GPU machine: join and unpack the parts, then the whole demo
+#                                     # run (`rlstages run configs/demo_gpu.yaml`: Prefect flow, a Ray actor with
+#                                     # the GPU, MLflow store, checkpoints, held-out evaluation); its metrics, log
+#                                     # and reward curve in $RESULTS_DIR (default $OUT or .gpu/results)
 #   scripts/gpu_check.sh [--bench]    # on the GPU machine: the wheels installed offline into $SITE (put first on
 #                                     # PYTHONPATH, over the machine's own versions), each test file in its own
 #                                     # pytest process (each sets up its own process group); with --bench, then
@@ -28,9 +35,21 @@ TIMEOUT="${TIMEOUT:-600}"
 PACKAGES=(transformers tensordict pyvers pydantic pydantic_core annotated-types typing-inspection typing_extensions
   regex megatron-core hjson py-cpuinfo)
 BENCH=0
-[[ "${1:-}" == "--bench" ]] && BENCH=1
+STACK=0
+for arg in "$@"; do
+  case "$arg" in
+    --bench) BENCH=1 ;;
+    --stack) STACK=1 ;;
+  esac
+done
+STACK_DIR="${STACK_DIR:-/tmp/rlstages-stack}"
+RESULTS_DIR="${RESULTS_DIR:-${OUT:-$ROOT/.gpu/results}}"
 
-if [[ "${1:-}" == "--download" ]]; then
+if [[ $STACK == 1 && " $* " == *" --download "* ]]; then
+  exec "${LOCAL_PYTHON:-$ROOT/.venv/bin/python}" "$ROOT/scripts/gpu_stack.py" "$ROOT/.gpu"
+fi
+
+if [[ " $* " == *" --download "* ]]; then
   LOCAL="${LOCAL_PYTHON:-$ROOT/.venv/bin/python}"
   mkdir -p "$WHEELS"
   platform=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
@@ -60,6 +79,16 @@ else
   echo "gpu_check: no wheels in $WHEELS; using what $PYTHON already has" >&2
 fi
 
+if [[ $STACK == 1 ]]; then
+  if [[ ! -d "$STACK_DIR/site" ]]; then
+    compgen -G "$ROOT/.gpu/stack.tar.xz.part-*" > /dev/null || { echo "gpu_check: no .gpu/stack.tar.xz.part-*" >&2; exit 2; }
+    mkdir -p "$STACK_DIR" && cat "$ROOT"/.gpu/stack.tar.xz.part-* | xz -d -T0 | tar -x -i -C "$STACK_DIR" \
+      || { echo "gpu_check: the stack parts did not unpack" >&2; exit 2; }
+  fi
+  export PYTHONPATH="$STACK_DIR/site${PYTHONPATH:+:$PYTHONPATH}"
+  export PATH="$STACK_DIR/site/bin:$PATH"
+fi
+
 PKGROOT="$(mktemp -d)"  # `rlstages.*` resolves to this checkout, without installing it (or its Ray/Prefect deps)
 ln -s "$ROOT" "$PKGROOT/rlstages"
 export PYTHONPATH="$PKGROOT${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -81,7 +110,18 @@ EOF
 } > "$RESULTS" 2>&1
 
 status=0
+if [[ $STACK == 1 ]]; then
+  mkdir -p "$RESULTS_DIR"
+  echo "== rlstages run configs/demo_gpu.yaml" | tee -a "$RESULTS"
+  start=$(date +%s)
+  timeout "$TIMEOUT" "$PYTHON" -m rlstages.flows.cli.main run configs/demo_gpu.yaml > "$RESULTS_DIR/demo_gpu.log" 2>&1
+  rc=$?
+  echo "== rlstages run configs/demo_gpu.yaml exit $rc in $(( $(date +%s) - start )) s" | tee -a "$RESULTS"
+  [[ $rc -ne 0 ]] && status=1
+  "$PYTHON" "$ROOT/scripts/gpu_stack_report.py" "$RESULTS_DIR" >> "$RESULTS" 2>&1
+fi
 for file in tests/gpu/test_gpu_*.py; do
+  [[ $STACK == 1 && -n "${GPU_TESTS:-}" && " $GPU_TESTS " != *" $(basename "$file") "* ]] && continue
   echo "== $file" | tee -a "$RESULTS"
   timeout "$TIMEOUT" "$PYTHON" -m pytest -p no:cacheprovider -m gpu -rA -q "$file" >> "$RESULTS" 2>&1
   rc=$?
@@ -89,7 +129,7 @@ for file in tests/gpu/test_gpu_*.py; do
   [[ $rc -ne 0 && $rc -ne 5 ]] && status=1  # 5: nothing collected
 done
 if [[ $BENCH == 1 ]]; then
-  for bench in bench_gpu bench_gpu_sync; do
+  for bench in ${BENCHES:-bench_gpu bench_gpu_sync bench_trl}; do
     echo "== bench/$bench.py" | tee -a "$RESULTS"
     timeout "$TIMEOUT" "$PYTHON" -m "bench.$bench" >> "$RESULTS" 2>&1
     echo "== bench/$bench.py exit $?" | tee -a "$RESULTS"
