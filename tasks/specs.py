@@ -203,6 +203,7 @@ def trainer_settings(cfg: RunConfig, role: Role) -> TrainerSettings:
         seed=cfg.trainer.seed,
         converted_path=str(converted) if converted is not None else None,
         lora=cfg.model.lora.model_dump() if cfg.model.lora is not None and role == "actor" else None,
+        shares_device=cfg.cluster.colocate or cfg.cluster.hybrid_engine,
     )
 
 

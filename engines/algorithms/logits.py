@@ -131,3 +131,69 @@ def chunked_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     return _ChunkedEntropy.apply(logits, float(temperature))
+
+
+class _ChunkedLogprobsEntropy(torch.autograd.Function):
+    """Log-probs at `labels` and entropy of softmax(logits / T) in ONE pass over the logits, row chunk by row
+    chunk in float32: each chunk is upcast and scaled once and its logsumexp serves both (H = lse - sum p z).
+    Backward rebuilds softmax once per chunk and writes one gradient of the logits for both outputs (the two
+    separate kernels each wrote a full-size one that autograd then added); the entropy's part only when it has a
+    gradient (`entropy_grad`; otherwise it is returned as a non-differentiable metric)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, logits: Tensor, labels: Tensor, temperature: float, entropy_grad: bool
+    ) -> tuple[Tensor, Tensor]:
+        out = torch.empty(labels.shape, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        entropy = torch.empty_like(out)
+        for rows, z in _scaled_chunks(logits, temperature):
+            chunk_lse = torch.logsumexp(z, dim=-1)
+            lse[rows] = chunk_lse
+            out[rows] = torch.gather(z, -1, labels[rows].unsqueeze(-1)).squeeze(-1) - chunk_lse
+            entropy[rows] = chunk_lse - (z - chunk_lse.unsqueeze(-1)).exp_().mul_(z).sum(dim=-1)
+        ctx.temperature = temperature
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(logits, labels, lse, entropy)
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return out, entropy
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_logp: Tensor | None, grad_entropy: Tensor | None
+    ) -> tuple[Tensor | None, None, None, None]:
+        if grad_logp is None and grad_entropy is None:
+            return None, None, None, None
+        logits, labels, lse, entropy = ctx.saved_tensors
+        temperature = ctx.temperature
+        grad_logits = torch.empty_like(logits)
+        for rows, z in _scaled_chunks(logits, temperature):
+            w = z.sub_(lse[rows].unsqueeze(-1))  # z - lse, in place
+            if grad_entropy is None:  # d logp: (onehot - p) g
+                g = grad_logp[rows].float().unsqueeze(-1)  # type: ignore[index]
+                p = w.exp_().mul_(g).neg_()
+            else:  # dH: -p (z - E_p z) gH with z - E_p z = (z - lse) + H; plus d logp's -p g
+                p = w.exp()
+                w.add_(entropy[rows].unsqueeze(-1)).mul_(grad_entropy[rows].float().unsqueeze(-1))
+                if grad_logp is not None:
+                    g = grad_logp[rows].float().unsqueeze(-1)
+                    w.add_(g)
+                p = w.mul_(p).neg_()
+            if grad_logp is not None:
+                p.scatter_add_(-1, labels[rows].unsqueeze(-1), g)  # + onehot * g
+            if temperature != 1.0:
+                p.div_(temperature)
+            grad_logits[rows] = p
+        return grad_logits, None, None, None
+
+
+def chunked_logprobs_entropy(
+    logits: Tensor, labels: Tensor, temperature: float = 1.0, entropy_grad: bool = False
+) -> tuple[Tensor, Tensor]:
+    """`chunked_logprobs` and `chunked_entropy` of [B, T, V] logits in one chunked pass sharing each chunk's
+    float32 copy and logsumexp. The entropy carries a gradient only with `entropy_grad` (an entropy bonus);
+    otherwise it is a metric outside the graph and the backward computes the log-probs' gradient alone."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return _ChunkedLogprobsEntropy.apply(logits, labels, float(temperature), bool(entropy_grad))

@@ -49,6 +49,8 @@ class HybridEngine:
             self.rollout.update_weights(rest)
             self.shares_weights = not rest
         self.offload = None if self.shares_weights else hybrid_offload(self.trainer, self.rollout)
+        if not self.shares_weights and hasattr(self.trainer, "shares_device"):
+            self.trainer.shares_device = True  # the rollout's own weights and KV cache need the update's blocks
 
     # ---- rollout side -----------------------------------------------------------------------------------------
     def generate(self, prompts: list[Prompt], sampling: SamplingParams, seed: int) -> TensorDict:

@@ -34,6 +34,8 @@ def test_settings_hold_the_config_sections_and_derive_the_step_counts() -> None:
     assert isinstance(s.train, DeepSpeedTrainingConfig) and s.train.zero_stage == 3
     assert s.num_mini_batches == 2 and s.optim_steps == 5 * 2 * 2
     assert s.loss.entropy_coeff == 0.01 and s.seed == c.trainer.seed
+    assert s.shares_device == c.cluster.colocate  # a colocated trainer hands its cached blocks back
+    assert not trainer_settings(cfg("cluster.colocate=false", "cluster.hybrid_engine=false"), "actor").shares_device
     spec = training_spec(c, RUN, "actor")
     assert spec.engine == TRAINING_ENGINE and spec.kwargs == {"settings": s}
 
