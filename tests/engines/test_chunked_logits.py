@@ -124,3 +124,17 @@ def test_fused_entropy_alone_has_the_entropy_gradient():
     assert lp.grad_fn is None and ent.grad_fn is None
     with pytest.raises(ValueError, match="temperature"):
         L.chunked_logprobs_entropy(base, labels, -1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_gpu_one_kernel_shift_equals_the_cpu_one(dtype, temperature):
+    """The fused backward's z/T - lse: the GPU's one mixed-dtype kernel and the CPU's copy + in-place ops agree."""
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(3, 5, 40, generator=g) * 3).to(dtype)
+    lse = torch.randn(3, 5, generator=g)
+    one = L._shifted(logits, lse, 1 / temperature, one_kernel=True)
+    two = L._shifted(logits, lse, 1 / temperature, one_kernel=False)
+    assert one.dtype == two.dtype == torch.float32
+    torch.testing.assert_close(one, two, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(two, logits.float() / temperature - lse[..., None], rtol=1e-6, atol=1e-6)

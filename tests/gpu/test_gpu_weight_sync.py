@@ -123,7 +123,8 @@ def test_cuda_ipc_push_between_two_processes_is_bit_exact() -> None:
                 assert len(handles) == (1 if version == 1 else 0)  # shared once
         del weights
         torch.cuda.synchronize()
-        assert torch.cuda.memory_allocated(device) == baseline + pusher.capacity  # only the persistent buffer
+        held = torch.cuda.memory_allocated(device) - baseline
+        assert pusher.capacity <= held < pusher.capacity + 512  # the persistent buffer alone (allocator's rounding)
         pusher.release(send)
         assert mapped[-1] == []
         torch.cuda.synchronize()
