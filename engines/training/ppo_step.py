@@ -75,9 +75,10 @@ class SharedPrompts:
     def __init__(self, model: Any, mbs: list[TensorDict], bf16: bool) -> None:
         device = _device(model)
         self.index: dict[tuple[int, ...], int] = {}
+        self._rows: dict[int, torch.Tensor] = {}  # each micro-batch's rows' prompt indices, read once here
         for mb in mbs:
-            for tokens in _prompt_tokens(mb):
-                self.index.setdefault(tokens, len(self.index))
+            rows = [self.index.setdefault(tokens, len(self.index)) for tokens in _prompt_tokens(mb)]
+            self._rows[id(mb)] = torch.tensor(rows, device=device)
         ids, mask = left_pad([torch.tensor(t, dtype=torch.long) for t in self.index], torch.long)
         ids, mask = ids.to(device), mask.to(device)
         with autocast(bf16, device.type):
@@ -91,7 +92,9 @@ class SharedPrompts:
         from transformers import DynamicCache
 
         device = _device(model)
-        rows = torch.tensor([self.index[t] for t in _prompt_tokens(mb)], device=device)
+        rows = self._rows.get(id(mb))
+        if rows is None:  # a micro-batch not given at construction
+            rows = torch.tensor([self.index[t] for t in _prompt_tokens(mb)], device=device)
         *kv, last = self._leaves
         cache = DynamicCache([(kv[i][rows], kv[i + 1][rows]) for i in range(0, len(kv), 2)], config=self.config)
         response = mb[T.RESPONSE_IDS].to(device)
@@ -116,12 +119,13 @@ class SharedPrompts:
         if outs:
             torch.autograd.backward(outs, grads)
         self._outputs, self._leaves = [], []
+        self._rows = {}
 
 
 def _prompt_tokens(mb: TensorDict) -> list[tuple[int, ...]]:
-    """Each row's real prompt tokens (its left padding dropped)."""
-    prompt = mb[T.PROMPT_IDS]
-    mask = mb[T.ATTENTION_MASK][:, : prompt.shape[1]] > 0
+    """Each row's real prompt tokens (its left padding dropped), read in one transfer (not one per row)."""
+    prompt = mb[T.PROMPT_IDS].cpu()
+    mask = mb[T.ATTENTION_MASK][:, : prompt.shape[1]].cpu() > 0
     return [tuple(row[keep].tolist()) for row, keep in zip(prompt, mask, strict=True)]
 
 
