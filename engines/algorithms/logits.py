@@ -135,8 +135,8 @@ def chunked_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
 
 class _ChunkedLogprobsEntropy(torch.autograd.Function):
     """Log-probs at `labels` and entropy of softmax(logits / T) in ONE pass over the logits, row chunk by row
-    chunk in float32: each chunk is upcast and scaled once and its logsumexp serves both (H = lse - p.z, a dot
-    product: p z is never written). Backward writes one gradient of the logits for both outputs (the two separate
+    chunk in float32: each chunk is upcast and scaled once and its logsumexp serves both (H = lse - sum p z, p z
+    formed in place in one temporary). Backward writes one gradient of the logits for both outputs (the two separate
     kernels each wrote a full-size one that autograd then added) with few passes over a chunk: upcast, scale and
     subtract the logsumexp in one kernel, exp, one scale (-g / T folded), the label's +g / T, the cast back. The
     entropy's part only when it has a gradient (`entropy_grad`; otherwise it is a non-differentiable metric)."""
@@ -152,8 +152,7 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
             chunk_lse = torch.logsumexp(z, dim=-1)
             lse[rows] = chunk_lse
             out[rows] = torch.gather(z, -1, labels[rows].unsqueeze(-1)).squeeze(-1) - chunk_lse
-            p = (z - chunk_lse.unsqueeze(-1)).exp_()
-            entropy[rows] = chunk_lse - torch.linalg.vecdot(p, z)
+            entropy[rows] = chunk_lse - (z - chunk_lse.unsqueeze(-1)).exp_().mul_(z).sum(dim=-1)  # p z in place
         ctx.temperature = temperature
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits, labels, lse, entropy)
