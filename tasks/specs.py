@@ -203,7 +203,18 @@ def trainer_settings(cfg: RunConfig, role: Role) -> TrainerSettings:
         seed=cfg.trainer.seed,
         converted_path=str(converted) if converted is not None else None,
         lora=cfg.model.lora.model_dump() if cfg.model.lora is not None and role == "actor" else None,
+        shares_device=shares_device(cfg),
     )
+
+
+def shares_device(cfg: RunConfig) -> bool:
+    """Whether an engine in another process uses the trainers' GPUs, so a trainer hands its cached blocks back
+    after each forward and update: colocated roles do, except a hybrid worker alone on its GPU (its rollout in
+    its own process space: `HybridEngine` turns it on where that rollout keeps memory of its own, vLLM's)."""
+    if not cfg.cluster.colocate:
+        return False
+    others = (cfg.uses_reference and cfg.model.lora is None) or cfg.critic is not None
+    return not cfg.cluster.hybrid_engine or others
 
 
 def training_spec(cfg: RunConfig, run: RunHandle, role: Role) -> GroupSpec:

@@ -43,6 +43,7 @@ from rlstages.engines.algorithms.kl import (
 from rlstages.engines.algorithms.logits import (
     chunked_entropy,
     chunked_logprobs,
+    chunked_logprobs_entropy,
     entropy_from_logits,
     logprobs_from_logits,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "apply_kl_in_reward",
     "chunked_entropy",
     "chunked_logprobs",
+    "chunked_logprobs_entropy",
     "compute_advantages",
     "compute_gae",
     "compute_grpo",

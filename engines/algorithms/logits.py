@@ -131,3 +131,81 @@ def chunked_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     return _ChunkedEntropy.apply(logits, float(temperature))
+
+
+class _ChunkedLogprobsEntropy(torch.autograd.Function):
+    """Log-probs at `labels` and entropy of softmax(logits / T) in ONE pass over the logits, row chunk by row
+    chunk in float32: each chunk is upcast and scaled once and its logsumexp serves both (H = lse - sum p z, p z
+    formed in place in one temporary). Backward writes one gradient of the logits for both outputs (the two separate
+    kernels each wrote a full-size one that autograd then added) with few passes over a chunk: upcast, scale and
+    subtract the logsumexp in one kernel, exp, one scale (-g / T folded), the label's +g / T, the cast back. The
+    entropy's part only when it has a gradient (`entropy_grad`; otherwise it is a non-differentiable metric)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, logits: Tensor, labels: Tensor, temperature: float, entropy_grad: bool
+    ) -> tuple[Tensor, Tensor]:
+        out = torch.empty(labels.shape, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        entropy = torch.empty_like(out)
+        for rows, z in _scaled_chunks(logits, temperature):
+            chunk_lse = torch.logsumexp(z, dim=-1)
+            lse[rows] = chunk_lse
+            out[rows] = torch.gather(z, -1, labels[rows].unsqueeze(-1)).squeeze(-1) - chunk_lse
+            entropy[rows] = chunk_lse - (z - chunk_lse.unsqueeze(-1)).exp_().mul_(z).sum(dim=-1)  # p z in place
+        ctx.temperature = temperature
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(logits, labels, lse, entropy)
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return out, entropy
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_logp: Tensor | None, grad_entropy: Tensor | None
+    ) -> tuple[Tensor | None, None, None, None]:
+        if grad_logp is None and grad_entropy is None:
+            return None, None, None, None
+        logits, labels, lse, entropy = ctx.saved_tensors
+        inv_t = 1.0 / ctx.temperature
+        grad_logits = torch.empty_like(logits)
+        step = _row_chunks(logits)
+        for s in range(0, logits.shape[0], step):
+            rows = slice(s, s + step)
+            w = _shifted(logits[rows], lse[rows], inv_t)
+            g = grad_logp[rows].float().unsqueeze(-1) * inv_t if grad_logp is not None else None
+            if grad_entropy is None:  # d logp / dz: (onehot - p) g / T
+                p = w.exp_().mul_(-g)  # type: ignore[operator]
+            else:  # dH / dz: -p (z/T - E_p[z/T]) gH / T, with z/T - E_p[z/T] = (z/T - lse) + H; plus -p g / T
+                p = w.exp()
+                w.add_(entropy[rows].unsqueeze(-1)).mul_(grad_entropy[rows].float().unsqueeze(-1) * inv_t)
+                if g is not None:
+                    w.add_(g)
+                p = w.mul_(p).neg_()
+            if g is not None:
+                p.scatter_add_(-1, labels[rows].unsqueeze(-1), g)  # + onehot g / T
+            grad_logits[rows] = p
+        return grad_logits, None, None, None
+
+
+def _shifted(logits: Tensor, lse: Tensor, inv_t: float, one_kernel: bool | None = None) -> Tensor:
+    """The float32 tensor logits * inv_t - lse[..., None]. On a GPU (`one_kernel` unset) one mixed-dtype kernel
+    (upcast, scale and subtract in one pass over the chunk: memory-bound, so a pass saved is time saved); on the
+    CPU, where mixed-dtype elementwise kernels are slower than two plain ones, an upcast copy and in-place ops."""
+    if logits.is_cuda if one_kernel is None else one_kernel:
+        return torch.add(lse.unsqueeze(-1).neg(), logits, alpha=inv_t)
+    z = logits.to(torch.float32, copy=True)
+    if inv_t != 1.0:
+        z.mul_(inv_t)
+    return z.sub_(lse.unsqueeze(-1))
+
+
+def chunked_logprobs_entropy(
+    logits: Tensor, labels: Tensor, temperature: float = 1.0, entropy_grad: bool = False
+) -> tuple[Tensor, Tensor]:
+    """`chunked_logprobs` and `chunked_entropy` of [B, T, V] logits in one chunked pass sharing each chunk's
+    float32 copy and logsumexp. The entropy carries a gradient only with `entropy_grad` (an entropy bonus);
+    otherwise it is a metric outside the graph and the backward computes the log-probs' gradient alone."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return _ChunkedLogprobsEntropy.apply(logits, labels, float(temperature), bool(entropy_grad))

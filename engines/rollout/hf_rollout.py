@@ -56,6 +56,9 @@ class HFRolloutEngine:
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.needs_weights = False
+        # KV cache blocks back to the GPU after generating, for another process on it (the hybrid engine turns it
+        # off where the trainer shares this process's allocator and no other process shares the GPU)
+        self.shares_device = True
         self._shapes: dict[str, torch.Size] = {}
         self.multi_turn = multi_turn if multi_turn_enabled(multi_turn) else None
         self._expert_slots = ExpertSlots(self.model)  # on-disk MoE expert names -> slices of fused parameters
@@ -79,7 +82,8 @@ class HFRolloutEngine:
             ids, lps = self._generate_chunk(rows[start : start + self.batch_size], sampling)
             responses.extend(ids)
             logprobs.extend(lps)
-        free_cached(self.device)  # the KV cache is gone: its blocks go back to the GPU before the update
+        if self.shares_device:
+            free_cached(self.device)  # the KV cache is gone: its blocks go back to the GPU before the update
         texts = [self._decode(r) for r in responses]
         responses, logprobs, texts = self._apply_stop(responses, logprobs, texts, sampling.stop)
         return build_rollout_batch(prompts, prompt_ids, responses, logprobs, texts, sampling.n, self.pad_id)
@@ -98,7 +102,8 @@ class HFRolloutEngine:
         )
         torch.manual_seed(seed)
         trajectories = runner.run(prompts, sampling.n, seed)
-        free_cached(self.device)
+        if self.shares_device:
+            free_cached(self.device)
         return build_trajectory_batch(trajectories, self.pad_id, self.tokenizer.decode)
 
     @torch.no_grad()

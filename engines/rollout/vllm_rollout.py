@@ -7,8 +7,8 @@ Weights are updated through vLLM's layerwise reload, the path its own weight-tra
 (layers go to meta), the model's `load_weights` on HF-named tensors (q/k/v -> qkv_proj and the like),
 finish (each layer re-runs its post-load processing; on CPU that re-packs the GEMM weights, which vLLM
 keeps only in packed form). Two ways in: `update_weights` (tensors handed to the actor reach the worker
-process on this node: on a GPU as CUDA IPC buckets, one `collective_rpc` per bucket carrying one handle,
-`rlstages.engines.runtime.cuda_ipc`; on CPU through shared-memory files, `rlstages.engines.rollout.ipc`;
+process on this node: on a GPU by CUDA IPC into one persistent buffer shared once, one `collective_rpc` per push
+(`rlstages.engines.runtime.cuda_ipc`); on CPU through shared-memory files, `rlstages.engines.rollout.ipc`;
 `cuda_ipc.weight_transport` chooses), and split placement's collective sync
 (`GroupReceiver`: vLLM's worker processes themselves join the trainer's broadcast group,
 `rlstages.engines.runtime.collective_sync`, and load each bucket as it arrives, as verl's and OpenRLHF's vLLM
@@ -41,7 +41,7 @@ from rlstages.engines.rollout import ipc
 from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
 from rlstages.engines.rollout.multi_turn import build_runner, multi_turn_enabled
 from rlstages.engines.rollout.trajectory import build_trajectory_batch
-from rlstages.engines.runtime.cuda_ipc import Handle, Meta, push_buckets, weight_transport
+from rlstages.engines.runtime.cuda_ipc import FlatPusher, Message, weight_transport
 from rlstages.engines.runtime.device import worker_device
 from rlstages.engines.types import Prompt, SamplingParams
 from rlstages.engines.utils import torch_dtype
@@ -110,6 +110,7 @@ class VLLMRolloutEngine:
         self.apply_chat_template = apply_chat_template
         self.system_prompt = system_prompt
         self.bucket_bytes = ipc.DEFAULT_BUCKET_BYTES
+        self._pusher: FlatPusher | None = None  # the CUDA IPC push's persistent buffer, made at the first push
         self.multi_turn = multi_turn if multi_turn_enabled(multi_turn) else None
         self.max_model_len = max_model_len
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -240,7 +241,9 @@ class VLLMRolloutEngine:
         try:
             if self.transport == "cuda_ipc":  # packing casts: the tensors go in as they are
                 stream = fused.complete((name, t.detach()) for name, t in named_tensors)
-                push_buckets(ipc.iter_buckets(stream, self.bucket_bytes), self.dtype, self.device, self._load_ipc)
+                if self._pusher is None or self._pusher.dtype != self.dtype:
+                    self._pusher = FlatPusher(self.dtype, self.device)
+                self._pusher.push(ipc.iter_buckets(stream, self.bucket_bytes), self._load_ipc)
             else:
                 stream = fused.complete((name, _cast(t, self.dtype)) for name, t in named_tensors)
                 for bucket in ipc.iter_buckets(stream, self.bucket_bytes):
@@ -259,9 +262,10 @@ class VLLMRolloutEngine:
                 "send all parts of a fused layer (e.g. q_proj, k_proj, v_proj) in the same update_weights call"
             )
 
-    def _load_ipc(self, handle: Handle, meta: Meta) -> int:
-        """One RPC per bucket: every worker maps the bucket by its handle and loads it; returns one worker's count."""
-        return int(self.llm.collective_rpc("rls_load_ipc_bucket", args=(handle, meta))[0])
+    def _load_ipc(self, message: Message) -> int:
+        """One RPC per filled buffer (one per push once the buffer has the push's size): every worker maps the
+        buffer the first time it sees its handle, then views and loads it; returns one worker's count."""
+        return int(self.llm.collective_rpc("rls_load_ipc", args=(message,))[0])
 
     def weight_group_devices(self) -> list[str | None]:
         """The GPU UUID of each worker (None on CPU), in rank order (`collective_sync` refuses two ranks on one GPU)."""
@@ -323,6 +327,8 @@ class VLLMRolloutEngine:
         core = getattr(self.llm.llm_engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
+        if self._pusher is not None:
+            self._pusher.release()  # the workers are gone: nothing to tell them
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

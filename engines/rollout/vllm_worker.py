@@ -61,12 +61,13 @@ class RolloutWorkerExtension:
         self.rls_load(weights)
         return len(weights)
 
-    def rls_load_ipc_bucket(self, handle: dict[str, Any], meta: bytes) -> int:
-        """Load one bucket shared by CUDA IPC (`runtime.cuda_ipc`: one handle per bucket, the GPU found by UUID);
-        the device is synchronised before this answers, so the sender may free the bucket. Returns its size."""
-        from rlstages.engines.runtime.cuda_ipc import receive_bucket
+    def rls_load_ipc(self, message: dict[str, Any]) -> int:
+        """Load the tensors of one CUDA IPC push message (`runtime.cuda_ipc.receive`: the sender's persistent
+        buffer mapped once by its handle, the GPU found by UUID, then views into it); the device is synchronised
+        before this answers, so the sender may overwrite the buffer. Returns the number of tensors."""
+        from rlstages.engines.runtime.cuda_ipc import receive
 
-        return receive_bucket(handle, meta, self.rls_load)
+        return receive(message, self.rls_load)
 
     def rls_device_uuid(self) -> str | None:
         """The UUID of this worker's GPU (None on CPU): a sync group must not put two ranks on one GPU."""

@@ -1,24 +1,26 @@
-"""Weight buckets shared between processes on one node without a copy through a socket: CUDA IPC on a GPU (verl's
-and OpenRLHF's colocated push), a shared-memory segment on the CPU (the same protocol, testable without a GPU).
+"""Weights shared between processes on one node without a copy through a socket: CUDA IPC on a GPU (verl's and
+OpenRLHF's colocated push), a shared-memory segment on the CPU (the same protocol, testable without a GPU).
 
-A bucket of named tensors is cast into ONE flat byte tensor (`payload.layout` / `payload.pack_into`: the layout
-collective sync and SGLang's `FlattenedTensorBucket` use) with its JSON meta (name, dtype, shape, offset) beside
-it. `share` turns the payload into a handle of plain values (str, int, bytes): one per bucket, never one per
-parameter, and fit for any control channel (vLLM's msgpack `collective_rpc` needs no pickle for it). The
-handle is torch's own `reduce_tensor` of the payload (CUDA) or its shared-memory file name (CPU), with the GPU
-named by UUID: CUDA_VISIBLE_DEVICES differs between the trainer's and the engine's processes, so the receiver
-maps the UUID to its own device index (OpenRLHF's `get_physical_gpu_id`). The receiver `rebuild`s the payload,
-takes views of its tensors (`unpack_bucket`), loads them, and synchronises its device before answering; the
-sender drops its payload, and once the round is over returns the blocks the receivers released
-(`torch.cuda.ipc_collect`, `empty_cache`). torch's IPC reference counts keep a block alive while a receiver
-still holds a view of it, so a fused layer whose parts span two buckets is safe.
+The sender (`FlatPusher`) keeps ONE flat byte buffer on its device across pushes. A push casts each tensor into
+it at a fixed, 256-byte aligned offset (the layout of `payload.unpack`: name, dtype, shape, offset as JSON) and
+sends a message of plain values (str, int, bytes: fit for vLLM's msgpack `collective_rpc`, no pickle): the
+buffer's id, the push's version, the meta, and the buffer's handle the first time only. `share` makes that handle
+from torch's own `reduce_tensor` (CUDA) or the shared-memory file name (CPU), with the GPU named by UUID:
+CUDA_VISIBLE_DEVICES differs between the trainer's and the engine's processes, so the receiver maps the UUID to
+its own device index (OpenRLHF's `get_physical_gpu_id`). The receiver (`receive`) maps the buffer once and caches
+it by id, takes views of its tensors, loads them, and synchronises its device before answering, so the next push
+may overwrite the buffer. A push is then the cast-copy into the buffer, one device sync, one message and the
+receiver's copy: no fresh bucket, handle and mapping per bucket (issue 41: those made it 6.5-7x a device copy).
 
 `weight_transport` is the one place that chooses how weights reach an engine's worker process on this node.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
@@ -139,45 +141,174 @@ def rebuild(handle: Handle) -> torch.Tensor:
     return out
 
 
-def receive_bucket(handle: Handle, meta: Meta, load: Callable[[list[tuple[str, torch.Tensor]]], Any]) -> int:
-    """Runs in the receiving process: map the payload, hand its named views to `load`, and wait for the device
-    before answering (the sender may free the bucket once this returns). Returns the number of tensors."""
-    payload = rebuild(handle)
+ALIGN = 256  # bytes: every tensor of a push starts on this boundary (vectorised copies, any dtype's alignment)
+Message = dict[str, Any]  # one push message: plain values only (str, int, bytes, list, a `share` handle or None)
+
+_MAPPED: dict[str, torch.Tensor] = {}  # receiver side: the sender's persistent buffers mapped here, by buffer id
+
+
+def receive(message: Message, load: Callable[[list[tuple[str, torch.Tensor]]], Any]) -> int:
+    """Runs in the receiving process: unmap the buffers the sender dropped, map a buffer the first time its handle
+    comes (then cached by id: later pushes send only its id and the offsets), hand the named views into it to
+    `load`, and wait for the device before answering (the sender overwrites the buffer at its next push).
+    Returns the number of tensors loaded.
+
+    Raises:
+        RuntimeError: a message names a buffer whose handle this process never received.
+    """
+    for old in message.get("drop", ()):
+        _MAPPED.pop(old, None)
+    meta = message.get("meta")
+    if not meta:
+        return 0
+    buffer_id = message["buffer"]
+    if message.get("handle") is not None:
+        _MAPPED[buffer_id] = rebuild(message["handle"])
+    if buffer_id not in _MAPPED:
+        raise RuntimeError(
+            f"CUDA IPC: weight buffer {buffer_id} was never shared with this process (pid-local cache); "
+            "the sender must send its handle with the first message that uses it"
+        )
+    payload = _MAPPED[buffer_id]
     named = unpack_bucket(meta, payload)
     load(named)
     count = len(named)
-    del named, payload
-    if handle["kind"] == "cuda":
-        torch.cuda.synchronize()
+    del named
+    if payload.is_cuda:
+        torch.cuda.synchronize(payload.device)
     return count
 
 
-def push_buckets(
-    buckets: Iterable[list[tuple[str, torch.Tensor]]],
-    dtype: torch.dtype,
-    device: torch.device,
-    send: Callable[[Handle, Meta], int],
-) -> dict[str, float]:
-    """Runs in the sender: pack each bucket on `device`, share it, and `send` its handle (a call that returns
-    once the receiver has loaded it, with the tensor count); one bucket is alive at a time. Then the blocks the
-    receivers released go back (`ipc_collect`, `empty_cache`)."""
-    start = time.perf_counter()
-    buckets_sent = tensors = 0
-    nbytes = 0
-    for bucket in buckets:
-        meta, payload = pack_bucket(bucket, dtype, device)
-        if payload.is_cuda:
-            torch.cuda.synchronize(payload.device)  # the receiver reads on another stream, in another process
-        tensors += int(send(share(payload), meta))
-        buckets_sent += 1
-        nbytes += payload.numel()
-        del payload
-    if device.type == "cuda":
-        torch.cuda.ipc_collect()
-        torch.cuda.empty_cache()
-    return {
-        "sync/buckets": float(buckets_sent),
-        "sync/tensors": float(tensors),
-        "sync/bytes": float(nbytes),
-        "timing/sync_push_s": time.perf_counter() - start,
-    }
+def mapped_buffers() -> list[str]:
+    """The ids of the sender buffers this process has mapped (what `receive` caches)."""
+    return list(_MAPPED)
+
+
+class FlatPusher:
+    """The sender's side of the weight push: one flat byte buffer on `device` kept across pushes, shared once.
+
+    A push casts every tensor of its buckets into the buffer at a fixed offset (256-byte aligned) and sends one
+    message per buffer it filled: the buffer's id, its `share` handle the first time only, the push's version and
+    the JSON meta of names, shapes and offsets. The receiver (`receive`) maps the buffer once and caches it, so a
+    push is the cast-copy into the buffer, one device sync, one message and the receiver's own copy, not a fresh
+    allocation, IPC handle and mapping per bucket.
+
+    The first push does not know the total size: it fills buffers the size of its buckets (one message each,
+    never overwriting within a push: the receiver may keep views until the push ends, e.g. the parts of a fused
+    layer). From the second push on, one buffer of the whole push's size holds every bucket (one message).
+    `release` gives the memory back."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype = dtype
+        self.device = device
+        self.version = 0
+        self._buffers: list[tuple[str, torch.Tensor]] = []  # (id, flat uint8 tensor), normally one
+        self._shared: set[str] = set()  # ids whose handle the receiver has
+        self._dropped: list[str] = []  # ids to unmap in the receiver with the next message
+        self._want = 0  # bytes the last push needed: the next push's single buffer
+
+    @property
+    def capacity(self) -> int:
+        """Bytes held in buffers on the device (kept between pushes)."""
+        return sum(b.numel() for _, b in self._buffers)
+
+    def _allocate(self, nbytes: int) -> tuple[str, torch.Tensor]:
+        buffer_id = f"{os.getpid()}-{uuid.uuid4().hex}"
+        return buffer_id, torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def _drop(self, send: Callable[[Message], int]) -> None:
+        """Every buffer out: the receiver unmaps them, then their blocks return to this process's allocator."""
+        self._dropped.extend(i for i, _ in self._buffers)
+        self._buffers = []
+        if self._dropped:
+            send({"drop": self._dropped})
+            self._dropped = []
+        self._shared.clear()
+        if self.device.type == "cuda":
+            torch.cuda.ipc_collect()
+
+    def _message(self, index: int, entries: list[list[Any]]) -> Message:
+        buffer_id, buffer = self._buffers[index]
+        handle = None if buffer_id in self._shared else share(buffer)
+        self._shared.add(buffer_id)
+        message: Message = {
+            "buffer": buffer_id,
+            "handle": handle,
+            "version": self.version,
+            "meta": json.dumps(entries).encode(),
+        }
+        if self._dropped:
+            message["drop"], self._dropped = self._dropped, []
+        return message
+
+    def push(
+        self, buckets: Iterable[list[tuple[str, torch.Tensor]]], send: Callable[[Message], int]
+    ) -> dict[str, float]:
+        """Cast the buckets' tensors into the persistent buffer and `send` one message per buffer filled (a call
+        that returns once the receiver has loaded them, with the tensor count). Returns the push's metrics."""
+        start = time.perf_counter()
+        self.version += 1
+        if self._want and (len(self._buffers) != 1 or self._buffers[0][1].numel() < self._want):
+            self._drop(send)  # last push spread over several buffers: one of its whole size from now on
+            self._buffers = [self._allocate(self._want)]
+        index, cursor, total = 0, 0, 0
+        entries: list[list[Any]] = []
+        buckets_seen = tensors = messages = 0
+
+        def flush() -> None:
+            nonlocal tensors, messages
+            if not entries:
+                return
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the receiver reads on another stream, in another process
+            tensors += int(send(self._message(index, entries)))
+            messages += 1
+            entries.clear()
+
+        for bucket in buckets:
+            buckets_seen += 1
+            sizes = [_aligned(t.numel() * self.dtype.itemsize) for _, t in bucket]
+            need = sum(sizes)
+            total += need
+            if not self._buffers or cursor + need > self._buffers[index][1].numel():
+                if self._buffers and cursor:  # this buffer is full: send it, go on in the next one
+                    flush()
+                    index, cursor = index + 1, 0
+                if index < len(self._buffers) and self._buffers[index][1].numel() < need:
+                    self._dropped.append(self._buffers[index][0])
+                    self._buffers[index] = self._allocate(need)
+                elif index >= len(self._buffers):
+                    self._buffers.append(self._allocate(need))
+            buffer = self._buffers[index][1]
+            for (name, tensor), size in zip(bucket, sizes, strict=True):
+                nbytes = tensor.numel() * self.dtype.itemsize
+                buffer[cursor : cursor + nbytes].view(self.dtype).view(tensor.shape).copy_(tensor.detach())
+                entries.append([name, str(self.dtype).removeprefix("torch."), list(tensor.shape), cursor])
+                cursor += size
+        flush()
+        if self._dropped and self.device.type == "cuda":  # a buffer outgrown in this push: unmapped at the next
+            torch.cuda.ipc_collect()
+        self._want = total
+        return {
+            "sync/buckets": float(buckets_seen),
+            "sync/messages": float(messages),
+            "sync/tensors": float(tensors),
+            "sync/bytes": float(total),
+            "timing/sync_push_s": time.perf_counter() - start,
+        }
+
+    def release(self, send: Callable[[Message], int] | None = None) -> None:
+        """Free the buffers (the receiver told to unmap them first where `send` is given)."""
+        if send is not None:
+            self._drop(send)
+        else:
+            self._buffers, self._dropped = [], []
+            self._shared.clear()
+        self._want = 0
+        if self.device.type == "cuda":
+            torch.cuda.ipc_collect()
+            torch.cuda.empty_cache()
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN

@@ -49,6 +49,12 @@ class HybridEngine:
             self.rollout.update_weights(rest)
             self.shares_weights = not rest
         self.offload = None if self.shares_weights else hybrid_offload(self.trainer, self.rollout)
+        if not self.shares_weights and hasattr(self.trainer, "shares_device"):
+            self.trainer.shares_device = True  # the rollout's own weights and KV cache need the update's blocks
+        elif self.shares_weights and hasattr(self.rollout, "shares_device"):
+            # one process, one caching allocator: the KV cache's blocks serve the update as they are, unless
+            # another process (a reference, a critic) shares the GPU
+            self.rollout.shares_device = bool(getattr(self.trainer, "shares_device", True))
 
     # ---- rollout side -----------------------------------------------------------------------------------------
     def generate(self, prompts: list[Prompt], sampling: SamplingParams, seed: int) -> TensorDict:

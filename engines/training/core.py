@@ -51,6 +51,7 @@ class PPOTrainer:
         self.device = D.worker_device()  # the backend places its model here; batches are moved here
         self.backend: StepBackend = backend_cls(settings)
         self.steps_done = 0
+        self.shares_device = settings.shares_device  # the hybrid engine sets it where its rollout has own memory
         self.model_config = _hf_config(settings.model_path)  # for the FLOP count of `perf/mfu`
 
     # ---- forward passes -------------------------------------------------------------------------------------
@@ -69,7 +70,7 @@ class PPOTrainer:
 
         with torch.no_grad(), self.backend.resident(train=False):
             self.backend.run(self._micro(rows), readout, collect, train=False)
-        D.free_cached(self.device)
+        self._release_cache()
         if not self.backend.outputs_here:
             return None
         n = 1 if readout.values else 2
@@ -107,10 +108,16 @@ class PPOTrainer:
             out = P.epochs_loop(batch, s.train.ppo_epochs, s.num_mini_batches, self._mini_step)
         D.synchronize(self.device)
         out.update(self._perf(batch, time.perf_counter() - start))
-        D.free_cached(self.device)  # the update's activations and gradients' blocks, before generation
+        self._release_cache()  # the update's activations and gradients' blocks, before generation
         self.steps_done += 1
         out["lr"] = self.backend.lr()
         return out
+
+    def _release_cache(self) -> None:
+        """Hand the allocator's cached blocks back to the GPU where another engine needs them (`shares_device`);
+        a trainer alone on its GPU keeps them for the next step."""
+        if self.shares_device:
+            D.free_cached(self.device)
 
     def _perf(self, batch: TensorDict, seconds: float) -> dict[str, float]:
         """`perf/throughput` (real tokens per second per device: this rank's rows shared by the ranks of its
@@ -134,21 +141,21 @@ class PPOTrainer:
         s = self.settings
         norm = P.global_counts(mini)
         critic = s.role == "critic"
-        acc: dict[str, float] = {}
+        acc: dict[str, P.Scalar] = {}
 
         def loss_of(mb: TensorDict, out: tuple[torch.Tensor, ...]) -> torch.Tensor:
             if critic:
                 loss, metrics = P.critic_loss(out[0], mb, s.cliprange_value, s.loss.loss_agg_mode, norm)
             else:
                 loss, metrics = P.actor_loss(out[0], out[1], mb, s.loss, norm, check_sync)
-            P.accumulate(acc, metrics, float(mb[T.RESPONSE_MASK].sum() / norm["global_tokens"]))
+            P.accumulate(acc, metrics, P.scalar(mb[T.RESPONSE_MASK].sum() / norm["global_tokens"]))  # no sync
             return loss
 
         readout = Readout(values=critic, temperature=self.temperature, entropy_grad=bool(s.loss.entropy_coeff))
         self.backend.run(self._micro(mini), readout, loss_of, train=True)
-        acc = self.backend.share(acc)
-        acc["grad_norm"] = self.backend.optimizer_step()
-        return acc
+        shared = self.backend.share(P.floats(acc))  # the micro-batches' metrics read once, after the backward
+        shared["grad_norm"] = self.backend.optimizer_step()
+        return shared
 
     # ---- weights and state ----------------------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -23,6 +23,7 @@ from rlstages.engines.training.microbatch import by_length, mini_batches
 
 SUMMED = {"pg_loss", "entropy", "kl_loss", "vf_loss"}  # partial sums under the global normaliser
 MAXED = {"logprob_diff_max", "kl_coef"}
+Scalar = torch.Tensor | float  # a metric: a 0-dim GPU tensor (read once per optimizer step) or a float
 
 
 def autocast(enabled: bool, device: str = "cpu") -> contextlib.AbstractContextManager[Any]:
@@ -44,9 +45,9 @@ def causal_lm_forward(
     labels = mb[T.RESPONSE_IDS].to(device)
     with autocast(bf16, device.type):
         logits = prompts.response_logits(model, mb) if prompts is not None else response_logits(model, mb, device)
-    logprobs = A.chunked_logprobs(logits, labels, temperature)  # row chunks: no full-size fp32 copy of the logits
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        return logprobs, A.chunked_entropy(logits, temperature)
+    # one chunked pass (row chunks: no full-size fp32 copy of the logits) for both, sharing each chunk's logsumexp;
+    # the entropy is a metric outside the graph unless an entropy bonus needs its gradient
+    return A.chunked_logprobs_entropy(logits, labels, temperature, entropy_grad and torch.is_grad_enabled())
 
 
 def response_logits(model: Any, mb: TensorDict, device: torch.device) -> torch.Tensor:
@@ -74,9 +75,10 @@ class SharedPrompts:
     def __init__(self, model: Any, mbs: list[TensorDict], bf16: bool) -> None:
         device = _device(model)
         self.index: dict[tuple[int, ...], int] = {}
+        self._rows: dict[int, torch.Tensor] = {}  # each micro-batch's rows' prompt indices, read once here
         for mb in mbs:
-            for tokens in _prompt_tokens(mb):
-                self.index.setdefault(tokens, len(self.index))
+            rows = [self.index.setdefault(tokens, len(self.index)) for tokens in _prompt_tokens(mb)]
+            self._rows[id(mb)] = torch.tensor(rows, device=device)
         ids, mask = left_pad([torch.tensor(t, dtype=torch.long) for t in self.index], torch.long)
         ids, mask = ids.to(device), mask.to(device)
         with autocast(bf16, device.type):
@@ -90,7 +92,9 @@ class SharedPrompts:
         from transformers import DynamicCache
 
         device = _device(model)
-        rows = torch.tensor([self.index[t] for t in _prompt_tokens(mb)], device=device)
+        rows = self._rows.get(id(mb))
+        if rows is None:  # a micro-batch not given at construction
+            rows = torch.tensor([self.index[t] for t in _prompt_tokens(mb)], device=device)
         *kv, last = self._leaves
         cache = DynamicCache([(kv[i][rows], kv[i + 1][rows]) for i in range(0, len(kv), 2)], config=self.config)
         response = mb[T.RESPONSE_IDS].to(device)
@@ -115,12 +119,13 @@ class SharedPrompts:
         if outs:
             torch.autograd.backward(outs, grads)
         self._outputs, self._leaves = [], []
+        self._rows = {}
 
 
 def _prompt_tokens(mb: TensorDict) -> list[tuple[int, ...]]:
-    """Each row's real prompt tokens (its left padding dropped)."""
-    prompt = mb[T.PROMPT_IDS]
-    mask = mb[T.ATTENTION_MASK][:, : prompt.shape[1]] > 0
+    """Each row's real prompt tokens (its left padding dropped), read in one transfer (not one per row)."""
+    prompt = mb[T.PROMPT_IDS].cpu()
+    mask = mb[T.ATTENTION_MASK][:, : prompt.shape[1]].cpu() > 0
     return [tuple(row[keep].tolist()) for row, keep in zip(prompt, mask, strict=True)]
 
 
@@ -154,7 +159,7 @@ def actor_loss(
     params: A.PolicyLossParams,
     norm: dict[str, torch.Tensor],
     check_sync: bool,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, Scalar]]:
     """Policy loss of one micro-batch (+ entropy / KL terms, times the batch's rollout IS weights if it has
     them) and its metrics; `logprob_diff` when checking the trainer against the rollout engine (before the
     first optimizer step of a train step).
@@ -175,22 +180,22 @@ def actor_loss(
         ref_logprobs=ref,
         rollout_is_weights=is_weights,
     )
-    metrics = {k: float(v) for k, v in pg.items()}
-    metrics["entropy"] = float(
+    metrics = {k: scalar(v) for k, v in pg.items()}
+    metrics["entropy"] = scalar(
         A.agg_loss(
             entropy.detach(), mask, params.loss_agg_mode, params.loss_scale_factor, **norm, dp_size=params.dp_size
         )
     )
     if check_sync and T.ROLLOUT_LOGPROBS in mb.keys():
         diff = (logp.detach() - mb[T.ROLLOUT_LOGPROBS].to(logp_dev)).abs()
-        metrics["logprob_diff"] = float(A.masked_mean(diff, mask))
-        metrics["logprob_diff_max"] = float((diff * mask).max()) if mask.any() else 0.0
+        metrics["logprob_diff"] = scalar(A.masked_mean(diff, mask))
+        metrics["logprob_diff_max"] = scalar((diff * mask).max()) if mask.numel() else 0.0  # no sync: shape only
     return loss, metrics
 
 
 def critic_loss(
     vpreds: torch.Tensor, mb: TensorDict, cliprange_value: float, agg_mode: str, norm: dict[str, torch.Tensor]
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, Scalar]]:
     """Clipped value loss of one micro-batch and its metrics."""
     dev = vpreds.device
     mask = mb[T.RESPONSE_MASK].to(dev)
@@ -198,19 +203,42 @@ def critic_loss(
         vpreds, mb[T.RETURNS].to(dev), mb[T.VALUES].to(dev), mask, cliprange_value, agg_mode, **norm
     )
     return loss, {
-        "vf_loss": float(loss.detach()),
-        "vf_clipfrac": float(clipfrac),
-        "vpred_mean": float(A.masked_mean(vpreds.detach(), mask)),
+        "vf_loss": scalar(loss),
+        "vf_clipfrac": scalar(clipfrac),
+        "vpred_mean": scalar(A.masked_mean(vpreds.detach(), mask)),
     }
 
 
-def accumulate(acc: dict[str, float], metrics: dict[str, float], weight: float) -> None:
-    """Fold one micro-batch's metrics into the mini-batch's: losses add, rates are token-weighted, maxima max."""
+def scalar(value: torch.Tensor | float) -> Scalar:
+    """A metric's value without a host sync: a detached 0-dim tensor (float64) where it lives on an accelerator,
+    a Python float where reading it costs nothing (the CPU). `floats` reads them all at once."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu":
+            return float(value.detach())
+        return value.detach().reshape(()).to(torch.float64)
+    return float(value)
+
+
+def accumulate(acc: dict[str, Scalar], metrics: dict[str, Scalar], weight: Scalar) -> None:
+    """Fold one micro-batch's metrics into the mini-batch's: losses add, rates are token-weighted, maxima max.
+    Values stay where they are (device tensors are added on the device: no sync per micro-batch)."""
     for k, v in metrics.items():
         if k in MAXED:
-            acc[k] = max(acc.get(k, v), v)
+            old = acc.get(k, v)
+            both_floats = not isinstance(old, torch.Tensor) and not isinstance(v, torch.Tensor)
+            acc[k] = max(old, v) if both_floats else torch.maximum(torch.as_tensor(old), torch.as_tensor(v))  # type: ignore[type-var]
         else:
             acc[k] = acc.get(k, 0.0) + (v if k in SUMMED else v * weight)
+
+
+def floats(acc: dict[str, Scalar]) -> dict[str, float]:
+    """The accumulated metrics as floats, every device tensor read in one transfer (one host sync)."""
+    on_device = [k for k, v in acc.items() if isinstance(v, torch.Tensor)]
+    out = {k: float(v) for k, v in acc.items() if not isinstance(v, torch.Tensor)}
+    if on_device:
+        values = torch.stack([acc[k].reshape(()).to(torch.float64) for k in on_device]).tolist()  # type: ignore[union-attr]
+        out.update(zip(on_device, values, strict=True))
+    return {k: out[k] for k in acc}
 
 
 def epochs_loop(

@@ -35,6 +35,10 @@ class TrainerSettings:
     seed: int = 0
     converted_path: str | None = None  # a pre-converted checkpoint of the model (Megatron), None = convert here
     lora: dict[str, Any] | None = None  # LoRA adapters on the actor (`configs.model.LoraConfig` dumped), torch only
+    # another engine (a colocated rollout, reference or critic in another process) uses this GPU: the trainer hands
+    # its cached blocks back after each forward/update (`empty_cache`); alone on its GPU it keeps them (no
+    # re-allocation, no device sync per update)
+    shares_device: bool = False
 
     @property
     def backend(self) -> str:

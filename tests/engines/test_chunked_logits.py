@@ -73,3 +73,68 @@ def test_chunked_rejects_bad_temperature():
         L.chunked_logprobs(torch.zeros(1, 1, 3), torch.zeros(1, 1, dtype=torch.long), 0.0)
     with pytest.raises(ValueError, match="temperature"):
         L.chunked_entropy(torch.zeros(1, 1, 3), 0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_bytes", [1, 3 * 7 * 50 * 4])
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_fused_pass_matches_the_two_kernels(monkeypatch, dtype, temperature, chunk_bytes, entropy_grad):
+    """`chunked_logprobs_entropy` (one pass, one logsumexp, one gradient buffer) gives the values and the
+    gradient of `chunked_logprobs` + `chunked_entropy` (the old path); its entropy is outside the graph unless
+    `entropy_grad`."""
+    monkeypatch.setattr(L, "CHUNK_BYTES", chunk_bytes)
+    g = torch.Generator().manual_seed(2)
+    base = (torch.randn(5, 7, 50, generator=g) * 3).to(dtype)
+    labels = torch.randint(0, 50, (5, 7), generator=g)
+    w_lp, w_ent = torch.randn(5, 7, generator=g), torch.randn(5, 7, generator=g)
+
+    old_in = base.clone().requires_grad_(True)
+    old_lp = L.chunked_logprobs(old_in, labels, temperature)
+    with torch.set_grad_enabled(entropy_grad):
+        old_ent = L.chunked_entropy(old_in, temperature)
+    old_loss = (old_lp * w_lp).sum() + ((old_ent * w_ent).sum() if entropy_grad else 0.0)
+    old_loss.backward()
+
+    new_in = base.clone().requires_grad_(True)
+    new_lp, new_ent = L.chunked_logprobs_entropy(new_in, labels, temperature, entropy_grad)
+    assert new_ent.requires_grad == entropy_grad
+    new_loss = (new_lp * w_lp).sum() + ((new_ent * w_ent).sum() if entropy_grad else 0.0)
+    new_loss.backward()
+
+    torch.testing.assert_close(new_lp, old_lp, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(new_ent, old_ent.detach(), rtol=1e-6, atol=1e-6)
+    assert new_in.grad.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(new_in.grad.float(), old_in.grad.float(), rtol=tol, atol=tol)
+    assert new_in.grad.abs().max() > 1e-3
+
+
+def test_fused_entropy_alone_has_the_entropy_gradient():
+    """Only the entropy in the loss (the log-probs' gradient absent): the fused backward's entropy branch alone."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(3, 4, 20, generator=g)
+    labels = torch.randint(0, 20, (3, 4), generator=g)
+    a, b = base.clone().requires_grad_(True), base.clone().requires_grad_(True)
+    L.chunked_entropy(a, 0.7).sum().backward()
+    L.chunked_logprobs_entropy(b, labels, 0.7, entropy_grad=True)[1].sum().backward()
+    torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        lp, ent = L.chunked_logprobs_entropy(base.requires_grad_(True), labels, 1.0, entropy_grad=True)
+    assert lp.grad_fn is None and ent.grad_fn is None
+    with pytest.raises(ValueError, match="temperature"):
+        L.chunked_logprobs_entropy(base, labels, -1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_gpu_one_kernel_shift_equals_the_cpu_one(dtype, temperature):
+    """The fused backward's z/T - lse: the GPU's one mixed-dtype kernel and the CPU's copy + in-place ops agree."""
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(3, 5, 40, generator=g) * 3).to(dtype)
+    lse = torch.randn(3, 5, generator=g)
+    one = L._shifted(logits, lse, 1 / temperature, one_kernel=True)
+    two = L._shifted(logits, lse, 1 / temperature, one_kernel=False)
+    assert one.dtype == two.dtype == torch.float32
+    torch.testing.assert_close(one, two, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(two, logits.float() / temperature - lse[..., None], rtol=1e-6, atol=1e-6)

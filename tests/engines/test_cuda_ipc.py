@@ -1,7 +1,7 @@
-"""The CUDA IPC bucket protocol (`runtime.cuda_ipc`) on the CPU: a bucket packed into one flat payload and read
-back bit-exact; its handle made of plain values that survive msgpack (the encoding of vLLM's `collective_rpc`);
-the payload mapped by a second process from that handle (torch's shared-memory twin of a CUDA IPC handle) and
-every tensor read there bit-exact, in the sender's order, one handle per bucket; the GPU-by-UUID remap; and
+"""The CUDA IPC push protocol (`runtime.cuda_ipc`) on the CPU: a bucket packed into one flat payload and read
+back bit-exact; pushes into a second process through one persistent buffer whose handle (plain values that
+survive msgpack, the encoding of vLLM's `collective_rpc`; torch's shared-memory twin of a CUDA IPC handle) is
+sent once, every tensor of every push read there bit-exact, in the sender's order; the GPU-by-UUID remap; and
 split placement's refusal of two sync ranks on one GPU. The CUDA path itself: tests/gpu/test_gpu_weight_sync.py.
 """
 
@@ -45,50 +45,81 @@ def test_pack_and_unpack_are_bit_exact(dtype: torch.dtype) -> None:
 
 
 def _receiver(conn: Any) -> None:
-    """The second process: map each bucket by its handle, send back the bytes of every tensor in it."""
+    """The second process: `receive` each message, send back the bytes of every tensor and the buffers mapped."""
     while True:
         message = conn.recv_bytes()
         if not message:
             return
-        handle, meta = msgpack.unpackb(message)
         seen: list[tuple[str, bytes, str, list[int]]] = []
 
         def load(named: list[tuple[str, torch.Tensor]], seen: list = seen) -> None:
             seen.extend((n, _bytes(t), str(t.dtype), list(t.shape)) for n, t in named)
 
-        count = cuda_ipc.receive_bucket(handle, meta, load)
-        conn.send((count, seen))
+        count = cuda_ipc.receive(msgpack.unpackb(message), load)
+        conn.send((count, seen, cuda_ipc.mapped_buffers()))
 
 
-def test_a_second_process_maps_each_bucket_by_one_plain_handle() -> None:
+def test_pushes_reuse_one_buffer_shared_once_and_arrive_bit_exact() -> None:
+    """Three pushes into a second process through msgpack (vLLM's RPC encoding): the first fills a buffer per
+    bucket; from the second on, one buffer of the push's size, its handle sent once, then only its id, version and
+    offsets; the receiver maps it once. Every push arrives bit-exact in the sender's order, the changed weights
+    of each push included (a stale mapping would show the old bytes)."""
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
     child = ctx.Process(target=_receiver, args=(there,), daemon=True)
     child.start()
     bucket = _bucket() + [(f"model.layers.{i}.mlp.up_proj.weight", torch.randn(8, 4)) for i in range(3)]
+    messages: list[dict[str, Any]] = []
     received: list[tuple[str, bytes, str, list[int]]] = []
-    handles: list[dict[str, Any]] = []
+    mapped: list[list[str]] = []
 
-    def send(handle: dict[str, Any], meta: bytes) -> int:
-        handles.append(handle)
-        here.send_bytes(msgpack.packb((handle, meta)))  # plain values only: vLLM's RPC channel carries them
-        count, seen = here.recv()
+    def send(message: dict[str, Any]) -> int:
+        messages.append(message)
+        here.send_bytes(msgpack.packb(message))  # plain values only: vLLM's RPC channel carries them
+        count, seen, buffers = here.recv()
         received.extend(seen)
+        mapped.append(buffers)
         return count
 
+    pusher = cuda_ipc.FlatPusher(torch.bfloat16, torch.device("cpu"))
+    pushes: list[list[tuple[str, torch.Tensor]]] = []
+    metrics = []
     try:
-        buckets = [bucket[:2], bucket[2:4], bucket[4:]]
-        metrics = cuda_ipc.push_buckets(buckets, torch.bfloat16, torch.device("cpu"), send)
+        for version in range(3):
+            weights = [(n, t + version) for n, t in bucket]  # new weights every push
+            pushes.append(weights)
+            messages.clear(), received.clear()
+            metrics.append(pusher.push([weights[:2], weights[2:4], weights[4:]], send))
+            assert [n for n, *_ in received] == [n for n, _ in weights], version  # the sender's order
+            for (name, data, dtype, shape), (_, want) in zip(received, weights, strict=True):
+                assert data == _bytes(want.to(torch.bfloat16)), (version, name)
+                assert dtype == "torch.bfloat16" and shape == list(want.shape)
+            loads = [m for m in messages if m.get("meta")]
+            assert all(m["version"] == version + 1 for m in loads)
+            if version == 0:  # the size is not known yet: a buffer per bucket, each shared once
+                assert len(loads) == 3 and all(m["handle"]["kind"] == "cpu" for m in loads)
+                first = {m["buffer"] for m in loads}
+            elif version == 1:  # one buffer of the whole push, its handle sent once; the first push's unmapped
+                assert len(loads) == 1 and loads[0]["handle"] is not None and loads[0]["buffer"] not in first
+                assert set(sum((m.get("drop", []) for m in messages), [])) == first
+                buffer = loads[0]["buffer"]
+                assert mapped[-1] == [buffer]
+            else:  # the same buffer, no handle: only its id, version and offsets
+                assert len(messages) == 1 and messages[0]["buffer"] == buffer and messages[0]["handle"] is None
+                assert mapped[-1] == [buffer]
+        assert pusher.capacity == metrics[-1]["sync/bytes"] and all(m["sync/tensors"] == len(bucket) for m in metrics)
+        assert [m["sync/messages"] for m in metrics] == [3.0, 1.0, 1.0]
+        pusher.release(send)
+        assert mapped[-1] == [] and pusher.capacity == 0  # the receiver unmapped it
     finally:
         here.send_bytes(b"")
         child.join(30)
-    assert metrics["sync/buckets"] == 3 and metrics["sync/tensors"] == len(bucket) and len(handles) == 3
-    assert all(h["kind"] == "cpu" and isinstance(h["handle"], bytes) for h in handles)
-    assert [n for n, *_ in received] == [n for n, _ in bucket]  # the sender's order, bucket after bucket
-    for (name, data, dtype, shape), (_, want) in zip(received, bucket, strict=True):
-        assert data == _bytes(want.to(torch.bfloat16)), name
-        assert dtype == "torch.bfloat16" and shape == list(want.shape)
     assert child.exitcode == 0
+
+
+def test_a_message_for_a_buffer_never_shared_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="weight buffer nope was never shared"):
+        cuda_ipc.receive({"buffer": "nope", "handle": None, "version": 1, "meta": b"[]"}, lambda named: None)
 
 
 def test_the_gpu_is_found_by_uuid_not_by_index() -> None:

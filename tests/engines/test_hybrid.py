@@ -87,3 +87,23 @@ def test_lora_keeps_a_rollout_copy(tiny_model_dir: Path) -> None:
     assert not engine.shares_weights
     train_once(engine)
     assert engine.sync_local()["sync/copied_tensors"] > 0 and rollout_matches_trainer(engine) < 1e-4
+
+
+def test_the_cuda_cache_is_released_only_for_another_process(tiny_model_dir: Path, monkeypatch) -> None:
+    """`empty_cache` (here recorded on the CPU) only where another process needs the blocks: sharing the trainer's
+    weights, rollout and trainer share one allocator and keep their cache; with its own copy of the weights the
+    rollout's memory is its own (vLLM's in the GPU case), so the trainer hands its blocks back."""
+    from rlstages.engines.rollout import hf_rollout
+    from rlstages.engines.runtime import device as D
+
+    released: list[str] = []
+    monkeypatch.setattr(hf_rollout, "free_cached", lambda device: released.append("rollout"))
+    monkeypatch.setattr(D, "free_cached", lambda device: released.append("trainer"))
+    one = hybrid(tiny_model_dir, "float32", "float32")
+    assert one.shares_weights and not one.trainer.shares_device and not one.rollout.shares_device
+    train_once(one)
+    assert released == []
+    own = hybrid(tiny_model_dir, "float32", "bfloat16")
+    assert not own.shares_weights and own.trainer.shares_device and own.rollout.shares_device
+    train_once(own)
+    assert released == ["rollout", "trainer"]  # after generating, after the update

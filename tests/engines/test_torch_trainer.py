@@ -233,3 +233,54 @@ def test_shared_prompt_forward_gives_the_same_logprobs_and_update(tiny_model_dir
 def test_shared_prompt_forward_refuses_gradient_checkpointing() -> None:
     with pytest.raises(ValueError, match="share_prompt_forward needs the KV cache"):
         TorchTrainingConfig(share_prompt_forward=True, gradient_checkpointing=True)
+
+
+def test_the_cache_is_released_only_where_another_engine_shares_the_gpu(
+    tiny_model_dir: Path, batch, monkeypatch
+) -> None:
+    """`empty_cache` after each forward and update only with `shares_device` (colocated, hybrid); a trainer alone
+    on its GPU keeps its cached blocks. The update is the same either way."""
+    from rlstages.engines.runtime import device as D
+
+    released: list[torch.device] = []
+    monkeypatch.setattr(D, "free_cached", released.append)
+    alone = trainer(tiny_model_dir)
+    assert not alone.shares_device
+    alone.logprobs(batch)
+    alone_metrics = without_perf(alone.train_step(batch))
+    assert released == []
+    options = TorchTrainingConfig(optim=OptimConfig(lr=1e-2, total_steps=10), micro_batch_size=4)
+    shared = PPOTrainer(TrainerSettings(str(tiny_model_dir), train=options, shares_device=True))
+    shared.logprobs(batch)
+    assert without_perf(shared.train_step(batch)) == alone_metrics
+    assert len(released) == 2  # after the forward, after the update
+
+
+def test_metrics_kept_on_the_device_read_once_per_optimizer_step(tiny_model_dir: Path, batch, monkeypatch) -> None:
+    """On a GPU the micro-batches' metrics stay device tensors, added there, and are read in one transfer per
+    optimizer step (`ppo_step.floats`), not one `.item()` each per micro-batch: forced here on CPU tensors, the
+    step's metrics equal the per-micro-batch float path's (4 micro-batches, 2 optimizer steps)."""
+    from rlstages.engines.training import ppo_step as P
+
+    loss = A.PolicyLossParams(entropy_coeff=0.01)
+    floats_path = without_perf(
+        trainer(tiny_model_dir, loss=loss, num_mini_batches=2, micro_batch_size=2).train_step(batch)
+    )
+    as_tensor = lambda v: torch.as_tensor(v).detach().reshape(()).to(torch.float64)  # noqa: E731  # a GPU's scalar()
+    reads: list[int] = []
+    floats = P.floats
+
+    def counted(acc):
+        assert acc and all(isinstance(v, torch.Tensor) for k, v in acc.items() if k != "kl_coef")
+        reads.append(len(acc))
+        return floats(acc)
+
+    monkeypatch.setattr(P, "scalar", as_tensor)
+    monkeypatch.setattr(P, "floats", counted)
+    tensor_path = without_perf(
+        trainer(tiny_model_dir, loss=loss, num_mini_batches=2, micro_batch_size=2).train_step(batch)
+    )
+    assert len(reads) == 2  # one read per optimizer step
+    assert tensor_path.keys() == floats_path.keys()
+    for key, value in floats_path.items():
+        assert tensor_path[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key

@@ -1,8 +1,9 @@
 """Weights between trainer and rollout on one GPU (issue 29), marked `gpu`: deselected by default
 (`-m 'not gpu'`), skipped with the reason where CUDA, vLLM or the full stack is missing.
 
-- CUDA IPC: a bucket pushed from this process into a second one on the same GPU arrives bit-exact, one handle
-  per bucket; the sender's memory returns to its baseline after the push (`ipc_collect`).
+- CUDA IPC: three pushes with changed weights from this process into a second one on the same GPU arrive
+  bit-exact through one persistent buffer shared once (`FlatPusher`); the sender's memory is that buffer alone,
+  and returns to its baseline after `release`.
 - vLLM sleep mode: `sleep(level=1)` frees device memory (`mem_get_info`), `wake` gives the same greedy output.
 - Push into vLLM by CUDA IPC: its log-probs on its own samples within 0.05 (mean) of the trainer's, and its
   greedy output changed (a stale prefix cache would serve the old weights' KV).
@@ -65,22 +66,24 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # ---- CUDA IPC between two processes ----------------------------------------------------------------------------
 def _ipc_receiver(conn: Any) -> None:
-    """The second process: map each bucket by its handle and answer every tensor's digest."""
+    """The second process: `receive` each message, answer every tensor's digest and the buffers it has mapped."""
     while True:
         message = conn.recv()
         if message is None:
             return
-        handle, meta = message
         seen: list[tuple[str, str]] = []
 
         def load(named: list[tuple[str, torch.Tensor]], seen: list = seen) -> None:
             seen.extend((n, _digest(t)) for n, t in named)
 
-        cuda_ipc.receive_bucket(handle, meta, load)
-        conn.send(seen)
+        cuda_ipc.receive(message, load)
+        conn.send((seen, cuda_ipc.mapped_buffers()))
 
 
 def test_cuda_ipc_push_between_two_processes_is_bit_exact() -> None:
+    """Three pushes with changed weights through one persistent buffer: each bit-exact in the sender's order; from
+    the second push on one buffer shared once (the third sends no handle, only id, version and offsets) and the
+    receiver keeps one mapping; the sender holds that buffer alone, and `release` returns it (baseline memory)."""
     device = torch.device("cuda", torch.cuda.current_device())
     g = torch.Generator(device=device).manual_seed(0)
     named = [(f"layers.{i}.weight", torch.randn(257, 129, device=device, generator=g)) for i in range(6)]
@@ -89,27 +92,47 @@ def test_cuda_ipc_push_between_two_processes_is_bit_exact() -> None:
     child = ctx.Process(target=_ipc_receiver, args=(there,), daemon=True)
     child.start()
     received: list[tuple[str, str]] = []
-    handles: list[dict[str, Any]] = []
+    messages: list[dict[str, Any]] = []
+    mapped: list[list[str]] = []
 
-    def send(handle: dict[str, Any], meta: bytes) -> int:
-        handles.append(handle)
-        here.send((handle, meta))
-        seen = here.recv()
+    def send(message: dict[str, Any]) -> int:
+        messages.append(message)
+        here.send(message)
+        seen, buffers = here.recv()
         received.extend(seen)
+        mapped.append(buffers)
         return len(seen)
 
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated(device)
+    pusher = cuda_ipc.FlatPusher(torch.bfloat16, device)
     try:
-        metrics = cuda_ipc.push_buckets([named[:2], named[2:5], named[5:]], torch.bfloat16, device, send)
+        for version in range(3):
+            weights = [(n, t + version) for n, t in named]  # changed weights every push
+            messages.clear(), received.clear()
+            metrics = pusher.push([weights[:2], weights[2:5], weights[5:]], send)
+            assert received == [(n, _digest(t.to(torch.bfloat16))) for n, t in weights], version  # bit-exact
+            loads = [m for m in messages if m.get("meta")]
+            assert metrics["sync/tensors"] == len(named) and all(m["version"] == version + 1 for m in loads)
+            handles = [m["handle"] for m in loads if m["handle"] is not None]
+            assert all(h["kind"] == "cuda" and h["gpu"] == cuda_ipc.gpu_uuid(device.index) for h in handles)
+            if version == 0:
+                assert len(loads) == 3  # the size is not known yet: a buffer per bucket
+            else:
+                assert len(loads) == 1 and len(mapped[-1]) == 1  # one buffer, one mapping in the receiver
+                assert len(handles) == (1 if version == 1 else 0)  # shared once
+        del weights
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated(device) - baseline
+        assert pusher.capacity <= held < pusher.capacity + 512  # the persistent buffer alone (allocator's rounding)
+        pusher.release(send)
+        assert mapped[-1] == []
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated(device) == baseline  # nothing outlives `release`
     finally:
         here.send(None)
         child.join(60)
     assert child.exitcode == 0
-    assert metrics["sync/buckets"] == 3 and len(handles) == 3 and all(h["kind"] == "cuda" for h in handles)
-    assert handles[0]["gpu"] == cuda_ipc.gpu_uuid(device.index)
-    assert received == [(n, _digest(t.to(torch.bfloat16))) for n, t in named]  # bit-exact, the sender's order
-    assert torch.cuda.memory_allocated(device) == baseline  # no bucket outlives the push
 
 
 # ---- vLLM colocated ---------------------------------------------------------------------------------------------

@@ -34,6 +34,12 @@ def test_settings_hold_the_config_sections_and_derive_the_step_counts() -> None:
     assert isinstance(s.train, DeepSpeedTrainingConfig) and s.train.zero_stage == 3
     assert s.num_mini_batches == 2 and s.optim_steps == 5 * 2 * 2
     assert s.loss.entropy_coeff == 0.01 and s.seed == c.trainer.seed
+    # a colocated trainer hands its cached blocks back to the other processes on its GPU; alone it keeps them
+    assert c.cluster.colocate and not c.cluster.hybrid_engine and s.shares_device
+    assert not trainer_settings(cfg("cluster.colocate=false"), "actor").shares_device
+    assert not trainer_settings(cfg("cluster.hybrid_engine=true"), "actor").shares_device  # rollout in-process
+    hybrid_kl = cfg("cluster.hybrid_engine=true", "algorithm.use_kl_loss=true")
+    assert trainer_settings(hybrid_kl, "actor").shares_device  # the reference's process shares the GPU
     spec = training_spec(c, RUN, "actor")
     assert spec.engine == TRAINING_ENGINE and spec.kwargs == {"settings": s}
 
