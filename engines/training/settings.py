@@ -12,8 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 from rlstages.configs.training import OptimConfig, TorchTrainingConfig, TrainingConfig
 from rlstages.engines.algorithms import PolicyLossParams
+from rlstages.engines.runtime.device import worker_device
 
 Role = Literal["actor", "critic", "reference"]
 
@@ -35,6 +38,11 @@ class TrainerSettings:
     seed: int = 0
     converted_path: str | None = None  # a pre-converted checkpoint of the model (Megatron), None = convert here
     lora: dict[str, Any] | None = None  # LoRA adapters on the actor (`configs.model.LoraConfig` dumped), torch only
+    device: str | None = None  # where this worker computes, resolved once by `PPOTrainer` (`runtime.device`)
+
+    def resolved_device(self) -> torch.device:
+        """`device`; a backend built without `PPOTrainer` (tests, scripts) resolves it here (`worker_device`)."""
+        return torch.device(self.device) if self.device else worker_device()
 
     @property
     def backend(self) -> str:
