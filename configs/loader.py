@@ -11,6 +11,7 @@ import yaml
 from pydantic import ValidationError
 
 from rlstages.configs.run import RunConfig
+from rlstages.configs.training import MEGATRON_ONLY, MegatronTrainingConfig
 
 _TAGS = ("backend", "kind")
 
@@ -115,7 +116,7 @@ def format_validation_error(exc: ValidationError, data: dict[str, Any]) -> str:
     if members:
         msg += "".join(f", or {m['msg'].removeprefix('Input should be ')}" for m in members[1:])
     if err["type"] == "extra_forbidden":
-        msg = "unknown key (not in the schema)"
+        msg = _megatron_only(err["loc"], loc) or "unknown key (not in the schema)"
     elif err["type"] == "missing":
         msg = "required field is missing"
     elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
@@ -123,6 +124,19 @@ def format_validation_error(exc: ValidationError, data: dict[str, Any]) -> str:
     msg = msg.removeprefix("Value error, ")
     extra = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{field}: {msg}{extra}" if field else f"{msg}{extra}"
+
+
+def _megatron_only(raw_loc: tuple[Any, ...], loc: list[Any]) -> str | None:
+    """For a key only the megatron backend reads, given to a torch / deepspeed training section: what it needs
+    (`expert parallelism needs actor.backend=megatron`), else None."""
+    if len(raw_loc) < 2 or raw_loc[-2] not in ("torch", "deepspeed") or len(loc) < 2:
+        return None
+    key = str(loc[-1])
+    if key not in MegatronTrainingConfig.model_fields:
+        return None
+    what = MEGATRON_ONLY.get(key, f"{key}, a megatron option,")
+    section = ".".join(str(p) for p in loc[:-1])
+    return f"{what} needs {section}.backend=megatron (this section's backend is {raw_loc[-2]})"
 
 
 def _union_members(errors: list[Any], loc: list[Any], data: Any) -> list[Any]:

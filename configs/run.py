@@ -253,9 +253,18 @@ def _model_sizes(cfg: RunConfig) -> dict[str, int] | None:
 
 
 def _check_experts(role: str, train: MegatronTrainingConfig, experts: int | None) -> None:
-    """Expert parallelism needs an MoE model whose routed experts split evenly over the EP ranks."""
+    """Expert parallelism needs an MoE model whose routed experts split evenly over the EP ranks; the router's
+    top-k is at most the routed experts (megatron's router would fail at the first step)."""
+    if experts is None:
+        return
+    topk = train.moe.router_topk
+    if experts and topk is not None and topk > experts:
+        raise ValueError(
+            f"{role}.moe.router_topk={topk} is larger than the model's {experts} routed experts; use at most "
+            f"{experts} (or leave it unset: the model's num_experts_per_tok)"
+        )
     ep = train.expert_model_parallel_size
-    if ep == 1 or experts is None:
+    if ep == 1:
         return
     if not experts:
         raise ValueError(f"{role}.expert_model_parallel_size={ep}: the model is dense (no routed experts); use 1")

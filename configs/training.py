@@ -233,6 +233,21 @@ class MegatronTrainingConfig(_TrainingCommon):
         return self.num_workers // (tp * pp * self.context_parallel_size)
 
 
+# Options only the megatron backend reads -> what they are, for the error when another backend is given one.
+MEGATRON_ONLY: dict[str, str] = {
+    "tensor_model_parallel_size": "tensor parallelism",
+    "pipeline_model_parallel_size": "pipeline parallelism",
+    "virtual_pipeline_model_parallel_size": "virtual pipeline parallelism",
+    "context_parallel_size": "context parallelism",
+    "expert_model_parallel_size": "expert parallelism",
+    "expert_tensor_parallel_size": "expert parallelism",
+    "num_layers_in_first_pipeline_stage": "an uneven pipeline",
+    "num_layers_in_last_pipeline_stage": "an uneven pipeline",
+    "moe": "MoE routing (moe.*)",
+    "sequence_parallel": "sequence parallelism",
+}
+
+
 TrainingConfig = Annotated[
     TorchTrainingConfig | DeepSpeedTrainingConfig | MegatronTrainingConfig, Field(discriminator="backend")
 ]

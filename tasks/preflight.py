@@ -20,8 +20,6 @@ import importlib
 import importlib.util
 import json
 import os
-import shutil
-import subprocess
 import sys
 import warnings
 from collections.abc import Callable, Collection
@@ -259,9 +257,9 @@ def check_imports(cfg: RunConfig) -> None:
         if ":" not in fn.name and fn.name in REWARD_FUNCTIONS:
             continue  # built-in: its module ships with us
         try:
-            resolve_reward_fn(fn.name)
+            resolve_reward_fn(fn.name, f"reward.functions.{i}.name")
         except ValueError as exc:
-            raise PreflightError(f"reward.functions.{i}.name: {exc}") from None
+            raise PreflightError(str(exc)) from None
     for i, name in enumerate(cfg.model.plugins):
         try:
             found = importlib.util.find_spec(name)
@@ -305,21 +303,10 @@ def known_resources(cfg: RunConfig) -> tuple[float, float, str] | None:
 
 
 def local_gpu_count() -> int:
-    """GPUs a Ray started on this machine would see: torch's CUDA devices, else `nvidia-smi -L`'s (a CPU-only
-    torch beside a GPU driver), within CUDA_VISIBLE_DEVICES."""
-    import torch
+    """GPUs a Ray started on this machine would see (`engines.runtime.device.visible_gpus`)."""
+    from rlstages.engines.runtime.device import visible_gpus
 
-    count = torch.cuda.device_count()
-    if count == 0 and shutil.which("nvidia-smi"):
-        try:
-            listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=False)
-        except (OSError, subprocess.SubprocessError):
-            return 0
-        count = sum(line.startswith("GPU ") for line in listed.stdout.splitlines())
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible is not None:
-            count = min(count, len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"]))
-    return count
+    return visible_gpus()
 
 
 def check_cluster_resources(cfg: RunConfig) -> None:

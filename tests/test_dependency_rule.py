@@ -2,13 +2,19 @@
 
 engines never import prefect or mlflow; flows and tasks never import vllm, sglang, deepspeed or megatron;
 configs import nothing of ours; only tasks/tracking.py imports mlflow; inside engines/ imports flow one way
-(no cycle between modules, lazy imports inside functions included). CPU only, no imports executed.
+(no cycle between modules, lazy imports inside functions included) and downward through the layers of
+`ENGINE_LAYERS`, the known upward arrows of `KNOWN_UPWARD` aside. Imports made by name count as imports:
+`importlib.import_module("a.b")` / `import_module("a.b")` / `__import__("a.b")` with a literal; a registry's
+"package.module:attr" string is checked against the package rules (engines never name a task) but is no edge
+of the file that holds it (a table imports nothing: whoever resolves the string does, through
+`engines.utils.import_object`). CPU only, no imports executed.
 Run: pytest tests/test_dependency_rule.py
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -24,9 +30,14 @@ RULES = {
 }
 
 
+BY_NAME = {"import_module", "__import__"}  # importlib.import_module("x"), import_module("x"), __import__("x")
+TARGET = re.compile(r"(rlstages(?:\.\w+)+):[\w.]+")  # a registry's "package.module:attr"
+
+
 def imported_modules(path: Path) -> set[str]:
-    """Every absolute module a file imports (module level and inside functions); `from a import b` gives
-    `a.b` when `b` is a submodule on disk, else `a`."""
+    """Every absolute module a file imports (module level and inside functions), by statement or by name
+    (`import_module` / `__import__` with a string literal); `from a import b` gives `a.b` when `b` is a
+    submodule on disk, else `a`."""
     tree = ast.parse(path.read_text(), filename=str(path))
     names: set[str] = set()
     for node in ast.walk(tree):
@@ -38,7 +49,25 @@ def imported_modules(path: Path) -> set[str]:
                 sub = f"{node.module}.{alias.name}"
                 if module_file(sub) is not None:
                     names.add(sub)
+        elif isinstance(node, ast.Call) and node.args and _called_name(node.func) in BY_NAME:
+            first = node.args[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str) and not first.value.startswith("."):
+                names.add(first.value)
     return names
+
+
+def _called_name(func: ast.expr) -> str | None:
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+
+
+def named_targets(path: Path) -> set[str]:
+    """The modules of the "rlstages.package.module:attr" string literals in a file (registry entries)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return {
+        m.group(1)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and (m := TARGET.fullmatch(node.value))
+    }
 
 
 def layer(module: str) -> str:
@@ -70,7 +99,8 @@ def test_layering(package: str) -> None:
     files = sorted((ROOT / package).rglob("*.py"))
     assert files, f"no sources under {package}/"
     offenders = {
-        str(f.relative_to(ROOT)): sorted({layer(m) for m in imported_modules(f)} & RULES[package]) for f in files
+        str(f.relative_to(ROOT)): sorted({layer(m) for m in imported_modules(f) | named_targets(f)} & RULES[package])
+        for f in files
     }
     offenders = {k: v for k, v in offenders.items() if v}
     assert not offenders, f"{package}/ breaks the dependency rule: {offenders}"
@@ -145,3 +175,80 @@ def test_rule_checker_catches_a_violation(tmp_path: Path) -> None:
         "import prefect\nfrom mlflow import log_metric\nfrom .local import y\nfrom rlstages.flows import z\n"
     )
     assert {layer(m) for m in imported_modules(bad)} == {"prefect", "mlflow", "flows"}
+
+
+def test_imports_by_name_are_seen(tmp_path: Path) -> None:
+    """A literal `import_module` is an import (the hidden cycle between convert.templates and moe_templates was
+    one); a computed name is not knowable; a registry string names the module for the package rules only."""
+    src = tmp_path / "x.py"
+    src.write_text(
+        "import importlib\nfrom importlib import import_module\n"
+        "importlib.import_module('rlstages.tasks.a')\nimport_module('rlstages.flows.b')\n__import__('prefect')\n"
+        "importlib.import_module(name)\nimportlib.import_module('.rel', 'pkg')\n"
+        "TABLE = {'x': 'rlstages.tasks.c:Thing', 'doc': 'see rlstages.tasks.d:E for more'}\n"
+    )
+    assert imported_modules(src) == {"importlib", "rlstages.tasks.a", "rlstages.flows.b", "prefect"}
+    assert named_targets(src) == {"rlstages.tasks.c"}
+    cycle = {"rlstages.engines.p": {"rlstages.engines.q"}, "rlstages.engines.q": {"rlstages.engines.p"}}
+    assert find_cycle(cycle) == ["rlstages.engines.p", "rlstages.engines.q", "rlstages.engines.p"]
+
+
+# ---- the layers inside engines/ ------------------------------------------------------------------------------
+# Lowest first; a module may import its own layer and those below. Names are relative to `rlstages.engines`; a
+# module belongs to the longest name that prefixes it ("runtime.device" -> "runtime"). The picture of the house
+# today: runtime/ is one layer (per-process plumbing and the composition that issue #43 would move above
+# training/ and rollout/), which is where the known upward arrows come from.
+ENGINE_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("", "types", "utils"),  # the package itself, the batch schema and small shared helpers
+    ("base", "algorithms"),  # the engine protocols; pure loss / advantage math
+    ("models", "convert", "registry"),  # model loading, HF <-> Megatron tensor mapping, the backends' name table
+    ("runtime",),  # device, heap, payload, rendezvous, weight sync, actor groups, hybrid engine, offload
+    ("rewards", "tools"),  # reward functions / scorer / reward model; tools and environments
+    ("rollout", "training", "megatron"),  # the rollout and training engines
+)
+
+# (importer, imported) -> why: every upward arrow there is today. A new one fails the test; a fixed one must
+# leave this table (the test fails while it lists an arrow that is gone).
+KNOWN_UPWARD: dict[tuple[str, str], str] = {
+    ("base", "rewards.scorer"): "RewardScorer protocol's ScoreResult type (TYPE_CHECKING only)",
+    ("base", "runtime.weight_sync"): "the weight-sync methods' Bucket type (TYPE_CHECKING only)",
+    ("runtime.collective_sync", "rollout.ipc"): "the broadcast group's shared-memory dir, shm_dir",
+    ("runtime.offload", "training.torch_backend"): "isinstance(trainer, TorchBackend) to find its optimizer",
+}
+# The fourth arrow issue #43 names, runtime.hybrid -> base (NamedTensors), points down in this table: with
+# base -> runtime.weight_sync it is the runtime <-> base knot, counted once, above.
+
+
+def engine_layer(module: str) -> int:
+    """The index in `ENGINE_LAYERS` of an engines module (`rlstages.engines.runtime.device` -> 3)."""
+    rel = module.removeprefix("rlstages.engines").removeprefix(".")
+    best = max(
+        (name for names in ENGINE_LAYERS for name in names if name == "" or rel == name or rel.startswith(name + ".")),
+        key=len,
+    )
+    return next(i for i, names in enumerate(ENGINE_LAYERS) if best in names)
+
+
+def upward_arrows(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """(importer, imported), relative to `rlstages.engines`, for each import into a higher layer."""
+    rel = lambda m: m.removeprefix("rlstages.engines.")  # noqa: E731
+    return {(rel(a), rel(b)) for a, deps in graph.items() for b in deps if engine_layer(b) > engine_layer(a)}
+
+
+def test_engines_layer_order() -> None:
+    graph = import_graph("engines")
+    placed = {name.split(".")[0] for names in ENGINE_LAYERS for name in names if name}
+    unplaced = sorted(m for m in graph if m != "rlstages.engines" and m.split(".")[2] not in placed)
+    assert not unplaced, f"engines modules in no layer of ENGINE_LAYERS (add their package): {unplaced}"
+    arrows = upward_arrows(graph)
+    new = sorted(arrows - KNOWN_UPWARD.keys())
+    assert not new, f"imports up the engines' layers (ENGINE_LAYERS): {new}"
+    gone = sorted(KNOWN_UPWARD.keys() - arrows)
+    assert not gone, f"KNOWN_UPWARD lists arrows that are gone (remove them): {gone}"
+
+
+def test_layer_checker_catches_an_upward_import() -> None:
+    graph = {"rlstages.engines.types": {"rlstages.engines.training.core"}, "rlstages.engines.rollout.x": set()}
+    assert upward_arrows(graph) == {("types", "training.core")}
+    assert engine_layer("rlstages.engines.runtime.device") == engine_layer("rlstages.engines.runtime") == 3
+    assert engine_layer("rlstages.engines") == 0

@@ -16,14 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from rlstages.engines.convert.decoder import DECODER_CONFIG, DECODER_CONSTANTS, ROTARY_BUFFERS, decoder_ops
+from rlstages.engines.convert.decoder import builtin as _builtin
 from rlstages.engines.convert.ops import Rename, Stack, WeightOp
-from rlstages.engines.convert.templates import (
-    DECODER_CONFIG,
-    DECODER_CONSTANTS,
-    ROTARY_BUFFERS,
-    _builtin,
-    decoder_ops,
-)
 
 ROUTER = ".mlp.router.weight"
 LOCAL_FC1 = ".mlp.experts.local_experts.{}.linear_fc1.weight"

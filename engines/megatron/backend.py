@@ -54,7 +54,6 @@ from rlstages.engines.megatron import optim as MO
 from rlstages.engines.megatron import parallel as MP
 from rlstages.engines.models import torch_dtype
 from rlstages.engines.registry import has_module
-from rlstages.engines.runtime.device import worker_device
 from rlstages.engines.training import state_io
 from rlstages.engines.training.optim import lr_lambda
 from rlstages.engines.training.settings import TrainerSettings
@@ -63,8 +62,8 @@ log = logging.getLogger(__name__)
 CKPT_DIR = "mcore"  # megatron-core dist checkpoint (model + optimizer), relative to the `save` directory
 
 
-def check_supported(settings: TrainerSettings, options: MegatronTrainingConfig) -> None:
-    """Refuse what this backend cannot run, before any process group starts."""
+def check_supported(settings: TrainerSettings, options: MegatronTrainingConfig, device: torch.device) -> None:
+    """Refuse what this backend cannot run on `device`, before any process group starts."""
     if settings.dtype == "float16":
         raise NotImplementedError("megatron backend: dtype float16 needs loss scaling; use bfloat16 or float32")
     if settings.train.bf16_autocast:
@@ -72,7 +71,7 @@ def check_supported(settings: TrainerSettings, options: MegatronTrainingConfig) 
             "megatron backend: bf16_autocast is not supported (megatron's linear layers have no autocast "
             "backward); use dtype: bfloat16 (bf16 weights, fp32 main params in megatron's optimizer)"
         )
-    if settings.train.gradient_checkpointing and not torch.cuda.is_available():
+    if settings.train.gradient_checkpointing and device.type != "cuda":
         raise NotImplementedError("megatron activation recompute saves CUDA RNG state: it needs a GPU")
     if options.transformer_impl == "transformer_engine" and not has_module("transformer_engine"):
         raise ImportError("transformer_impl='transformer_engine' needs transformer_engine (GPU); use 'local'")
@@ -100,9 +99,9 @@ class MegatronBackend:
         options = settings.train
         if not isinstance(options, MegatronTrainingConfig):  # a reference gets the defaults
             options = MegatronTrainingConfig()
-        check_supported(settings, options)
+        self.device = settings.resolved_device()  # chunks and micro-batches live here (`parallel.build_chunks`)
+        check_supported(settings, options, self.device)
         self.settings, self.role = settings, settings.role
-        self.device = worker_device()  # chunks and micro-batches live here (`parallel.build_chunks`)
         self.layout = MP.Layout(
             options.tensor_model_parallel_size,
             options.pipeline_model_parallel_size,
@@ -149,7 +148,7 @@ class MegatronBackend:
             self.models = list(self.chunks)
         else:
             self.models = self._wrap_ddp(options.use_distributed_optimizer)
-            offload = (options.optimizer_offload, options.offload_fraction)
+            offload = (options.optimizer_offload and self.device.type == "cuda", options.offload_fraction)
             self.optimizer = MO.build_optimizer(
                 self.models, settings.optim, self.dtype, options.use_distributed_optimizer, *offload
             )

@@ -4,8 +4,9 @@ megatron-core assumes CUDA in four places on our path (reference C.8, feasibilit
 attention allocate on `torch.cuda.current_device()`, `dist_checkpointing.save` calls
 `torch.cuda.synchronize()`, a tied output layer on the last pipeline stage is moved with `.cuda()` before
 its all-reduce, and the model-parallel RNG tracker reads CUDA RNG state. `apply_cpu_shim` patches the
-first three, only when CUDA is absent (where each of them could only raise); `gpt.init_model_parallel` seeds
-with the inference RNG tracker (its `fork()` is a null context; dropout draws from the CPU RNG).
+first three, only when this worker computes on the CPU (`runtime.device.on_cuda()` False: where each of
+them could only raise); `gpt.init_model_parallel` seeds with the inference RNG tracker (its `fork()` is a
+null context; dropout draws from the CPU RNG).
 Training adds a fifth place: the optimizer, gradient clipping and the pipeline schedules allocate small
 tensors with a literal `device="cuda"` and assert `tensor.type() == "torch.cuda.FloatTensor"`;
 `cuda_as_cpu()` is a scoped torch function mode that maps those to the CPU while it is active.
@@ -31,16 +32,18 @@ from typing import Any
 
 import torch
 
+from rlstages.engines.runtime.device import on_cuda
+
 _SHIM_APPLIED = False
 
 
 def apply_cpu_shim() -> bool:
-    """Point megatron-core's CUDA device lookups at the CPU; idempotent, a no-op when CUDA is available.
+    """Point megatron-core's CUDA device lookups at the CPU; idempotent, a no-op on a CUDA worker.
 
     Returns True when the shim is (now) active.
     """
     global _SHIM_APPLIED
-    if torch.cuda.is_available():
+    if on_cuda():
         return False
     if not _SHIM_APPLIED:
         torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]  # RoPE, attention buffers
@@ -66,12 +69,12 @@ class _CudaAsCpuMode(torch.overrides.TorchFunctionMode):
 
 @contextlib.contextmanager
 def cuda_as_cpu() -> Iterator[None]:
-    """While active (and only without CUDA), megatron-core's literal CUDA allocations and type checks see the CPU.
+    """While active (and only on a CPU worker), megatron-core's literal CUDA allocations and type checks see the CPU.
 
     Wrap megatron-core calls that hard-code CUDA: optimizer construction / step / state dicts, and the
-    pipeline schedules. A no-op context when CUDA is available.
+    pipeline schedules. A no-op context on a CUDA worker.
     """
-    if torch.cuda.is_available():
+    if on_cuda():
         yield
         return
     apply_cpu_shim()
@@ -102,7 +105,7 @@ def apply_moe_shim() -> None:
     from rlstages.engines.megatron.moe_model import define_missing_te_symbols
 
     define_missing_te_symbols()
-    if torch.cuda.is_available():
+    if on_cuda():
         return
     if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
         MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NoStream()

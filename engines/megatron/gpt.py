@@ -13,7 +13,8 @@ import torch
 
 from rlstages.engines.convert.spec import ConversionSpec
 from rlstages.engines.megatron.cuda_shim import apply_cpu_shim, apply_moe_shim, apply_torch_norm_sp_shim
-from rlstages.engines.runtime.device import dist_backend, worker_device
+from rlstages.engines.runtime.device import dist_backend, on_cuda, worker_device
+from rlstages.engines.utils import import_object
 
 # Fusions that need CUDA kernels (apex / TE / torch.compile'd CUDA code); off on CPU.
 CPU_SAFE_CONFIG: dict[str, Any] = {
@@ -102,7 +103,7 @@ def destroy_model_parallel() -> None:
 
 
 def make_transformer_config(spec: ConversionSpec, dtype: torch.dtype = torch.float32, **overrides: Any) -> Any:
-    """A megatron-core TransformerConfig from the spec (CPU-safe flags when CUDA is absent) plus overrides;
+    """A megatron-core TransformerConfig from the spec (CPU-safe flags on a CPU worker) plus overrides;
     MoE / MLA specs get their config class and fields from `moe_model`."""
     from rlstages.engines.megatron import moe_model
 
@@ -117,7 +118,7 @@ def make_transformer_config(spec: ConversionSpec, dtype: torch.dtype = torch.flo
         pipeline_dtype=dtype,
     )
     kwargs.update(spec.pipeline_config())  # uneven first / last stage: megatron-core's layer offsets
-    if not torch.cuda.is_available():
+    if not on_cuda():
         kwargs.update(CPU_SAFE_CONFIG)
     kwargs.update(overrides)
     return config_cls(**kwargs)
@@ -172,12 +173,7 @@ def model_class(spec: ConversionSpec) -> type:
         from megatron.core.models.gpt import GPTModel
 
         return GPTModel
-    import importlib
-
-    module, _, attr = name.partition(":")
-    if not attr:
-        raise ValueError(f"mcore_model_cls {name!r}: expected 'package.module:ClassName'")
-    return getattr(importlib.import_module(module), attr)
+    return import_object(name, "mcore_model_cls", expected="ClassName")
 
 
 def causal_mask(seq_len: int, batch: int = 1, device: torch.device | None = None) -> torch.Tensor:

@@ -13,9 +13,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import torch
-
 from rlstages.engines.convert.spec import ConversionSpec
+from rlstages.engines.runtime.device import on_cuda
 
 # Fusions/kernels that need CUDA (TE, apex, grouped GEMM); off on CPU. "alltoall" is the dispatcher Megatron
 # recommends with EP; on CPU it runs over gloo (see README's support matrix for what ran).
@@ -45,9 +44,9 @@ def moe_config_kwargs(spec: ConversionSpec) -> dict[str, Any]:
     out |= {
         "expert_model_parallel_size": spec.ep,
         "expert_tensor_parallel_size": spec.expert_tp,
-        "moe_token_dispatcher_type": "alltoall" if spec.ep > 1 and torch.cuda.is_available() else "allgather",
+        "moe_token_dispatcher_type": "alltoall" if spec.ep > 1 and on_cuda() else "allgather",
     }
-    if not torch.cuda.is_available():
+    if not on_cuda():
         out.update(MOE_CPU_SAFE)
     return out
 

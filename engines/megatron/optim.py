@@ -35,10 +35,10 @@ def build_optimizer(
     models: list[Any], optim: OptimConfig, dtype: torch.dtype, distributed: bool, offload: bool, fraction: float
 ) -> Any:
     """`get_megatron_optimizer` (Adam, decoupled weight decay on every parameter as the torch backend) over
-    DDP-wrapped chunks; `offload` -> megatron's CPU optimizer offload of `fraction` of the states (GPU only)."""
+    DDP-wrapped chunks; `offload` -> megatron's CPU optimizer offload of `fraction` of the states (the caller
+    asks it on a GPU worker only)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    gpu_offload = offload and torch.cuda.is_available()
     config = OptimizerConfig(
         optimizer="adam",
         lr=optim.lr,
@@ -50,8 +50,8 @@ def build_optimizer(
         bf16=dtype == torch.bfloat16,
         params_dtype=dtype,
         use_distributed_optimizer=distributed,
-        optimizer_cpu_offload=gpu_offload,
-        optimizer_offload_fraction=fraction if gpu_offload else 0.0,
+        optimizer_cpu_offload=offload,
+        optimizer_offload_fraction=fraction if offload else 0.0,
     )
     with cuda_shim.cuda_as_cpu():  # config_overrides={}: no weight-decay exemptions for biases / norms
         return get_megatron_optimizer(config, models, config_overrides={})

@@ -12,10 +12,11 @@ Non-goals: timeouts and weighting (see `rlstages.engines.rewards.scorer`).
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from rlstages.engines.utils import ImportTargetError, import_object
 
 RewardFn = Callable[..., float | dict[str, float]]
 
@@ -34,42 +35,32 @@ REWARD_FUNCTIONS: dict[str, str] = {
 NEEDS_GROUND_TRUTH = frozenset({"last_integer", "math_verify", "exact_match", "gsm8k", "by_data_source"})
 
 
-def _import_target(target: str, name: str) -> RewardFn:
-    """Import `package.module:attr[.attr]`; every failure is a one-line ValueError naming what failed."""
-    module_name, _, attr_path = target.partition(":")
-    if not module_name or not attr_path:
-        raise ValueError(f"reward function {name!r}: expected 'package.module:function', got {target!r}")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as err:  # ImportError, or whatever the module raised while importing
-        detail = str(err).splitlines()[0] if str(err) else ""
-        raise ValueError(
-            f"reward function {name!r}: cannot import module {module_name!r} ({type(err).__name__}: {detail})"
-        ) from err
-    for attr in attr_path.split("."):
-        try:
-            obj = getattr(obj, attr)
-        except AttributeError:
-            raise ValueError(
-                f"reward function {name!r}: module {module_name!r} has no attribute {attr_path!r}"
-            ) from None
+def _import_target(target: str, field: str) -> RewardFn:
+    """Import `package.module:attr[.attr]` (`engines.utils.import_object`) and check it is callable; every
+    failure is a one-line ImportTargetError (a ValueError) starting with `field`."""
+    obj = import_object(target, field, expected="function")
     if not callable(obj):
-        raise ValueError(f"reward function {name!r}: {target!r} is not callable")
+        raise ImportTargetError(f"{field}: {target!r} is not callable")
     return obj
 
 
-def resolve_reward_fn(name: str) -> RewardFn:
+def resolve_reward_fn(name: str, field: str | None = None) -> RewardFn:
     """Return the function registered as `name`, or the user function `name = "package.module:function"`.
 
-    Raises ValueError (one line) for an unknown name or a target that cannot be imported.
+    Raises ValueError (one line, starting with `field`, else "reward function 'name'") for an unknown name
+    or a target that cannot be imported.
     """
+    where = field or f"reward function {name!r}"
     if ":" in name:
-        return _import_target(name, name)
+        return _import_target(name, where)
     target = REWARD_FUNCTIONS.get(name)
     if target is None:
         known = ", ".join(sorted(REWARD_FUNCTIONS))
-        raise ValueError(f"unknown reward function {name!r}; registered: {known} (or give 'package.module:function')")
-    return _import_target(target, name)
+        prefix = f"{field}: " if field else ""
+        raise ValueError(
+            f"{prefix}unknown reward function {name!r}; registered: {known} (or give 'package.module:function')"
+        )
+    return _import_target(target, where)
 
 
 def _is_verl_style(fn: RewardFn) -> bool:

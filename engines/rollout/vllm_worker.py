@@ -71,11 +71,12 @@ class RolloutWorkerExtension:
 
     def rls_device_uuid(self) -> str | None:
         """The UUID of this worker's GPU (None on CPU): a sync group must not put two ranks on one GPU."""
-        if not torch.cuda.is_available():
+        device = self.model_runner.device  # the device vLLM placed this worker's model on (not process-wide)
+        if device.type != "cuda":
             return None
         from rlstages.engines.runtime.cuda_ipc import gpu_uuid
 
-        return gpu_uuid(torch.cuda.current_device())
+        return gpu_uuid(torch.cuda.current_device() if device.index is None else device.index)
 
     def rls_load(self, named_tensors: NamedTensors) -> None:
         """HF-named tensors through the model's own `load_weights` (inside a layerwise reload)."""

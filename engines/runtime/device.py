@@ -16,6 +16,8 @@ must match between trainer and inference engine (`NCCL_CUMEM_ENABLE`) or be set 
 (`CUDA_DEVICE_MAX_CONNECTIONS` for Megatron-Core), releasing cached blocks between phases, and memory stats.
 On the CPU each of these is a no-op or an empty result, so the CPU path runs the same code.
 
+`visible_gpus()` is the driver's count of this machine's GPUs (pre-flight, `rlstages doctor`).
+
 Non-goals: moving weights between processes (`runtime.weight_sync`, `runtime.collective_sync`); several GPUs
 per worker (one rank, one GPU).
 """
@@ -23,6 +25,8 @@ per worker (one rank, one GPU).
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
@@ -82,13 +86,41 @@ def _ray_gpu_ids() -> list[Any] | None:
     return list(ray.get_gpu_ids())
 
 
+def _this_worker() -> torch.device:
+    cuda = torch.cuda.is_available()  # the one place in engines/ that asks
+    return resolve_device(os.environ, cuda, torch.cuda.device_count() if cuda else 0, _ray_gpu_ids())
+
+
 def worker_device() -> torch.device:
     """Where this worker computes: its CUDA device (made current with `torch.cuda.set_device`) or the CPU."""
-    cuda = torch.cuda.is_available()
-    device = resolve_device(os.environ, cuda, torch.cuda.device_count() if cuda else 0, _ray_gpu_ids())
+    device = _this_worker()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device
+
+
+def on_cuda(device: torch.device | None = None) -> bool:
+    """Whether `device` (default: this worker's, as `worker_device` resolves it, not made current) is a CUDA
+    device: what code without a device at hand asks (megatron-core's CPU shims, its CUDA-only options, RNG
+    restore). An actor Ray gave no GPU computes on the CPU even on a GPU node: False there."""
+    return (device if device is not None else _this_worker()).type == "cuda"
+
+
+def visible_gpus() -> int:
+    """GPUs a process started on this machine would see (the driver's checks: pre-flight, `rlstages doctor`):
+    torch's CUDA devices, else `nvidia-smi -L`'s (a CPU-only torch beside a GPU driver), within
+    CUDA_VISIBLE_DEVICES. Does not start CUDA in the calling process."""
+    count = torch.cuda.device_count()
+    if count == 0 and shutil.which("nvidia-smi"):
+        try:
+            listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=False)
+        except (OSError, subprocess.SubprocessError):
+            return 0
+        count = sum(line.startswith("GPU ") for line in listed.stdout.splitlines())
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            count = min(count, len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"]))
+    return count
 
 
 def to_device(obj: Moved, device: torch.device, non_blocking: bool = False) -> Moved:

@@ -7,7 +7,6 @@ deploy-time import allow-list (`rlstages deploy --allow-import`), the same rule 
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 from rlstages.configs.tools import EnvironmentSpec, ToolSpec
 from rlstages.engines.tools.base import Environment, Tool, ToolLimits
 from rlstages.engines.tools.environment import LimitedEnvironment, ToolEnvironment
+from rlstages.engines.utils import ImportTargetError, import_object
 
 TOOLS: dict[str, str] = {
     "calculator": "rlstages.engines.tools.calculator:Calculator",
@@ -38,21 +38,11 @@ def _target(name: str, field: str) -> str:
 
 
 def import_class(target: str, field: str) -> type:
-    """Import `package.module:Class`; every failure is a one-line ValueError naming the field."""
-    module_name, _, attr_path = target.partition(":")
-    if not module_name or not attr_path:
-        raise ValueError(f"{field}: expected 'package.module:Class', got {target!r}")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as err:  # ImportError, or whatever the module raised while importing
-        detail = str(err).splitlines()[0] if str(err) else ""
-        raise ValueError(f"{field}: cannot import module {module_name!r} ({type(err).__name__}: {detail})") from None
-    for attr in attr_path.split("."):
-        if not hasattr(obj, attr):
-            raise ValueError(f"{field}: module {module_name!r} has no attribute {attr_path!r}")
-        obj = getattr(obj, attr)
+    """Import `package.module:Class` (`engines.utils.import_object`); every failure is a one-line
+    ImportTargetError (a ValueError) naming the field."""
+    obj = import_object(target, field, expected="Class")
     if not inspect.isclass(obj):
-        raise ValueError(f"{field}: {target!r} is not a class")
+        raise ImportTargetError(f"{field}: {target!r} is not a class")
     return obj
 
 

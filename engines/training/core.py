@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +47,10 @@ class PPOTrainer:
         self.settings = settings
         self.temperature = settings.temperature
         torch.manual_seed(settings.seed)
-        backend_cls = import_object(training_backend(settings.backend).step)
+        backend_cls = import_object(training_backend(settings.backend).step, f"{settings.role}.backend")
         D.set_env_defaults(getattr(backend_cls, "cuda_env", {}))  # before CUDA starts (Megatron-Core's)
         self.device = D.worker_device()  # the backend places its model here; batches are moved here
-        self.backend: StepBackend = backend_cls(settings)
+        self.backend: StepBackend = backend_cls(replace(settings, device=str(self.device)))  # device passed down
         self.steps_done = 0
         self.shares_device = settings.shares_device  # the hybrid engine sets it where its rollout has own memory
         self.model_config = _hf_config(settings.model_path)  # for the FLOP count of `perf/mfu`

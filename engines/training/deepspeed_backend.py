@@ -30,7 +30,7 @@ from tensordict import TensorDict
 from rlstages.configs.training import DeepSpeedTrainingConfig
 from rlstages.engines.base import OnOutput, Readout
 from rlstages.engines.models import moe_layout
-from rlstages.engines.runtime.device import dist_backend, worker_device
+from rlstages.engines.runtime.device import dist_backend
 from rlstages.engines.training import state_io
 from rlstages.engines.training.optim import adamw, adamw_kwargs, lr_scheduler
 from rlstages.engines.training.settings import TrainerSettings
@@ -41,11 +41,10 @@ CKPT_DIR = "deepspeed"  # DeepSpeed's own checkpoint, relative to the `save` dir
 CKPT_TAG = "state"
 
 
-def init_distributed() -> torch.device:
+def init_distributed(device: torch.device) -> torch.device:
     """Join (or create) the process group from RANK/WORLD_SIZE/MASTER_* (defaults: one in-process rank); returns
-    the rank's device. On a GPU, LOCAL_RANK becomes the index of the worker's GPU among the visible ones (Ray
+    `device` (the worker's). On a GPU, LOCAL_RANK becomes the index of the worker's GPU among the visible ones (Ray
     narrows them to one: 0), since DeepSpeed takes its device from LOCAL_RANK; NCCL then runs on that GPU."""
-    device = worker_device()
     if device.type != "cuda":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     defaults = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": os.environ.get("RANK", "0"), "MASTER_ADDR": "127.0.0.1"}
@@ -111,7 +110,7 @@ class DeepSpeedBackend:
         options = settings.train
         if not isinstance(options, DeepSpeedTrainingConfig):  # a reference gets the defaults
             options = DeepSpeedTrainingConfig()
-        self.device = init_distributed()
+        self.device = init_distributed(settings.resolved_device())
         import deepspeed
 
         if not settings.trainable and options.zero_stage != 3:

@@ -12,8 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 from rlstages.configs.training import OptimConfig, TorchTrainingConfig, TrainingConfig
 from rlstages.engines.algorithms import PolicyLossParams
+from rlstages.engines.runtime.device import worker_device
 
 Role = Literal["actor", "critic", "reference"]
 
@@ -39,6 +42,11 @@ class TrainerSettings:
     # its cached blocks back after each forward/update (`empty_cache`); alone on its GPU it keeps them (no
     # re-allocation, no device sync per update)
     shares_device: bool = False
+    device: str | None = None  # where this worker computes, resolved once by `PPOTrainer` (`runtime.device`)
+
+    def resolved_device(self) -> torch.device:
+        """`device`; a backend built without `PPOTrainer` (tests, scripts) resolves it here (`worker_device`)."""
+        return torch.device(self.device) if self.device else worker_device()
 
     @property
     def backend(self) -> str:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from rlstages.engines.runtime.device import on_cuda
 from rlstages.engines.utils import atomic_write_text
 
 __all__ = ["atomic_write_text"]
@@ -112,7 +113,7 @@ def load_rng(path: Path) -> None:
     with safe_open(str(path), "pt") as f:
         meta = f.metadata() or {}
     torch.set_rng_state(tensors["torch"])
-    if "cuda" in tensors and torch.cuda.is_available():
+    if "cuda" in tensors and on_cuda():
         torch.cuda.set_rng_state(tensors["cuda"])
     name, pos, has_gauss, cached = json.loads(meta["numpy"])
     np.random.set_state((name, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))

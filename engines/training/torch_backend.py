@@ -22,7 +22,6 @@ from tensordict import TensorDict
 from rlstages.configs.training import TorchTrainingConfig, TrainingConfig
 from rlstages.engines.base import OnOutput, Readout
 from rlstages.engines.models import load_causal_lm, lora, moe_layout, torch_dtype
-from rlstages.engines.runtime.device import worker_device
 from rlstages.engines.training import ppo_step as P
 from rlstages.engines.training import state_io
 from rlstages.engines.training.fp32_matmul import use_fp32_kernel, wants_fp32_kernel
@@ -84,7 +83,7 @@ class TorchBackend:
 
     def __init__(self, settings: TrainerSettings) -> None:
         self.settings = settings
-        self.device = worker_device()
+        self.device = settings.resolved_device()
         self.model = build_model(settings.model_path, settings.role, settings.dtype, settings.model_type)
         self.model.to(self.device)
         if isinstance(settings.train, TorchTrainingConfig):

@@ -104,11 +104,15 @@ def gpus() -> tuple[int, str]:
         import torch
     except ImportError:
         return 0, "torch missing"
+    from rlstages.engines.runtime.device import visible_gpus
+
     cuda = torch.version.cuda or "cpu build"
-    if not torch.cuda.is_available():
-        return 0, f"no CUDA device (torch {torch.__version__}, {cuda})"
-    names = {torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())}
-    return torch.cuda.device_count(), f"{torch.cuda.device_count()} x {', '.join(sorted(names))} (CUDA {cuda})"
+    machine, usable = visible_gpus(), torch.cuda.device_count()
+    if not usable:
+        on_machine = f"{machine} GPU(s) on this machine (nvidia-smi) but " if machine else ""
+        return 0, f"{on_machine}no CUDA device (torch {torch.__version__}, {cuda})"
+    names = {torch.cuda.get_device_name(i) for i in range(usable)}
+    return usable, f"{usable} x {', '.join(sorted(names))} (CUDA {cuda})"
 
 
 def backends(vllm_python: Path, timeout: float = 180.0) -> list[Check]:

@@ -5,6 +5,9 @@ CPU only: the resolution logic is a pure function of the environment, checked he
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -70,6 +73,52 @@ def test_this_worker_is_on_the_cpu_and_the_helpers_are_no_ops_there() -> None:
     assert moved["a"][0].device.type == "meta" and moved["b"] == 3
     assert D.device_memory_stats(cpu) == {} and D.device_name(cpu) == "cpu"
     D.free_cached(cpu), D.reset_peak_memory(cpu), D.synchronize(cpu)
+
+
+def test_on_cuda_follows_the_worker_not_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`on_cuda` is the worker's device (the override, Ray's assignment), the question megatron's shims ask."""
+    assert D.on_cuda(torch.device("cuda", 1)) and not D.on_cuda(torch.device("cpu"))
+    monkeypatch.setenv(D.DEVICE_ENV, "cpu")
+    assert not D.on_cuda()  # a worker pinned to the CPU, even where CUDA exists
+
+
+def test_the_device_is_decided_in_one_place() -> None:
+    """Only engines/runtime/device.py asks torch whether CUDA exists; everything else in engines/ and tasks/
+    tests the device it was given (`device.type`) or asks `runtime.device` (issue #43)."""
+    root = Path(__file__).resolve().parents[2]
+    askers = sorted(
+        str(f.relative_to(root))
+        for pkg in ("engines", "tasks")
+        for f in (root / pkg).rglob("*.py")
+        if "cuda.is_available" in f.read_text()
+    )
+    assert askers == ["engines/runtime/device.py"]
+
+
+def test_the_backend_is_given_the_trainers_device(tiny_model_dir: Path) -> None:
+    """PPOTrainer resolves the device once and passes it down in the backend's settings."""
+    from rlstages.engines.training.core import PPOTrainer
+    from rlstages.engines.training.settings import TrainerSettings
+
+    trainer = PPOTrainer(TrainerSettings(str(tiny_model_dir), role="reference"))
+    assert trainer.backend.settings.device == str(trainer.device)
+    assert trainer.backend.device == trainer.device == TrainerSettings("m").resolved_device()
+    assert TrainerSettings("m", device="meta").resolved_device() == torch.device("meta")
+
+
+def test_visible_gpus_falls_back_to_nvidia_smi_within_visible_devices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CPU-only torch beside a GPU driver: the driver's count comes from `nvidia-smi -L`."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 (UUID: GPU-a)'\necho 'GPU 1: NVIDIA H100 (UUID: GPU-b)'\n")
+    smi.chmod(0o755)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert D.visible_gpus() == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert D.visible_gpus() == 1
 
 
 def test_distributed_backend_and_gpu_env() -> None:

@@ -164,6 +164,27 @@ def test_registry_errors_are_one_line_and_say_what_failed(user_module: str) -> N
         resolve_reward_fn(f"{user_module}:missing")
 
 
+def test_one_importer_one_error_naming_the_field() -> None:
+    """Reward functions, tool and environment classes and backends import "module:attr" through
+    `engines.utils.import_object`: one error type (an ImportError and a ValueError), its line starting with
+    the config field."""
+    from rlstages.engines.tools.registry import import_class
+    from rlstages.engines.utils import ImportTargetError, import_object
+
+    cases = [
+        (lambda: resolve_reward_fn("no_such_pkg.mod:fn", "reward.functions.0.name"), "reward.functions.0.name: "),
+        (lambda: import_class("json:nope", "environment.environment"), "environment.environment: "),
+        (lambda: import_object("json", "actor.backend"), "actor.backend: expected 'package.module:Name', got 'json'"),
+        (lambda: resolve_reward_fn("os:sep", "reward.functions.1.name"), "reward.functions.1.name: 'os:sep' is not"),
+        (lambda: import_class("json:dumps", "tools.0.name"), "tools.0.name: 'json:dumps' is not a class"),
+    ]
+    for call, start in cases:
+        with pytest.raises(ImportTargetError) as err:
+            call()
+        assert str(err.value).startswith(start) and "\n" not in str(err.value)
+        assert isinstance(err.value, ImportError) and isinstance(err.value, ValueError)
+
+
 # ---- scorer -------------------------------------------------------------------------------------
 
 

@@ -197,6 +197,25 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
         {},
         "expert_tensor_parallel_size=2 must divide tensor_model_parallel_size=1",
     ),
+    (
+        "megatron-router-topk-over-experts",
+        ["run", B, "actor.backend=megatron", "model.provider=tiny-random"]
+        + ["model.tiny={model_type: qwen3_moe, num_experts: 4}", "actor.moe={router_topk: 8}"],
+        {},
+        "actor.moe.router_topk=8 is larger than the model's 4 routed experts; use at most 4",
+    ),
+    (
+        "expert-parallel-on-torch",
+        ["run", B, "actor.expert_model_parallel_size=2"],
+        {},
+        "actor.expert_model_parallel_size: expert parallelism needs actor.backend=megatron",
+    ),
+    (
+        "tensor-parallel-on-deepspeed",
+        ["run", B, "actor.backend=deepspeed", "actor.tensor_model_parallel_size=2"],
+        {},
+        "actor.tensor_model_parallel_size: tensor parallelism needs actor.backend=megatron",
+    ),
     ("micro-batch", ["run", B, "actor.micro_batch_size=5"], {}, "actor.micro_batch_size=5 must divide"),
     ("resume-mode", ["run", B, "checkpoint.resume=sometimes"], {}, "checkpoint.resume"),
     ("on-corrupt", ["run", B, "checkpoint.on_corrupt=maybe"], {}, "checkpoint.on_corrupt"),
