@@ -189,7 +189,12 @@ def _tool_missing() -> str | None:
 
 @functools.cache
 def probe(python: str | None = None) -> dict[str, Any]:
-    """Which layers this machine provides, found by running `pass` in the full sandbox once (cached):
+    """`probe_now`, once per process and interpreter (each call of the tool asks)."""
+    return probe_now(python)
+
+
+def probe_now(python: str | None = None) -> dict[str, Any]:
+    """Which layers this machine provides, found by running a program in the full sandbox (~0.2 s):
     {"missing": None or one line naming what is missing, "layers": {layer: how}}."""
     missing = _tool_missing()
     if missing is None:

@@ -374,6 +374,8 @@ class PythonSandbox:
         scratch_mb: int = 64,
     ) -> None:
         """Limits of each call (see `SandboxLimits`; checked here); keep `timeout_s` below the tool's timeout."""
+        if not isinstance(require_isolation, bool):
+            raise ValueError(f"require_isolation: expected true or false, got {require_isolation!r}")
         self.limits = SandboxLimits(
             timeout_s=timeout_s,
             cpu_s=cpu_s,

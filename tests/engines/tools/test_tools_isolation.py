@@ -326,3 +326,38 @@ def test_as_ordinary_user() -> None:
     finally:
         shutil.rmtree(home, ignore_errors=True)
     assert done.returncode == 0 and " passed" in done.stdout and "failed" not in done.stdout, done.stdout + done.stderr
+
+
+def test_preflight_reports_layers_refuses_a_missing_one_and_an_opt_out_is_recorded(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from rlstages.configs import flatten, load_config
+    from rlstages.engines.tools.registry import isolation_label
+    from rlstages.tasks.preflight import PreflightError, check_tool_isolation
+
+    tiny = Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml"
+    tools = "rollout.multi_turn={enabled: true, environment: {tools: [{name: python%s}]}}"
+    default = load_config(tiny, [tools % ""])
+    opted_out = load_config(tiny, [tools % ", kwargs: {require_isolation: false}"])
+    (report,) = check_tool_isolation(default)
+    assert report.startswith("python tool isolation on this machine: file system: bubblewrap"), report
+    assert "seccomp: libseccomp" in report and "identity: uid 65534, no_new_privs" in report
+    (note,) = check_tool_isolation(opted_out)
+    assert note.startswith("rollout.multi_turn.environment.tools.0.kwargs.require_isolation=false: ")
+    # recorded: the MLflow params are the flattened config; the trajectory table gets a `sandbox` column
+    assert (
+        flatten(opted_out.model_dump(mode="json"))["rollout.multi_turn.environment.tools.0.kwargs.require_isolation"]
+        == "False"
+    )
+    assert isolation_label(opted_out.rollout.multi_turn.environment) == "UNISOLATED (require_isolation: false)"
+    assert isolation_label(default.rollout.multi_turn.environment) == "isolated"
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(
+        PreflightError,
+        match=r"^rollout\.multi_turn\.environment\.tools\.0\.kwargs\.require_isolation: "
+        r"this machine cannot isolate the python tool: bwrap not found",
+    ) as err:
+        check_tool_isolation(default)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="require_isolation: expected true or false, got 'no'"):
+        PythonSandbox(require_isolation="no")
