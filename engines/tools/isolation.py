@@ -102,10 +102,18 @@ def data_fd(data: bytes) -> int:
     return fd
 
 
-def interpreter(python: str | None) -> tuple[str, str]:
-    """(the real interpreter binary, its prefix to mount): a venv's `python` resolves to its base interpreter."""
+def interpreter(python: str | None) -> tuple[str, list[str]]:
+    """(the interpreter to run, the directories to mount read-only for it). Default: the base interpreter of
+    the worker's Python (a venv's `python` resolves to it: the standard library only); a `python` inside a
+    venv given explicitly runs as that venv (its packages), the venv and its base both mounted."""
+    if python is not None:
+        path = os.path.abspath(python)
+        venv = os.path.dirname(os.path.dirname(path))
+        if os.path.isfile(os.path.join(venv, "pyvenv.cfg")):
+            base = os.path.dirname(os.path.dirname(os.path.realpath(path)))
+            return path, [venv, base]
     real = os.path.realpath(python or sys.executable)
-    return real, os.path.dirname(os.path.dirname(real))
+    return real, [os.path.dirname(os.path.dirname(real))]
 
 
 def _system_binds() -> list[str]:
@@ -142,7 +150,7 @@ def bwrap_argv(
     isolate_network: bool = True,
 ) -> list[str]:
     """The command line of one call: bwrap, (as root) setpriv to nobody, prlimit, then `python -I main.py`."""
-    real, prefix = interpreter(python)
+    real, prefixes = interpreter(python)
     root = os.geteuid() == 0
     args = ["bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     if isolate_network:
@@ -151,8 +159,9 @@ def bwrap_argv(
         args += ["--unshare-user", "--disable-userns", "--uid", str(NOBODY), "--gid", str(NOBODY)]
     args += ["--die-with-parent", "--new-session", "--clearenv", "--hostname", "sandbox"]
     args += _system_binds()
-    if not prefix.startswith("/usr/"):
-        args += _ro_bind(prefix)
+    for prefix in prefixes:
+        if not prefix.startswith("/usr/"):
+            args += _ro_bind(prefix)
     args += ["--proc", "/proc", "--dir", "/dev"]
     for dev in ("/dev/null", "/dev/zero", "/dev/urandom"):
         args += ["--dev-bind", dev, dev]

@@ -361,3 +361,10 @@ def test_preflight_reports_layers_refuses_a_missing_one_and_an_opt_out_is_record
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="require_isolation: expected true or false, got 'no'"):
         PythonSandbox(require_isolation="no")
+
+
+@pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="runs from a venv")
+def test_default_interpreter_is_the_base_one_and_a_named_venv_runs_as_itself() -> None:
+    code = "import sys\nprint(sys.prefix)"
+    assert _run(code).output == f"{os.path.realpath(sys.base_prefix)}\n"
+    assert _run(code, python=sys.executable).output == f"{sys.prefix}\n"
