@@ -132,7 +132,7 @@ def _ro_bind(path: str) -> list[str]:
     args: list[str] = []
     parent = os.path.dirname(path)
     parents = []
-    while parent not in ("/", ""):
+    while parent not in ("/", "", "/tmp", SCRATCH):  # those two are the sandbox's own tmpfs (mode 1777)
         parents.append(parent)
         parent = os.path.dirname(parent)
     for directory in reversed(parents):
@@ -159,17 +159,14 @@ def bwrap_argv(
         args += ["--unshare-user", "--disable-userns", "--uid", str(NOBODY), "--gid", str(NOBODY)]
     args += ["--die-with-parent", "--new-session", "--clearenv", "--hostname", "sandbox"]
     args += _system_binds()
-    for prefix in prefixes:
-        if not prefix.startswith("/usr/"):
-            args += _ro_bind(prefix)
-    args += ["--proc", "/proc", "--dir", "/dev"]
-    for dev in ("/dev/null", "/dev/zero", "/dev/urandom"):
-        args += ["--dev-bind", dev, dev]
     size = str(scratch_mb * 1024 * 1024)
     args += ["--perms", "1777", "--size", size, "--tmpfs", "/tmp"]
     args += ["--perms", "1777", "--size", size, "--tmpfs", SCRATCH]
-    for path in ro_binds:  # after /tmp's tmpfs, which would hide a bind below it
+    for path in [p for p in prefixes if not p.startswith("/usr/")] + list(ro_binds):  # after /tmp's tmpfs
         args += _ro_bind(path)
+    args += ["--proc", "/proc", "--dir", "/dev"]
+    for dev in ("/dev/null", "/dev/zero", "/dev/urandom"):
+        args += ["--dev-bind", dev, dev]
     args += ["--perms", "0644", "--file", str(code_fd), f"{SCRATCH}/main.py", "--chdir", SCRATCH]
     args += ["--remount-ro", "/"]  # the root tmpfs (not recursive: /scratch and /tmp stay writable)
     args += ["--seccomp", str(seccomp_fd)]

@@ -313,7 +313,7 @@ def test_as_ordinary_user() -> None:
     env = f"HOME={home} PYTHONDONTWRITEBYTECODE=1 PATH=/usr/bin:/bin PYTHONPATH={os.pathsep.join(pyroot)}"
     script = (
         f"set -e\n{_exposing(needed)}\ncd {repo}\nexec setpriv --reuid=65534 --regid=65534 --clear-groups "
-        f"env {env} {sys.executable} -m pytest -q -p no:cacheprovider -x {Path(__file__).resolve()} "
+        f"env {env} {sys.executable} -m pytest -q -p no:cacheprovider --noconftest -x {Path(__file__).resolve()} "
         "-k 'not as_ordinary_user'"
     )
     try:
