@@ -490,7 +490,7 @@ def check_tool_isolation(cfg: RunConfig) -> list[str] | None:
                 "or a non-root identity (network and PID namespaces and rlimits only)"
             )
             continue
-        found = probe_now(tool.kwargs.get("python"))
+        found = probe_now(tool.kwargs.get("python"), tool.kwargs.get("isolation_backend", "auto"))
         if found["missing"] is not None:
             raise PreflightError(
                 f"{field}: this machine cannot isolate the python tool: {found['missing']}; "

@@ -18,12 +18,14 @@ process count is the call's own), then it `exec`s the interpreter. No cgroup (no
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
 SCRATCH = "/scratch"
@@ -116,13 +118,25 @@ def interpreter(python: str | None) -> tuple[str, list[str]]:
     return real, [os.path.dirname(os.path.dirname(real))]
 
 
-def _system_binds() -> list[str]:
-    args = ["--ro-bind", "/usr", "/usr"]
+def system_layout() -> tuple[list[str], list[tuple[str, str]]]:
+    """(directories to mount read-only, (path, target) symlinks) of the system part of the sandbox's root:
+    `/usr`, and `/lib*` and `/bin` as the host has them (symlinks into `/usr` on a merged-/usr system)."""
+    dirs, links = ["/usr"], []
     for top in ("/lib", "/lib64", "/lib32", "/libx32", "/bin"):
         if os.path.islink(top):
-            args += ["--symlink", os.readlink(top), top]
+            links.append((top, os.readlink(top)))
         elif os.path.isdir(top):
-            args += ["--ro-bind", top, top]
+            dirs.append(top)
+    return dirs, links
+
+
+def _system_binds() -> list[str]:
+    dirs, links = system_layout()
+    args = []
+    for path in dirs:
+        args += ["--ro-bind", path, path]
+    for path, target in links:
+        args += ["--symlink", target, path]
     return args
 
 
@@ -182,8 +196,41 @@ def bwrap_argv(
     return args
 
 
-def _tool_missing() -> str | None:
-    for tool, package in (("bwrap", "bubblewrap"), ("setpriv", "util-linux"), ("prlimit", "util-linux")):
+BACKENDS = ("auto", "bwrap", "launcher")
+
+
+def backend(choice: str = "auto") -> str:
+    """The backend a call uses: `auto` is bwrap where it is on PATH, else the in-process launcher (`jail.py`)."""
+    if choice != "auto":
+        return choice
+    return "bwrap" if shutil.which("bwrap") else "launcher"
+
+
+def command(
+    which: str,
+    python: str | None,
+    rlimits: list[tuple[str, int, int]],
+    ro_binds: tuple[str, ...],
+    scratch_mb: int,
+    seccomp_fd: int,
+    code_fd: int,
+    isolate_network: bool,
+    jail_root: str,
+) -> list[str]:
+    """The command line of one call under backend `which` (`jail_root`: an empty host dir, for the launcher)."""
+    if which == "bwrap":
+        return bwrap_argv(python, rlimits, ro_binds, scratch_mb, seccomp_fd, code_fd, isolate_network)
+    from rlstages.engines.tools.jail import jail_argv
+
+    real, prefixes = interpreter(python)
+    dirs, links = system_layout()
+    mounts = dirs + [p for p in prefixes if not p.startswith("/usr/")] + list(ro_binds)
+    return jail_argv(real, mounts, links, rlimits, scratch_mb, jail_root, seccomp_fd, code_fd, isolate_network)
+
+
+def _tool_missing(which: str) -> str | None:
+    tools = (("bwrap", "bubblewrap"), ("setpriv", "util-linux"), ("prlimit", "util-linux")) if which == "bwrap" else ()
+    for tool, package in tools:
         if shutil.which(tool) is None:
             return f"{tool} not found (install Debian's {package}: apt-get install -y {package})"
     try:
@@ -194,41 +241,59 @@ def _tool_missing() -> str | None:
 
 
 @functools.cache
-def probe(python: str | None = None) -> dict[str, Any]:
-    """`probe_now`, once per process and interpreter (each call of the tool asks)."""
-    return probe_now(python)
+def probe(python: str | None = None, choice: str = "auto") -> dict[str, Any]:
+    """`probe_now`, once per process, interpreter and backend (each call of the tool asks)."""
+    return probe_now(python, choice)
 
 
-def probe_now(python: str | None = None) -> dict[str, Any]:
+def _try(which: str, python: str | None) -> str | None:
+    """None when a program runs in the full sandbox as uid 65534, else one line saying what went wrong."""
+    seccomp_fd, code_fd = data_fd(seccomp_bpf()), data_fd(b"import os\nprint(os.getuid())\n")
+    jail_root = tempfile.mkdtemp(prefix="rlstages-jail-")
+    try:
+        argv = command(which, python, [("RLIMIT_CORE", 0, 0)], (), 1, seccomp_fd, code_fd, True, jail_root)
+        done = subprocess.run(argv, pass_fds=(seccomp_fd, code_fd), capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{which} did not run ({exc})"
+    finally:
+        os.close(seccomp_fd)
+        os.close(code_fd)
+        with contextlib.suppress(OSError):
+            os.rmdir(jail_root)
+    lines = (done.stderr or done.stdout).strip().splitlines()
+    if done.returncode != 0 or done.stdout.strip() != str(NOBODY):
+        return f"{which} refused the sandbox ({lines[-1] if lines else f'exit {done.returncode}'})"
+    return None
+
+
+def probe_now(python: str | None = None, choice: str = "auto") -> dict[str, Any]:
     """Which layers this machine provides, found by running a program in the full sandbox (~0.2 s):
-    {"missing": None or one line naming what is missing, "layers": {layer: how}}."""
-    missing = _tool_missing()
-    if missing is None:
-        seccomp_fd, code_fd = data_fd(seccomp_bpf()), data_fd(b"import os\nprint(os.getuid())\n")
-        try:
-            argv = bwrap_argv(python, [("RLIMIT_CORE", 0, 0)], (), 1, seccomp_fd, code_fd)
-            done = subprocess.run(argv, pass_fds=(seccomp_fd, code_fd), capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            missing = f"bwrap did not run ({exc})"
-        else:
-            lines = (done.stderr or done.stdout).strip().splitlines()
-            if done.returncode != 0 or done.stdout.strip() != str(NOBODY):
-                missing = f"bwrap refused the sandbox ({lines[-1] if lines else f'exit {done.returncode}'})"
-        finally:
-            os.close(seccomp_fd)
-            os.close(code_fd)
+    {"backend", "missing": None or one line naming what is missing, "layers": {layer: how}}."""
+    which = backend(choice)
+    missing = _tool_missing(which) or _try(which, python)
     if missing is not None:
-        return {"missing": missing, "layers": {}}
-    version = subprocess.run(["bwrap", "--version"], capture_output=True, text=True).stdout.strip()
-    who = "setpriv to nobody (the worker is root)" if os.geteuid() == 0 else "user namespace mapping uid 65534"
+        if choice == "auto" and which == "launcher":
+            missing = f"bwrap not found (install Debian's bubblewrap: apt-get install -y bubblewrap) and {missing}"
+        return {"backend": which, "missing": missing, "layers": {}}
+    root = os.geteuid() == 0
+    if which == "bwrap":
+        version = subprocess.run(["bwrap", "--version"], capture_output=True, text=True).stdout.strip()
+        fs = f"{version}: fresh root, interpreter and /usr read-only, tmpfs /scratch and /tmp"
+        who = "setpriv to nobody (the worker is root)" if root else "user namespace mapping uid 65534"
+        limits = "rlimits (prlimit)"
+    else:
+        fs = "mount namespace (the launcher, jail.py): fresh root, interpreter and /usr read-only, tmpfs /scratch, /tmp"
+        who = "setuid to nobody (the worker is root)" if root else "user namespace mapping uid 65534"
+        limits = "rlimits (setrlimit)"
     return {
+        "backend": which,
         "missing": None,
         "layers": {
-            "file system": f"{version}: fresh root, interpreter and /usr read-only, tmpfs /scratch and /tmp",
+            "file system": fs,
             "processes": "own PID namespace (/proc shows only the call's processes)",
             "network": "own network namespace",
             "identity": f"uid 65534, no_new_privs ({who})",
             "seccomp": f"libseccomp filter via pyseccomp ({len(BLOCKED)} calls and namespace clones refused)",
-            "resources": "rlimits (prlimit); no delegated cgroup v2",
+            "resources": f"{limits}; no delegated cgroup v2",
         },
     }

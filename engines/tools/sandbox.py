@@ -119,6 +119,7 @@ class SandboxLimits:
     require_isolation: bool = True  # bubblewrap + seccomp + nobody, or refuse; False: the launcher only
     ro_binds: tuple[str, ...] = ()  # isolated: host paths mounted read-only at the same place
     scratch_mb: int = 64  # isolated: size of the tmpfs /scratch (the working dir) and of the private /tmp
+    isolation_backend: str = "auto"  # bwrap where installed, else the launcher (jail.py); or name one
 
 
 @dataclass(frozen=True)
@@ -221,6 +222,10 @@ def check_limits(limits: SandboxLimits) -> None:
             raise ValueError(f"ro_binds: {path!r} is not an existing absolute path")
         if os.path.normpath(path) in ("/", "/proc", "/dev", isolation.SCRATCH, "/tmp"):
             raise ValueError(f"ro_binds: {path!r} would hide or expose the sandbox's own mounts")
+    if limits.isolation_backend not in isolation.BACKENDS:
+        raise ValueError(
+            f"isolation_backend: expected one of {', '.join(isolation.BACKENDS)}, got {limits.isolation_backend!r}"
+        )
     if limits.scratch_mb < 1:
         raise ValueError(f"scratch_mb: expected at least 1, got {limits.scratch_mb}")
 
@@ -281,16 +286,29 @@ async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxR
 
 async def _run_isolated(code: str, limits: SandboxLimits) -> SandboxRun:
     start = time.perf_counter()
-    found = await asyncio.to_thread(isolation.probe, limits.python)
+    found = await asyncio.to_thread(isolation.probe, limits.python, limits.isolation_backend)
     if found["missing"] is not None:
         return SandboxRun("", _REFUSED_EXIT, False, False, "off", time.perf_counter() - start, refused=found["missing"])
     seccomp_fd = isolation.data_fd(isolation.seccomp_bpf())
     code_fd = isolation.data_fd(code.encode("utf-8"))
-    argv = isolation.bwrap_argv(
-        limits.python, _rlimits(limits), limits.ro_binds, limits.scratch_mb, seccomp_fd, code_fd, limits.isolate_network
-    )
-    output, dropped, returncode, timed_out = await _supervise(argv, limits, "/", (seccomp_fd, code_fd))
-    if returncode > 128:  # bwrap exits 128 + N when the program died of signal N
+    jail_root = tempfile.mkdtemp(prefix="rlstages-jail-")  # the launcher's mount point (empty on the host)
+    try:
+        argv = isolation.command(
+            found["backend"],
+            limits.python,
+            _rlimits(limits),
+            limits.ro_binds,
+            limits.scratch_mb,
+            seccomp_fd,
+            code_fd,
+            limits.isolate_network,
+            jail_root,
+        )
+        output, dropped, returncode, timed_out = await _supervise(argv, limits, "/", (seccomp_fd, code_fd))
+    finally:
+        with contextlib.suppress(OSError):
+            os.rmdir(jail_root)
+    if found["backend"] == "bwrap" and returncode > 128:  # bwrap exits 128 + N when the program died of signal N
         returncode = -(returncode - 128)
     return SandboxRun(
         output=output.decode("utf-8", errors="replace"),
@@ -372,6 +390,7 @@ class PythonSandbox:
         require_isolation: bool = True,
         ro_binds: list[str] | tuple[str, ...] = (),
         scratch_mb: int = 64,
+        isolation_backend: str = "auto",
     ) -> None:
         """Limits of each call (see `SandboxLimits`; checked here); keep `timeout_s` below the tool's timeout."""
         if not isinstance(require_isolation, bool):
@@ -391,6 +410,7 @@ class PythonSandbox:
             require_isolation=require_isolation,
             ro_binds=tuple(ro_binds),
             scratch_mb=scratch_mb,
+            isolation_backend=isolation_backend,
         )
         check_limits(self.limits)
 

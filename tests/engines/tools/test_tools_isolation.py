@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -16,15 +17,28 @@ from pathlib import Path
 
 import pytest
 
-from rlstages.engines.tools import isolation
+from rlstages.engines.tools import isolation, jail
 from rlstages.engines.tools.sandbox import PythonSandbox, SandboxLimits, run_python
 
 ROOT = os.geteuid() == 0
 
 
+_BACKEND = ["auto"]
+
+
+@pytest.fixture(params=["bwrap", "launcher"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """Each attack against both backends: bubblewrap and the fallback launcher (`jail.py`)."""
+    _BACKEND[0] = request.param
+    yield request.param
+    _BACKEND[0] = "auto"
+
+
 def _run(code: str, **limits) -> object:
-    """Run with the defaults (isolation required), generous time limits (the machine may be loaded)."""
-    return asyncio.run(run_python(code, SandboxLimits(**{"timeout_s": 30.0, "cpu_s": 20, **limits})))
+    """Run with the defaults (isolation required; the backend under test), generous time limits (the machine
+    may be loaded)."""
+    limits = {"timeout_s": 30.0, "cpu_s": 20, "isolation_backend": _BACKEND[0], **limits}
+    return asyncio.run(run_python(code, SandboxLimits(**limits)))
 
 
 @pytest.fixture
@@ -42,7 +56,7 @@ def planted(tmp_path: Path) -> list[Path]:
         path.unlink(missing_ok=True)
 
 
-def test_ordinary_program_works_and_its_start_is_measured() -> None:
+def test_ordinary_program_works_and_its_start_is_measured(backend: str) -> None:
     code = "import math, json\nopen('notes.txt', 'w').write(str(math.factorial(10)))\nprint(open('notes.txt').read())"
     starts = []
     for _ in range(3):
@@ -53,7 +67,7 @@ def test_ordinary_program_works_and_its_start_is_measured() -> None:
     print(f"isolated call, start to exit: {min(starts):.3f} s (best of 3)")  # a report, not a timed assert
 
 
-def test_never_root_no_new_privs_seccomp_on() -> None:
+def test_never_root_no_new_privs_seccomp_on(backend: str) -> None:
     run = _run(
         "import os\nst = dict(l.split(':\\t') for l in open('/proc/self/status').read().splitlines() if ':\\t' in l)\n"
         "print(os.getuid(), os.getgid(), os.geteuid(), st['NoNewPrivs'], st['Seccomp'], st['CapEff'], st['CapPrm'])"
@@ -61,7 +75,7 @@ def test_never_root_no_new_privs_seccomp_on() -> None:
     assert run.output.split() == ["65534", "65534", "65534", "1", "2", "0000000000000000", "0000000000000000"], run
 
 
-def test_reading_planted_files_fails(planted: list[Path]) -> None:
+def test_reading_planted_files_fails(planted: list[Path], backend: str) -> None:
     code = "import sys\nfor p in sys.argv[1:] or %r:\n" % [str(p) for p in planted]
     code += (
         "    try:\n        print('LEAK', open(p).read())\n    except OSError as e:\n        print(type(e).__name__)\n"
@@ -72,7 +86,7 @@ def test_reading_planted_files_fails(planted: list[Path]) -> None:
     assert all(p.read_text().startswith("secret-") for p in planted)
 
 
-def test_writing_or_deleting_outside_scratch_fails(planted: list[Path]) -> None:
+def test_writing_or_deleting_outside_scratch_fails(planted: list[Path], backend: str) -> None:
     run_dir = planted[0].parent
     code = f"import os\nfor p in {[str(p) for p in planted]!r}:\n"
     code += "    try:\n        os.remove(p)\n        print('DELETED', p)\n"
@@ -87,7 +101,7 @@ def test_writing_or_deleting_outside_scratch_fails(planted: list[Path]) -> None:
     assert not Path("/rlstages-new").exists()
 
 
-def test_root_home_tmp_and_ray_are_not_there() -> None:
+def test_root_home_tmp_and_ray_are_not_there(backend: str) -> None:
     run = _run(
         "import os, glob\nprint(sorted(os.listdir('/')))\n"
         "print(os.listdir('/tmp'), os.path.exists('/root/.pyenv/shims'))\n"
@@ -112,7 +126,7 @@ def test_root_home_tmp_and_ray_are_not_there() -> None:
     assert lines[3] == "['null', 'urandom', 'zero']"
 
 
-def test_proc_shows_only_the_call() -> None:
+def test_proc_shows_only_the_call(backend: str) -> None:
     host_init = Path("/proc/1/cmdline").read_bytes() if os.access("/proc/1/cmdline", os.R_OK) else b""
     run = _run(
         "import os\npids = [p for p in os.listdir('/proc') if p.isdigit()]\nprint(len(pids))\n"
@@ -125,7 +139,7 @@ def test_proc_shows_only_the_call() -> None:
     assert root == "PermissionError" or "scratch" in root, run  # never the host's root
 
 
-def test_symlinks_and_proc_root_do_not_lead_out(planted: list[Path]) -> None:
+def test_symlinks_and_proc_root_do_not_lead_out(planted: list[Path], backend: str) -> None:
     target = str(planted[0])
     code = (
         f"import os\nfor link, dest in [('a', {target!r}), ('b', '/proc/1/root' + {target!r}), "
@@ -155,14 +169,14 @@ def test_symlinks_and_proc_root_do_not_lead_out(planted: list[Path]) -> None:
         "libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0)",  # clone(CLONE_NEWUSER | SIGCHLD)
     ],
 )
-def test_forbidden_system_calls_are_refused(call: str) -> None:
+def test_forbidden_system_calls_are_refused(call: str, backend: str) -> None:
     if "syscall(" in call and os.uname().machine != "x86_64":
         pytest.skip("x86-64 system call numbers")
     run = _run(f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nprint({call}, ctypes.get_errno())")
     assert run.output == "-1 1\n", run  # -1, EPERM
 
 
-def test_unshare_command_and_nested_sandbox_fail() -> None:
+def test_unshare_command_and_nested_sandbox_fail(backend: str) -> None:
     run = _run(
         "import subprocess\nfor argv in (['unshare', '-r', 'id'], ['bwrap', '--bind', '/', '/', 'id']):\n"
         "    try:\n        p = subprocess.run(argv, capture_output=True, text=True)\n"
@@ -172,7 +186,7 @@ def test_unshare_command_and_nested_sandbox_fail() -> None:
     assert "uid=0" not in run.output and all(line.split()[0] != "0" for line in run.output.splitlines()), run
 
 
-def test_fork_bomb_is_bounded() -> None:
+def test_fork_bomb_is_bounded(backend: str) -> None:
     mark = f"mark-{uuid.uuid4().hex}"
     code = (
         "import os, time, sys\nn = 0\ntry:\n    while n < 500:\n        if os.fork() == 0:\n"
@@ -185,12 +199,12 @@ def test_fork_bomb_is_bounded() -> None:
     assert not _marked(mark)  # every child died with the call
 
 
-def test_memory_bomb_is_bounded() -> None:
+def test_memory_bomb_is_bounded(backend: str) -> None:
     run = _run("x = bytearray(8 * 1024 ** 3)\nprint('allocated')", memory_mb=512)
     assert "allocated" not in run.output and run.error == "memory limit reached (MemoryError)", run
 
 
-def test_ten_gigabyte_write_is_bounded() -> None:
+def test_ten_gigabyte_write_is_bounded(backend: str) -> None:
     code = (
         "import os\nchunk = b'x' * (1 << 20)\nfor name in ['big%d' % i for i in range(640)]:\n    try:\n"
         "        with open(name, 'wb') as f:\n            for _ in range(16):\n                f.write(chunk)\n"
@@ -217,7 +231,7 @@ def _marked(mark: str) -> list[int]:
     return pids
 
 
-def test_setsid_and_double_fork_do_not_outlive_the_call() -> None:
+def test_setsid_and_double_fork_do_not_outlive_the_call(backend: str) -> None:
     mark = f"mark-{uuid.uuid4().hex}"
     code = (
         "import os, sys\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
@@ -227,7 +241,7 @@ def test_setsid_and_double_fork_do_not_outlive_the_call() -> None:
     seen: list[int] = []
 
     async def go():
-        task = asyncio.ensure_future(run_python(code, SandboxLimits(timeout_s=30.0)))
+        task = asyncio.ensure_future(run_python(code, SandboxLimits(timeout_s=30.0, isolation_backend=backend)))
         while not task.done():
             seen.extend(seen or _marked(mark))
             await asyncio.sleep(0.05)
@@ -241,14 +255,14 @@ def test_setsid_and_double_fork_do_not_outlive_the_call() -> None:
     assert not _marked(mark)
 
 
-def test_host_loopback_is_unreachable() -> None:
+def test_host_loopback_is_unreachable(backend: str) -> None:
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
         run = _run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=3)\nprint('connected')")
     assert "connected" not in run.output and ("Connection refused" in run.output or "unreachable" in run.output), run
 
 
-def test_ro_binds_are_readable_not_writable(tmp_path: Path) -> None:
+def test_ro_binds_are_readable_not_writable(tmp_path: Path, backend: str) -> None:
     data = tmp_path / "data"
     data.mkdir()
     (data / "input.txt").write_text("hello")
@@ -266,16 +280,31 @@ def test_ro_binds_are_readable_not_writable(tmp_path: Path) -> None:
 
 
 def test_missing_layer_refuses_the_call(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No bwrap: `auto` falls back to the launcher; where the kernel refuses the launcher a step (here
+    pivot_root, made to fail), or bwrap is named and missing, the call is refused in one line, nothing runs."""
     isolation.probe.cache_clear()
     monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on this PATH
     try:
-        run = _run("print('ran')")
+        fallback = _run("print('ran')", isolation_backend="auto")
+        isolation.probe.cache_clear()
+        named = _run("print('ran')", isolation_backend="bwrap")
+        monkeypatch.setitem(jail._PIVOT_ROOT, os.uname().machine, -1)
+        isolation.probe.cache_clear()
+        neither = _run("print('ran')", isolation_backend="auto")
         result = asyncio.run(PythonSandbox(timeout_s=30.0).call({"code": "print('ran')"}))
     finally:
         isolation.probe.cache_clear()
-    assert run.output == "" and run.error.startswith("isolation required but unavailable: bwrap not found"), run
-    assert "\n" not in run.error and "apt-get install -y bubblewrap" in run.error
-    assert result.error == run.error and "ran" not in result.text
+    assert fallback.output == "ran\n" and fallback.isolated and fallback.error is None, fallback
+    assert named.output == "" and named.error == (
+        "isolation required but unavailable: bwrap not found (install Debian's bubblewrap: apt-get install -y "
+        "bubblewrap)"
+    )
+    assert neither.output == "" and neither.error.startswith(
+        "isolation required but unavailable: bwrap not found (install Debian's bubblewrap: apt-get install -y "
+        "bubblewrap) and launcher refused the sandbox (sandbox setup failed: pivot_root: "
+    ), neither
+    assert "\n" not in neither.error
+    assert result.error == neither.error and "ran" not in result.text
     opted_out = _run("print('ran')", require_isolation=False)
     assert opted_out.output == "ran\n" and not opted_out.isolated
 
@@ -325,7 +354,11 @@ def test_as_ordinary_user() -> None:
         )
     finally:
         shutil.rmtree(home, ignore_errors=True)
-    assert done.returncode == 0 and " passed" in done.stdout and "failed" not in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 0 and "failed" not in done.stdout and "skipped" not in done.stdout, (
+        done.stdout + done.stderr
+    )
+    passed = re.search(r"(\d+) passed", done.stdout)
+    assert passed and int(passed.group(1)) >= 45, done.stdout  # every case (both backends) ran as that user
 
 
 def test_preflight_reports_layers_refuses_a_missing_one_and_an_opt_out_is_recorded(
@@ -352,6 +385,7 @@ def test_preflight_reports_layers_refuses_a_missing_one_and_an_opt_out_is_record
     assert isolation_label(opted_out.rollout.multi_turn.environment) == "UNISOLATED (require_isolation: false)"
     assert isolation_label(default.rollout.multi_turn.environment) == "isolated"
     monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setitem(jail._PIVOT_ROOT, os.uname().machine, -1)  # nor the launcher
     with pytest.raises(
         PreflightError,
         match=r"^rollout\.multi_turn\.environment\.tools\.0\.kwargs\.require_isolation: "
@@ -364,7 +398,7 @@ def test_preflight_reports_layers_refuses_a_missing_one_and_an_opt_out_is_record
 
 
 @pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="runs from a venv")
-def test_default_interpreter_is_the_base_one_and_a_named_venv_runs_as_itself() -> None:
+def test_default_interpreter_is_the_base_one_and_a_named_venv_runs_as_itself(backend: str) -> None:
     code = "import sys\nprint(sys.prefix)"
     assert _run(code).output == f"{os.path.realpath(sys.base_prefix)}\n"
     assert _run(code, python=sys.executable).output == f"{sys.prefix}\n"
