@@ -294,6 +294,6 @@ def probe_now(python: str | None = None, choice: str = "auto") -> dict[str, Any]
             "network": "own network namespace",
             "identity": f"uid 65534, no_new_privs ({who})",
             "seccomp": f"libseccomp filter via pyseccomp ({len(BLOCKED)} calls and namespace clones refused)",
-            "resources": f"{limits}; no delegated cgroup v2",
+            "resources": f"{limits}; no cgroup",
         },
     }

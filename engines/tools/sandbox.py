@@ -1,19 +1,21 @@
 """A sandboxed Python executor: each call runs in its own process, limited and killed as a group.
 
-The program is written to `main.py` in a fresh temp directory (its working directory, removed afterwards) and
-started through a tiny launcher (`python -I -S -c ...`) that, in the child only, enters new network and PID
-namespaces (`unshare(CLONE_NEWNET | CLONE_NEWPID)` via ctypes, as Python 3.11 has no `os.unshare`; with a user
-namespace when not privileged), sets resource limits (CPU seconds, address space, file size, processes, open
-files, no core dumps), optionally drops to another user (`user=`, when the worker is root), and `execve`s
-`python -I main.py` with an empty environment. The parent reads stdout+stderr up to a byte cap and kills the
-whole process group (`start_new_session`) at the wall-clock limit, when the program exits, and when the awaiting
-task is cancelled; in the PID namespace the program is PID 1, so its death takes every descendant with it,
-even one that called `setsid()`. Calls are asyncio subprocesses, so calls overlap.
+By default (`require_isolation=True`) a call is a real boundary (`isolation.py`): bubblewrap, or where it is
+not installed the launcher of `jail.py`, gives the program a fresh read-only root with the interpreter, a
+tmpfs `/scratch` (its working dir, holding `main.py`) and `/tmp`, its own PID and network namespaces, uid
+65534 with `no_new_privs`, a seccomp filter and rlimits. Where this machine cannot provide a layer the call is
+refused, in one line naming what is missing (`SandboxRun.refused`); nothing runs.
 
-No `preexec_fn` (unsafe in a process with threads, like a Ray worker): the launcher does the child-side work.
-Where the OS refuses namespaces, the call still runs, its observation says network isolation is off, and
-`require_network_isolation=True` refuses instead. Not isolated: the file system (the program reads and writes
-what its user may; run as root unless `user=` is given), CPU/memory beyond the rlimits (no cgroups).
+With `require_isolation=False` (said in the config) the older launcher runs it: `main.py` in a fresh temp dir
+(removed afterwards), `python -I -S -c _LAUNCHER` enters new network and PID namespaces (`unshare` via ctypes;
+with a user namespace when not privileged), sets the rlimits, optionally drops to `user=` (when the worker is
+root), and `execve`s `python -I main.py` with an empty environment; the file system is as its user sees it.
+
+Either way the parent reads stdout+stderr up to a byte cap and kills the whole process group
+(`start_new_session`) at the wall-clock limit, when the program exits, and when the awaiting task is
+cancelled; in the PID namespace the program runs under an init, so its end takes every descendant with it, even
+one that called `setsid()`. Calls are asyncio subprocesses, so calls overlap. No `preexec_fn` (unsafe in a
+process with threads, like a Ray worker): launchers do the child-side work.
 """
 
 from __future__ import annotations
