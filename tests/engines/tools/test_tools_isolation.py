@@ -126,6 +126,25 @@ def test_root_home_tmp_and_ray_are_not_there(backend: str) -> None:
     assert lines[3] == "['null', 'urandom', 'zero']"
 
 
+def test_ray_token_is_out_of_reach(backend: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Ray's token auth: the token in the worker's environment and in a 0600 state file (as sim_cluster.sh
+    keeps it); the program looks in its environment, every /proc/*/environ it can see and the file."""
+    token = uuid.uuid4().hex
+    monkeypatch.setenv("RAY_AUTH_TOKEN", token)
+    state = tmp_path / "ray-state"
+    state.mkdir()
+    (state / "auth_token").write_text(token)
+    (state / "auth_token").chmod(0o600)
+    code = (
+        "import os, glob\nprint(os.environ.get('RAY_AUTH_TOKEN'))\n"
+        f"for path in glob.glob('/proc/*/environ') + [{str(state / 'auth_token')!r}]:\n"
+        "    try:\n        print(open(path, 'rb').read())\n    except OSError as e:\n        print(type(e).__name__)"
+    )
+    run = _run(code)
+    assert token not in run.output and run.output.startswith("None\n"), run
+    assert "FileNotFoundError" in run.output.splitlines()[-1], run
+
+
 def test_proc_shows_only_the_call(backend: str) -> None:
     host_init = Path("/proc/1/cmdline").read_bytes() if os.access("/proc/1/cmdline", os.R_OK) else b""
     run = _run(
