@@ -293,7 +293,8 @@ async def _run_isolated(code: str, limits: SandboxLimits) -> SandboxRun:
         return SandboxRun("", _REFUSED_EXIT, False, False, "off", time.perf_counter() - start, refused=found["missing"])
     seccomp_fd = isolation.data_fd(isolation.seccomp_bpf())
     code_fd = isolation.data_fd(code.encode("utf-8"))
-    jail_root = tempfile.mkdtemp(prefix="rlstages-jail-")  # the launcher's mount point (empty on the host)
+    launcher = found["backend"] == "launcher"
+    jail_root = tempfile.mkdtemp(prefix="rlstages-jail-") if launcher else ""  # its mount point, empty on the host
     try:
         argv = isolation.command(
             found["backend"],
@@ -308,8 +309,9 @@ async def _run_isolated(code: str, limits: SandboxLimits) -> SandboxRun:
         )
         output, dropped, returncode, timed_out = await _supervise(argv, limits, "/", (seccomp_fd, code_fd))
     finally:
-        with contextlib.suppress(OSError):
-            os.rmdir(jail_root)
+        if jail_root:
+            with contextlib.suppress(OSError):
+                os.rmdir(jail_root)
     if found["backend"] == "bwrap" and returncode > 128:  # bwrap exits 128 + N when the program died of signal N
         returncode = -(returncode - 128)
     return SandboxRun(
