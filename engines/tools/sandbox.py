@@ -453,12 +453,12 @@ def observation(run: SandboxRun, limits: SandboxLimits) -> ToolResult:
     text = run.output
     if run.truncated:
         text += f"\n[output cut at {limits.max_output_bytes} bytes]"
-    if limits.isolate_network and not run.network.startswith("on"):
+    if limits.isolate_network and run.refused is None and not run.network.startswith("on"):
         text += f"\n[sandbox: network isolation {run.network}]"
         if not _warned_network:
             logger.warning("python sandbox: network isolation %s", run.network)
             _warned_network = True
     error = run.error
     if error is not None:
-        text += f"\nError: {error}"
+        text += ("\n" if text else "") + f"Error: {error}"
     return ToolResult(text=text, error=error, truncated=run.truncated)

@@ -325,7 +325,7 @@ def test_missing_layer_refuses_the_call(monkeypatch: pytest.MonkeyPatch, tmp_pat
         "bubblewrap) and launcher refused the sandbox (sandbox setup failed: pivot_root: "
     ), neither
     assert "\n" not in neither.error
-    assert result.error == neither.error and "ran" not in result.text
+    assert result.error == neither.error and result.text == f"Error: {neither.error}"
     opted_out = _run("print('ran')", require_isolation=False)
     assert opted_out.output == "ran\n" and not opted_out.isolated
 
