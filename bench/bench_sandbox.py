@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import tempfile
 
 from bench.common import best_of, record, report
 from rlstages.engines.tools.isolation import interpreter
@@ -14,8 +15,9 @@ from rlstages.engines.tools.sandbox import SandboxLimits, run_python
 CODE = "import math\nopen('notes.txt', 'w').write(str(math.pi))\nprint(open('notes.txt').read())"
 
 
-async def _bare() -> None:
-    proc = await asyncio.create_subprocess_exec(interpreter(None)[0], "-I", "-c", CODE, stdout=asyncio.subprocess.PIPE)
+async def _bare(cwd: str) -> None:
+    python = interpreter(None)[0]
+    proc = await asyncio.create_subprocess_exec(python, "-I", "-c", CODE, stdout=asyncio.subprocess.PIPE, cwd=cwd)
     await proc.communicate()
 
 
@@ -27,7 +29,8 @@ def _call(limits: SandboxLimits) -> None:
 
 def main() -> None:
     """Median of 5 calls after a warm-up, each kind."""
-    base = best_of(lambda: asyncio.run(_bare()), repeat=5)
+    with tempfile.TemporaryDirectory() as cwd:
+        base = best_of(lambda: asyncio.run(_bare(cwd)), repeat=5)
     isolated = best_of(lambda: _call(SandboxLimits(timeout_s=30.0)), repeat=5)
     launcher = best_of(lambda: _call(SandboxLimits(timeout_s=30.0, require_isolation=False)), repeat=5)
     record("sandbox_call_isolated", isolated / base, None, f"{isolated:.3f} s a call, bare interpreter {base:.3f} s")
