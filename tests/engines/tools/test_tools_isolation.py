@@ -330,10 +330,10 @@ def test_missing_layer_refuses_the_call(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert opted_out.output == "ran\n" and not opted_out.isolated
 
 
-def _exposing(paths: list[str]) -> str:
+def _exposing(paths: list[str], scratch: str) -> str:
     """Shell lines (run in a private mount namespace) that let an ordinary user through 0700 parents of
     `paths` (the venv under /root): each top directory D that others cannot enter is covered by a 0755 tmpfs
-    holding binds of just the needed children."""
+    holding binds of just the needed children (held on the way in dirs under `scratch`)."""
     lines, holds = [], {}
     for path in paths:
         parts = Path(path).resolve().parts
@@ -343,7 +343,7 @@ def _exposing(paths: list[str]) -> str:
                 holds.setdefault(str(top), set()).add(parts[i])
                 break
     for top, children in holds.items():
-        hold = tempfile.mkdtemp(prefix="rlstages-hold-")
+        hold = tempfile.mkdtemp(prefix="rlstages-hold-", dir=scratch)
         for child in children:
             lines.append(f"mkdir -p {hold}/{child} && mount --bind {top}/{child} {hold}/{child}")
         lines.append(f"mount -t tmpfs -o mode=755 tmpfs {top}")
@@ -365,7 +365,7 @@ def test_as_ordinary_user() -> None:
     os.chown(home, 65534, 65534)
     env = f"HOME={home} PYTHONDONTWRITEBYTECODE=1 PATH=/usr/bin:/bin PYTHONPATH={os.pathsep.join(pyroot)}"
     script = (
-        f"set -e\n{_exposing(needed)}\ncd {repo}\nexec setpriv --reuid=65534 --regid=65534 --clear-groups "
+        f"set -e\n{_exposing(needed, home)}\ncd {repo}\nexec setpriv --reuid=65534 --regid=65534 --clear-groups "
         f"env {env} {sys.executable} -m pytest -q -p no:cacheprovider --noconftest -x {Path(__file__).resolve()} "
         "-k 'not as_ordinary_user'"
     )
