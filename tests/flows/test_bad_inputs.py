@@ -223,6 +223,18 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     ("overlong-policy", ["run", B, "data.overlong_prompts=cut"], {}, "data.overlong_prompts"),
     ("no-rewards", ["run", B, "reward.functions=[]"], {}, "reward.functions"),
     ("sglang-on-cpu", ["run", B, "rollout.backend=sglang"], {}, "rollout.backend=sglang needs GPUs"),
+    (
+        "python-tool-not-isolable",  # bubblewrap asked for, and not on PATH: refused, not run weaker
+        [
+            "run",
+            B,
+            "rollout.multi_turn={enabled: true, environment: {tools: [{name: python, kwargs: "
+            "{isolation_backend: bwrap}}]}}",
+        ],
+        {"PATH": "/nonexistent"},
+        "rollout.multi_turn.environment.tools.0.kwargs.require_isolation: this machine cannot isolate the python "
+        "tool: bwrap not found",
+    ),
     # run names (schema: `config show` refuses them too)
     ("name-dotdot", ["run", B, "trainer.run_name=.."], {}, "trainer.run_name: '..' is not a run name"),
     ("name-dot", ["run", B, "trainer.run_name=a.b"], {}, "trainer.run_name: 'a.b' is not a run name"),

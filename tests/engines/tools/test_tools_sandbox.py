@@ -96,9 +96,11 @@ def test_environment_is_empty_and_temp_dir_is_removed(monkeypatch: pytest.Monkey
     monkeypatch.setenv("RLSTAGES_TEST_SECRET", "hunter2")
     run = _run("import os, sys, json\nprint(json.dumps([dict(os.environ), os.getcwd(), sys.flags.isolated]))")
     env, cwd, isolated = json.loads(run.output)
-    # Nothing of ours is passed; CPython's own C-locale coercion (PEP 538) may add LC_CTYPE itself.
-    assert set(env) <= {"LC_CTYPE"}, env
-    assert isolated == 1
+    # Nothing of ours is passed; CPython's own C-locale coercion (PEP 538) may add LC_CTYPE, bwrap sets PWD.
+    assert set(env) <= {"LC_CTYPE", "PWD"}, env
+    assert isolated == 1 and cwd == "/scratch"  # a tmpfs inside the sandbox: nothing on the host to remove
+    unisolated = _run("import os\nprint(os.getcwd())", require_isolation=False)
+    cwd = unisolated.output.strip()
     assert Path(cwd).parent == Path(tempfile.gettempdir()) and Path(cwd).name.startswith("rlstages-sandbox-")
     assert not Path(cwd).exists()
 
@@ -210,7 +212,7 @@ def test_runner_timeout_cancels_the_sandbox_and_kills_its_group() -> None:
 )
 def test_runs_as_another_user_when_root() -> None:
     code = "import os\nprint(os.getuid())\nopen('out', 'w').write('x')\nos.listdir('/root')"
-    run = _run(code, user="nobody", python="/usr/bin/python3")
+    run = _run(code, user="nobody", python="/usr/bin/python3", require_isolation=False)
     assert run.output.startswith("65534\n") and "PermissionError" in run.output  # can write its dir, not /root
 
 
