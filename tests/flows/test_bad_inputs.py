@@ -381,6 +381,7 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     # ... a config path that is a directory, output files that cannot be written, an unknown time zone
     ("config-is-dir", ["run", "foreign"], {}, "foreign: is a directory, expected a YAML file"),
     ("show-config-is-dir", ["config", "show", "models"], {}, "models: is a directory, expected a YAML file"),
+    ("plan-gpu-unknown", ["plan", B, "--gpu", "B300"], {}, "--gpu B300: expected one of H20, H100, H200, A100-80G"),
     (
         "compare-png-under-file",
         ["compare", "rlstages-tiny", "--tracking-uri", TRACKING, "--png", "a-file/curves.png"],
