@@ -52,4 +52,13 @@ def test_profiled_stages_leave_traces_in_mlflow(tmp_path: Path, tiny_model_dir: 
     rss_file = client.download_artifacts(run.info.run_id, "profiles/step_1/update_actor/actor-0/peak_rss.json")
     rss = json.loads(Path(rss_file).read_text())
     assert rss["peak_rss_bytes"] > 0
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as prefect:
+        key = ArtifactFilterKey(any_=["profile-step-1-update-actor"])
+        (artifact,) = prefect.read_artifacts(artifact_filter=ArtifactFilter(key=key), limit=1)
+    assert "profiles/step_1/update_actor/actor-0/trace.json" in str(artifact.data) and run.info.run_id in str(
+        artifact.data
+    )
     assert not (Path(cfg.trainer.output_dir) / "profiled" / "profiles" / "step_1" / "actor_logprobs").exists()
