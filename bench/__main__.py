@@ -24,7 +24,20 @@ from rich.table import Table
 
 from bench.common import RESULTS_ENV, matmul_flops, memory_bandwidth
 
-BENCHES = ["step", "rollout", "sync", "flow", "convert", "backends", "off_policy", "trl", "gpu", "gpu_sync", "sandbox"]
+BENCHES = [
+    "step",
+    "rollout",
+    "sync",
+    "flow",
+    "convert",
+    "backends",
+    "off_policy",
+    "trl",
+    "gpu",
+    "gpu_sync",
+    "profile_off",
+    "sandbox",
+]
 OUT = Path(__file__).resolve().parent / "results.json"
 
 

@@ -185,7 +185,7 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, str]:
 
 # Where a run lives and how it starts do not change what it computes: left out of the hash, so a run
 # resumed from another working directory (absolute paths) is recognised as the same run.
-_NOT_HASHED = {"trainer": {"output_dir", "run_name"}, "checkpoint": {"resume"}}
+_NOT_HASHED = {"trainer": {"output_dir", "run_name", "profile"}, "checkpoint": {"resume"}}  # profile: observes only
 
 
 def config_hash(cfg: RunConfig) -> str:

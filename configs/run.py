@@ -24,6 +24,43 @@ RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}")
 GROUP_ESTIMATORS = {"grpo", "rloo", "reinforce_pp_baseline"}
 
 
+ProfiledStage = Literal[
+    "generate",
+    "score_rewards",
+    "actor_logprobs",
+    "ref_logprobs",
+    "critic_values",
+    "update_critic",
+    "update_actor",
+    "sync_weights",
+]
+
+
+class ProfileConfig(StrictModel):
+    """torch.profiler around named stages of some steps, in each worker of the stage's roles (docs/observability.md):
+    Chrome traces, a top-ops table, peak RSS (CPU) or CUDA memory snapshots, logged to MLflow under
+    profiles/step_N/<stage>/<worker>. Off (no steps) by default."""
+
+    steps: tuple[int, ...] = Field(default=(), description="Steps to profile (1-based); empty = off.")
+    stages: tuple[ProfiledStage, ...] = Field(
+        default=("update_actor", "generate"), min_length=1, description="Stages profiled in those steps."
+    )
+    record_shapes: bool = False
+    with_stack: bool = False
+    memory: bool = Field(
+        default=True,
+        description="Profiler memory events, each worker's peak RSS during the stage, and on CUDA a memory "
+        "snapshot (torch.cuda.memory._record_memory_history) for pytorch.org/memory_viz.",
+    )
+
+    @field_validator("steps")
+    @classmethod
+    def _positive(cls, steps: tuple[int, ...]) -> tuple[int, ...]:
+        if any(s < 1 for s in steps):
+            raise ValueError(f"steps {list(steps)}: expected step numbers >= 1")
+        return steps
+
+
 class TrainerConfig(StrictModel):
     """The loop: how many steps, how often to evaluate, the seed everything derives from."""
 
@@ -38,6 +75,7 @@ class TrainerConfig(StrictModel):
         "trainers do not apply a non-finite gradient).",
     )
     output_dir: Path = Path("runs")
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
     run_name: str | None = Field(
         default=None,
         description="Directory name under output_dir (letters, digits, '_' and '-'; at most 100); "

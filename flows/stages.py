@@ -20,6 +20,7 @@ from rlstages.tasks import advantage, checkpoint, evaluate, logprobs, reward, ro
 from rlstages.tasks.advantage import AdvantageResult
 from rlstages.tasks.context import RunHandle
 from rlstages.tasks.policies import with_policy
+from rlstages.tasks.profiling import due, profiled
 from rlstages.tasks.run import StartPoint
 
 MAX_PARALLEL_STAGES = 4  # the widest fan-out of a step: rewards, old/ref log-probs, critic values
@@ -34,12 +35,20 @@ class Stage(Generic[P, R]):
     otherwise walks every field of the config on each call looking for futures, twice (parameters and task
     inputs) -- the largest part of its per-stage overhead. Everything else (`retries`, `fn`...) is the task's."""
 
-    def __init__(self, task: Task[P, R]) -> None:
-        self.task = task
+    def __init__(self, task: Task[P, R], name: str = "") -> None:
+        self.task, self.name = task, name
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        """Run the task now (in the flow's thread) and return its result."""
+        """Run the task now (in the flow's thread) and return its result; inside the workers' profilers when
+        `trainer.profile` names this stage and step."""
+        if self.profiled(*args):
+            with profiled(args[0], args[1], self.name, args[2]):  # type: ignore[arg-type]
+                return self.task(*_quoted(args), **kwargs)  # type: ignore[arg-type]
         return self.task(*_quoted(args), **kwargs)  # type: ignore[arg-type]  # quote() unwraps to the same value
+
+    def profiled(self, *args: Any) -> bool:
+        """Whether a call with these (cfg, run, step, ...) arguments is profiled."""
+        return len(args) >= 3 and isinstance(args[0], RunConfig) and due(args[0], self.name, args[2])
 
     def submit(self, *args: P.args, **kwargs: P.kwargs) -> PrefectFuture[R]:
         """Run concurrently in the flow's task runner."""
@@ -90,7 +99,8 @@ class Stages:
             if f.name not in unpolicied:
                 t = with_policy(t, cfg.prefect.policy(f.name))
             has_step = "step" in t.fn.__code__.co_varnames[: t.fn.__code__.co_argcount]
-            tasks[f.name] = Stage(t.with_options(task_run_name=f"{f.name}[step={{step}}]" if has_step else f.name))
+            name = f"{f.name}[step={{step}}]" if has_step else f.name
+            tasks[f.name] = Stage(t.with_options(task_run_name=name), f.name)
         return replace(cls(), **tasks, max_parallel=min(cfg.prefect.max_concurrent_stages, MAX_PARALLEL_STAGES))
 
     def together(self, stages: Sequence[StepStage], cfg: RunConfig, run: RunHandle, step: int) -> list[Metrics]:
@@ -100,8 +110,8 @@ class Stages:
         results: list[Metrics] = []
         for i in range(0, len(stages), self.max_parallel):
             group = stages[i : i + self.max_parallel]
-            if len(group) == 1:
-                results.append(group[0](cfg, run, step))
+            if len(group) == 1 or any(stage.profiled(cfg, run, step) for stage in group):  # profiles: one at a time
+                results.extend(stage(cfg, run, step) for stage in group)
                 continue
             futures = [stage.submit(cfg, run, step) for stage in group]
             results.extend(future.result() for future in futures)

@@ -325,6 +325,11 @@ def log_file(cfg: RunConfig, run_id: str, path: Path, artifact_dir: str) -> None
     client(cfg).log_artifact(run_id, str(path), artifact_dir)
 
 
+def log_directory(cfg: RunConfig, run_id: str, local_dir: Path, artifact_path: str) -> None:
+    """Log every file under `local_dir` at `artifact_path` (stage profiles)."""
+    client(cfg).log_artifacts(run_id, str(local_dir), artifact_path)
+
+
 def log_policy(cfg: RunConfig, run_id: str, hf_dir: Path, name: str = "policy", step: int | None = None) -> str | None:
     """An HF directory as an MLflow transformers model, logged from its path (the driver never loads the
     weights); registered under `tracking.registered_model_name` when set. Returns the registry version or None.

@@ -61,6 +61,7 @@ def test_wheel_has_one_top_level_name(wheel: Path) -> None:
     for folder in FOLDERS:
         assert f"rlstages/{folder}/__init__.py" in names
     assert "rlstages/configs/demo.yaml" in names  # presets ship as package data
+    assert "rlstages/configs/published_models.json" in names  # the memory plan's model sizes
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "rlstages = rlstages.flows.cli.main:main" in zipfile.ZipFile(wheel).read(entry).decode()
 

@@ -266,6 +266,15 @@ class ActorGroup:
 
         return list(ray.get([h.__ray_call__.remote(where) for h in self.handles], timeout=timeout))
 
+    def each(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
+        """`fn(engine, *args)` inside every rank (Ray's `__ray_call__`; a plain call in-process), results by rank:
+        for worker-side helpers that are no method of the engine (profilers)."""
+        if self.in_process:
+            return [fn(h, *args) for h in self.handles]
+        import ray
+
+        return list(ray.get([h.__ray_call__.remote(fn, *args) for h in self.handles], timeout=timeout))
+
     # ---- dispatch -------------------------------------------------------------------------------------------
     def all(self, timeout: float | None = None) -> _Dispatch:
         """ONE_TO_ALL: call the method on every rank with the same arguments; returns a list."""

@@ -221,6 +221,22 @@ def config_show(
     if not schema_only:
         _guard(debug, lambda: _precheck(cfg))
     sys.stdout.write(to_yaml(cfg))
+    _show_plan(cfg)
+
+
+def _show_plan(cfg: RunConfig) -> None:
+    """The memory plan's headline (`rlstages plan`) as YAML comments after the config; skipped when the model's
+    sizes are unknown here."""
+    from rlstages.flows.cli.plan import build_plan, plan_lines
+
+    gpu = "H100" if cfg.cluster.num_gpus else None
+    try:
+        result = build_plan(cfg, gpu)
+    except (ValueError, OSError) as exc:
+        sys.stdout.write(f"# memory plan: not available ({one_line(str(exc))})\n")
+        return
+    sys.stdout.write("# memory plan (rlstages plan CONFIG --gpu NAME for the per-rank table):\n")
+    sys.stdout.write("".join(f"#   {line}\n" for line in plan_lines(result)))
 
 
 @config_app.command("schema")

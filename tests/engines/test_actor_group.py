@@ -3,6 +3,7 @@ rebuilt, and trainer -> rollout weight sync whose log-prob check stays under 1e-
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 from tensordict import TensorDict
 
 from rlstages.engines import types as T
+from rlstages.engines.runtime import profiling
 from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec, worker_env
 from rlstages.engines.runtime.weight_sync import bucketize, decode_bucket, sync_weights_local, sync_weights_ray
 from rlstages.engines.training.settings import TrainerSettings
@@ -84,6 +86,12 @@ def test_dispatch_modes_and_mesh(ray_session) -> None:
     assert group.one(0).env("MALLOC_ARENA_MAX") == "1"
     again = ActorGroup(spec, namespace="rlstages-tests")  # a retried task finds the same named actors
     assert again.all(30).whoami() == pids
+    # worker-side helpers through `each` (trainer.profile): a profiler per rank around a dispatched call
+    assert group.each(profiling.start, profiling.ProfileOptions(memory=True), timeout=30) == [True] * 4
+    group.dp(30).rows(batch)
+    files = group.each(profiling.stop, timeout=60)
+    assert [f"x:{json.loads(f['peak_rss.json'])['pid']}" for f in files] == pids  # each rank its own
+    assert all(json.loads(f["trace.json"])["traceEvents"] for f in files)
     group.kill()
 
 

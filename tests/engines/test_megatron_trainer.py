@@ -361,3 +361,35 @@ def test_pp2_vpp2_ray_group_interleaved_schedule(ray_session, batch, tmp_path: P
         assert max_diff(group_weights(group), snapshot(ref.named_weights())) <= STEP_ATOL
     finally:
         group.kill()
+
+
+def test_tp1_memory_matches_the_plan(tiny_model_dir: Path, converted, batch) -> None:
+    """The memory plan (`rlstages plan`) of this engine's config against its tensors after a step: weights, the
+    DDP's fp32 gradient buffer and the distributed optimizer's Adam states (fp32 weights: no master copy)."""
+    import json
+
+    from rlstages.configs import load_config
+    from rlstages.engines.memory_plan import plan
+
+    engine = megatron(tiny_model_dir, converted["tp1"])  # use_distributed_optimizer=True, DP 1
+    engine.train_step(batch)
+    backend = engine.backend
+    params = [p for chunk in backend.chunks for p in chunk.parameters()]
+    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for m in backend.models for b in m.buffers)
+    states = [
+        t
+        for sub in getattr(backend.optimizer, "chained_optimizers", [backend.optimizer])
+        for state in sub.optimizer.state.values()
+        for t in state.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    ]
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(
+        root / "configs" / "tiny.yaml",
+        [f"model.path={tiny_model_dir}", "actor={backend: megatron, micro_batch_size: 4}"],
+    )
+    rank = plan(cfg, json.loads((tiny_model_dir / "config.json").read_text())).fullest
+    assert rank.params == sum(p.numel() for p in params)
+    assert rank.gpu["weights"] == sum(p.numel() * p.element_size() for p in params)
+    assert rank.gpu["grads"] == pytest.approx(grads, rel=0.02)  # the buffer pads to its alignment
+    assert rank.gpu["optimizer"] == pytest.approx(sum(t.numel() * t.element_size() for t in states), rel=0.02)

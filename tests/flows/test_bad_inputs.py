@@ -413,6 +413,14 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     ("config-is-dir", ["run", "foreign"], {}, "foreign: is a directory, expected a YAML file"),
     ("show-config-is-dir", ["config", "show", "models"], {}, "models: is a directory, expected a YAML file"),
     (
+        "profile-stage-unknown",
+        ["run", B, "trainer.profile={steps: [1], stages: [update_actr]}"],
+        {},
+        "trainer.profile.stages",
+    ),
+    ("profile-step-zero", ["run", B, "trainer.profile={steps: [0]}"], {}, "trainer.profile.steps"),
+    ("plan-gpu-unknown", ["plan", B, "--gpu", "B300"], {}, "--gpu B300: expected one of H20, H100, H200, A100-80G"),
+    (
         "compare-png-under-file",
         ["compare", "rlstages-tiny", "--tracking-uri", TRACKING, "--png", "a-file/curves.png"],
         {},
