@@ -78,7 +78,9 @@ def download(pins: list[str], wheels: Path) -> None:
     for pin in pins:
         binary = [*base, "--only-binary=:all:", "--python-version=3.12", "--implementation=cp", *platform, pin]
         if subprocess.run(binary, capture_output=True).returncode != 0:
-            subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), pin], check=True)
+            subprocess.run(
+                [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), pin], check=True
+            )
 
 
 def main() -> None:
@@ -109,7 +111,10 @@ def main() -> None:
     subprocess.run(["split", "-b", f"{args.part_mib}M", str(archive), f"{archive}.part-"], check=True)
     archive.unlink()
     parts = sorted(out.glob("stack.tar.xz.part-*"))
-    print(f"{len(pins)} packages; {len(parts)} parts in {out}: " + ", ".join(f"{p.name} {p.stat().st_size >> 20} MiB" for p in parts))
+    print(
+        f"{len(pins)} packages; {len(parts)} parts in {out}: "
+        + ", ".join(f"{p.name} {p.stat().st_size >> 20} MiB" for p in parts)
+    )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from rlstages.engines.runtime.device import on_cuda
+
 SNAPSHOT_ENTRIES = 100_000  # allocation events kept by the CUDA memory history
 
 
@@ -65,7 +67,7 @@ def start(engine: Any, options: ProfileOptions) -> bool:
     if _ACTIVE:
         return False
     activities = [torch.profiler.ProfilerActivity.CPU]
-    cuda = torch.cuda.is_available()
+    cuda = on_cuda()  # this worker's device, not the process's view of the node
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     if options.memory and cuda:
