@@ -30,7 +30,6 @@ from rich.table import Table
 
 from rlstages.engines.registry import BACKEND_PACKAGES, has_module
 
-REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("torch", "transformers", "prefect", "ray", "mlflow", "pydantic", "tensordict", "safetensors", "typer")
 OPTIONAL = ("deepspeed", "megatron-core", "vllm", "sglang", "flash-attn", "transformer-engine")
 SETTINGS = (
@@ -111,7 +110,18 @@ def gpus() -> tuple[int, str]:
     return torch.cuda.device_count(), f"{torch.cuda.device_count()} x {', '.join(sorted(names))} (CUDA {cuda})"
 
 
-def backends(vllm_python: Path, timeout: float = 180.0) -> list[Check]:
+def vllm_interpreter(explicit: Path | None) -> Path | None:
+    """The vLLM venv's interpreter: `explicit`, else the one the rollout's actors would run
+    (`rlstages.engines.rollout.vllm_rollout.default_vllm_python`), else None."""
+    if explicit is not None:
+        return explicit
+    from rlstages.engines.rollout.vllm_rollout import default_vllm_python
+
+    found = default_vllm_python()
+    return Path(found) if found else None
+
+
+def backends(vllm_python: Path | None, timeout: float = 180.0) -> list[Check]:
     """Which rollout and training backends can run here, each with the reason when not."""
     n_gpu, gpu_text = gpus()
     rows = [Check("backends", "gpu", n_gpu > 0, gpu_text)]
@@ -119,7 +129,7 @@ def backends(vllm_python: Path, timeout: float = 180.0) -> list[Check]:
     rows.append(Check("backends", "training torch", _version("torch") is not None, "plain torch, CPU/GPU"))
     probes: dict[str, Any] = {}
     with ThreadPoolExecutor(4) as pool:
-        if vllm_python.is_file():
+        if vllm_python is not None and vllm_python.is_file():
             probes["vllm-venv"] = pool.submit(_import_probe, str(vllm_python), "vllm", timeout)
         if has_module("vllm"):
             probes["vllm"] = pool.submit(_import_probe, sys.executable, "vllm", timeout)
@@ -137,16 +147,21 @@ def backends(vllm_python: Path, timeout: float = 180.0) -> list[Check]:
     return rows
 
 
-def _vllm_row(results: dict[str, tuple[bool, str]], vllm_python: Path, n_gpu: int) -> Check:
-    if "vllm-venv" in results:
+def _vllm_row(results: dict[str, tuple[bool, str]], vllm_python: Path | None, n_gpu: int) -> Check:
+    if "vllm-venv" in results and vllm_python is not None:
         ok, text = results["vllm-venv"]
-        why = f"vllm {text} in {vllm_python.parent.parent.name}" if ok else f"{vllm_python}: import vllm failed: {text}"
+        why = f"vllm {text} in {vllm_python.parent.parent}" if ok else f"{vllm_python}: import vllm failed: {text}"
         return Check("backends", "rollout vllm", ok, why)
     if "vllm" in results:
         ok, text = results["vllm"]
         if not ok:
             return Check("backends", "rollout vllm", False, f"import vllm failed (version clash?): {text}")
         return Check("backends", "rollout vllm", n_gpu > 0, f"vllm {text}" + ("" if n_gpu else ", but no GPU"))
+    if vllm_python is None:
+        from rlstages.engines.rollout.vllm_rollout import vllm_venv_candidates
+
+        where = " or ".join(str(venv) for venv in vllm_venv_candidates())
+        return Check("backends", "rollout vllm", False, f"not installed: {BACKEND_PACKAGES['vllm'][1]}; no {where}")
     return Check("backends", "rollout vllm", False, f"not installed: {BACKEND_PACKAGES['vllm'][1]}; no {vllm_python}")
 
 
@@ -277,7 +292,7 @@ def settings() -> list[Check]:
 
 
 def diagnose(
-    ray_address: str | None, prefect_url: str | None, tracking_uri: str, vllm_python: Path, timeout: float
+    ray_address: str | None, prefect_url: str | None, tracking_uri: str, vllm_python: Path | None, timeout: float
 ) -> list[Check]:
     """Every check, in report order."""
     with ThreadPoolExecutor(2) as pool:
@@ -301,7 +316,12 @@ def doctor_command(
     ray_address: Annotated[str | None, typer.Option(help="Ray cluster (default: RAY_ADDRESS).")] = None,
     prefect_url: Annotated[str | None, typer.Option(help="Prefect API URL (default: PREFECT_API_URL).")] = None,
     tracking_uri: Annotated[str | None, typer.Option(help="MLflow URI (default: MLFLOW_TRACKING_URI).")] = None,
-    vllm_python: Annotated[Path, typer.Option(help="Interpreter of the vLLM venv.")] = REPO / ".venv-vllm/bin/python",
+    vllm_python: Annotated[
+        Path | None,
+        typer.Option(
+            help="Interpreter of the vLLM venv (default: the one the rollout uses, .venv-vllm).", show_default=False
+        ),
+    ] = None,
     timeout: Annotated[float, typer.Option(help="Seconds per probe (imports, Ray).")] = 180.0,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
@@ -310,7 +330,7 @@ def doctor_command(
         ray_address or os.environ.get("RAY_ADDRESS"),
         prefect_url or os.environ.get("PREFECT_API_URL"),
         tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db",
-        vllm_python,
+        vllm_interpreter(vllm_python),
         timeout,
     )
     if as_json:
