@@ -1,10 +1,12 @@
 """`rlstages doctor`: what this machine can run, and why not.
 
-Versions of every stack piece; which rollout and training backends can run here (no GPU, package missing,
-an import that fails on a version clash); the Ray cluster's resources (RAY_ADDRESS); whether the Prefect and
-MLflow endpoints answer; and the settings that matter (thread counts, CUDA_DEVICE_MAX_CONNECTIONS for
-Megatron, heartbeats). Backend packages are imported in subprocesses with a timeout, never here: a broken
-install cannot hang or crash the doctor, and flows never import the backends (design §1).
+Versions of every stack piece; the machine's class for the README's demo times (CPU, native bf16 flags, the
+GEMM kernel the demo's bf16 layers take here); which rollout and training backends can run here (no GPU,
+package missing, an import that fails on a version clash); the Ray cluster's resources (RAY_ADDRESS);
+whether the Prefect and MLflow endpoints answer; and the settings that matter (thread counts,
+CUDA_DEVICE_MAX_CONNECTIONS for Megatron, heartbeats). Backend packages are imported in subprocesses with a
+timeout, never here: a broken install cannot hang or crash the doctor, and flows never import the backends
+(design §1).
 """
 
 from __future__ import annotations
@@ -262,6 +264,27 @@ def mlflow_endpoint(tracking_uri: str) -> list[Check]:
     return [Check("mlflow", "tracking", None, f"{tracking_uri}: not checked")]
 
 
+# `make demo`'s time per class of CPU, as measured (docs/demo-measured.md); the class is the CPU's bf16 flags
+DEMO_TIMES = {
+    True: "native bf16: `make demo` ~4.5 min (measured on an AMD EPYC with AVX512_BF16, 2 cores)",
+    False: "no native bf16: `make demo` ~26.5 min, set-up 2 min 50 s + run 23 min 40 s, held-out >= 0.8 at step 14 "
+    "(measured on an Intel Xeon with AVX-512 but without AVX512_BF16, 2 cores)",
+}
+
+
+def machine() -> list[Check]:
+    """The CPU, its bf16 flags, the GEMM kernel the demo's bf16 layers take here, and the demo's time for its class."""
+    from rlstages.engines.runtime.machine import measure
+
+    m = measure("auto", True, 2)  # the demo's actor: bf16, fp32_matmul auto, 2 threads per worker
+    return [
+        Check("machine", "cpu", None, f"{m.cpu}, {m.cpus} CPUs"),
+        Check("machine", "native bf16", None, m.bf16_text),
+        Check("machine", "bf16 GEMM", None, f"{m.gemm} (2 threads, as the demo's worker)"),
+        Check("machine", "class", None, DEMO_TIMES[m.native_bf16]),
+    ]
+
+
 def settings() -> list[Check]:
     """The environment variables and thread counts that change behaviour."""
     rows = []
@@ -304,6 +327,7 @@ def diagnose(
             *ray_rows.result(),
             *prefect_endpoint(prefect_url),
             *mlflow_endpoint(tracking_uri),
+            *machine(),
             *settings(),
         ]
 

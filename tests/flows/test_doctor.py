@@ -6,6 +6,7 @@ Run: pytest tests/flows/test_doctor.py
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -44,3 +45,24 @@ def test_a_wheel_install_finds_the_venv_beside_its_own(tmp_path: Path, monkeypat
     assert doctor.vllm_interpreter(None) == python
     assert vllm_rollout.vllm_actor_options()["runtime_env"]["py_executable"] == str(python)
     assert doctor.vllm_interpreter(tmp_path / "mine") == tmp_path / "mine"  # --vllm-python wins
+
+
+XEON = "model name\t: Intel(R) Xeon(R) CPU @ 2.20GHz\nflags\t\t: fpu sse avx2 avx512f avx512bw avx512vl\n"
+EPYC = "model name\t: AMD EPYC 9B14\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n"
+
+
+def test_the_cpu_class_comes_from_its_bf16_flags() -> None:
+    from rlstages.engines.runtime.machine import bf16_flags, cpu_model
+
+    assert cpu_model(XEON) == "Intel(R) Xeon(R) CPU @ 2.20GHz" and bf16_flags(XEON) == ()
+    assert cpu_model(EPYC) == "AMD EPYC 9B14" and bf16_flags(EPYC) == ("avx512_bf16",)
+
+
+def test_doctor_prints_this_machines_class_and_its_demo_time() -> None:
+    from rlstages.engines.runtime.machine import bf16_flags
+
+    rows = {c.name: c.detail for c in doctor.machine()}
+    native = bool(bf16_flags())
+    assert rows["class"] == doctor.DEMO_TIMES[native]
+    assert rows["native bf16"].startswith("yes" if native else "no")
+    assert re.search(r"(bf16|fp32 kernel).*\(2 threads", rows["bf16 GEMM"]), rows
