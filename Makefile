@@ -6,6 +6,8 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export RAY_USAGE_STATS_ENABLED := 0
+# Prefect's client telemetry is off like the server's analytics and Ray's usage stats (and so its first-run notice)
+export DO_NOT_TRACK := 1
 export TOKENIZERS_PARALLELISM := false
 # DeepSpeed's JIT-built ops (shm comm, cpu_adam: ~80 s each) are built once into torch's own cache
 # (~/.cache/torch_extensions/py3X_cpu, keyed by their sources and flags), shared by every clone of the repo.

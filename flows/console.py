@@ -21,24 +21,44 @@ from pathlib import Path
 from typing import IO, Literal
 
 from rich.console import Console
+from rich.live import Live
+from rich.spinner import Spinner
 
 from rlstages.configs import RunConfig
 
 LogFormat = Literal["auto", "rich", "plain"]
+NO_REDIRECT = {"redirect_stdout": False, "redirect_stderr": False}  # rich's live displays leave sys.std* alone
 
 
-@dataclass(frozen=True)
+@dataclass
 class Terminal:
     """Where our own output goes, and how."""
 
     console: Console
     live: bool  # a rich live display (a terminal, --log-format auto or rich); else one plain line per step
     log_path: Path | None = None  # where everything else went; None: nothing was redirected
+    status: Live | None = None  # the start-up spinner, until the steps' display replaces it
 
     @property
     def redirected(self) -> bool:
         """True when libraries' output goes to the log file, not here (our lines must be printed here)."""
         return self.log_path is not None
+
+    def starting(self) -> None:
+        """Say that the run is starting (Prefect, MLflow, the workers, the model): the longest silence otherwise."""
+        what = "starting: Prefect, MLflow, the workers and the model (the first time: its download or conversion)"
+        if self.live:
+            # not redirecting sys.stdout/stderr into the terminal, as rich does by default: those are the log's
+            self.status = Live(Spinner("dots", what), console=self.console, transient=True, **NO_REDIRECT)
+            self.status.start()
+        else:
+            self.console.print(what, highlight=False, soft_wrap=True)
+
+    def started(self) -> None:
+        """The start-up is over (the steps' display follows, or the run failed)."""
+        if self.status is not None:
+            self.status.stop()
+            self.status = None
 
 
 _current: Terminal | None = None
@@ -75,6 +95,7 @@ def terminal_session(
         try:
             yield _current
         finally:
+            _current.started()
             _current = None
         return
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -99,6 +120,7 @@ def terminal_session(
     try:
         yield _current
     finally:
+        _current.started()
         _current = None
 
 

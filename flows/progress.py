@@ -19,7 +19,7 @@ from prefect.exceptions import MissingContextError
 from prefect.logging.handlers import PrefectConsoleHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from rlstages.flows.console import terminal
+from rlstages.flows.console import NO_REDIRECT, terminal
 
 ARTIFACT_EVERY_S = 10.0  # each Prefect artifact update is an API round trip (~50 ms): throttle it
 KL_KEYS = ("actor/kl_loss", "actor/reward_kl_in_reward", "actor/ppo_kl")  # the KL a run is steered by, first found
@@ -96,7 +96,7 @@ class RunProgress:
         self.progress, self.task_id, self.total, self.artifact_id = progress, task_id, total, artifact_id
         self._artifact_at = self._started = time.monotonic()
         self._first = start  # steps done before this process started (a resume): not in its step times
-        self._accuracy = "-"
+        self._accuracy, self._reward, self._timing = "-", "", ""
         self.log = run_logger()
         self.term = terminal()
 
@@ -119,24 +119,31 @@ class RunProgress:
 
     def step_done(self, step: int, metrics: dict[str, float]) -> None:
         """Advance to `step` with its reward, the last held-out accuracy, time per step and the ETA."""
-        reward = metrics.get("reward/mean", float("nan"))
         per_step = self.seconds_per_step(step)
-        timing = "" if per_step is None else f" | {per_step:.1f} s/step | ETA {_clock(per_step * (self.total - step))}"
+        eta = None if per_step is None else _clock(per_step * (self.total - step))
+        self._timing = "" if per_step is None else f" | {per_step:.1f} s/step | ETA {eta}"
+        self._reward = f"reward {metrics.get('reward/mean', float('nan')):.3f}"
         if self.progress is not None:
-            info = f"reward {reward:.3f} | held-out {self._accuracy}{timing}"
-            self.progress.update(self.task_id, completed=step, stage="", info=info)
+            self.progress.update(self.task_id, completed=step, stage="")
+            self._show()
         line = step_line(step, self.total, metrics)
         self.log.info(line)
         if self.progress is None:
-            self._say(line + timing)
+            self._say(line + self._timing)
         now = time.monotonic()
         if self.artifact_id is not None and (step == self.total or now - self._artifact_at >= ARTIFACT_EVERY_S):
             update_progress_artifact(self.artifact_id, progress=100.0 * step / self.total)
             self._artifact_at = now
 
+    def _show(self) -> None:
+        if self.progress is not None:
+            info = f"{self._reward} | held-out {self._accuracy}{self._timing}"
+            self.progress.update(self.task_id, info=info)
+
     def evaluated(self, step: int, metrics: dict[str, float]) -> None:
         """Log a held-out evaluation."""
         self._accuracy = f"{metrics.get('eval/accuracy', float('nan')):.3f}"
+        self._show()
         line = (
             f"evaluation at step {step}: held-out reward {metrics.get('eval/reward_mean', float('nan')):.4f} "
             f"accuracy {self._accuracy}"
@@ -173,6 +180,7 @@ def run_progress(name: str, total: int, start: int) -> Iterator[RunProgress]:
     except Exception:  # noqa: BLE001 - progress reporting must never fail a run
         artifact_id = None
     term = terminal()
+    term.started()
     if not term.live:
         yield RunProgress(None, None, total, start, artifact_id)
         return
@@ -182,11 +190,13 @@ def run_progress(name: str, total: int, start: int) -> Iterator[RunProgress]:
         MofNCompleteColumn(),
         TextColumn("{task.fields[stage]}"),
         TextColumn("{task.fields[info]}"),
+        TextColumn("[dim]elapsed"),
         TimeElapsedColumn(),
     ]
-    with Progress(*columns, console=term.console, transient=False, refresh_per_second=2) as progress:
+    with Progress(*columns, console=term.console, transient=False, refresh_per_second=2, **NO_REDIRECT) as progress:
         task_id = progress.add_task(name, total=total, completed=start, stage="", info="")
         yield RunProgress(progress, task_id, total, start, artifact_id)
+        progress.update(task_id, stage="")  # the last stage (a checkpoint) is over
 
 
 def _key(name: str) -> str:

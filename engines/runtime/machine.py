@@ -24,7 +24,7 @@ class Machine:
     cpus: int
     bf16_flags: tuple[str, ...]  # those of NATIVE_BF16_FLAGS the CPU has
     threads: int
-    gemm: str  # the kernel a bf16 linear layer runs on, and why
+    gemm: str  # the kernel a bf16 linear layer runs on, and why (the fp32 kernel's speed-up as timed)
 
     @property
     def native_bf16(self) -> bool:
@@ -34,13 +34,13 @@ class Machine:
     @property
     def bf16_text(self) -> str:
         """'yes (avx512_bf16)' or 'no (neither AVX512_BF16 nor AMX)'."""
-        return f"yes ({', '.join(self.bf16_flags)})" if self.native_bf16 else "no (neither AVX512_BF16 nor AMX)"
+        return f"yes ({', '.join(self.bf16_flags)})" if self.native_bf16 else "no (no avx512_bf16, no amx_bf16)"
 
     def line(self) -> str:
         """The start-up line."""
         return (
             f"machine: {self.cpu}, {self.cpus} CPUs; native bf16 {self.bf16_text}; GEMM {self.gemm}; "
-            f"threads per worker {self.threads}"
+            f"{self.threads} thread{'s' if self.threads > 1 else ''}/worker"
         )
 
     def tags(self) -> dict[str, str]:
@@ -86,15 +86,15 @@ def gemm_choice(setting: bool | str, computes_in_bf16: bool, threads: int) -> st
     if torch.cuda.is_available():
         return f"native on {torch.cuda.get_device_name(0)}"
     if not computes_in_bf16:
-        return "fp32 (the model computes in float32)"
+        return "fp32 (model in float32)"
     if setting is True or setting is False:
-        return f"{'fp32 kernel for bf16 layers' if setting else 'bf16'} (actor.fp32_matmul: {str(setting).lower()})"
+        return f"{'fp32 kernel for bf16' if setting else 'bf16'} (fp32_matmul: {str(setting).lower()})"
     if cpu_has_amx():
-        return "bf16 (AMX tiles)"
+        return "bf16 (AMX)"
     speedup = fp32_kernel_speedup(threads)
     if speedup >= CLEARLY_FASTER:
-        return f"fp32 kernel for bf16 layers (measured {speedup:.2f}x as fast as the bf16 GEMM)"
-    return f"bf16 (the fp32 kernel measured {speedup:.2f}x, not clearly faster)"
+        return f"fp32 kernel for bf16 (timed {speedup:.2f}x the bf16 GEMM)"
+    return f"bf16 (fp32 kernel timed {speedup:.2f}x)"
 
 
 @functools.cache

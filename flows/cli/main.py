@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import time
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
@@ -17,6 +18,8 @@ from rich.markup import escape
 
 from rlstages.configs import ConfigError, RunConfig, load_config, to_yaml
 from rlstages.flows.cli.quiet import one_line, quiet_prefect
+
+STARTED = time.monotonic()  # the summary's wall time counts from the command's start (imports, pre-flight included)
 
 
 def one_malloc_arena() -> None:
@@ -88,6 +91,9 @@ def _options(
 
 def fail(message: str, code: int = 1) -> None:
     """Print a one-line error and exit non-zero."""
+    from rlstages.flows.console import terminal
+
+    terminal().started()  # a start-up spinner stops first
     err.print(f"[bold red]error:[/] {escape(one_line(message))}", soft_wrap=True, highlight=False)
     raise typer.Exit(code)
 
@@ -134,8 +140,6 @@ def _precheck(cfg: RunConfig) -> None:
 def _train(cfg: RunConfig, debug: bool, verbose: bool, log_format: LogFormat) -> None:
     """Run the training flow with the terminal to ourselves (`rlstages.flows.console`): the machine measured,
     the live display or plain step lines, the summary panel; everything else into the run's log file."""
-    import time
-
     from rlstages.flows.console import log_path_of, machine_of, print_summary, terminal_session
 
     quiet_prefect(debug)
@@ -143,13 +147,13 @@ def _train(cfg: RunConfig, debug: bool, verbose: bool, log_format: LogFormat) ->
     assert isinstance(log_path, Path)
     with terminal_session(log_path, log_format.value, verbose or debug, (out, err)) as term:  # type: ignore[arg-type]
         term.console.print(machine_of(cfg).line(), highlight=False, soft_wrap=True)
+        term.starting()
         from rlstages.flows.train import rl_post_train
 
-        started = time.monotonic()
         policy = _guard(debug, lambda: rl_post_train(cfg))
         assert isinstance(policy, str)
         out.print(f"[green]done[/]: final policy in {escape(policy)}", soft_wrap=True)
-        _guard(debug, lambda: print_summary(cfg, policy, time.monotonic() - started, term.console))
+        _guard(debug, lambda: print_summary(cfg, policy, time.monotonic() - STARTED, term.console))
 
 
 @app.command()

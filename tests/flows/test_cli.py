@@ -56,7 +56,7 @@ def test_the_terminal_shows_ours_alone_and_ends_with_the_summary(finished_run: P
     assert "warning" not in shown.lower() and "traceback" not in shown.lower(), shown
     assert not re.search(r"\d+%\||it/s|s/it", shown), shown  # no tqdm bar (plain mode draws none of ours)
     assert shown.count(f"log: {Path('runs') / 'cli.log'}") == 1, shown
-    assert re.search(r"^machine: .+; native bf16 (yes|no) .+; GEMM .+; threads per worker 1$", shown, re.M), shown
+    assert re.search(r"^machine: .+; native bf16 (yes|no) .+; GEMM .+; 1 thread/worker$", shown, re.M), shown
     assert re.search(r"^step 2/2 reward [\d.]+ .* s/step \| ETA \d+:\d\d:\d\d$", shown, re.M), shown
     for row in ("run summary: cli", "held-out accuracy", "→ best", "reward_curve.png", "mlflow ui --backend-store-uri"):
         assert row in shown, (row, shown)
