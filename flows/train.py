@@ -20,12 +20,13 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from rlstages.configs import RunConfig
+from rlstages.flows.console import machine_of
 from rlstages.flows.progress import RunProgress, flow_run_name, run_progress
 from rlstages.flows.stages import MAX_PARALLEL_STAGES, Metrics, Stages
 from rlstages.tasks.context import RunHandle
 from rlstages.tasks.policies import WorkerLost, failed_stage
 from rlstages.tasks.run import close_run, convert_for_training, driver_snapshot, link_mlflow_run
-from rlstages.tasks.tracking import log_step
+from rlstages.tasks.tracking import log_step, set_tags
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ def rl_post_train(cfg: RunConfig) -> str:
     run = s.prepare_run(cfg)
     mlflow_run_id = s.start_tracking(cfg, run)
     link_mlflow_run(cfg, run, mlflow_run_id)  # the flow run's Artifacts tab links to the MLflow run
+    set_tags(cfg, mlflow_run_id, machine_of(cfg).tags())  # which machine (CPU, bf16, GEMM kernel) ran it
     total = cfg.trainer.total_steps
     try:
         convert_for_training(cfg, run)  # HF -> Megatron-Core, cached; a no-op for other backends

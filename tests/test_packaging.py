@@ -37,21 +37,36 @@ def test_package_list_matches_the_tree() -> None:
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The wheel and the build's verbose output (setuptools' banners show only with -v)."""
     out, src = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("src")
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     for rel in tracked:  # build from a copy: setuptools writes build/ and *.egg-info beside the sources
         if (ROOT / rel).is_file():
             (src / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, src / rel)
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v", "-w", str(out), str(src)],
         check=True,
         capture_output=True,
+        text=True,
         cwd=out,
     )
     (found,) = out.glob("rlstages-*.whl")
-    return found
+    return found, done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def wheel(built: tuple[Path, str]) -> Path:
+    return built[0]
+
+
+def test_build_prints_no_deprecation_and_declares_an_spdx_license(built: tuple[Path, str]) -> None:
+    """`pip install` shows a newcomer no setuptools banner: the license is an SPDX string (PEP 639), not a table."""
+    wheel, output = built
+    assert "deprecat" not in output.lower(), [line for line in output.splitlines() if "eprecat" in line]
+    metadata = next(n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".dist-info/METADATA"))
+    assert "License-Expression: Apache-2.0" in zipfile.ZipFile(wheel).read(metadata).decode().splitlines()
 
 
 def test_wheel_has_one_top_level_name(wheel: Path) -> None:

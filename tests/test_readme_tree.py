@@ -1,5 +1,6 @@
-"""The README's annotated file tree names files and folders that exist, and names every module of flows/ and
-tasks/ and every subpackage of engines/ (so a new module shows up in the tree). CPU only, instant.
+"""The annotated file tree (docs/architecture.md, linked from the README) names files and folders that exist, and
+names every module of flows/ and tasks/ and every subpackage of engines/ (so a new module shows up in the tree).
+CPU only, instant.
 Run: pytest tests/test_readme_tree.py
 """
 
@@ -11,8 +12,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+TREE_DOC = ROOT / "docs" / "architecture.md"
+
+
 def tree_block() -> str:
-    text = (ROOT / "README.md").read_text()
+    text = TREE_DOC.read_text()
     start = text.index("```\nflows/\n")
     return text[start + 4 : text.index("```", start + 4)]
 
@@ -32,7 +36,7 @@ def named_paths() -> set[str]:
 
 def test_every_entry_exists() -> None:
     missing = sorted(p for p in named_paths() if not (ROOT / p).exists())
-    assert not missing, f"README tree names what does not exist: {missing}"
+    assert not missing, f"{TREE_DOC.name}'s tree names what does not exist: {missing}"
 
 
 def test_every_module_and_subpackage_is_named() -> None:
@@ -42,4 +46,12 @@ def test_every_module_and_subpackage_is_named() -> None:
         f"{d}/{p.name}" for d in ("flows", "engines") for p in (ROOT / d).iterdir() if (p / "__init__.py").is_file()
     }
     wanted |= {f"engines/{p.name}" for p in (ROOT / "engines").glob("*.py") if p.name != "__init__.py"}
-    assert not sorted(wanted - named), f"README tree does not name: {sorted(wanted - named)}"
+    assert not sorted(wanted - named), f"{TREE_DOC.name}'s tree does not name: {sorted(wanted - named)}"
+
+
+def test_the_readme_links_the_tree_and_stays_short() -> None:
+    """A newcomer's README: at most ~250 lines, the two commands, and the way to the tree."""
+    readme = (ROOT / "README.md").read_text()
+    assert "(docs/architecture.md)" in readme
+    assert "make demo   #" in readme and "make test   #" in readme
+    assert len(readme.splitlines()) <= 250

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -52,10 +53,17 @@ DEFAULT_VLLM_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"
 _EXTENSION = "rlstages.engines.rollout.vllm_worker.RolloutWorkerExtension"
 
 
+def vllm_venv_candidates() -> tuple[Path, ...]:
+    """Where `make vllm-env`'s `.venv-vllm` is looked for, in order: beside the repository (a source checkout),
+    then beside the running interpreter's environment (`<project>/.venv` next to `<project>/.venv-vllm`, which
+    also holds where the package was installed from a wheel and no repository exists)."""
+    return tuple(dict.fromkeys((DEFAULT_VLLM_VENV, Path(sys.prefix).resolve().parent / ".venv-vllm")))
+
+
 def default_vllm_python() -> str | None:
-    """The interpreter of `.venv-vllm` beside the repository, or None when it was not built."""
-    python = DEFAULT_VLLM_VENV / "bin" / "python"
-    return str(python) if python.exists() else None
+    """The interpreter of the first `.venv-vllm` of `vllm_venv_candidates()`, or None when none was built."""
+    found = (venv / "bin" / "python" for venv in vllm_venv_candidates())
+    return next((str(python) for python in found if python.exists()), None)
 
 
 def vllm_actor_options(python: str | None = None, env_vars: dict[str, str] | None = None) -> dict[str, Any]:

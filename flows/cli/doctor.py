@@ -1,10 +1,12 @@
 """`rlstages doctor`: what this machine can run, and why not.
 
-Versions of every stack piece; which rollout and training backends can run here (no GPU, package missing,
-an import that fails on a version clash); the Ray cluster's resources (RAY_ADDRESS); whether the Prefect and
-MLflow endpoints answer; and the settings that matter (thread counts, CUDA_DEVICE_MAX_CONNECTIONS for
-Megatron, heartbeats). Backend packages are imported in subprocesses with a timeout, never here: a broken
-install cannot hang or crash the doctor, and flows never import the backends (design §1).
+Versions of every stack piece; the machine's class for the README's demo times (CPU, native bf16 flags, the
+GEMM kernel the demo's bf16 layers take here); which rollout and training backends can run here (no GPU,
+package missing, an import that fails on a version clash); the Ray cluster's resources (RAY_ADDRESS);
+whether the Prefect and MLflow endpoints answer; and the settings that matter (thread counts,
+CUDA_DEVICE_MAX_CONNECTIONS for Megatron, heartbeats). Backend packages are imported in subprocesses with a
+timeout, never here: a broken install cannot hang or crash the doctor, and flows never import the backends
+(design §1).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from rich.table import Table
 
 from rlstages.engines.registry import BACKEND_PACKAGES, has_module
 
-REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("torch", "transformers", "prefect", "ray", "mlflow", "pydantic", "tensordict", "safetensors", "typer")
 OPTIONAL = ("deepspeed", "megatron-core", "vllm", "sglang", "flash-attn", "transformer-engine")
 SETTINGS = (
@@ -115,7 +116,18 @@ def gpus() -> tuple[int, str]:
     return usable, f"{usable} x {', '.join(sorted(names))} (CUDA {cuda})"
 
 
-def backends(vllm_python: Path, timeout: float = 180.0) -> list[Check]:
+def vllm_interpreter(explicit: Path | None) -> Path | None:
+    """The vLLM venv's interpreter: `explicit`, else the one the rollout's actors would run
+    (`rlstages.engines.rollout.vllm_rollout.default_vllm_python`), else None."""
+    if explicit is not None:
+        return explicit
+    from rlstages.engines.rollout.vllm_rollout import default_vllm_python
+
+    found = default_vllm_python()
+    return Path(found) if found else None
+
+
+def backends(vllm_python: Path | None, timeout: float = 180.0) -> list[Check]:
     """Which rollout and training backends can run here, each with the reason when not."""
     n_gpu, gpu_text = gpus()
     rows = [Check("backends", "gpu", n_gpu > 0, gpu_text)]
@@ -123,7 +135,7 @@ def backends(vllm_python: Path, timeout: float = 180.0) -> list[Check]:
     rows.append(Check("backends", "training torch", _version("torch") is not None, "plain torch, CPU/GPU"))
     probes: dict[str, Any] = {}
     with ThreadPoolExecutor(4) as pool:
-        if vllm_python.is_file():
+        if vllm_python is not None and vllm_python.is_file():
             probes["vllm-venv"] = pool.submit(_import_probe, str(vllm_python), "vllm", timeout)
         if has_module("vllm"):
             probes["vllm"] = pool.submit(_import_probe, sys.executable, "vllm", timeout)
@@ -141,16 +153,21 @@ def backends(vllm_python: Path, timeout: float = 180.0) -> list[Check]:
     return rows
 
 
-def _vllm_row(results: dict[str, tuple[bool, str]], vllm_python: Path, n_gpu: int) -> Check:
-    if "vllm-venv" in results:
+def _vllm_row(results: dict[str, tuple[bool, str]], vllm_python: Path | None, n_gpu: int) -> Check:
+    if "vllm-venv" in results and vllm_python is not None:
         ok, text = results["vllm-venv"]
-        why = f"vllm {text} in {vllm_python.parent.parent.name}" if ok else f"{vllm_python}: import vllm failed: {text}"
+        why = f"vllm {text} in {vllm_python.parent.parent}" if ok else f"{vllm_python}: import vllm failed: {text}"
         return Check("backends", "rollout vllm", ok, why)
     if "vllm" in results:
         ok, text = results["vllm"]
         if not ok:
             return Check("backends", "rollout vllm", False, f"import vllm failed (version clash?): {text}")
         return Check("backends", "rollout vllm", n_gpu > 0, f"vllm {text}" + ("" if n_gpu else ", but no GPU"))
+    if vllm_python is None:
+        from rlstages.engines.rollout.vllm_rollout import vllm_venv_candidates
+
+        where = " or ".join(str(venv) for venv in vllm_venv_candidates())
+        return Check("backends", "rollout vllm", False, f"not installed: {BACKEND_PACKAGES['vllm'][1]}; no {where}")
     return Check("backends", "rollout vllm", False, f"not installed: {BACKEND_PACKAGES['vllm'][1]}; no {vllm_python}")
 
 
@@ -249,6 +266,27 @@ def mlflow_endpoint(tracking_uri: str) -> list[Check]:
         state = "exists" if path.is_file() else "created on the first run"
         return [Check("mlflow", "tracking", writable, f"{tracking_uri}: local SQLite store ({state})")]
     return [Check("mlflow", "tracking", None, f"{tracking_uri}: not checked")]
+
+
+# `make demo`'s time per class of CPU, as measured (docs/demo-measured.md); the class is the CPU's bf16 flags
+DEMO_TIMES = {
+    True: "native bf16: `make demo` ~4.5 min (measured on an AMD EPYC with AVX512_BF16, 2 cores)",
+    False: "no native bf16: `make demo` ~26.5 min, set-up 2 min 50 s + run 23 min 40 s, held-out >= 0.8 at step 14 "
+    "(measured on an Intel Xeon with AVX-512 but without AVX512_BF16, 2 cores)",
+}
+
+
+def machine() -> list[Check]:
+    """The CPU, its bf16 flags, the GEMM kernel the demo's bf16 layers take here, and the demo's time for its class."""
+    from rlstages.engines.runtime.machine import measure
+
+    m = measure("auto", True, 2)  # the demo's actor: bf16, fp32_matmul auto, 2 threads per worker
+    return [
+        Check("machine", "cpu", None, f"{m.cpu}, {m.cpus} CPUs"),
+        Check("machine", "native bf16", None, m.bf16_text),
+        Check("machine", "bf16 GEMM", None, f"{m.gemm} (2 threads, as the demo's worker)"),
+        Check("machine", "class", None, DEMO_TIMES[m.native_bf16]),
+    ]
 
 
 def settings() -> list[Check]:
@@ -371,7 +409,7 @@ def detected_gpu() -> str | None:
 
 
 def diagnose(
-    ray_address: str | None, prefect_url: str | None, tracking_uri: str, vllm_python: Path, timeout: float
+    ray_address: str | None, prefect_url: str | None, tracking_uri: str, vllm_python: Path | None, timeout: float
 ) -> list[Check]:
     """Every check, in report order."""
     with ThreadPoolExecutor(2) as pool:
@@ -383,6 +421,7 @@ def diagnose(
             *ray_rows.result(),
             *prefect_endpoint(prefect_url),
             *mlflow_endpoint(tracking_uri),
+            *machine(),
             *settings(),
         ]
 
@@ -395,7 +434,12 @@ def doctor_command(
     ray_address: Annotated[str | None, typer.Option(help="Ray cluster (default: RAY_ADDRESS).")] = None,
     prefect_url: Annotated[str | None, typer.Option(help="Prefect API URL (default: PREFECT_API_URL).")] = None,
     tracking_uri: Annotated[str | None, typer.Option(help="MLflow URI (default: MLFLOW_TRACKING_URI).")] = None,
-    vllm_python: Annotated[Path, typer.Option(help="Interpreter of the vLLM venv.")] = REPO / ".venv-vllm/bin/python",
+    vllm_python: Annotated[
+        Path | None,
+        typer.Option(
+            help="Interpreter of the vLLM venv (default: the one the rollout uses, .venv-vllm).", show_default=False
+        ),
+    ] = None,
     timeout: Annotated[float, typer.Option(help="Seconds per probe (imports, Ray).")] = 180.0,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     config: Annotated[
@@ -418,7 +462,7 @@ def doctor_command(
         ray_address or os.environ.get("RAY_ADDRESS"),
         prefect_url or os.environ.get("PREFECT_API_URL"),
         tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db",
-        vllm_python,
+        vllm_interpreter(vllm_python),
         timeout,
     )
     if cfg is not None:

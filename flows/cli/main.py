@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import time
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -16,6 +18,8 @@ from rich.markup import escape
 
 from rlstages.configs import ConfigError, RunConfig, load_config, to_yaml
 from rlstages.flows.cli.quiet import one_line, quiet_prefect
+
+STARTED = time.monotonic()  # the summary's wall time counts from the command's start (imports, pre-flight included)
 
 
 def one_malloc_arena() -> None:
@@ -42,7 +46,27 @@ out = Console()
 
 ConfigArg = Annotated[Path, typer.Argument(help="YAML config (e.g. configs/demo.yaml).")]
 Overrides = Annotated[list[str] | None, typer.Argument(help="Dotted overrides: actor.optim.lr=1e-6 rollout.n=8")]
-Debug = Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")]
+Debug = Annotated[bool, typer.Option("--debug", help="Show full tracebacks (and everything -v shows).")]
+Verbose = Annotated[
+    bool,
+    typer.Option(
+        "-v", "--verbose", help="Show libraries' warnings, progress bars and workers' output here, not only in the log."
+    ),
+]
+
+
+class LogFormat(StrEnum):
+    """How a run shows its steps on the terminal."""
+
+    auto = "auto"
+    rich = "rich"
+    plain = "plain"
+
+
+LogFormatOpt = Annotated[
+    LogFormat,
+    typer.Option("--log-format", help="auto: a live display on a terminal, one line per step otherwise; rich; plain."),
+]
 
 
 def _version(value: bool) -> None:
@@ -67,6 +91,9 @@ def _options(
 
 def fail(message: str, code: int = 1) -> None:
     """Print a one-line error and exit non-zero."""
+    from rlstages.flows.console import terminal
+
+    terminal().started()  # a start-up spinner stops first
     err.print(f"[bold red]error:[/] {escape(one_line(message))}", soft_wrap=True, highlight=False)
     raise typer.Exit(code)
 
@@ -110,21 +137,45 @@ def _precheck(cfg: RunConfig) -> None:
         warn(message)
 
 
+def _train(cfg: RunConfig, debug: bool, verbose: bool, log_format: LogFormat) -> None:
+    """Run the training flow with the terminal to ourselves (`rlstages.flows.console`): the machine measured,
+    the live display or plain step lines, the summary panel; everything else into the run's log file."""
+    from rlstages.flows.console import log_path_of, machine_of, print_summary, terminal_session
+
+    quiet_prefect(debug)
+    log_path = _guard(debug, lambda: log_path_of(cfg))
+    assert isinstance(log_path, Path)
+    with terminal_session(log_path, log_format.value, verbose or debug, (out, err)) as term:  # type: ignore[arg-type]
+        term.console.print(machine_of(cfg).line(), highlight=False, soft_wrap=True)
+        term.starting()
+        from rlstages.flows.train import rl_post_train
+
+        policy = _guard(debug, lambda: rl_post_train(cfg))
+        assert isinstance(policy, str)
+        out.print(f"[green]done[/]: final policy in {escape(policy)}", soft_wrap=True)
+        _guard(debug, lambda: print_summary(cfg, policy, time.monotonic() - STARTED, term.console))
+
+
 @app.command()
-def run(config: ConfigArg, overrides: Overrides = None, debug: Debug = False) -> None:
+def run(
+    config: ConfigArg,
+    overrides: Overrides = None,
+    debug: Debug = False,
+    verbose: Verbose = False,
+    log_format: LogFormatOpt = LogFormat.auto,
+) -> None:
     """Run (or continue) the training flow of CONFIG on the configured cluster."""
     cfg = _load(config, overrides)
     _guard(debug, lambda: _precheck(cfg))
-    quiet_prefect(debug)
-    from rlstages.flows.train import rl_post_train
-
-    policy = _guard(debug, lambda: rl_post_train(cfg))
-    out.print(f"[green]done[/]: final policy in {policy}")
+    _train(cfg, debug, verbose, log_format)
 
 
 @app.command()
 def resume(
-    run_dir: Annotated[Path, typer.Argument(help="A run directory (runs/<name>).")], debug: Debug = False
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (runs/<name>).")],
+    debug: Debug = False,
+    verbose: Verbose = False,
+    log_format: LogFormatOpt = LogFormat.auto,
 ) -> None:
     """Continue a run from its last committed checkpoint, into the same MLflow run."""
     saved = run_dir / "config.yaml"
@@ -144,11 +195,7 @@ def resume(
         out.print(f"[green]nothing to resume[/]: {escape(str(run_dir))} finished; final policy in {run_dir / 'final'}")
         return
     _guard(debug, lambda: _precheck(cfg))
-    quiet_prefect(debug)
-    from rlstages.flows.train import rl_post_train
-
-    policy = _guard(debug, lambda: rl_post_train(cfg))
-    out.print(f"[green]done[/]: final policy in {policy}")
+    _train(cfg, debug, verbose, log_format)
 
 
 @app.command("eval")

@@ -1,6 +1,6 @@
 """vLLM (CPU build, `.venv-vllm`) loads tiny Mixture-of-Experts checkpoints in the on-disk per-expert layout
 (qwen3_moe; mixtral and deepseek_v3 (MLA at DeepSeek-V3's latent size 512 + 64), written the same way, ran by hand
-with the same result: see README's conversion row, not parameters here because each vLLM process takes minutes to
+with the same result: see docs/support-matrix.md, not parameters here because each vLLM process takes minutes to
 start) and decodes greedily the same tokens as the HF model.
 
 Run: .venv/bin/python -m pytest -q -m vllm tests/engines/test_vllm_moe.py
@@ -47,7 +47,7 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe"])  # mixtral: ran by hand, minutes per vLLM start (see README)
+@pytest.mark.parametrize("model_type", ["qwen3_moe"])  # mixtral: ran by hand, minutes per vLLM start (support matrix)
 def test_vllm_generates_like_hf(model_type: str, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -3,7 +3,9 @@ finished run (nothing left to do), and one-line errors with non-zero exits. CPU 
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,9 +39,33 @@ def finished_run(tmp_path_factory, tiny_model_dir: Path) -> Path:
         "tracking.log_model=false",
         cwd=work,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    log = work / "runs" / "cli.log"
+    assert done.returncode == 0, done.stderr[-3000:] + (log.read_text()[-3000:] if log.is_file() else "")
     assert "final policy in" in done.stdout
+    (work / "terminal.txt").write_text(done.stdout + done.stderr)  # what the person saw (stdout is not a TTY)
     return work / "runs" / "cli"
+
+
+def test_the_terminal_shows_ours_alone_and_ends_with_the_summary(finished_run: Path) -> None:
+    """Libraries' warnings and progress bars and the Ray workers' output go to the run's log file; the terminal
+    has the machine line, one plain line per step and the summary panel."""
+    from mlflow import MlflowClient
+
+    shown = (finished_run.parent.parent / "terminal.txt").read_text()
+    log = finished_run.parent / "cli.log"
+    assert "warning" not in shown.lower() and "traceback" not in shown.lower(), shown
+    assert not re.search(r"\d+%\||it/s|s/it", shown), shown  # no tqdm bar (plain mode draws none of ours)
+    assert shown.count(f"log: {Path('runs') / 'cli.log'}") == 1, shown
+    assert re.search(r"^machine: .+; native bf16 (yes|no) .+; GEMM .+; 1 thread/worker$", shown, re.M), shown
+    assert re.search(r"^step 2/2 reward [\d.]+ .* s/step \| ETA \d+:\d\d:\d\d$", shown, re.M), shown
+    for row in ("run summary: cli", "held-out accuracy", "→ best", "reward_curve.png", "mlflow ui --backend-store-uri"):
+        assert row in shown, (row, shown)
+    assert "prefect server start" in shown
+    kept = log.read_text()
+    assert "Loading weights" in kept and "it/s" in kept  # the workers' progress bars went to the log
+    run_id = json.loads((finished_run / "run_state.json").read_text())["mlflow_run_id"]
+    tags = MlflowClient(f"sqlite:///{finished_run.parent.parent / 'mlflow.db'}").get_run(run_id).data.tags
+    assert tags["machine.threads_per_worker"] == "1" and tags["machine.cpu"] in shown and "machine.gemm" in tags
 
 
 def test_run_writes_the_run_directory(finished_run: Path) -> None:

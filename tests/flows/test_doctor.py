@@ -1,0 +1,68 @@
+"""`rlstages doctor` finds the vLLM environment where the rollout's actors find it (beside the repository, or
+beside the running interpreter's venv when installed from a wheel), not inside the package. CPU only, ~2 s.
+Run: pytest tests/flows/test_doctor.py
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlstages.engines.rollout import vllm_rollout
+from rlstages.flows.cli import doctor
+
+
+def fake_venv(root: Path) -> Path:
+    """A `.venv-vllm` whose interpreter is this one (it has no vllm: the probe fails, naming the interpreter)."""
+    python = root / ".venv-vllm" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    os.symlink(sys.executable, python)
+    return python
+
+
+def test_doctor_probes_the_interpreter_the_rollout_would_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    python = fake_venv(tmp_path / "checkout")
+    monkeypatch.setattr(vllm_rollout, "DEFAULT_VLLM_VENV", python.parent.parent)
+    assert vllm_rollout.vllm_actor_options()["runtime_env"]["py_executable"] == str(python)
+    found = doctor.vllm_interpreter(None)
+    assert found == python
+    row = doctor._vllm_row({"vllm-venv": doctor._import_probe(str(found), "vllm", 60)}, found, 0)
+    assert row.ok is False and str(python) in row.detail and "import vllm failed" in row.detail
+
+
+def test_a_wheel_install_finds_the_venv_beside_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Installed from a wheel there is no repository: `<project>/.venv-vllm` beside `<project>/.venv` is used."""
+    monkeypatch.setattr(vllm_rollout, "DEFAULT_VLLM_VENV", tmp_path / "site-packages" / ".venv-vllm")
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "project" / ".venv"))
+    assert doctor.vllm_interpreter(None) is None
+    row = doctor._vllm_row({}, None, 0)
+    assert row.ok is False and str(tmp_path / "project" / ".venv-vllm") in row.detail  # says where it looked
+    python = fake_venv(tmp_path / "project")
+    assert doctor.vllm_interpreter(None) == python
+    assert vllm_rollout.vllm_actor_options()["runtime_env"]["py_executable"] == str(python)
+    assert doctor.vllm_interpreter(tmp_path / "mine") == tmp_path / "mine"  # --vllm-python wins
+
+
+XEON = "model name\t: Intel(R) Xeon(R) CPU @ 2.20GHz\nflags\t\t: fpu sse avx2 avx512f avx512bw avx512vl\n"
+EPYC = "model name\t: AMD EPYC 9B14\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n"
+
+
+def test_the_cpu_class_comes_from_its_bf16_flags() -> None:
+    from rlstages.engines.runtime.machine import bf16_flags, cpu_model
+
+    assert cpu_model(XEON) == "Intel(R) Xeon(R) CPU @ 2.20GHz" and bf16_flags(XEON) == ()
+    assert cpu_model(EPYC) == "AMD EPYC 9B14" and bf16_flags(EPYC) == ("avx512_bf16",)
+
+
+def test_doctor_prints_this_machines_class_and_its_demo_time() -> None:
+    from rlstages.engines.runtime.machine import bf16_flags
+
+    rows = {c.name: c.detail for c in doctor.machine()}
+    native = bool(bf16_flags())
+    assert rows["class"] == doctor.DEMO_TIMES[native]
+    assert rows["native bf16"].startswith("yes" if native else "no")
+    assert re.search(r"(bf16|fp32 kernel).*\(2 threads", rows["bf16 GEMM"]), rows
