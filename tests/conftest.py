@@ -125,45 +125,63 @@ _durations: dict[str, float] = {}
 _exempt: set[str] = set()
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers",
-        "serial: must own the machine (timing ratios, the SIGKILL drill, real servers and clusters): run after the "
-        "parallel tier, one test at a time (integration tests are serial too)",
-    )
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_itemcollected(item: pytest.Item) -> None:
     """`integration` tests are `serial`. A test that uses a fixture of SHARED_GROUPS gets its group; one that uses
     a module- or class-scoped fixture gets its module's xdist group (one worker computes the fixture once), unless
     it names a group itself; every other test is load-balanced, so a new test file needs no edit to run under
-    `pytest -n 2 --dist loadgroup`."""
-    if os.environ.get(TIER_ENV) == "fast":
-        heavy = [
-            i
-            for i in items
-            if i.get_closest_marker("serial")
-            or i.get_closest_marker("integration")
-            or _SERVER_FIXTURES & set(i.fixturenames)
-        ]
-        if heavy:
-            config.hook.pytest_deselected(items=heavy)
-            left = set(heavy)
-            items[:] = [i for i in items if i not in left]
+    `pytest -n 2 --dist loadgroup`. (Marked here, as each test is collected: xdist turns the groups into node-id
+    suffixes in its own pytest_collection_modifyitems.)"""
+    if item.get_closest_marker("integration") is not None and item.get_closest_marker("serial") is None:
+        item.add_marker(pytest.mark.serial)
+    if item.get_closest_marker("xdist_group") is not None:
+        return
+    names = set(getattr(item, "fixturenames", ()))
+    shared = sorted({SHARED_GROUPS[f] for f in names if f in SHARED_GROUPS})
+    if shared:
+        item.add_marker(pytest.mark.xdist_group(name="+".join(shared)))
+        return
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else []
+    if any(d.scope in ("module", "class") for fixture_defs in defs for d in fixture_defs):
+        item.add_marker(pytest.mark.xdist_group(name=item.nodeid.split("::", 1)[0]))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The xdist group suffixes (`_xdist_group_suffix`); with RLSTAGES_TEST_TIER=fast, deselect every test that is
+    serial or starts Ray, Prefect or a server."""
+    _xdist_group_suffix(config, items)
+    if os.environ.get(TIER_ENV) != "fast":
+        return
+    heavy = [
+        i
+        for i in items
+        if i.get_closest_marker("serial")
+        or i.get_closest_marker("integration")
+        or _SERVER_FIXTURES & set(getattr(i, "fixturenames", ()))
+    ]
+    if heavy:
+        config.hook.pytest_deselected(items=heavy)
+        left = set(heavy)
+        items[:] = [i for i in items if i not in left]
+
+
+def _xdist_group_suffix(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """pytest-xdist's loadgroup schedules by an `@group` suffix of the node id that its worker sets as `_nodeid`;
+    pytest >= 9 keeps the id in `_id`, so the suffix would be lost (and each group split over the workers):
+    set it there where xdist's did not take."""
+    if not getattr(config.option, "loadgroup", False):
+        return
     for item in items:
-        if item.get_closest_marker("integration") is not None and item.get_closest_marker("serial") is None:
-            item.add_marker(pytest.mark.serial)
-        if item.get_closest_marker("xdist_group") is not None:
+        if "@" in item.nodeid:
             continue
-        shared = sorted({SHARED_GROUPS[f] for f in item.fixturenames if f in SHARED_GROUPS})
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(name="+".join(shared)))
-            continue
-        info = getattr(item, "_fixtureinfo", None)
-        defs = info.name2fixturedefs.values() if info is not None else []
-        if any(d.scope in ("module", "class") for fixture_defs in defs for d in fixture_defs):
-            item.add_marker(pytest.mark.xdist_group(name=item.nodeid.split("::", 1)[0]))
+        names = {
+            str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")
+        }
+        if names and hasattr(item, "_id"):
+            from _pytest.nodeid import coerce_node_id  # pytest >= 9
+
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(sorted(names))}")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
