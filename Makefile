@@ -62,7 +62,7 @@ test: setup-test test-py312
 FAST_IGNORE := $(foreach f,test_megatron_trainer.py test_megatron_moe.py test_deepspeed_trainer.py \
   test_vllm_rollout.py test_vllm_moe.py convert/test_convert_parity.py convert/test_convert_moe_parity.py \
   convert/test_convert_real_model.py,--ignore=tests/engines/$(f))
-test-fast: setup-test
+test-fast: $(VENV)/.installed-test
 	RLSTAGES_TEST_TIER=fast $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=10 $(FAST_IGNORE) \
 	  tests/configs tests/engines tests/tasks tests/flows/test_bad_inputs.py tests/test_dependency_rule.py
 
