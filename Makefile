@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed's JIT-built ops (shm comm, cpu_adam: ~80 s each) are built once into torch's own cache
 # (~/.cache/torch_extensions/py3X_cpu, keyed by their sources and flags), shared by every clone of the repo.
 
-.PHONY: setup setup-test browser-env sandbox-env demo test test-py312 test-all lint smoke bench clean
+.PHONY: setup setup-test browser-env sandbox-env demo test test-fast test-py312 test-all lint smoke bench clean
 
 # On a CPU machine pip is held to the local CPU wheel of torch; a GPU machine keeps its own CUDA build.
 TORCH_PIN := $(if $(shell command -v nvidia-smi 2>/dev/null),,-c constraints-cpu.txt)
@@ -71,10 +71,20 @@ demo: setup
 smoke: setup
 	$(BIN)/rlstages run configs/tiny.yaml
 
-# The torch-free unit tests on Python 3.12 first, then the whole suite on 3.11 (its summary is the last line;
-# the 25 slowest tests are listed above it, to keep the suite inside CI's budget).
+# The torch-free unit tests on Python 3.12 first, then the whole suite on 3.11 in two tiers (tests/README.md):
+# the parallel one on both cores (pytest-xdist), then the `serial` tests that must own the machine. It ends with
+# the 25 slowest tests of both tiers, the tests over the 90 s budget, the wall time and one summary line, last.
 test: setup-test test-py312
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python scripts/run_tests.py
+
+# Daily work, under 5 minutes: configs, engines' unit tests, tasks, the bad-input table; nothing that starts Ray,
+# Prefect or a server (RLSTAGES_TEST_TIER=fast, tests/conftest.py) and not the Megatron/DeepSpeed/vLLM backends.
+FAST_IGNORE := $(foreach f,test_megatron_trainer.py test_megatron_moe.py test_deepspeed_trainer.py \
+  test_vllm_rollout.py test_vllm_moe.py convert/test_convert_parity.py convert/test_convert_moe_parity.py \
+  convert/test_convert_real_model.py,--ignore=tests/engines/$(f))
+test-fast: $(VENV)/.installed-test
+	RLSTAGES_TEST_TIER=fast $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=10 $(FAST_IGNORE) \
+	  tests/configs tests/engines tests/tasks tests/flows/test_bad_inputs.py tests/test_dependency_rule.py
 
 test-py312:
 	bash scripts/py312_tests.sh .venv-py312

@@ -1,8 +1,13 @@
 """Shared fixtures: an isolated environment, a tiny model built from a config, one local Ray and one
-Prefect test harness per session. Runs on a CPU; `make test` runs everything CI runs."""
+Prefect test harness per session. Runs on a CPU; `make test` runs everything CI runs (tests/README.md).
+
+Under pytest-xdist each worker is its own session: its own temporary directory, PREFECT_HOME, Ray and Prefect
+harness. The hooks at the end group a module's tests on one worker where they share a module-scoped fixture,
+mark the tests that must own the machine `serial`, and report (never fail) tests over the time budget."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -10,6 +15,12 @@ from pathlib import Path
 import pytest
 
 _SESSION_TMP = Path(tempfile.mkdtemp(prefix="rlstages-tests-"))
+# An xdist worker inherits the controller's environment: a PREFECT_HOME this file set there is replaced by the
+# worker's own (two workers never share one), while a PREFECT_HOME the user set is kept.
+_PARENT_TMP = os.environ.get("RLSTAGES_TESTS_TMP")
+if _PARENT_TMP and os.environ.get("PREFECT_HOME") == str(Path(_PARENT_TMP) / "prefect"):
+    del os.environ["PREFECT_HOME"]
+os.environ["RLSTAGES_TESTS_TMP"] = str(_SESSION_TMP)
 os.environ.setdefault("PREFECT_HOME", str(_SESSION_TMP / "prefect"))
 for key, value in {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -100,3 +111,103 @@ def prefect_harness():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+# --- the harness: xdist groups, the serial tier, the time budget (tests/README.md) ---
+
+BUDGET_S = 90.0  # a test outside `slow` / `integration` should take less on CI's two cores
+DURATIONS_ENV = "RLSTAGES_TEST_RECORD"  # set by scripts/run_tests.py: where each pytest run appends its records
+TIER_ENV = "RLSTAGES_TEST_TIER"  # `fast` (make test-fast): leave out every test that starts Ray, Prefect or servers
+_SERVER_FIXTURES = {"ray_session", "prefect_harness", "servers", "ray_cluster", "sim_cluster"}
+# A costly session fixture read by tests in several files: its tests share one xdist group, so one worker builds it.
+SHARED_GROUPS = {"reference_run": "reference-run"}
+_durations: dict[str, float] = {}
+_exempt: set[str] = set()
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """`integration` tests are `serial`. A test that uses a fixture of SHARED_GROUPS gets its group; one that uses
+    a module- or class-scoped fixture gets its module's xdist group (one worker computes the fixture once), unless
+    it names a group itself; every other test is load-balanced, so a new test file needs no edit to run under
+    `pytest -n 2 --dist loadgroup`. (Marked here, as each test is collected: xdist turns the groups into node-id
+    suffixes in its own pytest_collection_modifyitems.)"""
+    if item.get_closest_marker("integration") is not None and item.get_closest_marker("serial") is None:
+        item.add_marker(pytest.mark.serial)
+    if item.get_closest_marker("xdist_group") is not None:
+        return
+    names = set(getattr(item, "fixturenames", ()))
+    shared = sorted({SHARED_GROUPS[f] for f in names if f in SHARED_GROUPS})
+    if shared:
+        item.add_marker(pytest.mark.xdist_group(name="+".join(shared)))
+        return
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else []
+    if any(d.scope in ("module", "class") for fixture_defs in defs for d in fixture_defs):
+        item.add_marker(pytest.mark.xdist_group(name=item.nodeid.split("::", 1)[0]))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The xdist group suffixes (`_xdist_group_suffix`); with RLSTAGES_TEST_TIER=fast, deselect every test that is
+    serial or starts Ray, Prefect or a server."""
+    _xdist_group_suffix(config, items)
+    if os.environ.get(TIER_ENV) != "fast":
+        return
+    heavy = [
+        i
+        for i in items
+        if i.get_closest_marker("serial")
+        or i.get_closest_marker("integration")
+        or _SERVER_FIXTURES & set(getattr(i, "fixturenames", ()))
+    ]
+    if heavy:
+        config.hook.pytest_deselected(items=heavy)
+        left = set(heavy)
+        items[:] = [i for i in items if i not in left]
+
+
+def _xdist_group_suffix(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """pytest-xdist's loadgroup schedules by an `@group` suffix of the node id that its worker sets as `_nodeid`;
+    pytest >= 9 keeps the id in `_id`, so the suffix would be lost (and each group split over the workers):
+    set it there where xdist's did not take."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        if "@" in item.nodeid:
+            continue
+        names = {
+            str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")
+        }
+        if names and hasattr(item, "_id"):
+            from _pytest.nodeid import coerce_node_id  # pytest >= 9
+
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(sorted(names))}")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Add up setup, call and teardown per test (in the xdist controller too: it receives every report)."""
+    key = report.nodeid
+    _durations[key] = _durations.get(key, 0.0) + report.duration
+    if "slow" in report.keywords or "integration" in report.keywords:
+        _exempt.add(key)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """List (never fail) the tests outside `slow` / `integration` over BUDGET_S; with RLSTAGES_TEST_RECORD set,
+    append this run's durations and outcome counts there for scripts/run_tests.py's combined report."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    over = sorted(
+        ((d, k) for k, d in _durations.items() if d > BUDGET_S and k not in _exempt),
+        reverse=True,
+    )
+    if over:
+        terminalreporter.write_sep("-", f"over the {BUDGET_S:.0f} s budget (a report, not a failure)")
+        for seconds, nodeid in over:
+            terminalreporter.write_line(f"{seconds:8.1f}s {nodeid}")
+    record = os.environ.get(DURATIONS_ENV)
+    if record:
+        counts = {k: len(v) for k, v in terminalreporter.stats.items() if k and k != "warnings"}
+        entry = {"exitstatus": int(exitstatus), "counts": counts, "durations": _durations, "exempt": sorted(_exempt)}
+        with open(record, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(entry) + "\n")

@@ -72,6 +72,43 @@ def gpu_holders(rows: list[dict]) -> dict[tuple[str, str], list[str]]:
     return held
 
 
+def finished_flow(cluster: SimCluster, tmp: Path, name: str, cmd: list[str], moe: bool = False) -> list[dict]:
+    """Run `cmd` (a 2-step `flow`) on the cluster and check what every such run must show: exit 0; its MLflow run
+    FINISHED with reward/mean at steps 1 and 2 (and, with `moe`, the experts' load imbalance >= 1 at both); the
+    rollout's log-probs within 1e-4 of the trainer's after every weight sync; both checkpoints committed, each
+    with its manifest. Returns the placement rows of its one build."""
+    run = subprocess.run(cmd, env=cluster.env(), cwd=tmp, capture_output=True, text=True, timeout=3000)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    client, found = mlflow_run(tmp, name)
+    assert found.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(found.info.run_id, "reward/mean")] == [1, 2]
+    if moe:
+        imbalance = client.get_metric_history(found.info.run_id, "actor/moe/tokens_per_expert_imbalance")
+        assert [m.step for m in imbalance] == [1, 2] and all(m.value >= 1.0 for m in imbalance)
+    diffs = client.get_metric_history(found.info.run_id, "rollout/logprob_diff")  # collective sync each step
+    assert diffs and max(m.value for m in diffs) < 1e-4, [m.value for m in diffs]
+    checkpoints = tmp / "runs" / name / "checkpoints"
+    committed = sorted(p.name for p in checkpoints.iterdir())
+    assert committed == ["step_000001", "step_000002"]  # shards written by ranks on both nodes, one commit each
+    assert all((checkpoints / c / "manifest.json").is_file() for c in committed)
+    (rows,) = placements(tmp, name)
+    return rows
+
+
+def spans_both_nodes(cluster: SimCluster, rows: list[dict]) -> None:
+    """The actor's ranks sit on both worker nodes (TP/PP groups span nodes)."""
+    actor = [r for r in rows if r["role"] == "actor"]
+    assert {r["node_ip"] for r in actor} == {cluster.node_ip(1), cluster.node_ip(2)}
+
+
+def one_actor_rank_per_gpu(rows: list[dict]) -> None:
+    """All 8 fake GPUs hold one actor rank each, and colocated roles at most one rank of each role per GPU."""
+    held = gpu_holders(rows)
+    assert len(held) == 8 and all(roles.count("actor") == 1 for roles in held.values())  # one rank per GPU
+    for roles in held.values():  # colocated: a fake GPU holds at most one rank of each role
+        assert len(roles) == len(set(roles)), roles
+
+
 def test_group_spanning_nodes_rendezvous_at_rank_0(sim_cluster: SimCluster) -> None:
     out = run_driver(sim_cluster, "spanning")
     ranks = out["ranks"]
@@ -141,20 +178,10 @@ def test_split_deepspeed_layout(sim_cluster: SimCluster, tiny_model_dir: Path, t
         "cluster.rollout_resources={sim_node_2: 0.2}",
         "cluster.placement_timeout_seconds=300",
     )
-    run = subprocess.run(cmd, env=sim_cluster.env(), cwd=tmp_path, capture_output=True, text=True, timeout=3000)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    client, found = mlflow_run(tmp_path, "split")
-    assert found.info.status == "FINISHED"
-    assert [m.step for m in client.get_metric_history(found.info.run_id, "reward/mean")] == [1, 2]
-    diffs = client.get_metric_history(found.info.run_id, "rollout/logprob_diff")
-    assert diffs and max(m.value for m in diffs) < 1e-4  # collective sync each step
-    (rows,) = placements(tmp_path, "split")
+    rows = finished_flow(sim_cluster, tmp_path, "split", cmd)
     nodes = {role: {r["node_ip"] for r in rows if r["role"] == role} for role in ("actor", "rollout")}
     assert nodes == {"actor": {sim_cluster.node_ip(1)}, "rollout": {sim_cluster.node_ip(2)}}
     assert all(len(roles) == 1 for roles in gpu_holders(rows).values())  # split: one role per fake GPU
-    committed = sorted(p.name for p in (tmp_path / "runs" / "split" / "checkpoints").iterdir())
-    assert committed == ["step_000001", "step_000002"]
-    assert all((tmp_path / "runs" / "split" / "checkpoints" / c / "manifest.json").is_file() for c in committed)
 
 
 @pytest.mark.slow  # opt-in (-m slow): the MoE twin below runs this dense TP2 x PP2 x DP2 layout (plus EP2) in CI
@@ -179,22 +206,9 @@ def test_megatron_layout_across_nodes(sim_cluster: SimCluster, tiny_model_dir: P
         "reference.num_workers=1",
         "cluster.placement_timeout_seconds=300",
     )
-    run = subprocess.run(cmd, env=sim_cluster.env(), cwd=tmp_path, capture_output=True, text=True, timeout=3000)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    client, found = mlflow_run(tmp_path, "mcore")
-    assert found.info.status == "FINISHED"
-    assert [m.step for m in client.get_metric_history(found.info.run_id, "reward/mean")] == [1, 2]
-    diffs = client.get_metric_history(found.info.run_id, "rollout/logprob_diff")  # each replica's stages, its rows
-    assert diffs and max(m.value for m in diffs) < 1e-4, [m.value for m in diffs]
-    (rows,) = placements(tmp_path, "mcore")
-    actor = [r for r in rows if r["role"] == "actor"]
-    assert {r["node_ip"] for r in actor} == {sim_cluster.node_ip(1), sim_cluster.node_ip(2)}  # TP/PP span nodes
-    held = gpu_holders(rows)
-    assert len(held) == 8 and all(roles.count("actor") == 1 for roles in held.values())  # one rank per GPU
-    for roles in held.values():  # colocated: a fake GPU holds at most one rank of each role
-        assert len(roles) == len(set(roles)), roles
-    committed = sorted(p.name for p in (tmp_path / "runs" / "mcore" / "checkpoints").iterdir())
-    assert committed == ["step_000001", "step_000002"]  # shards written by ranks on both nodes, one commit
+    rows = finished_flow(sim_cluster, tmp_path, "mcore", cmd)
+    spans_both_nodes(sim_cluster, rows)
+    one_actor_rank_per_gpu(rows)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs `pip install .[megatron]`")
@@ -224,24 +238,9 @@ def test_megatron_moe_layout_across_nodes(sim_cluster: SimCluster, tiny_moe_dir:
         "cluster.placement_timeout_seconds=300",
         "cluster.rendezvous_timeout_seconds=900",  # 8 Megatron ranks + 8 rollouts start on two cores
     )
-    run = subprocess.run(cmd, env=sim_cluster.env(), cwd=tmp_path, capture_output=True, text=True, timeout=3000)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    client, found = mlflow_run(tmp_path, "mcore")
-    assert found.info.status == "FINISHED"
-    assert [m.step for m in client.get_metric_history(found.info.run_id, "reward/mean")] == [1, 2]
-    imbalance = client.get_metric_history(found.info.run_id, "actor/moe/tokens_per_expert_imbalance")
-    assert [m.step for m in imbalance] == [1, 2] and all(m.value >= 1.0 for m in imbalance)
-    diffs = client.get_metric_history(found.info.run_id, "rollout/logprob_diff")
-    assert diffs and max(m.value for m in diffs) < 1e-4, [m.value for m in diffs]  # every expert reached the rollout
-    (rows,) = placements(tmp_path, "mcore")
-    actor = [r for r in rows if r["role"] == "actor"]
-    assert {r["node_ip"] for r in actor} == {sim_cluster.node_ip(1), sim_cluster.node_ip(2)}  # TP/PP span nodes
-    held = gpu_holders(rows)
-    assert len(held) == 8 and all(roles.count("actor") == 1 for roles in held.values())  # one rank per GPU
-    for roles in held.values():  # colocated: a fake GPU holds at most one rank of each role
-        assert len(roles) == len(set(roles)), roles
-    committed = sorted(p.name for p in (tmp_path / "runs" / "mcore" / "checkpoints").iterdir())
-    assert committed == ["step_000001", "step_000002"]  # shards written by ranks on both nodes, one commit
+    rows = finished_flow(sim_cluster, tmp_path, "mcore", cmd, moe=True)  # every expert reached the rollout
+    spans_both_nodes(sim_cluster, rows)
+    one_actor_rank_per_gpu(rows)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs `pip install .[megatron]`")
@@ -279,20 +278,9 @@ def test_megatron_deepseek_layout_across_nodes(
         "cluster.placement_timeout_seconds=300",
         "cluster.rendezvous_timeout_seconds=900",
     )
-    run = subprocess.run(cmd, env=sim_cluster.env(), cwd=tmp_path, capture_output=True, text=True, timeout=3000)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    client, found = mlflow_run(tmp_path, "dsv3")
-    assert found.info.status == "FINISHED"
-    assert [m.step for m in client.get_metric_history(found.info.run_id, "reward/mean")] == [1, 2]
-    aux = client.get_metric_history(found.info.run_id, "actor/moe/tokens_per_expert_imbalance")
-    assert [m.step for m in aux] == [1, 2] and all(m.value >= 1.0 for m in aux)
-    diffs = client.get_metric_history(found.info.run_id, "rollout/logprob_diff")
-    assert diffs and max(m.value for m in diffs) < 1e-4, [m.value for m in diffs]  # MLA, experts, shared expert
-    (rows,) = placements(tmp_path, "dsv3")
-    actor = [r for r in rows if r["role"] == "actor"]
-    assert len(actor) == 4 and {r["node_ip"] for r in actor} == {sim_cluster.node_ip(1), sim_cluster.node_ip(2)}
-    committed = sorted(p.name for p in (tmp_path / "runs" / "dsv3" / "checkpoints").iterdir())
-    assert committed == ["step_000001", "step_000002"]
+    rows = finished_flow(sim_cluster, tmp_path, "dsv3", cmd, moe=True)  # MLA, experts, shared expert
+    assert len([r for r in rows if r["role"] == "actor"]) == 4
+    spans_both_nodes(sim_cluster, rows)
 
 
 def test_node_lost_mid_run_is_rebuilt_on_a_new_node(

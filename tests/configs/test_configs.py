@@ -166,17 +166,20 @@ def test_frozen_and_hash_stable() -> None:
     assert flat["actor.optim.lr"] == "0.001" and flat["reward.functions.0.name"] == "digit_ratio"
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rlstages.flows.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=120
-    )
+def test_cli_config_show_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
 
+    from rlstages.flows.cli.main import app
 
-def test_cli_config_show_and_errors() -> None:
+    monkeypatch.chdir(ROOT)
+
+    def _cli(*args: str):  # in process (typer's CliRunner), from the repository root
+        return CliRunner().invoke(app, list(args), env={"COLUMNS": "2000"})
+
     ok = _cli("config", "show", "configs/demo.yaml", "actor.optim.lr=1e-5")
-    assert ok.returncode == 0 and "lr: 1.0e-05" in ok.stdout
+    assert ok.exit_code == 0 and "lr: 1.0e-05" in ok.stdout, (ok.stderr, ok.exception)
     bad = _cli("config", "show", "configs/demo.yaml", "actor.optim.lrr=1")
-    assert bad.returncode == 2
+    assert bad.exit_code == 2
     lines = [line for line in bad.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "actor.optim.lrr" in lines[0]
     helped = _cli("--help")

@@ -98,6 +98,7 @@ def _best_seconds(fn, repeats: int = 5) -> float:
     return best
 
 
+@pytest.mark.serial  # a timing comparison: it owns the machine (tests/README.md)
 def test_the_timing_probe_agrees_with_the_layers_it_chooses_for() -> None:
     """`auto`'s probe (a 512 x 1024 GEMM each way) says which kernel is faster on the shapes the demo's layers
     have (1024 tokens through a 576 -> 1536 layer, forward and backward), wherever the two clearly differ."""

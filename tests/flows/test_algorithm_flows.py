@@ -1,4 +1,5 @@
-"""The training flow with each policy loss (2 steps; some with rollout IS weights and token-sum), and
+"""The training flow with the GSPO and KL-Cov policy losses (2 steps, with rollout IS weights and token-sum; every
+loss is trained at engine level in tests/engines/test_trainer_policy_losses.py), and
 one-step-off-policy generation on the split layout (rollout and trainer in different Ray workers), on the tiny
 preset with real Prefect (no server), Ray and an MLflow SQLite store. CPU only, a few minutes."""
 
@@ -52,16 +53,18 @@ def changed_tensors(cfg: RunConfig, model_dir: Path) -> int:
     return sum(not torch.equal(initial[k], final[k]) for k in initial)
 
 
+# Each policy loss trains at engine level (tests/engines/test_trainer_policy_losses.py: every loss moves the
+# parameters, with and without IS weights) and its options reach the loss (tests/configs/test_algorithm_options.py).
+# Through the flow, two runs carry every flow-level option: KL-Cov with token-sum and token-level IS weights (was
+# the vanilla case's), GSPO with sequence-level masked IS weights; the vanilla, CISPO and Clip-Cov flows were merged
+# into these (tests/README.md).
 CASES = {
-    "vanilla": ["algorithm.loss_agg_mode=token-sum", "algorithm.rollout_is.level=token"],
     "gspo": [
         "algorithm.loss_agg_mode=seq-mean-token-mean",
         "algorithm.rollout_is.level=sequence",
         "algorithm.rollout_is.mode=mask",
     ],
-    "cispo": [],
-    "clip_cov": [],
-    "kl_cov": [],
+    "kl_cov": ["algorithm.loss_agg_mode=token-sum", "algorithm.rollout_is.level=token"],
 }
 
 

@@ -1,5 +1,7 @@
-"""The `rlstages` command line end to end in subprocesses: a tiny run, `eval` of its checkpoint, `resume` of a
-finished run (nothing left to do), and one-line errors with non-zero exits. CPU only, ~2 minutes."""
+"""The `rlstages` command line: one real-process smoke test (`rlstages run` of a 1-step tiny run, then `rlstages
+eval` of its checkpoint, both pointed at the session's Ray and Prefect so that they boot none of their own); in
+process (typer's CliRunner), `resume` of the session's finished reference run (nothing left to do) and one-line
+errors with non-zero exits. CPU only, about a minute."""
 
 from __future__ import annotations
 
@@ -11,24 +13,40 @@ import sys
 from pathlib import Path
 
 import pytest
+from click.testing import Result
+from flow_support import ROOT, Reference
+from typer.testing import CliRunner
 
-ROOT = Path(__file__).resolve().parents[2]
+
+@pytest.fixture(scope="module")
+def session_env(ray_session, prefect_harness) -> dict[str, str]:
+    """The environment of a CLI process that uses the session's local Ray and Prefect API (no servers of its own)."""
+    from prefect.settings import PREFECT_API_URL
+
+    # MLflow: the run's own store in its working directory (an earlier test's set_tracking_uri exports its URI)
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RLSTAGES_FAULTS")}
+    return {
+        **env,
+        "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address,
+        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+    }
 
 
-def rlstages(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PREFECT_HOME": str(cwd / ".prefect")}
+def rlstages(*args: str, cwd: Path, env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "rlstages.flows.cli", *args],
         capture_output=True,
         text=True,
         cwd=cwd,
         timeout=timeout,
-        env=env,
+        env={**env, "PREFECT_HOME": str(cwd / ".prefect"), "RLSTAGES_FAULTS": ""},
     )
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, tiny_model_dir: Path) -> Path:
+def finished_run(tmp_path_factory, tiny_model_dir: Path, session_env: dict[str, str]) -> Path:
+    """`rlstages run` in its own process: one step, the checkpoint evaluated at its end (the 2-step run is the
+    session's reference)."""
     work = tmp_path_factory.mktemp("cli")
     done = rlstages(
         "run",
@@ -36,8 +54,11 @@ def finished_run(tmp_path_factory, tiny_model_dir: Path) -> Path:
         f"model.path={tiny_model_dir}",
         "model.provider=local",
         "trainer.run_name=cli",
+        "trainer.total_steps=1",
+        "trainer.eval_at_start=false",
         "tracking.log_model=false",
         cwd=work,
+        env=session_env,
     )
     log = work / "runs" / "cli.log"
     assert done.returncode == 0, done.stderr[-3000:] + (log.read_text()[-3000:] if log.is_file() else "")
@@ -74,18 +95,31 @@ def test_run_writes_the_run_directory(finished_run: Path) -> None:
     assert (finished_run.parent.parent / "mlflow.db").is_file()
 
 
-def test_eval_reports_greedy_pass_at_1(finished_run: Path) -> None:
-    out = rlstages("eval", str(finished_run), cwd=finished_run.parent.parent)
+def test_eval_reports_greedy_pass_at_1(finished_run: Path, session_env: dict[str, str]) -> None:
+    out = rlstages("eval", str(finished_run), cwd=finished_run.parent.parent, env=session_env)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "eval/reward_mean" in out.stdout and "step 2" in out.stdout
+    assert "eval/reward_mean" in out.stdout and "step 1" in out.stdout
 
 
-def test_resume_of_a_finished_run_is_a_no_op_that_succeeds(finished_run: Path) -> None:
-    before = (finished_run / "final" / "model.safetensors").read_bytes()
-    out = rlstages("resume", str(finished_run), cwd=finished_run.parent.parent)
-    assert out.returncode == 0, out.stderr[-3000:]
+def invoke(*args: str, cwd: Path) -> Result:
+    """The CLI in this process (typer's CliRunner) in `cwd`; stdout and stderr apart."""
+    from rlstages.flows.cli.main import app
+
+    old = Path.cwd()
+    os.chdir(cwd)
+    try:
+        return CliRunner().invoke(app, list(args), env={"RLSTAGES_FAULTS": "", "COLUMNS": "2000"})
+    finally:
+        os.chdir(old)
+
+
+def test_resume_of_a_finished_run_is_a_no_op_that_succeeds(reference_run: Reference) -> None:
+    run_dir = reference_run.run_dir
+    before = (run_dir / "final" / "model.safetensors").read_bytes()
+    out = invoke("resume", str(run_dir), cwd=reference_run.tmp)
+    assert out.exit_code == 0, (out.stderr[-3000:], out.exception)
     assert "nothing to resume" in out.stdout and "finished" in out.stdout  # nothing started (no flow run)
-    assert (finished_run / "final" / "model.safetensors").read_bytes() == before
+    assert (run_dir / "final" / "model.safetensors").read_bytes() == before
 
 
 @pytest.mark.parametrize(
@@ -105,6 +139,7 @@ def test_resume_of_a_finished_run_is_a_no_op_that_succeeds(finished_run: Path) -
 )
 def test_bad_input_is_one_line_and_non_zero(args: tuple[str, ...], needle: str, code: int, tmp_path: Path) -> None:
     (tmp_path / "configs").symlink_to(ROOT / "configs")
-    out = rlstages(*args, cwd=tmp_path, timeout=120)
+    out = invoke(*args, cwd=tmp_path)
     lines = [line for line in out.stderr.splitlines() if line.strip()]
-    assert out.returncode == code and len(lines) == 1 and needle in lines[0], out.stderr
+    assert out.exit_code == code and len(lines) == 1 and needle in lines[0], out.stderr
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()  # nothing created

@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
-from mlflow import MlflowClient
+from flow_support import IN_DRIVER, ROOT, Reference, final_weights, mlflow_run, overrides, reward_steps, run_dir, same
+from flow_support import tiny_cfg as _tiny_cfg
 from safetensors.torch import load_file
 
 from rlstages.configs import RunConfig, load_config
@@ -26,54 +26,12 @@ from rlstages.tasks.checkpoint import MANIFEST, latest_checkpoint
 from rlstages.tasks.context import RunHandle
 from rlstages.tasks.update import NonFiniteStep
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def overrides(tmp: Path, model_dir: Path, name: str) -> list[str]:
-    return [
-        f"model.path={model_dir}",
-        "model.provider=local",
-        f"trainer.output_dir={tmp / 'runs'}",
-        f"trainer.run_name={name}",
-        f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
-        "tracking.log_model=false",
-        "prefect.default.retry_delay_seconds=0",
-        "cluster.mode=in_process",  # the engines in the driver: checkpoints and NaNs are the point, not Ray
-    ]
-
-
-def tiny_cfg(tmp: Path, model_dir: Path, name: str, *extra: str) -> RunConfig:
-    return load_config(ROOT / "configs" / "tiny.yaml", [*overrides(tmp, model_dir, name), *extra])
-
-
-def final_weights(cfg: RunConfig) -> dict[str, torch.Tensor]:
-    return load_file(str(cfg.trainer.output_dir / str(cfg.trainer.run_name) / "final" / "model.safetensors"))
-
-
-def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def mlflow_run(cfg: RunConfig):
-    c = MlflowClient(cfg.tracking.tracking_uri)
-    exp = c.get_experiment_by_name(cfg.tracking.experiment)
-    runs = c.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{cfg.trainer.run_name}'")
-    assert len(runs) == 1, f"expected one MLflow run for {cfg.trainer.run_name}, got {len(runs)}"
-    return c, runs[0]
-
-
-def reward_steps(cfg: RunConfig) -> list[int]:
-    c, run = mlflow_run(cfg)
-    return [m.step for m in c.get_metric_history(run.info.run_id, "reward/mean")]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, tiny_model_dir: Path, ray_session, prefect_harness):
-    """An uninterrupted 2-step run the drills are compared with."""
-    tmp = tmp_path_factory.mktemp("drills")
-    cfg = tiny_cfg(tmp, tiny_model_dir, "reference")
-    rl_post_train(cfg)
-    return tmp, cfg
+@pytest.fixture
+def reference(reference_run: Reference) -> tuple[Path, RunConfig]:
+    """The session's uninterrupted 2-step run (tests/flows/conftest.py) the drills are compared with: on Ray, it
+    ends bit for bit where a run with the engines in the driver ends (tests/flows/test_train_flow.py)."""
+    return reference_run.tmp, reference_run.cfg
 
 
 @pytest.fixture
@@ -84,17 +42,22 @@ def faults(monkeypatch):
     return set_faults
 
 
+def tiny_cfg(tmp: Path, model_dir: Path, name: str, *extra: str) -> RunConfig:
+    """tiny.yaml with the engines in the driver (`cluster.mode=in_process`): checkpoints and NaNs are the point."""
+    return _tiny_cfg(tmp, model_dir, name, IN_DRIVER, *extra)
+
+
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 def test_disk_full_during_a_checkpoint_keeps_the_previous_one_and_resume_uses_it(
-    reference, tiny_model_dir: Path
+    reference, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    tmp, ref_cfg = reference
-    one = _dir_bytes(ref_cfg.trainer.output_dir / "reference" / "checkpoints" / "step_000001")
-    cfg = tiny_cfg(tmp, tiny_model_dir, "diskfull")
+    _, ref_cfg = reference
+    one = _dir_bytes(run_dir(ref_cfg) / "checkpoints" / "step_000001")
+    cfg = tiny_cfg(tmp_path, tiny_model_dir, "diskfull")
     checkpoints = cfg.trainer.output_dir / "diskfull" / "checkpoints"
     checkpoints.mkdir(parents=True)
     size_kib = (one * 3 // 2) // 1024 + 1  # room for one checkpoint, not for a second beside it
@@ -118,9 +81,11 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one_and_resume_uses_it
         subprocess.run(["umount", str(checkpoints)], check=False)
 
 
-def test_nan_loss_stops_the_run_before_the_weights_are_synced_or_saved(reference, tiny_model_dir: Path, faults) -> None:
-    tmp, ref_cfg = reference
-    cfg = tiny_cfg(tmp, tiny_model_dir, "nanstop")
+def test_nan_loss_stops_the_run_before_the_weights_are_synced_or_saved(
+    reference, tiny_model_dir: Path, faults, tmp_path: Path
+) -> None:
+    _, ref_cfg = reference
+    cfg = tiny_cfg(tmp_path, tiny_model_dir, "nanstop")
     faults("update_actor@2:nan")
     with pytest.raises(NonFiniteStep, match="update_actor at step 2: non-finite actor/"):
         rl_post_train(cfg)
@@ -129,22 +94,22 @@ def test_nan_loss_stops_the_run_before_the_weights_are_synced_or_saved(reference
     assert "non-finite" in run.data.tags["rlstages.error"]
     found = latest_checkpoint(RunHandle("nanstop", str(cfg.trainer.output_dir / "nanstop")), verify=True)
     assert found is not None and found[0] == 1
-    ref_step1 = ref_cfg.trainer.output_dir / "reference" / "checkpoints" / "step_000001" / "actor"
+    ref_step1 = run_dir(ref_cfg) / "checkpoints" / "step_000001" / "actor"
     ours = load_file(str(found[1] / "actor" / "model.safetensors"))
     assert same(load_file(str(ref_step1 / "model.safetensors")), ours)
     rl_post_train(cfg)  # the fault fired once: a resume from step 1 finishes as if nothing happened
     assert same(final_weights(ref_cfg), final_weights(cfg))
 
 
-def test_nan_loss_skipped_leaves_the_weights_unchanged(reference, tiny_model_dir: Path, faults) -> None:
-    tmp, ref_cfg = reference
-    cfg = tiny_cfg(tmp, tiny_model_dir, "nanskip", "trainer.on_nonfinite=skip")
+def test_nan_loss_skipped_leaves_the_weights_unchanged(reference, tiny_model_dir: Path, faults, tmp_path: Path) -> None:
+    _, ref_cfg = reference
+    cfg = tiny_cfg(tmp_path, tiny_model_dir, "nanskip", "trainer.on_nonfinite=skip")
     faults("update_actor@2:nan")
     rl_post_train(cfg)
     step1 = cfg.trainer.output_dir / "nanskip" / "checkpoints" / "step_000001" / "actor" / "model.safetensors"
     before = load_file(str(step1)) if step1.is_file() else None
     after = final_weights(cfg)
-    ref_step1 = ref_cfg.trainer.output_dir / "reference" / "checkpoints" / "step_000001" / "actor"
+    ref_step1 = run_dir(ref_cfg) / "checkpoints" / "step_000001" / "actor"
     assert same(load_file(str(ref_step1 / "model.safetensors")), after)  # step 2 was not applied
     assert before is None or same(before, after)
     c, run = mlflow_run(cfg)
@@ -183,19 +148,23 @@ def _cli(tmp: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProc
     return subprocess.CompletedProcess(proc.args, proc.returncode, out.read_text(), err.read_text())
 
 
+@pytest.mark.serial  # a real process SIGKILLed mid-commit: it owns the machine (tests/README.md)
 def test_sigkill_during_a_checkpoint_commit_then_resume(reference, tiny_model_dir: Path, tmp_path: Path) -> None:
+    from prefect.settings import PREFECT_API_URL
+
     _, ref_cfg = reference
+    api = {"PREFECT_API_URL": str(PREFECT_API_URL.value())}  # the session's Prefect API: no server of their own
     config = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
     (tmp_path / "drill.yaml").write_text(yaml.safe_dump(config))
-    cfg = load_config(tmp_path / "drill.yaml", overrides(tmp_path, tiny_model_dir, "killed"))
-    killed = _cli(tmp_path, "run", "drill.yaml", *overrides(tmp_path, tiny_model_dir, "killed"),
-                  env={"RLSTAGES_FAULTS": "checkpoint_commit@2:sigkill"})  # fmt: skip
+    cfg = load_config(tmp_path / "drill.yaml", overrides(tmp_path, tiny_model_dir, "killed", IN_DRIVER))
+    killed = _cli(tmp_path, "run", "drill.yaml", *overrides(tmp_path, tiny_model_dir, "killed", IN_DRIVER),
+                  env={**api, "RLSTAGES_FAULTS": "checkpoint_commit@2:sigkill"})  # fmt: skip
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     run_dir = cfg.trainer.output_dir / "killed"
     half = run_dir / "checkpoints" / "step_000002"
     assert half.is_dir() and not (half / MANIFEST).exists()  # renamed, never committed
     assert json.loads((run_dir / "run_state.json").read_text())["status"] == "RUNNING"
-    resumed = _cli(tmp_path, "resume", str(run_dir), env={"RLSTAGES_FAULTS": ""})
+    resumed = _cli(tmp_path, "resume", str(run_dir), env={**api, "RLSTAGES_FAULTS": ""})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "step_000002: no manifest.json (an interrupted commit); it is ignored" in resumed.stderr
     found = latest_checkpoint(RunHandle("killed", str(run_dir)), verify=True)

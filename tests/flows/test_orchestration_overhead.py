@@ -12,6 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -25,6 +26,7 @@ from rlstages.tasks.context import RunHandle
 from rlstages.tasks.policies import with_policy
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.serial  # owns the machine: its temporary server and thread timings (tests/README.md)
 
 
 def _flows_env(**env: str) -> dict[str, str]:

@@ -12,53 +12,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from flow_support import IN_DRIVER, Reference, final_weights, mlflow_run, tiny_cfg
 from mlflow import MlflowClient
 from safetensors.torch import load_file
 
-from rlstages.configs import RunConfig, load_config
+from rlstages.configs import RunConfig
 from rlstages.flows.train import rl_post_train
 from rlstages.tasks.checkpoint import latest_checkpoint
 from rlstages.tasks.context import RunHandle
 
-ROOT = Path(__file__).resolve().parents[2]
-IN_DRIVER = "cluster.mode=in_process"  # no actor start-up (~25 s a run on two cores) where Ray is not the point
 
-
-def tiny_cfg(tmp: Path, model_dir: Path, name: str, *extra: str) -> RunConfig:
-    return load_config(
-        ROOT / "configs" / "tiny.yaml",
-        [
-            f"model.path={model_dir}",
-            "model.provider=local",
-            f"trainer.output_dir={tmp / 'runs'}",
-            f"trainer.run_name={name}",
-            f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
-            "tracking.log_model=false",
-            "prefect.default.retry_delay_seconds=0",
-            *extra,
-        ],
-    )
-
-
-def final_weights(cfg: RunConfig) -> dict[str, torch.Tensor]:
-    return load_file(str(cfg.trainer.output_dir / str(cfg.trainer.run_name) / "final" / "model.safetensors"))
-
-
-def mlflow_run(cfg: RunConfig):
-    c = MlflowClient(cfg.tracking.tracking_uri)
-    exp = c.get_experiment_by_name(cfg.tracking.experiment)
-    runs = c.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{cfg.trainer.run_name}'")
-    assert len(runs) == 1, f"expected one MLflow run for {cfg.trainer.run_name}, got {len(runs)}"
-    return c, runs[0]
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory, tiny_model_dir: Path, ray_session, prefect_harness):
-    """An uninterrupted 2-step run every other test compares against."""
-    tmp = tmp_path_factory.mktemp("flow")
-    cfg = tiny_cfg(tmp, tiny_model_dir, "base", "tracking.log_model=true", "tracking.registered_model_name=tiny-policy")
-    policy = rl_post_train(cfg)
-    return tmp, cfg, Path(policy)
+@pytest.fixture
+def base(reference_run: Reference) -> tuple[Path, RunConfig, Path]:
+    """The session's reference run (tests/flows/conftest.py): an uninterrupted 2-step run on Ray that every
+    other test compares against."""
+    return reference_run.tmp, reference_run.cfg, reference_run.policy
 
 
 @pytest.fixture
@@ -144,9 +112,9 @@ def test_task_runs_are_named_by_stage_and_step(base) -> None:
     assert "evaluate[step=0]" in task_names and "export_policy" in task_names
 
 
-def test_transient_fault_is_retried(base, tiny_model_dir: Path, faults) -> None:
-    tmp, ref_cfg, _ = base
-    cfg = tiny_cfg(tmp, tiny_model_dir, "retried", IN_DRIVER)
+def test_transient_fault_is_retried(base, tiny_model_dir: Path, faults, tmp_path: Path) -> None:
+    _, ref_cfg, _ = base
+    cfg = tiny_cfg(tmp_path, tiny_model_dir, "retried", IN_DRIVER)
     faults("generate@1:transient,score_rewards@2:transient")
     rl_post_train(cfg)
     run_dir = cfg.trainer.output_dir / "retried"
@@ -157,9 +125,11 @@ def test_transient_fault_is_retried(base, tiny_model_dir: Path, faults) -> None:
     assert run.info.status == "FINISHED"
 
 
-def test_crash_then_resume_is_bitwise_and_logs_each_step_once(base, tiny_model_dir: Path, faults) -> None:
-    tmp, ref_cfg, _ = base
-    cfg = tiny_cfg(tmp, tiny_model_dir, "crashed", IN_DRIVER)
+def test_crash_then_resume_is_bitwise_and_logs_each_step_once(
+    base, tiny_model_dir: Path, faults, tmp_path: Path
+) -> None:
+    _, ref_cfg, _ = base
+    cfg = tiny_cfg(tmp_path, tiny_model_dir, "crashed", IN_DRIVER)
     faults("checkpoint@2:fatal")  # step 2's metrics are logged, then the run dies before committing it
     with pytest.raises(RuntimeError, match="injected fatal fault"):
         rl_post_train(cfg)
@@ -175,9 +145,9 @@ def test_crash_then_resume_is_bitwise_and_logs_each_step_once(base, tiny_model_d
     assert all(torch.equal(reference[k], resumed[k]) for k in reference)
 
 
-def test_killed_worker_is_rebuilt_and_replayed(base, tiny_model_dir: Path, faults) -> None:
-    tmp, ref_cfg, _ = base
-    cfg = tiny_cfg(tmp, tiny_model_dir, "killed")
+def test_killed_worker_is_rebuilt_and_replayed(base, tiny_model_dir: Path, faults, tmp_path: Path) -> None:
+    _, ref_cfg, _ = base
+    cfg = tiny_cfg(tmp_path, tiny_model_dir, "killed")
     faults("update_actor@2:kill-actor")
     rl_post_train(cfg)
     reference, recovered = final_weights(ref_cfg), final_weights(cfg)
@@ -231,9 +201,9 @@ def test_a_failed_start_does_not_block_its_run_name(
     assert finished.data.tags["rlstages.config_hash"] == config_hash(fixed)
 
 
-def test_hybrid_engine_gives_the_same_run(base, tiny_model_dir: Path) -> None:
-    tmp, ref_cfg, _ = base
-    cfg = tiny_cfg(tmp, tiny_model_dir, "hybrid", "cluster.hybrid_engine=true")
+def test_hybrid_engine_gives_the_same_run(base, tiny_model_dir: Path, tmp_path: Path) -> None:
+    _, ref_cfg, _ = base
+    cfg = tiny_cfg(tmp_path, tiny_model_dir, "hybrid", "cluster.hybrid_engine=true")
     rl_post_train(cfg)
     reference, hybrid = final_weights(ref_cfg), final_weights(cfg)
     assert all(torch.equal(reference[k], hybrid[k]) for k in reference)
@@ -243,14 +213,15 @@ def test_hybrid_engine_gives_the_same_run(base, tiny_model_dir: Path) -> None:
     assert not client.get_metric_history(run.info.run_id, "perf/mfu/actor")  # no peak known for a CPU: no MFU
 
 
-def test_bf16_stochastic_rounding_run_resumes_bitwise(base, tiny_model_dir: Path, faults) -> None:
+def test_bf16_stochastic_rounding_run_resumes_bitwise(
+    tiny_model_dir: Path, faults, tmp_path: Path, prefect_harness
+) -> None:
     """The demo's training shape (bf16 weights, torchao's AdamW, hybrid engine) through the flow: a run that
     crashes before its step-2 checkpoint resumes to the uninterrupted run's weights, bit for bit."""
-    tmp, _, _ = base
     shape = ("cluster.hybrid_engine=true", "model.dtype=bfloat16", "actor.bf16_stochastic_round=true", IN_DRIVER)
-    ref_cfg = tiny_cfg(tmp, tiny_model_dir, "bf16-sr", *shape)
+    ref_cfg = tiny_cfg(tmp_path, tiny_model_dir, "bf16-sr", *shape)
     rl_post_train(ref_cfg)
-    cfg = tiny_cfg(tmp, tiny_model_dir, "bf16-sr-crashed", *shape)
+    cfg = tiny_cfg(tmp_path, tiny_model_dir, "bf16-sr-crashed", *shape)
     faults("checkpoint@2:fatal")
     with pytest.raises(RuntimeError, match="injected fatal fault"):
         rl_post_train(cfg)

@@ -1,0 +1,81 @@
+"""Helpers of the flow tests (one copy, imported by every tests/flows file): the tiny preset's config with a run's
+paths, its final weights, its MLflow run and reward steps. The session's reference run is a fixture of
+tests/flows/conftest.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from mlflow import MlflowClient
+from safetensors.torch import load_file
+
+from rlstages.configs import RunConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+IN_DRIVER = "cluster.mode=in_process"  # no actor start-up (~25 s a run on two cores) where Ray is not the point
+
+
+def overrides(tmp: Path, model_dir: Path, name: str, *extra: str) -> list[str]:
+    """tiny.yaml's overrides for a run named `name` under `tmp` (runs/, mlflow.db) on the local model."""
+    return [
+        f"model.path={model_dir}",
+        "model.provider=local",
+        f"trainer.output_dir={tmp / 'runs'}",
+        f"trainer.run_name={name}",
+        f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
+        "tracking.log_model=false",
+        "prefect.default.retry_delay_seconds=0",
+        *extra,
+    ]
+
+
+def tiny_cfg(tmp: Path, model_dir: Path, name: str, *extra: str) -> RunConfig:
+    """configs/tiny.yaml (2 steps) with `overrides`."""
+    return load_config(ROOT / "configs" / "tiny.yaml", overrides(tmp, model_dir, name, *extra))
+
+
+def run_dir(cfg: RunConfig) -> Path:
+    """The run's directory (trainer.output_dir / run_name)."""
+    return cfg.trainer.output_dir / str(cfg.trainer.run_name)
+
+
+def final_weights(cfg: RunConfig) -> dict[str, torch.Tensor]:
+    """The run's final policy weights."""
+    return load_file(str(run_dir(cfg) / "final" / "model.safetensors"))
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Bit-for-bit equal state dicts."""
+    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def mlflow_run(cfg: RunConfig):  # type: ignore[no-untyped-def]
+    """The MLflow client and the one run named after the training run."""
+    c = MlflowClient(cfg.tracking.tracking_uri)
+    exp = c.get_experiment_by_name(cfg.tracking.experiment)
+    runs = c.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{cfg.trainer.run_name}'")
+    assert len(runs) == 1, f"expected one MLflow run for {cfg.trainer.run_name}, got {len(runs)}"
+    return c, runs[0]
+
+
+def reward_steps(cfg: RunConfig) -> list[int]:
+    """The steps at which reward/mean was logged."""
+    c, run = mlflow_run(cfg)
+    return [m.step for m in c.get_metric_history(run.info.run_id, "reward/mean")]
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The session's uninterrupted 2-step run of tiny.yaml (Ray, real Prefect, MLflow with the model logged and
+    registered as `tiny-policy`): `tmp` holds runs/base and mlflow.db, `policy` is runs/base/final."""
+
+    tmp: Path
+    cfg: RunConfig
+    policy: Path
+
+    @property
+    def run_dir(self) -> Path:
+        """runs/base."""
+        return run_dir(self.cfg)
