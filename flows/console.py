@@ -125,8 +125,8 @@ def terminal_session(
 
 
 def machine_of(cfg: RunConfig):  # noqa: ANN201 - engines' Machine, imported lazily (torch)
-    """This machine as `cfg`'s actor sees it (`rlstages.engines.runtime.machine.measure`, once per process)."""
-    from rlstages.engines.runtime.machine import measure
+    """This machine as `cfg`'s actor sees it (`rlstages.engines.training.machine.measure`, once per process)."""
+    from rlstages.engines.training.machine import measure
 
     actor = cfg.actor
     bf16 = cfg.model.dtype == "bfloat16" or bool(getattr(actor, "bf16_autocast", False))

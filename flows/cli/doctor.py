@@ -278,7 +278,7 @@ DEMO_TIMES = {
 
 def machine() -> list[Check]:
     """The CPU, its bf16 flags, the GEMM kernel the demo's bf16 layers take here, and the demo's time for its class."""
-    from rlstages.engines.runtime.machine import measure
+    from rlstages.engines.training.machine import measure
 
     m = measure("auto", True, 2)  # the demo's actor: bf16, fp32_matmul auto, 2 threads per worker
     return [

@@ -52,14 +52,14 @@ EPYC = "model name\t: AMD EPYC 9B14\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx
 
 
 def test_the_cpu_class_comes_from_its_bf16_flags() -> None:
-    from rlstages.engines.runtime.machine import bf16_flags, cpu_model
+    from rlstages.engines.training.machine import bf16_flags, cpu_model
 
     assert cpu_model(XEON) == "Intel(R) Xeon(R) CPU @ 2.20GHz" and bf16_flags(XEON) == ()
     assert cpu_model(EPYC) == "AMD EPYC 9B14" and bf16_flags(EPYC) == ("avx512_bf16",)
 
 
 def test_doctor_prints_this_machines_class_and_its_demo_time() -> None:
-    from rlstages.engines.runtime.machine import bf16_flags
+    from rlstages.engines.training.machine import bf16_flags
 
     rows = {c.name: c.detail for c in doctor.machine()}
     native = bool(bf16_flags())
