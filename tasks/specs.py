@@ -18,6 +18,7 @@ from rlstages.configs.rollout import VLLMRolloutConfig
 from rlstages.configs.run import RunConfig
 from rlstages.configs.training import MegatronTrainingConfig, TorchTrainingConfig
 from rlstages.engines.algorithms import PolicyLossParams
+from rlstages.engines.imports import import_object
 from rlstages.engines.registry import (
     REWARD_ENGINES,
     ROLLOUT_BACKENDS,
@@ -30,7 +31,6 @@ from rlstages.engines.registry import (
 from rlstages.engines.runtime.actor_group import GroupSpec
 from rlstages.engines.runtime.device import gpu_env
 from rlstages.engines.training.settings import Role, TrainerSettings
-from rlstages.engines.utils import import_object
 from rlstages.tasks.context import RunHandle
 
 _COMMON_TRAINING = set(TorchTrainingConfig.model_fields) - {"backend"}

@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlstages.engines.utils import free_port, import_object
+from rlstages.engines.imports import import_object
+from rlstages.engines.utils import free_port
 
 
 def run_world(target: str, world_size: int, kwargs: dict[str, Any], timeout: float = 600.0) -> list[Any]:

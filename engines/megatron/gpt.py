@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from rlstages.engines.convert.spec import ConversionSpec
+from rlstages.engines.imports import import_object
 from rlstages.engines.megatron.cuda_shim import apply_cpu_shim, apply_moe_shim, apply_torch_norm_sp_shim
 from rlstages.engines.runtime.device import dist_backend, on_cuda, worker_device
-from rlstages.engines.utils import import_object
 
 # Fusions that need CUDA kernels (apex / TE / torch.compile'd CUDA code); off on CPU.
 CPU_SAFE_CONFIG: dict[str, Any] = {

@@ -16,7 +16,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rlstages.engines.utils import ImportTargetError, import_object
+from rlstages.engines.imports import ImportTargetError, import_object
 
 RewardFn = Callable[..., float | dict[str, float]]
 

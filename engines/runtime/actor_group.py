@@ -21,6 +21,7 @@ from typing import Any
 
 from tensordict import TensorDict
 
+from rlstages.engines.imports import import_object
 from rlstages.engines.runtime.heap import heap_env
 from rlstages.engines.runtime.rendezvous import (
     KEY_ENV,
@@ -32,7 +33,7 @@ from rlstages.engines.runtime.rendezvous import (
     wait_master,
 )
 from rlstages.engines.types import chunk_for_ranks, concat
-from rlstages.engines.utils import free_port, import_object
+from rlstages.engines.utils import free_port
 
 
 @dataclass(frozen=True)

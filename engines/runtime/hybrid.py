@@ -27,11 +27,11 @@ import torch
 from tensordict import TensorDict
 
 from rlstages.engines.base import NamedTensors
+from rlstages.engines.imports import import_object
 from rlstages.engines.runtime.device import free_cached, worker_device
 from rlstages.engines.runtime.offload import hybrid_offload
 from rlstages.engines.runtime.weight_sync import Bucket
 from rlstages.engines.types import Prompt, SamplingParams
-from rlstages.engines.utils import import_object
 
 
 class HybridEngine:

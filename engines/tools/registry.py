@@ -12,9 +12,9 @@ import json
 from typing import Any
 
 from rlstages.configs.tools import EnvironmentSpec, ToolSpec
+from rlstages.engines.imports import ImportTargetError, import_object
 from rlstages.engines.tools.base import Environment, Tool, ToolLimits
 from rlstages.engines.tools.environment import LimitedEnvironment, ToolEnvironment
-from rlstages.engines.utils import ImportTargetError, import_object
 
 TOOLS: dict[str, str] = {
     "calculator": "rlstages.engines.tools.calculator:Calculator",

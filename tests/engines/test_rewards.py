@@ -168,8 +168,8 @@ def test_one_importer_one_error_naming_the_field() -> None:
     """Reward functions, tool and environment classes and backends import "module:attr" through
     `engines.utils.import_object`: one error type (an ImportError and a ValueError), its line starting with
     the config field."""
+    from rlstages.engines.imports import ImportTargetError, import_object
     from rlstages.engines.tools.registry import import_class
-    from rlstages.engines.utils import ImportTargetError, import_object
 
     cases = [
         (lambda: resolve_reward_fn("no_such_pkg.mod:fn", "reward.functions.0.name"), "reward.functions.0.name: "),
