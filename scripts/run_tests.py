@@ -25,9 +25,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = os.environ.get("RLSTAGES_TEST_WORKERS", "2")
 BUDGET_S = 90.0
+# A test that hangs fails after this many seconds (pytest-timeout) instead of holding its tier until CI's limit;
+# a test's own `pytest.mark.timeout` (the simulated cluster's) wins.
+TIMEOUT = ["--timeout", os.environ.get("RLSTAGES_TEST_TIMEOUT", "900")]
 TIERS = [
-    ("parallel", ["-n", WORKERS, "--dist", "loadgroup", "-m", "not serial and not gpu and not slow"]),
-    ("serial", ["-m", "serial and not gpu and not slow"]),
+    ("parallel", ["-n", WORKERS, "--dist", "loadgroup", *TIMEOUT, "-m", "not serial and not gpu and not slow"]),
+    ("serial", [*TIMEOUT, "-m", "serial and not gpu and not slow"]),
 ]
 
 

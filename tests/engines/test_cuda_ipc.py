@@ -68,6 +68,7 @@ def test_pushes_reuse_one_buffer_shared_once_and_arrive_bit_exact() -> None:
     here, there = ctx.Pipe()
     child = ctx.Process(target=_receiver, args=(there,), daemon=True)
     child.start()
+    there.close()  # the child holds the only other end: its death reads as EOF here, not a wait forever
     bucket = _bucket() + [(f"model.layers.{i}.mlp.up_proj.weight", torch.randn(8, 4)) for i in range(3)]
     messages: list[dict[str, Any]] = []
     received: list[tuple[str, bytes, str, list[int]]] = []
@@ -76,6 +77,7 @@ def test_pushes_reuse_one_buffer_shared_once_and_arrive_bit_exact() -> None:
     def send(message: dict[str, Any]) -> int:
         messages.append(message)
         here.send_bytes(msgpack.packb(message))  # plain values only: vLLM's RPC channel carries them
+        assert here.poll(120), f"the receiver process gave no answer in 120 s (exit code {child.exitcode})"
         count, seen, buffers = here.recv()
         received.extend(seen)
         mapped.append(buffers)
