@@ -71,7 +71,8 @@ def train(servers: Servers, workdir: Path, model_dir: Path, name: str, faults: s
         timeout=1200,
     )
     assert proc.returncode == 0, f"rlstages run {name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-    assert re.search(r"step 2/2 reward [-\d.]+ kl \S+ tokens/s [\d,]+ time [\d.]+s", proc.stderr), proc.stderr[-3000:]
+    shown = proc.stdout + proc.stderr  # the terminal: the run's own lines (libraries' output went to its log file)
+    assert re.search(r"step 2/2 reward [-\d.]+ kl \S+ tokens/s [\d,]+ time [\d.]+s", shown), shown[-3000:]
     client = MlflowClient(servers.mlflow_uri)
     exp = client.get_experiment_by_name(EXPERIMENT)
     assert exp is not None
