@@ -23,10 +23,13 @@ class SimCluster:
     state: Path
     prefix: str
     subnet: str
+    prefect_api: str = ""  # the Prefect API the flow runs report to; "" = each run's own temporary server
 
     def env(self, **extra: str) -> dict[str, str]:
         """Environment of a driver subprocess joining the cluster (token auth on)."""
         env = {k: v for k, v in os.environ.items() if k not in {"PREFECT_API_URL", "RLSTAGES_FAULTS"}}
+        if self.prefect_api:
+            env["PREFECT_API_URL"] = self.prefect_api
         env.update(
             RAY_ADDRESS=self.address,
             RAY_AUTH_MODE="token",

@@ -5,17 +5,18 @@ What holds: a group spanning both nodes joins its process group from rank 0's ow
 collective; collective weight sync from a trainer on node 1 to rollout workers on node 2 leaves log-probs
 within 1e-4 after every sync; an impossible layout fails with "not enough GPUs: need X, have Y"; the split
 DeepSpeed + rollout layout runs 2 steps with trainer ranks on one node and rollout on the other (checkpoints
-committed to the run dir on the host filesystem); the scaled-down twin of the Qwen3-235B preset, a tiny Qwen3-MoE at
-TP2 x PP2 x EP2 with expert TP 1 (attention TP2 x PP2 x DP2 = 8 ranks, hybrid engine), runs across both nodes with the
-rollout's log-probs within 1e-4 of the trainer's (opt-in with -m slow: the same layout dense); the DeepSeek-V3
-preset's twin, a tiny DeepSeek-V3 at TP2 x PP2 x EP2, expert TP 1, DP 1 (4 ranks), its last stage a layer longer,
-offload on, likewise; killing a worker node
-mid-run is recovered on the capacity left plus a node added meanwhile.
-Flow runs are `rlstages run` subprocesses (the pytest process's own Ray is never touched).
+committed to the run dir on the host filesystem); the scaled-down twin of both MoE presets (Qwen3-235B's and
+DeepSeek-V3's), a tiny DeepSeek-V3 (MLA, a shared expert) at TP2 x PP2 x EP2 with expert TP 1 (attention TP2 x PP2
+x DP2 = 8 ranks, hybrid engine, its last stage a layer longer, offload on), runs across both nodes with the
+rollout's log-probs within 1e-4 of the trainer's (opt-in with -m slow: the same layout dense); killing a worker
+node mid-run is recovered on the capacity left plus a node added meanwhile.
+Flow runs are `rlstages run` subprocesses (the pytest process's own Ray is never touched) that report to the
+session's Prefect API (`sim`: no temporary Prefect server per run).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import signal
@@ -33,6 +34,15 @@ TINY = str(REPO / "configs" / "tiny.yaml")
 # the flow always evaluates its last step), half the samples per prompt (2, the smallest GRPO group) and of the
 # tokens per sample (micro_batch_size 8 still divides prompts_per_step x 2)
 LEAN = ("trainer.eval_every=0", "rollout.n=2", "rollout.max_new_tokens=4")
+
+
+@pytest.fixture(scope="module")
+def sim(sim_cluster: SimCluster, prefect_harness) -> SimCluster:
+    """The cluster, its flow runs reporting to the session's Prefect API (tests/conftest.py `prefect_harness`)
+    instead of each starting and stopping a temporary Prefect server of its own."""
+    from prefect.settings import PREFECT_API_URL
+
+    return dataclasses.replace(sim_cluster, prefect_api=str(PREFECT_API_URL.value()))
 
 
 def flow(cluster: SimCluster, tmp: Path, model: Path, name: str, *overrides: str) -> list[str]:
@@ -138,12 +148,12 @@ def test_impossible_layout_says_not_enough_gpus(sim_cluster: SimCluster) -> None
 
 
 def test_flow_on_a_short_cluster_fails_clearly_and_marks_the_run_failed(
-    sim_cluster: SimCluster, tiny_model_dir: Path, tmp_path: Path
+    sim: SimCluster, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     # the config declares 16 GPUs (it passes validation), the live cluster has 8: split roles of 4 GPUs each
     # (actor, rollout, reference = 12) cannot all be placed; the run must stop with the shortage, not hang
     cmd = flow(
-        sim_cluster,
+        sim,
         tmp_path,
         tiny_model_dir,
         "short",
@@ -156,7 +166,7 @@ def test_flow_on_a_short_cluster_fails_clearly_and_marks_the_run_failed(
         "cluster.placement_timeout_seconds=15",
     )
     start = time.monotonic()
-    run = subprocess.run(cmd, env=sim_cluster.env(), cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    run = subprocess.run(cmd, env=sim.env(), cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert run.returncode != 0
     assert "not enough GPUs: need 4, have 0" in run.stdout + run.stderr, run.stderr[-3000:]
     assert time.monotonic() - start < 600  # bounded by the placement timeout (and its retries), never a hang
@@ -168,9 +178,9 @@ def test_flow_on_a_short_cluster_fails_clearly_and_marks_the_run_failed(
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs `pip install .[deepspeed]`")
-def test_split_deepspeed_layout(sim_cluster: SimCluster, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_split_deepspeed_layout(sim: SimCluster, tiny_model_dir: Path, tmp_path: Path) -> None:
     cmd = flow(
-        sim_cluster,
+        sim,
         tmp_path,
         tiny_model_dir,
         "split",
@@ -183,17 +193,17 @@ def test_split_deepspeed_layout(sim_cluster: SimCluster, tiny_model_dir: Path, t
         "cluster.rollout_resources={sim_node_2: 0.2}",
         "cluster.placement_timeout_seconds=300",
     )
-    rows = finished_flow(sim_cluster, tmp_path, "split", cmd)
+    rows = finished_flow(sim, tmp_path, "split", cmd)
     nodes = {role: {r["node_ip"] for r in rows if r["role"] == role} for role in ("actor", "rollout")}
-    assert nodes == {"actor": {sim_cluster.node_ip(1)}, "rollout": {sim_cluster.node_ip(2)}}
+    assert nodes == {"actor": {sim.node_ip(1)}, "rollout": {sim.node_ip(2)}}
     assert all(len(roles) == 1 for roles in gpu_holders(rows).values())  # split: one role per fake GPU
 
 
-@pytest.mark.slow  # opt-in (-m slow): the MoE twin below runs this dense TP2 x PP2 x DP2 layout (plus EP2) in CI
+@pytest.mark.slow  # opt-in (-m slow): the MoE twin below runs this TP2 x PP2 x DP2 layout (plus EP2) in CI
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs `pip install .[megatron]`")
-def test_megatron_layout_across_nodes(sim_cluster: SimCluster, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_megatron_layout_across_nodes(sim: SimCluster, tiny_model_dir: Path, tmp_path: Path) -> None:
     cmd = flow(
-        sim_cluster,
+        sim,
         tmp_path,
         tiny_model_dir,
         "mcore",
@@ -211,54 +221,23 @@ def test_megatron_layout_across_nodes(sim_cluster: SimCluster, tiny_model_dir: P
         "reference.num_workers=1",
         "cluster.placement_timeout_seconds=300",
     )
-    rows = finished_flow(sim_cluster, tmp_path, "mcore", cmd)
-    spans_both_nodes(sim_cluster, rows)
+    rows = finished_flow(sim, tmp_path, "mcore", cmd)
+    spans_both_nodes(sim, rows)
     one_actor_rank_per_gpu(rows)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs `pip install .[megatron]`")
-def test_megatron_moe_layout_across_nodes(sim_cluster: SimCluster, tiny_moe_dir: Path, tmp_path: Path) -> None:
-    # the scaled-down twin of configs/qwen3_235b_grpo_megatron.yaml (TP4 x PP8 x EP4, expert TP 1): a tiny
-    # Qwen3-MoE at TP2 x PP2 x EP2, expert TP 1 (attention and embeddings DP2; experts whole, EP2 x expert-DP2)
-    # over all 8 fake GPUs of both nodes, hybrid engine
+def test_megatron_deepseek_layout_across_nodes(sim: SimCluster, tiny_deepseek_dir: Path, tmp_path: Path) -> None:
+    # the scaled-down twin of both MoE presets in one run. configs/deepseek_v3_671b_grpo_megatron.yaml (TP8 x PP12 x
+    # EP8, expert TP 1, DP 1, the last stage one layer longer, param / grad / optimizer offload at fraction 1.0) and
+    # configs/qwen3_235b_grpo_megatron.yaml (TP4 x PP8 x EP4, expert TP 1): a tiny DeepSeek-V3 (MLA, a dense first
+    # layer, two MoE layers with a shared expert) at TP2 x PP2 x EP2, expert TP 1 (attention and embeddings DP2;
+    # experts whole, EP2 x expert-DP2), its last stage holding 2 of the 3 layers, over all 8 fake GPUs of both
+    # nodes, hybrid engine, a colocated torch reference for the KL loss (the offload flags are no-ops without CUDA).
+    # The tiny Qwen3-MoE at this layout: tests/engines/convert/test_convert_moe_parity.py (TP2 x PP2 x EP2),
+    # tests/engines/test_megatron_moe.py (TP2 x EP2 x ETP1 on Ray), tests/flows/test_moe_flows.py (the flow at EP2)
     cmd = flow(
-        sim_cluster,
-        tmp_path,
-        tiny_moe_dir,
-        "mcore",
-        "actor.backend=megatron",
-        "actor.tensor_model_parallel_size=2",
-        "actor.pipeline_model_parallel_size=2",
-        "actor.expert_model_parallel_size=2",
-        "actor.expert_tensor_parallel_size=1",
-        "actor.num_workers=8",
-        "rollout.num_workers=8",
-        "data.prompts_per_step=8",  # a prompt for each rollout rank
-        "cluster.hybrid_engine=true",
-        "cluster.colocate=true",
-        "cluster.placement_strategy=SPREAD",
-        "algorithm.use_kl_loss=true",
-        "reference.backend=torch",
-        "reference.num_workers=1",
-        "cluster.placement_timeout_seconds=300",
-        "cluster.rendezvous_timeout_seconds=900",  # 8 Megatron ranks + 8 rollouts start on two cores
-        *LEAN,
-    )
-    rows = finished_flow(sim_cluster, tmp_path, "mcore", cmd, moe=True)  # every expert reached the rollout
-    spans_both_nodes(sim_cluster, rows)
-    one_actor_rank_per_gpu(rows)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs `pip install .[megatron]`")
-def test_megatron_deepseek_layout_across_nodes(
-    sim_cluster: SimCluster, tiny_deepseek_dir: Path, tmp_path: Path
-) -> None:
-    # the scaled-down twin of configs/deepseek_v3_671b_grpo_megatron.yaml (TP8 x PP12 x EP8, expert TP 1, DP 1, the
-    # last stage one layer longer, param / grad / optimizer offload at fraction 1.0): a tiny DeepSeek-V3 (MLA, a dense
-    # first layer, two MoE layers with a shared expert) at TP2 x PP2 x EP2, expert TP 1, DP 1, its last stage holding
-    # 2 of the 3 layers, over 4 fake GPUs of both nodes, hybrid engine (the offload flags are no-ops without CUDA)
-    cmd = flow(
-        sim_cluster,
+        sim,
         tmp_path,
         tiny_deepseek_dir,
         "dsv3",
@@ -273,33 +252,33 @@ def test_megatron_deepseek_layout_across_nodes(
         "actor.grad_offload=true",
         "actor.optimizer_offload=true",
         "actor.offload_fraction=1.0",
-        "actor.num_workers=4",
-        "rollout.num_workers=4",
-        "data.prompts_per_step=4",  # a prompt for each rollout rank
+        "actor.num_workers=8",  # TP2 x PP2 x DP2: verl's Megatron layout over all 8 fake GPUs of both nodes
+        "rollout.num_workers=8",
+        "data.prompts_per_step=8",  # a prompt for each rollout rank
         "cluster.hybrid_engine=true",
         "cluster.colocate=true",
         "cluster.placement_strategy=SPREAD",
+        "algorithm.use_kl_loss=true",
         "reference.backend=torch",
         "reference.num_workers=1",
         "cluster.placement_timeout_seconds=300",
-        "cluster.rendezvous_timeout_seconds=900",
+        "cluster.rendezvous_timeout_seconds=900",  # 8 Megatron ranks + 8 rollouts start on two cores
         *LEAN,
     )
-    rows = finished_flow(sim_cluster, tmp_path, "dsv3", cmd, moe=True)  # MLA, experts, shared expert
-    assert len([r for r in rows if r["role"] == "actor"]) == 4
-    spans_both_nodes(sim_cluster, rows)
+    rows = finished_flow(sim, tmp_path, "dsv3", cmd, moe=True)  # MLA, the experts and the shared one: all synced
+    assert len([r for r in rows if r["role"] == "actor"]) == 8
+    spans_both_nodes(sim, rows)
+    one_actor_rank_per_gpu(rows)
 
 
-def test_node_lost_mid_run_is_rebuilt_on_a_new_node(
-    sim_cluster: SimCluster, tiny_model_dir: Path, tmp_path: Path
-) -> None:
+def test_node_lost_mid_run_is_rebuilt_on_a_new_node(sim: SimCluster, tiny_model_dir: Path, tmp_path: Path) -> None:
     # each group takes a whole node's 4 fake GPUs: after a node dies the run needs the node added meanwhile
     cmd = flow(
-        sim_cluster,
+        sim,
         tmp_path,
         tiny_model_dir,
         "lost",
-        "trainer.total_steps=3",  # killed right after step 1's commit; steps 2-3 run on the rebuilt layout
+        "trainer.total_steps=2",  # killed right after step 1's commit; step 2 runs on the rebuilt layout
         "trainer.eval_every=0",  # (a node lost in a stage, an evaluation or a checkpoint is recovered alike)
         "cluster.colocate=false",
         "cluster.gpus_per_worker=4",
@@ -307,7 +286,7 @@ def test_node_lost_mid_run_is_rebuilt_on_a_new_node(
     )
     log = tmp_path / "lost.log"
     with log.open("w") as fh:
-        proc = subprocess.Popen(cmd, env=sim_cluster.env(), cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, env=sim.env(), cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT)
     try:
         checkpoints = tmp_path / "runs" / "lost" / "checkpoints"
         deadline = time.monotonic() + 1500
@@ -319,12 +298,12 @@ def test_node_lost_mid_run_is_rebuilt_on_a_new_node(
         try:
             (before,) = placements(tmp_path, "lost")
             victim = next(r["node_ip"] for r in before if r["role"] == "actor")
-            index = 1 if victim == sim_cluster.node_ip(1) else 2
-            killed = sim_cluster.script("kill-node", str(index))
+            index = 1 if victim == sim.node_ip(1) else 2
+            killed = sim.script("kill-node", str(index))
             assert killed.returncode == 0, killed.stderr
         finally:
             proc.send_signal(signal.SIGCONT)
-        added = sim_cluster.script("add-node", "3", timeout=900)
+        added = sim.script("add-node", "3", timeout=900)
         assert added.returncode == 0, added.stderr
         proc.wait(timeout=2400)
     finally:
@@ -333,8 +312,8 @@ def test_node_lost_mid_run_is_rebuilt_on_a_new_node(
     assert proc.returncode == 0, log.read_text()[-5000:]
     client, found = mlflow_run(tmp_path, "lost")
     assert found.info.status == "FINISHED"
-    assert [m.step for m in client.get_metric_history(found.info.run_id, "reward/mean")] == [1, 2, 3]
+    assert [m.step for m in client.get_metric_history(found.info.run_id, "reward/mean")] == [1, 2]
     builds = placements(tmp_path, "lost")
     assert len(builds) >= 2  # the recovery placed the layout again
-    assert sim_cluster.node_ip(3) in {r["node_ip"] for r in builds[-1]}  # ... using the node added later
+    assert sim.node_ip(3) in {r["node_ip"] for r in builds[-1]}  # ... using the node added later
     assert victim not in {r["node_ip"] for r in builds[-1]}
