@@ -123,14 +123,12 @@ up() {
   local head=$!
   echo "$head" >"$STATE/head.sid"  # setsid: the child's pid is its session id
   wait_log "$STATE/head.log" "$head"
-  for ((i = 1; i <= NODES; i++)); do  # the worker nodes start together, then each is waited for
+  for ((i = 1; i <= NODES; i++)); do
     ip netns exec "$(ns "$i")" setsid "$RAY" start --address "$HEAD_IP:$port" --node-ip-address "$SUBNET.$((i + 1))" \
       --num-gpus "$GPUS" --num-cpus "$CPUS" --resources "{\"sim_node_$i\": 1}" "${common[@]}" \
       >"$STATE/node$i.log" 2>&1 &
     echo $! >"$STATE/node$i.pid"
-  done
-  for ((i = 1; i <= NODES; i++)); do
-    wait_log "$STATE/node$i.log" "$(cat "$STATE/node$i.pid")"
+    wait_log "$STATE/node$i.log" "$!"
   done
   echo "$HEAD_IP:$port" >"$STATE/address"
   echo "RAY_ADDRESS=$HEAD_IP:$port"
