@@ -5,6 +5,10 @@
    load-balanced);
 2. serial: the tests that must own the machine (`serial`, which includes `integration`), one at a time.
 
+Both tiers get RLSTAGES_TEST_SHARED, a directory created here and removed at the end: the session fixtures that
+build something costly (the tiny models, the reference run: tests/session_cache.py) build it there once, and the
+serial tier reads what the parallel tier built.
+
 Both tiers always run. The report at the end lists the 25 slowest tests of both, the tests outside `slow` /
 `integration` over the 90 s budget (a list, not a failure), the wall time, and one summary line, last. The exit
 status is non-zero if either tier failed or, run without arguments (as `make test` does), selected no test
@@ -40,12 +44,13 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
-def run_tier(name: str, args: list[str], extra: list[str], record: Path) -> tuple[int, float]:
+def run_tier(name: str, args: list[str], extra: list[str], record: Path, shared: Path) -> tuple[int, float]:
     """One pytest run; returns its exit status and wall seconds."""
     cmd = [sys.executable, "-m", "pytest", "-q", *args, *extra]
     say(f"\n=== tier {name}: {' '.join(cmd[1:])}")
     start = time.monotonic()
-    rc = subprocess.call(cmd, cwd=ROOT, env={**os.environ, "RLSTAGES_TEST_RECORD": str(record)})
+    env = {**os.environ, "RLSTAGES_TEST_RECORD": str(record), "RLSTAGES_TEST_SHARED": str(shared)}
+    rc = subprocess.call(cmd, cwd=ROOT, env=env)
     return rc, time.monotonic() - start
 
 
@@ -55,9 +60,10 @@ def main(extra: list[str]) -> int:
     results: list[tuple[str, int, float]] = []
     with tempfile.TemporaryDirectory(prefix="rlstages-test-record-") as tmp:
         records: list[dict] = []
+        shared = Path(tmp) / "shared"  # the tiny models and the reference run, built once for both tiers
         for name, args in TIERS:
             record = Path(tmp) / f"{name}.jsonl"
-            rc, seconds = run_tier(name, args, extra, record)
+            rc, seconds = run_tier(name, args, extra, record, shared)
             results.append((name, rc, seconds))
             if record.is_file():
                 records += [json.loads(line) for line in record.read_text().splitlines() if line.strip()]

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from session_cache import built_once, shared_or
 
 _SESSION_TMP = Path(tempfile.mkdtemp(prefix="rlstages-tests-"))
 # An xdist worker inherits the controller's environment: a PREFECT_HOME this file set there is replaced by the
@@ -49,12 +50,12 @@ def session_tmp() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(session_tmp: Path) -> Path:
-    """A random-init Qwen2 (hidden 64, 2 layers, GQA 4/2, QKV bias) with a char tokenizer, saved once."""
+    """A random-init Qwen2 (hidden 64, 2 layers, GQA 4/2, QKV bias) with a char tokenizer, saved once (in the
+    directory the tiers share, if set)."""
     from rlstages.engines.models import build_tiny_model
 
-    path = session_tmp / "tiny-qwen2"
-    if not (path / "config.json").is_file():
-        build_tiny_model(path)
+    path = shared_or("tiny-qwen2", session_tmp / "tiny-qwen2")
+    built_once(path, build_tiny_model)
     return path
 
 
@@ -73,9 +74,8 @@ def tiny_moe_dir(session_tmp: Path) -> Path:
     """A random-init Qwen3-MoE (`TINY_MOE`) with a char tokenizer, saved once (one tensor per expert)."""
     from rlstages.engines.models import build_tiny_model
 
-    path = session_tmp / "tiny-qwen3-moe"
-    if not (path / "config.json").is_file():
-        build_tiny_model(path, **TINY_MOE)  # type: ignore[arg-type]
+    path = shared_or("tiny-qwen3-moe", session_tmp / "tiny-qwen3-moe")
+    built_once(path, lambda p: build_tiny_model(p, **TINY_MOE))  # type: ignore[arg-type]
     return path
 
 
@@ -85,9 +85,9 @@ def tiny_deepseek_dir(session_tmp: Path) -> Path:
     and a shared expert; Multi-head Latent Attention) with a char tokenizer, saved once."""
     from rlstages.engines.models import build_tiny_model
 
-    path = session_tmp / "tiny-deepseek-v3"
-    if not (path / "config.json").is_file():
-        build_tiny_model(path, **{**TINY_MOE, "model_type": "deepseek_v3", "num_hidden_layers": 3})  # type: ignore[arg-type]
+    path = shared_or("tiny-deepseek-v3", session_tmp / "tiny-deepseek-v3")
+    deepseek = {**TINY_MOE, "model_type": "deepseek_v3", "num_hidden_layers": 3}
+    built_once(path, lambda p: build_tiny_model(p, **deepseek))  # type: ignore[arg-type]
     return path
 
 

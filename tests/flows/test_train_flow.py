@@ -23,9 +23,9 @@ from rlstages.tasks.context import RunHandle
 
 
 @pytest.fixture
-def base(reference_run: Reference) -> tuple[Path, RunConfig, Path]:
+def base(reference_run: Reference, ray_session) -> tuple[Path, RunConfig, Path]:
     """The session's reference run (tests/flows/conftest.py): an uninterrupted 2-step run on Ray that every
-    other test compares against."""
+    other test compares against (with the session's Ray, which this file's runs use)."""
     return reference_run.tmp, reference_run.cfg, reference_run.policy
 
 
