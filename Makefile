@@ -71,9 +71,10 @@ demo: setup
 smoke: setup
 	$(BIN)/rlstages run configs/tiny.yaml
 
-# The torch-free unit tests on Python 3.12 first, then the whole suite on 3.11 in two tiers (tests/README.md):
-# the parallel one on both cores (pytest-xdist), then the `serial` tests that must own the machine. It ends with
-# the 25 slowest tests of both tiers, the tests over the 90 s budget, the wall time and one summary line, last.
+# The torch-free unit tests on Python 3.12 first, then the whole suite on 3.11 in three tiers (tests/README.md):
+# the parallel one on both cores (pytest-xdist), the integration tests' two groups side by side, then the `serial`
+# tests that must own the machine. It ends with the 25 slowest tests of all tiers, the tests over the 90 s budget,
+# the wall time and one summary line, last.
 test: setup-test test-py312
 	$(BIN)/python scripts/run_tests.py
 

@@ -1,19 +1,21 @@
-"""`make test`: the suite in two tiers, then one report (tests/README.md).
+"""`make test`: the suite in three tiers, then one report (tests/README.md).
 
 1. parallel: every test not marked `serial`, in WORKERS pytest-xdist workers (`--dist loadgroup`: a module whose
    tests share a module-scoped fixture, or an explicit `xdist_group`, stays on one worker; the rest is
    load-balanced);
-2. serial: the tests that must own the machine (`serial`, which includes `integration`), one at a time.
+2. integration: the `integration` tests (all `serial`) in WORKERS workers: their two groups, the simulated cluster
+   (`sim-cluster`) and the servers (`servers`: browser, deployments, prefect.yaml, doctor), side by side;
+3. serial: the other `serial` tests, which must own the machine (timings, the SIGKILL drill), one at a time.
 
-Both tiers get RLSTAGES_TEST_SHARED, a directory created here and removed at the end: the session fixtures that
+Every tier gets RLSTAGES_TEST_SHARED, a directory created here and removed at the end: the session fixtures that
 build something costly (the tiny models, the reference run: tests/session_cache.py) build it there once, and the
-serial tier reads what the parallel tier built.
+later tiers read what the parallel tier built.
 
-Both tiers always run. The report at the end lists the 25 slowest tests of both, the tests outside `slow` /
+Every tier always runs. The report at the end lists the 25 slowest tests of all, the tests outside `slow` /
 `integration` over the 90 s budget (a list, not a failure), the wall time, and one summary line, last. The exit
-status is non-zero if either tier failed or, run without arguments (as `make test` does), selected no test
+status is non-zero if any tier failed or, run without arguments (as `make test` does), selected no test
 (pytest's 5: a tier of the whole suite that runs nothing is a broken selection, not a pass). Extra arguments go to
-both pytest runs, e.g. `python scripts/run_tests.py -x tests/flows` (there a tier may select nothing).
+every pytest run, e.g. `python scripts/run_tests.py -x tests/flows` (there a tier may select nothing).
 """
 
 from __future__ import annotations
@@ -32,9 +34,13 @@ BUDGET_S = 90.0
 # A test that hangs fails after this many seconds (pytest-timeout) instead of holding its tier until CI's limit;
 # a test's own `pytest.mark.timeout` (the simulated cluster's) wins.
 TIMEOUT = ["--timeout", os.environ.get("RLSTAGES_TEST_TIMEOUT", "900")]
+PAIRED = ["-n", WORKERS, "--dist", "loadgroup"]
 TIERS = [
-    ("parallel", ["-n", WORKERS, "--dist", "loadgroup", *TIMEOUT, "-m", "not serial and not gpu and not slow"]),
-    ("serial", [*TIMEOUT, "-m", "serial and not gpu and not slow"]),
+    ("parallel", [*PAIRED, *TIMEOUT, "-m", "not serial and not gpu and not slow"]),
+    # the integration tests' two xdist groups side by side: the simulated cluster on one worker, the servers
+    # (browser, deployments, prefect.yaml, doctor) on the other; each waits mostly on its own processes
+    ("integration", [*PAIRED, *TIMEOUT, "-m", "serial and integration and not gpu and not slow"]),
+    ("serial", [*TIMEOUT, "-m", "serial and not integration and not gpu and not slow"]),
 ]
 
 
@@ -55,12 +61,12 @@ def run_tier(name: str, args: list[str], extra: list[str], record: Path, shared:
 
 
 def main(extra: list[str]) -> int:
-    """Run both tiers, print the combined report, return the exit status."""
+    """Run every tier, print the combined report, return the exit status."""
     start = time.monotonic()
     results: list[tuple[str, int, float]] = []
     with tempfile.TemporaryDirectory(prefix="rlstages-test-record-") as tmp:
         records: list[dict] = []
-        shared = Path(tmp) / "shared"  # the tiny models and the reference run, built once for both tiers
+        shared = Path(tmp) / "shared"  # the tiny models and the reference run, built once for every tier
         for name, args in TIERS:
             record = Path(tmp) / f"{name}.jsonl"
             rc, seconds = run_tier(name, args, extra, record, shared)
@@ -76,7 +82,7 @@ def main(extra: list[str]) -> int:
         exempt.update(entry["exempt"])
         for key, n in entry["counts"].items():
             counts[key] = counts.get(key, 0) + n
-    say("\n" + "=" * 30 + " slowest 25 tests (both tiers; setup + call + teardown) " + "=" * 30)
+    say("\n" + "=" * 30 + " slowest 25 tests (all tiers; setup + call + teardown) " + "=" * 30)
     for nodeid, seconds in sorted(durations.items(), key=lambda kv: kv[1], reverse=True)[:25]:
         say(f"{seconds:8.2f}s {nodeid}")
     over = [(k, d) for k, d in durations.items() if d > BUDGET_S and k not in exempt]
@@ -90,7 +96,7 @@ def main(extra: list[str]) -> int:
         if rc == 5 and extra:  # a selection of one's own (paths, -k) may hold no test of this tier
             say(f"tier {name} selected none of the tests given")
         elif rc == 5:
-            say(f"tier {name} selected no test: the markers are wrong (the whole suite must fill both tiers)")
+            say(f"tier {name} selected no test: the markers are wrong (the whole suite must fill every tier)")
             failed.append(name)
         elif rc != 0:
             failed.append(name)

@@ -119,8 +119,14 @@ BUDGET_S = 90.0  # a test outside `slow` / `integration` should take less on CI'
 DURATIONS_ENV = "RLSTAGES_TEST_RECORD"  # set by scripts/run_tests.py: where each pytest run appends its records
 TIER_ENV = "RLSTAGES_TEST_TIER"  # `fast` (make test-fast): leave out every test that starts Ray, Prefect or servers
 _SERVER_FIXTURES = {"ray_session", "prefect_harness", "servers", "ray_cluster", "sim_cluster"}
-# A costly session fixture read by tests in several files: its tests share one xdist group, so one worker builds it.
-SHARED_GROUPS = {"reference_run": "reference-run"}
+# A costly session fixture read by tests in several files: its tests share one xdist group, so one worker builds it
+# (the simulated cluster and the servers: `make test`'s integration tier runs these two groups side by side).
+SHARED_GROUPS = {
+    "reference_run": "reference-run",
+    "sim_cluster": "sim-cluster",
+    "servers": "servers",
+    "ray_cluster": "servers",
+}
 _durations: dict[str, float] = {}
 _exempt: set[str] = set()
 
