@@ -14,7 +14,7 @@ from tensordict import TensorDict
 from rlstages.configs import RunConfig
 from rlstages.engines import types as T
 from rlstages.engines.algorithms import masked_mean
-from rlstages.engines.runtime.actor_group import ActorGroup
+from rlstages.engines.workers.actor_group import ActorGroup
 from rlstages.tasks.context import RunHandle
 from rlstages.tasks.policies import guard_workers
 from rlstages.tasks.workers import get_workers

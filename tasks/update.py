@@ -10,7 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 from rlstages.configs import RunConfig
 from rlstages.engines import types as T
-from rlstages.engines.runtime.actor_group import ActorGroup
+from rlstages.engines.workers.actor_group import ActorGroup
 from rlstages.tasks.context import RunHandle
 from rlstages.tasks.faults import maybe_fail, nan_due
 from rlstages.tasks.policies import guard_workers

@@ -14,7 +14,7 @@ the trainer on its GPU: per bucket one `FlattenedTensorBucket`, serialised once 
 as slime does), and split placement's collective sync (`BucketReceiver`): SGLang's TP workers
 join the trainer's broadcast group (`init_weights_update_group`), the trainer sends each bucket's names, dtypes
 and shapes to this actor through Ray and broadcasts the bucket as one flat tensor, which SGLang receives with
-`update_weights_from_distributed(..., load_format="flattened_bucket")` (`rlstages.engines.runtime.collective_sync`).
+`update_weights_from_distributed(..., load_format="flattened_bucket")` (`rlstages.engines.sync.collective`).
 """
 
 from __future__ import annotations

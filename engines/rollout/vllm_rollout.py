@@ -11,7 +11,7 @@ process on this node: on a GPU by CUDA IPC into one persistent buffer shared onc
 (`rlstages.engines.runtime.cuda_ipc`); on CPU through shared-memory files, `rlstages.engines.rollout.ipc`;
 `cuda_ipc.weight_transport` chooses), and split placement's collective sync
 (`GroupReceiver`: vLLM's worker processes themselves join the trainer's broadcast group,
-`rlstages.engines.runtime.collective_sync`, and load each bucket as it arrives, as verl's and OpenRLHF's vLLM
+`rlstages.engines.sync.collective`, and load each bucket as it arrives, as verl's and OpenRLHF's vLLM
 workers do with NCCL; no hop through this actor).
 
 Sleep: vLLM refuses `enable_sleep_mode` on CPU and its CPU worker ignores sleep. There the closest real
@@ -276,7 +276,7 @@ class VLLMRolloutEngine:
         return int(self.llm.collective_rpc("rls_load_ipc", args=(message,))[0])
 
     def weight_group_devices(self) -> list[str | None]:
-        """The GPU UUID of each worker (None on CPU), in rank order (`collective_sync` refuses two ranks on one GPU)."""
+        """The GPU UUID of each worker (None on CPU), in rank order (`sync.collective` refuses two ranks on one GPU)."""
         return list(self.llm.collective_rpc("rls_device_uuid"))
 
     def weight_group_size(self) -> int:
@@ -286,7 +286,7 @@ class VLLMRolloutEngine:
     def join_weight_group(
         self, name: str, addr: str, port: int, rank: int, world: int, timeout: float, shm_path: str | None, host: str
     ) -> None:
-        """Each worker joins the sync group `name` at `rank` + its own rank (`collective_sync.join_group`)."""
+        """Each worker joins the sync group `name` at `rank` + its own rank (`collective.membership.join_group`)."""
         self.llm.collective_rpc("rls_join_weight_group", args=(name, addr, port, rank, world, timeout, shm_path, host))
 
     def receive_weight_group(self, name: str) -> int:

@@ -97,14 +97,14 @@ class RolloutWorkerExtension:
         self, name: str, addr: str, port: int, rank: int, world: int, timeout: float, shm_path: str | None, host: str
     ) -> None:
         """Join the trainer's weight-sync group at `rank` + this worker's rank."""
-        from rlstages.engines.runtime.collective_sync import join_group
+        from rlstages.engines.sync.collective.membership import join_group
 
         join_group(name, addr, port, rank + int(getattr(self, "rank", 0)), world, timeout, shm_path, host)
 
     def rls_receive_weights(self, name: str) -> int:
         """Receive the source's buckets into one layerwise reload (a fused layer's parts may arrive in different
         buckets: each layer is processed once all its tensors are in); returns the number of tensors."""
-        from rlstages.engines.runtime.collective_sync import receive_into
+        from rlstages.engines.sync.collective.wire import receive_into
 
         self.rls_begin_weight_update()
         try:
@@ -114,7 +114,7 @@ class RolloutWorkerExtension:
 
     def rls_leave_weight_group(self, name: str) -> None:
         """Forget the sync group `name` in this worker."""
-        from rlstages.engines.runtime.collective_sync import leave_group
+        from rlstages.engines.sync.collective.membership import leave_group
 
         leave_group(name)
 
@@ -143,7 +143,7 @@ class RolloutWorkerExtension:
 
 
 class _ModelLoader:
-    """What `collective_sync.receive_into` hands buckets to inside a vLLM worker: the model's own `load_weights`."""
+    """What `collective.wire.receive_into` hands buckets to inside a vLLM worker: the model's own `load_weights`."""
 
     def __init__(self, worker: RolloutWorkerExtension) -> None:
         self.worker = worker

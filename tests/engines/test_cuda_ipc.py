@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rlstages.engines.runtime import cuda_ipc
-from rlstages.engines.runtime.collective_sync import distinct_gpus, same_nccl_cumem
+from rlstages.engines.sync.collective.membership import distinct_gpus, same_nccl_cumem
 
 
 def _bucket() -> list[tuple[str, torch.Tensor]]:

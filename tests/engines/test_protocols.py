@@ -20,7 +20,7 @@ from rlstages.engines.registry import (
     TRAINING_ENGINE,
 )
 
-HYBRID = "rlstages.engines.runtime.hybrid:HybridEngine"
+HYBRID = "rlstages.engines.workers.hybrid:HybridEngine"
 CASES: list[tuple[str, type]] = [
     *[(path, base.RolloutEngine) for path in ROLLOUT_ENGINES.values()],
     (TRAINING_ENGINE, base.TrainingEngine),

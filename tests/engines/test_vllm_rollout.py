@@ -328,9 +328,10 @@ def test_collective_sync_into_the_vllm_workers(engine, hf, model_dir: Path, ray_
     from rlstages.configs.training import OptimConfig, TorchTrainingConfig
     from rlstages.engines import types as T
     from rlstages.engines.rollout.ipc import shm_dir
-    from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
-    from rlstages.engines.runtime.collective_sync import CollectiveSync
+    from rlstages.engines.sync.collective.driver import CollectiveSync
+    from rlstages.engines.sync.protocol import SyncRound
     from rlstages.engines.training.settings import TrainerSettings
+    from rlstages.engines.workers.actor_group import ActorGroup, GroupSpec
 
     model, _ = hf
     train = TorchTrainingConfig(optim=OptimConfig(lr=1e-2), micro_batch_size=8)  # steps that move log-probs
@@ -351,7 +352,7 @@ def test_collective_sync_into_the_vllm_workers(engine, hf, model_dir: Path, ray_
             stale_diff, _ = masked_diff(
                 trainer.dp(300).logprobs(stale)["logprobs"], stale[T.ROLLOUT_LOGPROBS], stale[T.RESPONSE_MASK]
             )
-            metrics = sync.sync(trainer.handles, 0, [engine], 1 << 14, "float32", 300)
+            metrics = sync.push(SyncRound(trainer.handles, 0, [engine], 1 << 14, "float32", 300))
             assert metrics["sync/buckets"] > 1  # several buckets: fused q/k/v and gate/up parts span them
             assert metrics["sync/shared_memory"] == float(shared_memory)
             assert metrics["sync/tensors"] == len(model.state_dict())

@@ -6,7 +6,7 @@ per bucket, the tensors laid end to end in the order named, which is the payload
 `payload.layout` / `payload.pack_into`. So per bucket the source sends the bucket's names, dtypes and shapes
 to each rollout actor through Ray (the actor calls SGLang, which then waits in the broadcast) and broadcasts the
 packed payload; the actors' weight-update session (`begin_weight_update` / `end_weight_update`) is opened and
-closed by the driver around the round (`collective_sync.CollectiveSync`).
+closed by the driver around the round (`collective.driver.CollectiveSync`).
 
 The source joins the group as SGLang's workers form it: torch's tcp:// rendezvous (rank 0 hosts the store),
 the store prefixed by the group name, and torch's own process-group factory, which prefixes it again by the
