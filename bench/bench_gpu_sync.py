@@ -122,7 +122,7 @@ def sync_figures(device: torch.device) -> None:
         record(
             f"gpu_sync/cuda_ipc_push_vs_fused_device_copy[{label}]",
             ours / fused,
-            "informative",
+            None,
             f"the same push against one `_foreach_copy_` of the same bytes in one process: {fused * 1e3:.1f} ms "
             "(the fastest in-process copy: what a push could cost with no transport at all)",
         )
