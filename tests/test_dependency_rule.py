@@ -3,7 +3,7 @@
 engines never import prefect or mlflow; flows and tasks never import vllm, sglang, deepspeed or megatron;
 configs import nothing of ours; only tasks/tracking.py imports mlflow; inside engines/ imports flow one way
 (no cycle between modules, lazy imports inside functions included) and downward through the layers of
-`ENGINE_LAYERS`, the known upward arrows of `KNOWN_UPWARD` aside. Imports made by name count as imports:
+`ENGINE_LAYERS`, with no exception. Imports made by name count as imports:
 `importlib.import_module("a.b")` / `import_module("a.b")` / `__import__("a.b")` with a literal; a registry's
 "package.module:attr" string is checked against the package rules (engines never name a task) but is no edge
 of the file that holds it (a table imports nothing: whoever resolves the string does, through
@@ -209,12 +209,6 @@ ENGINE_LAYERS: tuple[tuple[str, ...], ...] = (
     ("workers",),  # composition: actor groups, the hybrid engine, a trainer's offload around generation
 )
 
-# (importer, imported) -> why: an upward arrow allowed for now. A new one fails the test; a fixed one must leave
-# this table (the test fails while it lists an arrow that is gone).
-KNOWN_UPWARD: dict[tuple[str, str], str] = {
-    ("sync.collective.driver", "rollout.ipc"): "the broadcast group's shared-memory dir, shm_dir (moves last)",
-}
-
 
 def engine_layer(module: str) -> int:
     """The index in `ENGINE_LAYERS` of an engines module (`rlstages.engines.runtime.device` -> 3)."""
@@ -237,11 +231,8 @@ def test_engines_layer_order() -> None:
     placed = {name.split(".")[0] for names in ENGINE_LAYERS for name in names if name}
     unplaced = sorted(m for m in graph if m != "rlstages.engines" and m.split(".")[2] not in placed)
     assert not unplaced, f"engines modules in no layer of ENGINE_LAYERS (add their package): {unplaced}"
-    arrows = upward_arrows(graph)
-    new = sorted(arrows - KNOWN_UPWARD.keys())
-    assert not new, f"imports up the engines' layers (ENGINE_LAYERS): {new}"
-    gone = sorted(KNOWN_UPWARD.keys() - arrows)
-    assert not gone, f"KNOWN_UPWARD lists arrows that are gone (remove them): {gone}"
+    arrows = sorted(upward_arrows(graph))
+    assert not arrows, f"imports up the engines' layers (ENGINE_LAYERS): {arrows}"
 
 
 def test_layer_checker_catches_an_upward_import() -> None:

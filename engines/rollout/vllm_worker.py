@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from rlstages.engines.base import NamedTensors
-from rlstages.engines.rollout import ipc
+from rlstages.engines.sync.shm_files import read_bucket
 
 
 def _storages(tensors: Any) -> list[torch.UntypedStorage]:
@@ -57,15 +57,15 @@ class RolloutWorkerExtension:
 
     def rls_load_weights_file(self, path: str) -> int:
         """Load one bucket of HF-named tensors with the model's own `load_weights`; returns its size."""
-        weights = ipc.read_bucket(path)
+        weights = read_bucket(path)
         self.rls_load(weights)
         return len(weights)
 
     def rls_load_ipc(self, message: dict[str, Any]) -> int:
-        """Load the tensors of one CUDA IPC push message (`runtime.cuda_ipc.receive`: the sender's persistent
+        """Load the tensors of one CUDA IPC push message (`sync.cuda_ipc.receive`: the sender's persistent
         buffer mapped once by its handle, the GPU found by UUID, then views into it); the device is synchronised
         before this answers, so the sender may overwrite the buffer. Returns the number of tensors."""
-        from rlstages.engines.runtime.cuda_ipc import receive
+        from rlstages.engines.sync.cuda_ipc import receive
 
         return receive(message, self.rls_load)
 
@@ -74,7 +74,7 @@ class RolloutWorkerExtension:
         device = self.model_runner.device  # the device vLLM placed this worker's model on (not process-wide)
         if device.type != "cuda":
             return None
-        from rlstages.engines.runtime.cuda_ipc import gpu_uuid
+        from rlstages.engines.sync.cuda_ipc import gpu_uuid
 
         return gpu_uuid(torch.cuda.current_device() if device.index is None else device.index)
 

@@ -19,6 +19,7 @@ from rlstages.engines.types import Bucket
 from rlstages.engines.utils import DTYPES
 
 V = TypeVar("V")
+DEFAULT_BUCKET_BYTES = 512 * 2**20  # a colocated engine's push into its own worker processes
 _VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 

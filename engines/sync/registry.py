@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from rlstages.engines.imports import import_object
 from rlstages.engines.sync.protocol import WeightSync
 
@@ -30,8 +32,13 @@ CHOICES: tuple[tuple[tuple[str | None, str | None, str | None], str], ...] = (
     (("split", "ray", ANY), "collective"),  # "collective", "auto"
 )
 
-# A colocated engine's device type -> how its own worker processes on this node get the weights.
+# A colocated engine's device type -> how its own worker processes on this node get the weights; each push class
+# has `push(buckets, send)` and `release(send=None)`.
 ENGINE_PUSH: dict[str, str] = {"cuda": "cuda_ipc", "cpu": "shm_file"}
+ENGINE_PUSHERS: dict[str, str] = {
+    "cuda_ipc": "rlstages.engines.sync.cuda_ipc:FlatPusher",  # one persistent device buffer, shared once
+    "shm_file": "rlstages.engines.sync.shm_files:ShmFilePush",  # one safetensors file under /dev/shm per bucket
+}
 
 
 def choose_transport(placement: str, mode: str, weight_sync: str) -> str:
@@ -59,3 +66,8 @@ def engine_push(device_type: str) -> str:
     """How a colocated engine's worker processes on this node get weights, by the engine's device type
     (`ENGINE_PUSH`; any device but a GPU takes the host-memory path)."""
     return ENGINE_PUSH.get(device_type, ENGINE_PUSH["cpu"])
+
+
+def build_engine_push(name: str, dtype: torch.dtype, device: torch.device) -> Any:
+    """A fresh push `name` of `ENGINE_PUSHERS` casting to `dtype`, its buffers (if any) on `device`."""
+    return import_object(ENGINE_PUSHERS[name], field=f"engine push {name!r}")(dtype, device)

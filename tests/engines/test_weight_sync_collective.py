@@ -11,11 +11,11 @@ import torch
 
 from rlstages.engines import types as T
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
-from rlstages.engines.rollout.ipc import shm_dir
 from rlstages.engines.runtime.payload import layout, pack_into, unpack
 from rlstages.engines.runtime.rendezvous import collective_backend, local_ranks
 from rlstages.engines.sync.collective.driver import CollectiveSync
 from rlstages.engines.sync.protocol import SyncRound
+from rlstages.engines.sync.shm_files import shm_dir
 from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
 from rlstages.engines.workers.actor_group import ActorGroup, GroupSpec

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 
-from rlstages.engines.runtime import cuda_ipc
+from rlstages.engines.sync import cuda_ipc
 from rlstages.engines.types import Prompt, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -26,7 +26,7 @@ On GPUs the group is NCCL (bf16 buckets broadcast from the source's GPU), a grou
 world group, as OpenRLHF's and TRL's sync groups are. NCCL refuses two ranks of one communicator on one GPU
 ("Duplicate GPU detected"), which happens when a rollout worker shares the source's GPU without sharing its
 process: the driver asks every member for its GPU's UUID before forming the group and says so in one line
-(`distinct_gpus`); such a layout takes the hybrid engine instead, whose push is CUDA IPC (`runtime.cuda_ipc`).
+(`distinct_gpus`); such a layout takes the hybrid engine instead, whose push is CUDA IPC (`sync.cuda_ipc`).
 Members must also agree on `NCCL_CUMEM_ENABLE` (vLLM >= 0.16 no longer forces it; the config sets it for every
 worker): a mismatch is refused the same way (`same_nccl_cumem`).
 

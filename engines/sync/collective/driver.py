@@ -22,6 +22,7 @@ from rlstages.engines.sync.collective.membership import (
 )
 from rlstages.engines.sync.collective.wire import receive_weights, send_weights
 from rlstages.engines.sync.protocol import SyncRound
+from rlstages.engines.sync.shm_files import shm_dir
 
 
 class CollectiveSync:
@@ -44,8 +45,6 @@ class CollectiveSync:
         import uuid
 
         import ray
-
-        from rlstages.engines.rollout.ipc import shm_dir
 
         ids = self._ids([source, *rollouts])
         if ids in self._groups:

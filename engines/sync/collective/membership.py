@@ -59,7 +59,7 @@ def member_gpus(engine: Any) -> list[str | None]:
     device = worker_device()
     if device.type != "cuda":
         return [None]
-    from rlstages.engines.runtime.cuda_ipc import gpu_uuid
+    from rlstages.engines.sync.cuda_ipc import gpu_uuid
 
     return [gpu_uuid(device.index or 0)]
 

@@ -12,7 +12,8 @@ it by id, takes views of its tensors, loads them, and synchronises its device be
 may overwrite the buffer. A push is then the cast-copy into the buffer, one device sync, one message and the
 receiver's copy: no fresh bucket, handle and mapping per bucket (issue 41: those made it 6.5-7x a device copy).
 
-`weight_transport` is the one place that chooses how weights reach an engine's worker process on this node.
+Which push a colocated engine's worker processes get (this one on a GPU, `shm_files.ShmFilePush` on the CPU) is
+chosen once, by the engine's device, in `sync.registry.ENGINE_PUSH`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -30,13 +31,6 @@ from rlstages.engines.runtime.payload import layout, pack_into, unpack
 
 Handle = dict[str, Any]  # plain values only: str, int, bytes, bool
 Meta = bytes  # the bucket's JSON meta (`payload.layout`)
-Transport = Literal["cuda_ipc", "shm_file"]
-
-
-def weight_transport(engine_device: torch.device) -> Transport:
-    """How a colocated engine's worker process gets weights: CUDA IPC buckets when it computes on a GPU, the
-    CPU twin (safetensors files under /dev/shm, `rollout.ipc`) otherwise."""
-    return "cuda_ipc" if engine_device.type == "cuda" else "shm_file"
 
 
 def pack_bucket(
