@@ -65,6 +65,21 @@ def send_flat_bucket(
     ray.get(loads)
 
 
+class FlatSender:
+    """The source's side of a flat-bucket group (`wire.SENDERS["flat"]`): each bucket by `send_flat_bucket`; the
+    round's end is the driver's (`end_flat_round` closes the engines' sessions)."""
+
+    def __init__(self, group: Any, name: str, receivers: list[Any], kind: torch.dtype) -> None:
+        self.group, self.name, self.receivers, self.kind = group, name, receivers, kind
+
+    def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """The bucket's layout to every receiver actor, its payload broadcast; returns once all have loaded it."""
+        send_flat_bucket(self.group, self.name, self.receivers, bucket, self.kind)
+
+    def end(self) -> None:
+        """Nothing to send: the receivers know the round's end from the driver."""
+
+
 def receive_flat_bucket(engine: Any, name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> int:
     """Runs in a rollout actor: its engine receives one broadcast bucket and loads it."""
     return int(engine.receive_weight_bucket(name, names, dtypes, shapes))

@@ -28,6 +28,7 @@ class SyncGroup:
     mapping: torch.Tensor | None = None
     created: list[str] = field(default_factory=list)  # new files, unlinked once every receiver has mapped them
     receivers: list[Any] | None = None  # the source of a flat-bucket group (SGLang): the rollout actors
+    protocol: str = "broadcast"  # how the source sends each bucket (`wire.SENDERS`), fixed when it joins
     device: str = "cpu"  # where broadcast tensors live: the GPU under NCCL
 
 
@@ -174,7 +175,8 @@ def join_flat_source(
     from rlstages.engines.sync.collective.flat import join_flat_group
 
     if name not in SYNC_GROUPS:
-        SYNC_GROUPS[name] = SyncGroup(join_flat_group(name, addr, port, 0, world, timeout), 0, receivers=receivers)
+        group = join_flat_group(name, addr, port, 0, world, timeout)
+        SYNC_GROUPS[name] = SyncGroup(group, 0, receivers=receivers, protocol="flat")
     return 0
 
 

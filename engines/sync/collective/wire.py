@@ -6,14 +6,15 @@ offset), the JSON meta and one flat payload, broadcast by the source (`send_weig
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from rlstages.engines.runtime.payload import layout, pack_into, unpack
 from rlstages.engines.sync.buckets import tensor_buckets
-from rlstages.engines.sync.collective.flat import send_flat_bucket
-from rlstages.engines.sync.collective.membership import SYNC_GROUPS
+from rlstages.engines.sync.collective.flat import FlatSender
+from rlstages.engines.sync.collective.membership import SYNC_GROUPS, SyncGroup
 from rlstages.engines.sync.collective.shared_region import align, shared_region, unlink_mapped
 from rlstages.engines.utils import DTYPES
 
@@ -23,9 +24,52 @@ def _broadcast(group: Any, tensor: torch.Tensor) -> None:
     group.broadcast(tensor, 0).wait()
 
 
+class BroadcastSender:
+    """The source's side of the wire protocol: per bucket the header, the meta and the payload (or, in a same-node
+    group, its region of the shared file); at the end the end header, the all-reduce, and the new files unlinked."""
+
+    def __init__(self, member: SyncGroup, name: str, kind: torch.dtype) -> None:
+        self.member, self.kind, self.offset = member, kind, 0
+        self.shared = member.shm_path is not None
+        self.header = torch.zeros(4, dtype=torch.int64, device=member.device)  # meta, payload, generation, offset
+
+    def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """Broadcast one bucket (cast to `kind` into the payload)."""
+        member, header = self.member, self.header
+        meta, nbytes = layout(bucket, self.kind)
+        if self.shared:
+            payload = shared_region(member, self.offset, nbytes)
+        else:
+            payload = torch.empty(nbytes, dtype=torch.uint8, device=member.device)
+            pack_into(bucket, self.kind, payload)
+        header[0], header[1], header[2], header[3] = meta.numel(), nbytes, member.generation, self.offset
+        _broadcast(member.group, header)
+        _broadcast(member.group, meta.to(member.device))
+        if self.shared:  # the receivers adopt their views of the region while it is being written
+            pack_into(bucket, self.kind, payload)
+        else:
+            _broadcast(member.group, payload)
+        self.offset = align(self.offset + nbytes)
+
+    def end(self) -> None:
+        """The end header, then wait until every receiver has its weights (the all-reduce)."""
+        self.header.zero_()
+        _broadcast(self.member.group, self.header)
+        self.member.group.allreduce([torch.zeros(1, device=self.member.device)]).wait()
+        if self.shared:
+            unlink_mapped(self.member)
+
+
+SENDERS: dict[str, Callable[[SyncGroup, str, torch.dtype], Any]] = {
+    "broadcast": BroadcastSender,  # our receivers: `receive_into`
+    "flat": lambda member, name, kind: FlatSender(member.group, name, member.receivers or [], kind),  # SGLang
+}
+
+
 def send_weights(engine: Any, name: str | None, bucket_bytes: int, dtype: str) -> dict[str, float]:
-    """Runs in every trainer rank; the one holding the sync group `name` (the source) broadcasts the buckets
-    (`buckets.tensor_buckets`), the others only take part in the gathers of `named_weights()`."""
+    """Runs in every trainer rank; the one holding the sync group `name` (the source) sends the buckets
+    (`buckets.tensor_buckets`) by the group's protocol (`SENDERS`), the others only take part in the gathers of
+    `named_weights()`."""
     start = time.perf_counter()
     stream = engine.named_weights()
     member = SYNC_GROUPS[name] if name is not None else None
@@ -38,40 +82,17 @@ def send_weights(engine: Any, name: str | None, bucket_bytes: int, dtype: str) -
             "sync/shared_memory": 0.0,
             "timing/sync_source_s": time.perf_counter() - start,
         }
-    shared = member.shm_path is not None
     kind = DTYPES[dtype]
-    device = member.device
-    header = torch.zeros(4, dtype=torch.int64, device=device)  # meta, payload bytes, shared file generation, offset
-    buckets = tensors = offset = 0
+    sender = SENDERS[member.protocol](member, name, kind)
+    buckets = tensors = 0
     for bucket in tensor_buckets(stream, bucket_bytes, kind):
+        sender.send(bucket)
         buckets, tensors = buckets + 1, tensors + len(bucket)
-        if member.receivers is not None:  # SGLang: layout through Ray, one flat broadcast (`flat`)
-            send_flat_bucket(member.group, name, member.receivers, bucket, kind)
-            continue
-        meta, nbytes = layout(bucket, kind)
-        payload = (
-            shared_region(member, offset, nbytes) if shared else torch.empty(nbytes, dtype=torch.uint8, device=device)
-        )
-        if not shared:
-            pack_into(bucket, kind, payload)
-        header[0], header[1], header[2], header[3] = meta.numel(), nbytes, member.generation, offset
-        _broadcast(member.group, header)
-        _broadcast(member.group, meta.to(device))
-        if shared:  # the receivers adopt their views of the region while it is being written
-            pack_into(bucket, kind, payload)
-        else:
-            _broadcast(member.group, payload)
-        offset = align(offset + nbytes)
-    if member.receivers is None:
-        header.zero_()
-        _broadcast(member.group, header)  # the end
-        member.group.allreduce([torch.zeros(1, device=device)]).wait()  # every receiver has its weights
-        if shared:
-            unlink_mapped(member)
+    sender.end()
     return {
         "sync/buckets": float(buckets),
         "sync/tensors": float(tensors),
-        "sync/shared_memory": float(shared),
+        "sync/shared_memory": float(member.shm_path is not None),
         "timing/sync_source_s": time.perf_counter() - start,  # inside the source rank, Ray calls excluded
     }
 
