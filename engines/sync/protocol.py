@@ -5,12 +5,13 @@ A transport is built once per run, when the workers are built (`sync.registry.bu
 placement, cluster mode and the configured transport); the driver's `sync_weights` stage calls `push` once per step.
 `prepare` connects a round's peers (cached while they live), `push` moves the source trainer rank's weights to every
 rollout rank, `receive` is what each rollout process runs per message, and `close` forgets what `prepare` built.
-Inside a colocated engine's own worker processes the push is by the engine's device (`sync.registry.ENGINE_PUSH`).
+Inside a colocated engine's own worker processes the push is an `EnginePush`, by the engine's device
+(`sync.registry.ENGINE_PUSH`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -60,11 +61,29 @@ class WeightSync(Protocol):
         (`sync/buckets`, `sync/tensors`, `timing/sync_weights_s`, ...)."""
         ...
 
-    def receive(self, engine: Any, *message: Any) -> Any:
+    @staticmethod
+    def receive(engine: Any, *message: Any) -> Any:
         """Runs in a rollout process: load what one message of this transport carries; what it loaded (the
         tensor count, or a hybrid worker's metrics)."""
         ...
 
     def close(self) -> None:
         """Forget what `prepare` built (the peers were replaced or the run ends)."""
+        ...
+
+
+@runtime_checkable
+class EnginePush(Protocol):
+    """How a colocated engine hands weights to its own worker processes on this node (`sync.registry.ENGINE_PUSHERS`,
+    chosen by the engine's device): `cuda_ipc.FlatPusher` (one persistent buffer), `shm_files.ShmFilePush` (files)."""
+
+    dtype: torch.dtype  # the dtype the weights are cast to on the way
+
+    def push(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], send: Callable[[Any], int]) -> dict[str, float]:
+        """Hand every bucket over; `send` delivers one message of plain values to the workers and returns once they
+        have loaded it, with one worker's tensor count. Returns the push's metrics."""
+        ...
+
+    def release(self, send: Callable[[Any], int] | None = None) -> None:
+        """Free what is kept between pushes (the workers told first where `send` is given)."""
         ...
