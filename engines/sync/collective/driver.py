@@ -5,6 +5,8 @@ group gets a new one) and runs one broadcast round per `sync` (the protocol: `rl
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from rlstages.engines.sync.collective.flat import begin_flat_round, end_flat_round, receives_flat_buckets
@@ -25,6 +27,40 @@ from rlstages.engines.sync.protocol import SyncRound
 from rlstages.engines.sync.shm_files import shm_dir
 
 
+@dataclass(frozen=True)
+class GroupProtocol:
+    """One group protocol as the driver runs it (`PROTOCOLS`): how the source joins, whether the payload may pass
+    through a shared-memory file, and what the rollout actors run before, during and after the source sends
+    (each `fn(engine, group_name)` inside the actor, or nothing)."""
+
+    join_source: Callable[..., Any]  # `fn(engine, name, addr, port, world, timeout, rollouts, shm_path)` in the source
+    shares_memory: bool
+    begin: Callable[[Any, str], Any] | None = None
+    receive: Callable[[Any, str], Any] | None = None
+    end: Callable[[Any, str], Any] | None = None
+
+
+def _join_broadcast_source(
+    engine: Any, name: str, addr: str, port: int, world: int, timeout: float, rollouts: list[Any], shm_path: str | None
+) -> int:
+    """Runs in the source trainer rank: join the group at rank 0 (our receivers: `wire.receive_into`)."""
+    return join_sync_group(engine, name, addr, port, 0, world, timeout, shm_path)
+
+
+def _join_flat_source(
+    engine: Any, name: str, addr: str, port: int, world: int, timeout: float, rollouts: list[Any], shm_path: str | None
+) -> int:
+    """Runs in the source trainer rank: host the group the engines' own API joins (SGLang; no shared file)."""
+    return join_flat_source(engine, name, addr, port, world, timeout, rollouts)
+
+
+# By whether the rollout engines take flat buckets through their own API (`flat.receives_flat_buckets`).
+PROTOCOLS: dict[bool, GroupProtocol] = {
+    False: GroupProtocol(_join_broadcast_source, shares_memory=True, receive=receive_weights),
+    True: GroupProtocol(_join_flat_source, shares_memory=False, begin=begin_flat_round, end=end_flat_round),
+}
+
+
 class CollectiveSync:
     """The collective transport (`cluster.weight_sync=collective|auto`): a gloo / NCCL broadcast group from the
     trainer's source rank to every rollout process, its payload through a shared-memory file when every member is
@@ -35,7 +71,7 @@ class CollectiveSync:
         self.shared_memory = shared_memory  # False: payloads go over the group's sockets even on one node
         self._groups: dict[tuple[str, ...], str] = {}
         self._members: list[Any] = []
-        self._flat = False  # the rollout engines take flat buckets through their own API (SGLang)
+        self._protocol = PROTOCOLS[False]  # chosen when a group is formed, by what the rollout engines take
 
     @staticmethod
     def _ids(handles: list[Any]) -> tuple[str, ...]:
@@ -62,8 +98,8 @@ class CollectiveSync:
         flat = set(ray.get([h.__ray_call__.remote(receives_flat_buckets) for h in rollouts], timeout=timeout))
         if len(flat) > 1:
             raise ValueError("one weight-sync group cannot mix rollout engines with and without their own group API")
-        self._flat = flat == {True}
-        one_node = self.shared_memory and not self._flat and all(n == addr for n in nodes)
+        self._protocol = PROTOCOLS[flat == {True}]
+        one_node = self.shared_memory and self._protocol.shares_memory and all(n == addr for n in nodes)
         shm_path = str(shm_dir() / f"rlstages-{name}") if one_node else None
         world = 1 + sum(sizes)
         ranks = [0, *(1 + sum(sizes[:i]) for i in range(len(rollouts)))]  # an engine's workers: consecutive ranks
@@ -71,10 +107,8 @@ class CollectiveSync:
             h.__ray_call__.remote(join_sync_group, name, addr, port, r, world, timeout, shm_path)
             for r, h in zip(ranks[1:], rollouts, strict=True)
         ]
-        if self._flat:
-            refs.append(source.__ray_call__.remote(join_flat_source, name, addr, port, world, timeout, rollouts))
-        else:
-            refs.append(source.__ray_call__.remote(join_sync_group, name, addr, port, 0, world, timeout, shm_path))
+        join = self._protocol.join_source
+        refs.append(source.__ray_call__.remote(join, name, addr, port, world, timeout, rollouts, shm_path))
         ray.get(refs, timeout=timeout)
         for old_name in self._groups.values():  # the survivors of an older group drop it and its bucket mapping
             for h in self._members:
@@ -93,18 +127,21 @@ class CollectiveSync:
         trainers, source, rollouts, timeout = round.trainers, round.source, round.rollouts, round.timeout
         start = time.perf_counter()
         name = self._group(trainers[source], rollouts, timeout)
+        protocol = self._protocol
+
+        def in_rollouts(fn: Callable[[Any, str], Any] | None) -> list[Any]:
+            return [] if fn is None else [h.__ray_call__.remote(fn, name) for h in rollouts]
+
         try:
-            if self._flat:  # the engines' weight-update sessions, opened and closed around the round
-                ray.get([h.__ray_call__.remote(begin_flat_round, name) for h in rollouts], timeout=timeout)
+            ray.get(in_rollouts(protocol.begin), timeout=timeout)  # e.g. the engines' weight-update sessions
             sends = [
                 t.__ray_call__.remote(send_weights, name if r == source else None, round.bucket_bytes, round.dtype)
                 for r, t in enumerate(trainers)
             ]
-            receives = [] if self._flat else [h.__ray_call__.remote(receive_weights, name) for h in rollouts]
+            receives = in_rollouts(protocol.receive)
             out = ray.get(sends, timeout=timeout)[source]
             ray.get(receives, timeout=timeout)
-            if self._flat:
-                ray.get([h.__ray_call__.remote(end_flat_round, name) for h in rollouts], timeout=timeout)
+            ray.get(in_rollouts(protocol.end), timeout=timeout)
         except BaseException:
             self._groups = {}  # a broken round leaves the group's streams out of step: the next sync builds anew
             raise
