@@ -150,7 +150,7 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
         out = torch.empty(labels.shape, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
         entropy = torch.empty_like(out)
-        if not (logits.is_cuda and _fused_forward(logits, labels, 1.0 / temperature, out, lse, entropy)):
+        if not (_use_fused(logits) and _fused_forward(logits, labels, 1.0 / temperature, out, lse, entropy)):
             for rows, z in _scaled_chunks(logits, temperature):
                 chunk_lse = torch.logsumexp(z, dim=-1)
                 lse[rows] = chunk_lse
@@ -172,7 +172,7 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
         logits, labels, lse, entropy = ctx.saved_tensors
         inv_t = 1.0 / ctx.temperature
         grad_logits = torch.empty_like(logits)
-        fused = logits.is_cuda and _fused_backward(
+        fused = _use_fused(logits) and _fused_backward(
             logits, labels, lse, entropy, grad_logp, grad_entropy, inv_t, grad_logits
         )
         if fused:
@@ -217,6 +217,12 @@ def chunked_logprobs_entropy(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     return _ChunkedLogprobsEntropy.apply(logits, labels, float(temperature), bool(entropy_grad))
+
+
+def _use_fused(logits: Tensor) -> bool:
+    """Whether the log-prob + entropy pass runs through the compiled kernels: on a GPU, where Triton fuses them
+    (on the CPU the eager chunks are as fast and compiling costs seconds per shape)."""
+    return logits.is_cuda and F.ENABLED
 
 
 def _fused_forward(logits: Tensor, labels: Tensor, inv_t: float, out: Tensor, lse: Tensor, entropy: Tensor) -> bool:
