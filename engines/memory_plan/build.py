@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from rlstages.configs.run import RunConfig
-from rlstages.configs.training import MegatronTrainingConfig
+from rlstages.configs.training import DeepSpeedTrainingConfig, MegatronTrainingConfig
 from rlstages.engines.memory_plan.advice import advice
 from rlstages.engines.memory_plan.gpus import GPUS_PER_NODE, capacity
 from rlstages.engines.memory_plan.layout import Layout, layout_of
@@ -26,6 +26,8 @@ def _phases(cfg: RunConfig, rank: RankMemory, train: Any, rollout: tuple[float, 
     resident = 0.0 if (mega and train.param_offload) else g["weights"]
     resident += 0.0 if (mega and train.grad_offload) else g.get("grads", 0.0)
     resident += g.get("optimizer", 0.0)
+    if isinstance(train, DeepSpeedTrainingConfig) and train.zero_stage >= 3:
+        resident += g.get("buckets", 0.0)  # ZeRO-3 keeps its gradient bucket from start-up on
     ref_weights = ref.gpu["weights"] if ref is not None and cfg.cluster.colocate else 0.0
     if ref_weights:
         g["reference"] = ref_weights
@@ -34,6 +36,7 @@ def _phases(cfg: RunConfig, rank: RankMemory, train: Any, rollout: tuple[float, 
     sleeps = getattr(cfg.rollout, "enable_sleep_mode", getattr(cfg.rollout, "enable_memory_saver", False))
     asleep = 0.0 if sleeps or not cfg.cluster.colocate else engine
     rank.phases["train"] = g["weights"] + g.get("grads", 0.0) + g.get("optimizer", 0.0) + g.get("activations", 0.0)
+    rank.phases["train"] += g.get("buckets", 0.0)
     rank.phases["train"] += g["logits"] + ref_weights + asleep
     if ref_weights and ref is not None:
         rank.phases["reference"] = resident + ref_weights + ref.gpu["logits"] + asleep

@@ -16,6 +16,9 @@ from rlstages.engines.memory_plan.model import DTYPE_BYTES, ModelDims
 from rlstages.engines.memory_plan.result import RankMemory
 
 DEFAULT_PROMPT_TOKENS = 512  # prompt length assumed when data.max_prompt_length is unset
+# DeepSpeed's default reduce_bucket_size (elements): ZeRO's contiguous-gradient bucket, allocated whole whatever
+# the model's size (ZeRO-1/2: during backward; ZeRO-3: from start-up on), in the gradients' dtype.
+ZERO_BUCKET_ELEMENTS = 500_000_000
 
 
 def micro_batch_tokens(cfg: RunConfig, train: Any) -> int:
@@ -48,9 +51,12 @@ def state_bytes(train: Any, dtype: str) -> StateBytes:
     w = DTYPE_BYTES[dtype]
     if isinstance(train, MegatronTrainingConfig):  # fp32 main grads; fp32 master + Adam moments
         return StateBytes(w, 4, 12 if w < 4 else 8, shard_optim=train.use_distributed_optimizer)
-    if isinstance(train, DeepSpeedTrainingConfig):
+    if isinstance(train, DeepSpeedTrainingConfig):  # measured: tests/engines/plan_check.py
+        # ZeRO keeps an fp32 copy of the weights for the step even when they are fp32 (12 B with the moments) and
+        # gives it an fp32 gradient; ZeRO-3 also keeps the gradient partition in the weights' dtype
         stage = train.zero_stage
-        return StateBytes(w, w, 12 if w < 4 else 8, stage >= 3, stage >= 2, stage >= 1)
+        grads = 4 + (w if stage >= 3 else 0)
+        return StateBytes(w, grads, 12, stage >= 3, stage >= 2, stage >= 1)
     moments = 2 * w  # torch AdamW: moments in the weights' dtype (torchao's bf16 moments likewise)
     return StateBytes(w, w, moments)
 
@@ -122,6 +128,8 @@ def training_rank(
             offloaded = 1.0
         gpu["grads"] = grads
         gpu["optimizer"] = optim * (1 - offloaded)
+        if isinstance(train, DeepSpeedTrainingConfig) and train.zero_stage >= 1:
+            gpu["buckets"] = ZERO_BUCKET_ELEMENTS * sb.weight
         if offloaded:  # the offloaded states, and an fp32 copy of their gradients for the host step
             cpu["optimizer"] = (optim + split(4, sb.shard_optim)) * offloaded
         if mega and train.grad_offload:
