@@ -15,13 +15,13 @@ Test helpers, not a test module: shipped to Ray workers by value (`register`).
 from __future__ import annotations
 
 import sys
-import types
-from collections import deque
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from rlstages.engines.runtime.tensor_census import reachable_tensor_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 # measured / planned. State: weights + gradients + optimizer states (+ ZeRO-3's bucket): measured 1.000-1.022 on
@@ -30,8 +30,6 @@ STATE_TOLERANCE = (0.98, 1.05)
 # Activations + logits: the plan counts what fused kernels keep (a lower bound); the CPU engines here run unfused
 # norms, RoPE and attention and Megatron's local (non-TE) spec, so they keep more: measured 1.24-1.78.
 ACTIVATION_TOLERANCE = (1.0, 2.0)
-_SKIP = (str, bytes, int, float, bool, complex, type(None), type, types.ModuleType, types.FunctionType)
-_SKIP += (types.BuiltinFunctionType, types.MethodType, types.CodeType, types.FrameType, Path)
 
 
 def register() -> None:
@@ -39,40 +37,6 @@ def register() -> None:
     import ray.cloudpickle
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
-def reachable_tensor_bytes(root: Any, limit: int = 500_000) -> int:
-    """Bytes of the distinct tensor storages reachable from `root` through attributes, containers and tensors'
-    own attributes (`.grad`, `main_grad`, ZeRO's `ds_tensor`); functions, modules and classes are not followed."""
-    seen: set[int] = set()
-    storages: dict[int, int] = {}
-    stack: deque[Any] = deque([root])
-    while stack and len(seen) < limit:
-        obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, _SKIP):
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            if obj.device.type != "meta":
-                storage = obj.untyped_storage()
-                if storage.data_ptr():
-                    storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
-            if obj.grad is not None:
-                stack.append(obj.grad)
-            stack.extend(getattr(obj, "__dict__", {}).values())
-        elif isinstance(obj, dict):
-            stack.extend(obj.keys())
-            stack.extend(obj.values())
-        elif isinstance(obj, list | tuple | set | frozenset | deque):
-            stack.extend(obj)
-        else:
-            attrs = getattr(obj, "__dict__", None)
-            if isinstance(attrs, dict):
-                stack.extend(attrs.values())
-            for slot in getattr(type(obj), "__slots__", ()):
-                if isinstance(slot, str) and hasattr(obj, slot):
-                    stack.append(getattr(obj, slot))
-    return sum(storages.values())
 
 
 class _SavedPeak:
