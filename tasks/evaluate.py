@@ -17,13 +17,13 @@ from rlstages.engines import types as T
 from rlstages.engines.rewards.metrics import group_metrics
 from rlstages.engines.rollout.trajectory import rollout_metrics
 from rlstages.engines.types import SamplingParams
-from rlstages.tasks import tracking
-from rlstages.tasks.context import RunHandle, derive_seed
-from rlstages.tasks.data import eval_prompts, tokenizer_path
+from rlstages.tasks.driver import tracking
+from rlstages.tasks.driver.context import RunHandle, derive_seed
+from rlstages.tasks.driver.data import eval_prompts, tokenizer_path
+from rlstages.tasks.driver.workers import get_workers
 from rlstages.tasks.policies import guard_workers
 from rlstages.tasks.reward import score_batch
 from rlstages.tasks.rollout import sampling
-from rlstages.tasks.workers import get_workers
 
 
 def _correct_by_prompt(batch: Any, scores: Any, threshold: float) -> dict[str, tuple[str, list[bool]]]:

@@ -15,9 +15,9 @@ from rlstages.configs import RunConfig
 from rlstages.engines import types as T
 from rlstages.engines.algorithms import masked_mean
 from rlstages.engines.runtime.actor_group import ActorGroup
-from rlstages.tasks.context import RunHandle
+from rlstages.tasks.driver.context import RunHandle
+from rlstages.tasks.driver.workers import get_workers
 from rlstages.tasks.policies import guard_workers
-from rlstages.tasks.workers import get_workers
 
 
 def _write(run: RunHandle, step: int, stage: str, key: str, value: torch.Tensor) -> None:

@@ -16,10 +16,10 @@ from rlstages.configs import RunConfig
 from rlstages.engines import types as T
 from rlstages.engines.algorithms import overlong_penalty
 from rlstages.engines.rollout.trajectory import trajectory_infos
-from rlstages.tasks.context import RunHandle
-from rlstages.tasks.faults import maybe_fail
+from rlstages.tasks.driver.context import RunHandle
+from rlstages.tasks.driver.faults import maybe_fail
+from rlstages.tasks.driver.workers import Workers, get_workers
 from rlstages.tasks.policies import guard_workers
-from rlstages.tasks.workers import Workers, get_workers
 
 
 def score_batch(

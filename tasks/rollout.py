@@ -15,12 +15,12 @@ from rlstages.engines.runtime.collective_sync import CollectiveSync
 from rlstages.engines.runtime.weight_sync import sync_weights_local, sync_weights_ray
 from rlstages.engines.tools.registry import isolation_label
 from rlstages.engines.types import SamplingParams
-from rlstages.tasks import tracking
-from rlstages.tasks.context import RunHandle, derive_seed
-from rlstages.tasks.data import prompts_for_step, tokenizer_path
-from rlstages.tasks.faults import maybe_fail
+from rlstages.tasks.driver import tracking
+from rlstages.tasks.driver.context import RunHandle, derive_seed
+from rlstages.tasks.driver.data import prompts_for_step, tokenizer_path
+from rlstages.tasks.driver.faults import maybe_fail
+from rlstages.tasks.driver.workers import get_workers
 from rlstages.tasks.policies import guard_workers
-from rlstages.tasks.workers import get_workers
 
 BUCKET_BYTES = 256 << 20
 _COLLECTIVE: dict[str, CollectiveSync] = {}  # run key -> the driver's sync groups (rebuilt actors get new ones)

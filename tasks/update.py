@@ -11,10 +11,10 @@ from prefect.cache_policies import NO_CACHE
 from rlstages.configs import RunConfig
 from rlstages.engines import types as T
 from rlstages.engines.runtime.actor_group import ActorGroup
-from rlstages.tasks.context import RunHandle
-from rlstages.tasks.faults import maybe_fail, nan_due
+from rlstages.tasks.driver.context import RunHandle
+from rlstages.tasks.driver.faults import maybe_fail, nan_due
+from rlstages.tasks.driver.workers import get_workers
 from rlstages.tasks.policies import guard_workers
-from rlstages.tasks.workers import get_workers
 
 
 def _train(cfg: RunConfig, run: RunHandle, step: int, group: ActorGroup, stage: str, prefix: str) -> dict[str, float]:

@@ -84,7 +84,7 @@ def check_run_name(cfg: RunConfig) -> None:
 
 def check_faults(cfg: RunConfig | None = None) -> None:
     """`RLSTAGES_FAULTS` parses and names known stages and kinds."""
-    from rlstages.tasks.faults import parse_faults
+    from rlstages.tasks.driver.faults import parse_faults
 
     try:
         parse_faults(stages=get_args(StageName))
@@ -176,7 +176,7 @@ def check_data_files(cfg: RunConfig) -> None:
 
 def _check_dataset_path(path: str, field: str) -> None:
     """A local data path must name something; anything else is a hub dataset name (read in `check_data_rows`)."""
-    from rlstages.tasks.data import DATA_SUFFIXES, is_glob, looks_local
+    from rlstages.tasks.driver.data import DATA_SUFFIXES, is_glob, looks_local
 
     expected = f"expected a data file ({', '.join(DATA_SUFFIXES)}), a glob of them or a save_to_disk directory"
     if is_glob(path):
@@ -275,7 +275,7 @@ def check_tracking_store(cfg: RunConfig) -> None:
     """The tracking URI (`tracking.tracking_uri`, else MLFLOW_TRACKING_URI, else the default) names a store
     MLflow can open: a known scheme, a database path that exists or can be created, a driver that imports.
     Nothing is opened for writing: a store that does not exist yet is created by the run, not here."""
-    from rlstages.tasks.tracking import store_problem, tracking_uri_origin
+    from rlstages.tasks.driver.tracking import store_problem, tracking_uri_origin
 
     origin, uri = tracking_uri_origin(cfg)
     problem = store_problem(uri)
@@ -286,7 +286,8 @@ def check_tracking_store(cfg: RunConfig) -> None:
 def known_resources(cfg: RunConfig) -> tuple[float, float, str] | None:
     """(GPUs, CPUs, where) of the cluster the run's workers will use, when known before the start: the Ray this
     process already joined, a local Ray the run starts (this machine's GPUs; `cluster.num_cpus` or its CPUs),
-    or this process (in_process). None for a cluster joined by address: its placement says (`tasks.placement`)."""
+    or this process (in_process). None for a cluster joined by address: its placement says
+    (`tasks.driver.placement`)."""
     ray = sys.modules.get("ray")
     if cfg.cluster.mode == "ray" and ray is not None and ray.is_initialized():  # start_ray keeps that one
         total = ray.cluster_resources()
@@ -323,7 +324,7 @@ def check_cluster_resources(cfg: RunConfig) -> None:
             f"({where}); lower cluster.num_gpus or join a cluster that has them"
         )
     if c.mode == "ray" and c.use_placement_group:
-        from rlstages.tasks.placement import reserved_bundles
+        from rlstages.tasks.driver.placement import reserved_bundles
 
         bundles = reserved_bundles(cfg)
         need = bundles * c.cpus_per_bundle
@@ -388,7 +389,7 @@ def check_prompt_lengths(cfg: RunConfig) -> list[str]:
             f"rollout.max_new_tokens: {cfg.rollout.max_new_tokens} leaves no room for a prompt in the model's "
             f"context of {context} tokens"
         )
-    from rlstages.tasks.data import load_rows
+    from rlstages.tasks.driver.data import load_rows
 
     rows = [(split, i, row.text) for split in ("train", "eval") for i, row in enumerate(load_rows(cfg.data, split))]
     system = len((cfg.data.system_prompt or "").encode())
@@ -522,7 +523,7 @@ def check_multi_turn_template(cfg: RunConfig) -> None:
 
 def check_data_rows(cfg: RunConfig) -> None:
     """Both splits read and checked row by row: the file, row and column of a bad cell are named."""
-    from rlstages.tasks.data import check_data
+    from rlstages.tasks.driver.data import check_data
 
     check_data(cfg)
 
@@ -532,14 +533,14 @@ def check_run_dir(cfg: RunConfig) -> list[str] | None:
     starts over in it, said as a warning); a continued run's newest checkpoint must be intact."""
     if cfg.checkpoint.resume == "fresh":
         return None  # a new directory per flow run
-    from rlstages.tasks.run_dir import resolve_run_dir, starts_over
+    from rlstages.tasks.driver.run_dir import resolve_run_dir, starts_over
 
     path = resolve_run_dir(cfg)
     if starts_over(cfg, path):
         return [f"{path} holds a run that committed nothing (no checkpoint, no final policy); it starts over there"]
     if (path / "config.yaml").is_file():  # the run continues: its newest checkpoint must be sound
-        from rlstages.tasks.checkpoint import latest_checkpoint
-        from rlstages.tasks.context import RunHandle
+        from rlstages.tasks.driver.checkpoints import latest_checkpoint
+        from rlstages.tasks.driver.context import RunHandle
 
         latest_checkpoint(RunHandle(path.name, str(path)), verify=True, on_corrupt=cfg.checkpoint.on_corrupt)
     return None
@@ -547,7 +548,7 @@ def check_run_dir(cfg: RunConfig) -> list[str] | None:
 
 def check_backend_packages(cfg: RunConfig) -> None:
     """Every chosen backend's package is installed here (when the workers run here)."""
-    from rlstages.tasks.workers import missing_backend_package
+    from rlstages.tasks.driver.workers import missing_backend_package
 
     problem = missing_backend_package(cfg)
     if problem:

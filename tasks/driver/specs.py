@@ -31,7 +31,7 @@ from rlstages.engines.registry import (
 from rlstages.engines.runtime.actor_group import GroupSpec
 from rlstages.engines.runtime.device import gpu_env
 from rlstages.engines.training.settings import Role, TrainerSettings
-from rlstages.tasks.context import RunHandle
+from rlstages.tasks.driver.context import RunHandle
 
 _COMMON_TRAINING = set(TorchTrainingConfig.model_fields) - {"backend"}
 MEGATRON_LAYOUT = {  # a Megatron reference beside a Megatron actor runs the actor's parallel layout and MoE options
