@@ -9,7 +9,7 @@ imports mlflow; inside engines/ imports flow one way
 `importlib.import_module("a.b")` / `import_module("a.b")` / `__import__("a.b")` with a literal; a registry's
 "package.module:attr" string is checked against the package rules (engines never name a task) but is no edge
 of the file that holds it (a table imports nothing: whoever resolves the string does, through
-`engines.utils.import_object`). CPU only, no imports executed.
+`engines.imports.import_object`). CPU only, no imports executed.
 Run: pytest tests/test_dependency_rule.py
 """
 
@@ -215,7 +215,7 @@ def test_imports_by_name_are_seen(tmp_path: Path) -> None:
 # today: runtime/ is one layer (per-process plumbing and the composition that issue #43 would move above
 # training/ and rollout/), which is where the known upward arrows come from.
 ENGINE_LAYERS: tuple[tuple[str, ...], ...] = (
-    ("", "types", "utils", "imports"),  # the package itself, the batch schema, small shared helpers, the importer
+    ("", "types", "utils", "imports", "model_files"),  # the package, the batch schema, small helpers, the importer
     ("base", "algorithms", "memory_plan"),  # the engine protocols; pure loss / advantage math; the memory plan
     ("models", "convert", "registry"),  # model loading, HF <-> Megatron tensor mapping, the backends' name table
     ("runtime",),  # device, heap, payload, rendezvous, weight sync, actor groups, hybrid engine, offload
