@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from rlstages.engines.tools import isolation, jail
-from rlstages.engines.tools.sandbox import PythonSandbox, SandboxLimits, run_python
+from rlstages.engines.tools.sandbox import PythonSandbox
+from rlstages.engines.tools.sandbox_run import SandboxLimits, run_python
 
 ROOT = os.geteuid() == 0
 
