@@ -25,8 +25,8 @@ from rlstages.tasks.driver import tracking
 from rlstages.tasks.driver.checkpoints import DRIVER_STATE, MANIFEST, checkpoint_dir, read_manifest, sha256_file
 from rlstages.tasks.driver.context import RunHandle
 from rlstages.tasks.driver.faults import maybe_fail
-from rlstages.tasks.driver.workers import get_workers
-from rlstages.tasks.policies import guard_workers, root_cause
+from rlstages.tasks.policies import root_cause
+from rlstages.tasks.stage_workers import stage_workers
 
 
 def _fsync_tree(root: Path) -> None:
@@ -87,12 +87,10 @@ def _storage_errno(cause: BaseException) -> int | None:
 
 def _write(cfg: RunConfig, run: RunHandle, tmp: Path, step: int, driver_state: dict[str, Any]) -> None:
     """Every engine's state and the driver state into `tmp`, fsynced."""
-    workers = get_workers(cfg, run)
-    timeout = cfg.prefect.policy("checkpoint").timeout_seconds
-    guard_workers(lambda: workers.actor.all(timeout).save(str(tmp / "actor")))
-    if workers.critic is not None:
-        critic = workers.critic
-        guard_workers(lambda: critic.all(timeout).save(str(tmp / "critic")))
+    w = stage_workers(cfg, run, "checkpoint")
+    w.all("actor").save(str(tmp / "actor"))
+    if w.workers.critic is not None:
+        w.all("critic").save(str(tmp / "critic"))
     atomic_write_text(tmp / DRIVER_STATE, json.dumps({**driver_state, "step": step}, indent=2))
     _fsync_tree(tmp)
 
@@ -108,9 +106,7 @@ def prune(run: RunHandle, keep: int) -> None:
 
 def restore_engines(cfg: RunConfig, run: RunHandle, path: Path) -> None:
     """Load a committed checkpoint into the trainable engines (not the rollout: sync does that)."""
-    workers = get_workers(cfg, run)
-    timeout = cfg.prefect.policy("checkpoint").timeout_seconds
-    guard_workers(lambda: workers.actor.all(timeout).load(str(path / "actor")))
-    if workers.critic is not None:
-        critic = workers.critic
-        guard_workers(lambda: critic.all(timeout).load(str(path / "critic")))
+    w = stage_workers(cfg, run, "checkpoint")
+    w.all("actor").load(str(path / "actor"))
+    if w.workers.critic is not None:
+        w.all("critic").load(str(path / "critic"))

@@ -33,12 +33,12 @@ from rlstages.tasks.driver.workers import (
     build_workers,
     converted_dir,
     forget_workers,
-    get_workers,
     model_dir,
     rebuild_workers,
 )
-from rlstages.tasks.policies import guard_workers, stage_logger
+from rlstages.tasks.policies import stage_logger
 from rlstages.tasks.rollout import sync_weights
+from rlstages.tasks.stage_workers import stage_workers
 
 
 @dataclass(frozen=True)
@@ -206,10 +206,8 @@ def _save_hf(cfg: RunConfig, run: RunHandle, name: str) -> Path:
     """The actor's current weights as an HF directory `run_dir/name` (written beside, then renamed)."""
     out, tmp = run.path / name, run.path / f".{name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    workers = get_workers(cfg, run)
-    timeout = cfg.prefect.policy("checkpoint").timeout_seconds
     # every rank takes part (gathering sharded weights is a collective); the engines write from one rank
-    guard_workers(lambda: workers.actor.all(timeout).save_pretrained(str(tmp), model_dir(cfg)))
+    stage_workers(cfg, run, "checkpoint").all("actor").save_pretrained(str(tmp), model_dir(cfg))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
