@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from rlstages.configs import RunConfig
-from rlstages.engines.imports import ALLOWED_IMPORTS_ENV
 from rlstages.tasks.driver.checks import Check, PreflightError
 from rlstages.tasks.driver.checks.config import (
     check_backend_packages,
@@ -38,7 +37,6 @@ from rlstages.tasks.driver.checks.data import check_data_files, check_data_rows,
 from rlstages.tasks.driver.checks.resources import check_cluster_resources
 
 __all__ = [
-    "ALLOWED_IMPORTS_ENV",
     "CHECKS",
     "Check",
     "PreflightError",

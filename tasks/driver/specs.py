@@ -112,7 +112,9 @@ def rollout_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
     extra: dict[str, Any] = {}
     if entry.actor_options is not None:
         python = getattr(r, "python", None)
-        extra = import_object(entry.actor_options)(str(python) if python else None)
+        extra = import_object(entry.actor_options, "rollout.backend", expected="function")(
+            str(python) if python else None
+        )
     return GroupSpec(
         name=f"{run.name}-{run.key}-rollout",
         engine=engine,
