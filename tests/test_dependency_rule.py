@@ -140,6 +140,19 @@ def test_only_tracking_imports_mlflow() -> None:
     assert all(u.startswith(TRACKING + "/") for u in users), f"mlflow imported outside {TRACKING}/: {users}"
 
 
+def test_tasks_holds_the_stages_only() -> None:
+    """A module directly in tasks/ is Prefect's (a stage, or the stages' policies and worker-call helper); a
+    Prefect-free driver service belongs in tasks/driver/."""
+    prefect_free = [
+        str(f.relative_to(ROOT))
+        for f in layer_files("tasks")
+        if f.name != "__init__.py"
+        and not {layer(m) for m in imported_modules(f)} & {"prefect"}
+        and "rlstages.tasks.policies" not in imported_modules(f)
+    ]
+    assert not prefect_free, f"Prefect-free modules in tasks/ (move them to tasks/driver/): {prefect_free}"
+
+
 def import_graph(package: str) -> dict[str, set[str]]:
     """Module -> the modules of the same package it imports (a package's __init__ is its own node)."""
     graph: dict[str, set[str]] = {}
