@@ -19,7 +19,7 @@ from rlstages.tasks.driver.workers import Workers, get_workers
 from rlstages.tasks.policies import guard_workers
 
 if TYPE_CHECKING:
-    from rlstages.engines.runtime.actor_group import ActorGroup
+    from rlstages.engines.workers.actor_group import ActorGroup
 
 
 class _Guarded:

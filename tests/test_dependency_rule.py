@@ -5,7 +5,7 @@ importing prefect, nor a stage module); engines never import prefect or mlflow; 
 vllm, sglang, deepspeed or megatron; configs import nothing of ours; only the tasks/driver/tracking/ package
 imports mlflow; inside engines/ imports flow one way
 (no cycle between modules, lazy imports inside functions included) and downward through the layers of
-`ENGINE_LAYERS`, the known upward arrows of `KNOWN_UPWARD` aside. Imports made by name count as imports:
+`ENGINE_LAYERS`, with no exception. Imports made by name count as imports:
 `importlib.import_module("a.b")` / `import_module("a.b")` / `__import__("a.b")` with a literal; a registry's
 "package.module:attr" string is checked against the package rules (engines never name a task) but is no edge
 of the file that holds it (a table imports nothing: whoever resolves the string does, through
@@ -224,28 +224,19 @@ def test_imports_by_name_are_seen(tmp_path: Path) -> None:
 
 # ---- the layers inside engines/ ------------------------------------------------------------------------------
 # Lowest first; a module may import its own layer and those below. Names are relative to `rlstages.engines`; a
-# module belongs to the longest name that prefixes it ("runtime.device" -> "runtime"). The picture of the house
-# today: runtime/ is one layer (per-process plumbing and the composition that issue #43 would move above
-# training/ and rollout/), which is where the known upward arrows come from.
+# module belongs to the longest name that prefixes it ("runtime.device" -> "runtime"). The picture of the house:
+# per-process plumbing (runtime/) and the weight transports (sync/) below the engines, the composition of engines
+# into workers (workers/: actor groups, the hybrid engine, offload) above them.
 ENGINE_LAYERS: tuple[tuple[str, ...], ...] = (
-    ("", "types", "utils", "imports", "model_files"),  # the package, the batch schema, small helpers, the importer
+    ("", "types", "utils", "imports", "model_files"),  # the package, batch schema and shared types, helpers, importer
     ("base", "algorithms", "memory_plan"),  # the engine protocols; pure loss / advantage math; the memory plan
     ("models", "convert", "registry"),  # model loading, HF <-> Megatron tensor mapping, the backends' name table
-    ("runtime",),  # device, heap, payload, rendezvous, weight sync, actor groups, hybrid engine, offload
+    ("runtime",),  # per-process plumbing: device, heap, payload, rendezvous, profiling
+    ("sync",),  # trainer -> rollout weight transports: the WeightSync classes, the bucketizer, their registry
     ("rewards", "tools"),  # reward functions / scorer / reward model; tools and environments
     ("rollout", "training", "megatron"),  # the rollout and training engines
+    ("workers",),  # composition: actor groups, the hybrid engine, a trainer's offload around generation
 )
-
-# (importer, imported) -> why: every upward arrow there is today. A new one fails the test; a fixed one must
-# leave this table (the test fails while it lists an arrow that is gone).
-KNOWN_UPWARD: dict[tuple[str, str], str] = {
-    ("base", "rewards.scorer"): "RewardScorer protocol's ScoreResult type (TYPE_CHECKING only)",
-    ("base", "runtime.weight_sync"): "the weight-sync methods' Bucket type (TYPE_CHECKING only)",
-    ("runtime.collective_sync", "rollout.ipc"): "the broadcast group's shared-memory dir, shm_dir",
-    ("runtime.offload", "training.torch_backend"): "isinstance(trainer, TorchBackend) to find its optimizer",
-}
-# The fourth arrow issue #43 names, runtime.hybrid -> base (NamedTensors), points down in this table: with
-# base -> runtime.weight_sync it is the runtime <-> base knot, counted once, above.
 
 
 def engine_layer(module: str) -> int:
@@ -269,15 +260,17 @@ def test_engines_layer_order() -> None:
     placed = {name.split(".")[0] for names in ENGINE_LAYERS for name in names if name}
     unplaced = sorted(m for m in graph if m != "rlstages.engines" and m.split(".")[2] not in placed)
     assert not unplaced, f"engines modules in no layer of ENGINE_LAYERS (add their package): {unplaced}"
-    arrows = upward_arrows(graph)
-    new = sorted(arrows - KNOWN_UPWARD.keys())
-    assert not new, f"imports up the engines' layers (ENGINE_LAYERS): {new}"
-    gone = sorted(KNOWN_UPWARD.keys() - arrows)
-    assert not gone, f"KNOWN_UPWARD lists arrows that are gone (remove them): {gone}"
+    arrows = sorted(upward_arrows(graph))
+    assert not arrows, f"imports up the engines' layers (ENGINE_LAYERS): {arrows}"
 
 
 def test_layer_checker_catches_an_upward_import() -> None:
     graph = {"rlstages.engines.types": {"rlstages.engines.training.core"}, "rlstages.engines.rollout.x": set()}
     assert upward_arrows(graph) == {("types", "training.core")}
     assert engine_layer("rlstages.engines.runtime.device") == engine_layer("rlstages.engines.runtime") == 3
+    assert engine_layer("rlstages.engines.sync.collective.wire") == 4
+    assert engine_layer("rlstages.engines.workers.hybrid") > engine_layer("rlstages.engines.training.core")
     assert engine_layer("rlstages.engines") == 0
+    assert upward_arrows({"rlstages.engines.runtime.device": {"rlstages.engines.workers.hybrid"}}) == {
+        ("runtime.device", "workers.hybrid")
+    }

@@ -27,14 +27,14 @@ from rlstages.configs.training import DeepSpeedTrainingConfig, OptimConfig, Torc
 from rlstages.engines import algorithms as A  # noqa: E402
 from rlstages.engines import types as T  # noqa: E402
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine  # noqa: E402
-from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec  # noqa: E402
-from rlstages.engines.runtime.weight_sync import decode_bucket  # noqa: E402
+from rlstages.engines.sync.buckets import decode_bucket  # noqa: E402
 from rlstages.engines.training.core import (
     PPOTrainer,  # noqa: E402
     without_perf,
 )
 from rlstages.engines.training.settings import TrainerSettings  # noqa: E402
 from rlstages.engines.types import Prompt, SamplingParams  # noqa: E402
+from rlstages.engines.workers.actor_group import ActorGroup, GroupSpec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXT_DIR = os.environ.get("TORCH_EXTENSIONS_DIR") or str(  # torch's default, given to the Ray workers alike

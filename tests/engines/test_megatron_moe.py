@@ -30,11 +30,11 @@ from rlstages.configs.training import MegatronTrainingConfig, MoERouterConfig, O
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
-from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
-from rlstages.engines.runtime.weight_sync import decode_bucket
+from rlstages.engines.sync.buckets import decode_bucket
 from rlstages.engines.training.core import PPOTrainer
 from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
+from rlstages.engines.workers.actor_group import ActorGroup, GroupSpec
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
 
