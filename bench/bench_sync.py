@@ -30,7 +30,7 @@ def split_sync(path: Path, dtype: str, *overrides: str) -> float:
     """Seconds of the flow's `sync_weights` stage with trainer and rollout in separate workers."""
     from rlstages.configs import load_config
     from rlstages.tasks import rollout, run
-    from rlstages.tasks.workers import build_workers, forget_workers
+    from rlstages.tasks.driver.workers import build_workers, forget_workers
 
     tmp = Path(tempfile.mkdtemp(prefix="rlstages-bench-sync-"))
     root = Path(__file__).resolve().parents[1]

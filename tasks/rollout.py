@@ -14,12 +14,13 @@ from rlstages.engines.rollout.trajectory import decoded_table, rollout_metrics, 
 from rlstages.engines.sync.protocol import SyncRound
 from rlstages.engines.tools.registry import isolation_label
 from rlstages.engines.types import SamplingParams
-from rlstages.tasks import tracking
-from rlstages.tasks.context import RunHandle, derive_seed
-from rlstages.tasks.data import prompts_for_step, tokenizer_path
-from rlstages.tasks.faults import maybe_fail
+from rlstages.tasks.driver import tracking
+from rlstages.tasks.driver.context import RunHandle, derive_seed
+from rlstages.tasks.driver.data import prompts_for_step, tokenizer_path
+from rlstages.tasks.driver.faults import maybe_fail
+from rlstages.tasks.driver.workers import get_workers
 from rlstages.tasks.policies import guard_workers
-from rlstages.tasks.workers import get_workers
+from rlstages.tasks.stage_workers import stage_workers
 
 BUCKET_BYTES = 256 << 20
 
@@ -43,16 +44,15 @@ def generate(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
     """Sample `rollout.n` responses for the step's prompts (seeded by run seed, step); writes rollout batch."""
     start = time.perf_counter()
     prompts = prompts_for_step(cfg.data, step, cfg.trainer.seed, tokenizer_path(cfg))
-    workers = get_workers(cfg, run)
-    maybe_fail(run, "generate", step, workers)
-    timeout = cfg.prefect.policy("generate").timeout_seconds
+    w = stage_workers(cfg, run, "generate")
+    maybe_fail(run, "generate", step, w.workers)
     seed = derive_seed(cfg.trainer.seed, step, "generate")
-    batch = guard_workers(lambda: workers.rollout.dp(timeout).generate(prompts, sampling(cfg), seed))
+    batch = w.dp("rollout").generate(prompts, sampling(cfg), seed)
     T.save_batch(batch, run.batch(step, "rollout"))
     # free the rollout weights while the trainers work (sync_weights wakes them), unless the next step's
     # generation runs during the update (one-step off-policy)
     if cfg.cluster.colocate and not cfg.trainer.one_step_off_policy:
-        guard_workers(lambda: workers.rollout.all(timeout).sleep())
+        w.all("rollout").sleep()
     elapsed = time.perf_counter() - start
     lengths = batch[T.ATTENTION_MASK][:, batch[T.PROMPT_IDS].shape[1] :].sum(-1).float()  # policy + observations
     tokens = float(lengths.sum())

@@ -143,7 +143,7 @@ def training_rank(
 
 
 def reference_options(cfg: RunConfig) -> Any:
-    """The reference engine's options as tasks/specs.trainer_settings builds them: the actor's batching at the
+    """The reference engine's options as tasks/driver/specs.trainer_settings builds them: the actor's batching at the
     reference backend's defaults (no offload), its micro-batch size, and a Megatron actor's layout."""
     common = cfg.actor.model_dump(include=set(TorchTrainingConfig.model_fields) - {"backend"})
     common.update(micro_batch_size=cfg.reference.micro_batch_size, num_workers=cfg.reference.num_workers)

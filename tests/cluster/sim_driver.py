@@ -114,7 +114,7 @@ def sync(model: str) -> dict[str, Any]:
 
 def short() -> dict[str, Any]:
     """A layout the cluster cannot hold: the clear error, in bounded time."""
-    from rlstages.tasks.placement import _reserve
+    from rlstages.tasks.driver.placement import _reserve
 
     try:
         _reserve("sim-short", [{"CPU": 0.1, "GPU": 4.0}] * 3, "PACK", 20)

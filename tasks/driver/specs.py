@@ -31,7 +31,7 @@ from rlstages.engines.registry import (
 from rlstages.engines.runtime.device import gpu_env
 from rlstages.engines.training.settings import Role, TrainerSettings
 from rlstages.engines.workers.actor_group import GroupSpec
-from rlstages.tasks.context import RunHandle
+from rlstages.tasks.driver.context import RunHandle
 
 _COMMON_TRAINING = set(TorchTrainingConfig.model_fields) - {"backend"}
 MEGATRON_LAYOUT = {  # a Megatron reference beside a Megatron actor runs the actor's parallel layout and MoE options
@@ -112,7 +112,9 @@ def rollout_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
     extra: dict[str, Any] = {}
     if entry.actor_options is not None:
         python = getattr(r, "python", None)
-        extra = import_object(entry.actor_options)(str(python) if python else None)
+        extra = import_object(entry.actor_options, "rollout.backend", expected="function")(
+            str(python) if python else None
+        )
     return GroupSpec(
         name=f"{run.name}-{run.key}-rollout",
         engine=engine,

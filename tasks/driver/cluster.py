@@ -1,4 +1,4 @@
-"""Ray start-up and the driver's registry of live worker groups, built from the engine specs (`tasks.specs`).
+"""Ray start-up and the driver's registry of live worker groups, built from the engine specs (`tasks.driver.specs`).
 
 Tasks never receive actor handles: they look the groups up here by the run's key. If the registry is
 empty (a new process, a retried flow run), the groups are rebuilt from the config; named actors make a
@@ -17,10 +17,10 @@ from rlstages.engines.models import PLUGINS_ENV, import_plugins
 from rlstages.engines.sync.protocol import WeightSync
 from rlstages.engines.sync.registry import build_weight_sync, choose_transport
 from rlstages.engines.workers.actor_group import ActorGroup, GroupSpec
-from rlstages.tasks.context import RunHandle
-from rlstages.tasks.placement import place, release, report
-from rlstages.tasks.ray_auth import init_local_ray
-from rlstages.tasks.specs import hybrid_spec, reward_model_spec, reward_spec, rollout_spec, training_spec
+from rlstages.tasks.driver.context import RunHandle
+from rlstages.tasks.driver.placement import place, release, report
+from rlstages.tasks.driver.ray_auth import init_local_ray
+from rlstages.tasks.driver.specs import hybrid_spec, reward_model_spec, reward_spec, rollout_spec, training_spec
 
 
 @dataclass
