@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+from plan_twins import PROFILE, check_twin
 from sim_support import BIN, REPO, SimCluster, run_driver
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(3600)]
@@ -263,9 +264,11 @@ def test_megatron_deepseek_layout_across_nodes(sim: SimCluster, tiny_deepseek_di
         "reference.num_workers=1",
         "cluster.placement_timeout_seconds=300",
         "cluster.rendezvous_timeout_seconds=900",  # 8 Megatron ranks + 8 rollouts start on two cores
+        PROFILE,
         *LEAN,
     )
     rows = finished_flow(sim, tmp_path, "dsv3", cmd, moe=True)  # MLA, the experts and the shared one: all synced
+    check_twin(tmp_path / "runs" / "dsv3")  # each rank's update against the plan of its config
     assert len([r for r in rows if r["role"] == "actor"]) == 8
     spans_both_nodes(sim, rows)
     one_actor_rank_per_gpu(rows)

@@ -14,7 +14,7 @@ from typing import Any
 
 from rlstages.configs import RunConfig, config_hash
 from rlstages.configs.run import RUN_NAME
-from rlstages.tasks.context import RUN_STATE
+from rlstages.tasks.driver.context import RUN_STATE
 
 
 def run_dir(cfg: RunConfig) -> Path:

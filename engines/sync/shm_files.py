@@ -3,7 +3,9 @@
 vLLM's `collective_rpc` carries control messages only: tensors nested in its arguments arrive as plain lists.
 So weights travel the way verl sends CUDA-IPC buckets, with a host-memory twin: the front end writes a bucket
 of named tensors as one safetensors file under /dev/shm, the worker reads it by path and loads it, the front
-end deletes it. One bucket is in flight at a time, so the extra memory is bounded by `bucket_bytes`.
+end deletes it (`ShmFilePush`). One bucket is in flight at a time, so the extra memory is bounded by `bucket_bytes`
+(the buckets: `sync.buckets.tensor_buckets`). The same directory holds a same-node sync group's shared file
+(`collective.shared_region`).
 
 Non-goal: multi-node transport (the worker must see the same /dev/shm).
 """
@@ -12,14 +14,13 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-
-DEFAULT_BUCKET_BYTES = 512 * 2**20
 
 
 def shm_dir() -> Path:
@@ -28,23 +29,6 @@ def shm_dir() -> Path:
     if shm.is_dir() and os.access(shm, os.W_OK):
         return shm
     return Path(tempfile.gettempdir())
-
-
-def iter_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group a stream of named tensors into lists of about `bucket_bytes` (a larger tensor goes alone)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 def write_bucket(bucket: list[tuple[str, torch.Tensor]], directory: Path | None = None) -> Path:
@@ -68,3 +52,36 @@ def write_bucket(bucket: list[tuple[str, torch.Tensor]], directory: Path | None 
 def read_bucket(path: str | Path) -> list[tuple[str, torch.Tensor]]:
     """Read a bucket written by `write_bucket`, in name order."""
     return sorted(load_file(str(path)).items())
+
+
+class ShmFilePush:
+    """The CPU push into a colocated engine's worker processes: each bucket cast to `dtype` (floating tensors),
+    written as one file, `send` (a call that returns once the workers have loaded it, with one worker's tensor
+    count) given its path, then deleted. The same interface as `cuda_ipc.FlatPusher`; nothing is kept between
+    pushes."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype = dtype
+        self.device = device
+
+    def push(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], send: Callable[[str], int]) -> dict[str, float]:
+        """Write, send and delete each bucket in turn; returns the push's metrics."""
+        start = time.perf_counter()
+        count = tensors = 0
+        for bucket in buckets:
+            cast = [(name, t.detach().to(self.dtype) if t.is_floating_point() else t.detach()) for name, t in bucket]
+            path = write_bucket(cast)
+            try:
+                tensors += int(send(str(path)))
+            finally:
+                path.unlink(missing_ok=True)
+            count += 1
+        return {
+            "sync/buckets": float(count),
+            "sync/messages": float(count),
+            "sync/tensors": float(tensors),
+            "timing/sync_push_s": time.perf_counter() - start,
+        }
+
+    def release(self, send: Callable[[str], int] | None = None) -> None:
+        """Nothing is held between pushes."""

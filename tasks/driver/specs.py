@@ -28,10 +28,10 @@ from rlstages.engines.registry import (
     missing_package,
     training_backend,
 )
-from rlstages.engines.runtime.actor_group import GroupSpec
 from rlstages.engines.runtime.device import gpu_env
 from rlstages.engines.training.settings import Role, TrainerSettings
-from rlstages.tasks.context import RunHandle
+from rlstages.engines.workers.actor_group import GroupSpec
+from rlstages.tasks.driver.context import RunHandle
 
 _COMMON_TRAINING = set(TorchTrainingConfig.model_fields) - {"backend"}
 MEGATRON_LAYOUT = {  # a Megatron reference beside a Megatron actor runs the actor's parallel layout and MoE options
@@ -112,7 +112,9 @@ def rollout_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
     extra: dict[str, Any] = {}
     if entry.actor_options is not None:
         python = getattr(r, "python", None)
-        extra = import_object(entry.actor_options)(str(python) if python else None)
+        extra = import_object(entry.actor_options, "rollout.backend", expected="function")(
+            str(python) if python else None
+        )
     return GroupSpec(
         name=f"{run.name}-{run.key}-rollout",
         engine=engine,
@@ -268,7 +270,7 @@ def reward_model_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec | None:
 
 
 def hybrid_spec(trainer: GroupSpec, rollout: GroupSpec) -> GroupSpec:
-    """One group whose ranks hold both the trainer and a rollout engine (`runtime.hybrid.HybridEngine`)."""
+    """One group whose ranks hold both the trainer and a rollout engine (`workers.hybrid.HybridEngine`)."""
     kwargs = {
         "trainer": trainer.engine,
         "trainer_kwargs": trainer.kwargs,
@@ -279,7 +281,7 @@ def hybrid_spec(trainer: GroupSpec, rollout: GroupSpec) -> GroupSpec:
     return replace(
         trainer,
         name=trainer.name.replace("-actor", "-hybrid"),
-        engine="rlstages.engines.runtime.hybrid:HybridEngine",
+        engine="rlstages.engines.workers.hybrid:HybridEngine",
         kwargs=kwargs,
         resources={**rollout.resources, **trainer.resources},
         env={**rollout.env, **trainer.env},

@@ -6,7 +6,7 @@ per bucket, the tensors laid end to end in the order named, which is the payload
 `payload.layout` / `payload.pack_into`. So per bucket the source sends the bucket's names, dtypes and shapes
 to each rollout actor through Ray (the actor calls SGLang, which then waits in the broadcast) and broadcasts the
 packed payload; the actors' weight-update session (`begin_weight_update` / `end_weight_update`) is opened and
-closed by the driver around the round (`collective_sync.CollectiveSync`).
+closed by the driver around the round (`collective.driver.CollectiveSync`).
 
 The source joins the group as SGLang's workers form it: torch's tcp:// rendezvous (rank 0 hosts the store),
 the store prefixed by the group name, and torch's own process-group factory, which prefixes it again by the
@@ -63,6 +63,21 @@ def send_flat_bucket(
     pack_into(bucket, dtype, payload)
     dist.broadcast(payload, src=0, group=group)
     ray.get(loads)
+
+
+class FlatSender:
+    """The source's side of a flat-bucket group (`wire.SENDERS["flat"]`): each bucket by `send_flat_bucket`; the
+    round's end is the driver's (`end_flat_round` closes the engines' sessions)."""
+
+    def __init__(self, group: Any, name: str, receivers: list[Any], kind: torch.dtype) -> None:
+        self.group, self.name, self.receivers, self.kind = group, name, receivers, kind
+
+    def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """The bucket's layout to every receiver actor, its payload broadcast; returns once all have loaded it."""
+        send_flat_bucket(self.group, self.name, self.receivers, bucket, self.kind)
+
+    def end(self) -> None:
+        """Nothing to send: the receivers know the round's end from the driver."""
 
 
 def receive_flat_bucket(engine: Any, name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> int:

@@ -1,4 +1,4 @@
-"""Ray start-up and the driver's registry of live worker groups, built from the engine specs (`tasks.specs`).
+"""Ray start-up and the driver's registry of live worker groups, built from the engine specs (`tasks.driver.specs`).
 
 Tasks never receive actor handles: they look the groups up here by the run's key. If the registry is
 empty (a new process, a retried flow run), the groups are rebuilt from the config; named actors make a
@@ -14,11 +14,13 @@ from typing import Any
 
 from rlstages.configs.run import RunConfig
 from rlstages.engines.models import PLUGINS_ENV, import_plugins
-from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
-from rlstages.tasks.context import RunHandle
-from rlstages.tasks.placement import place, release, report
-from rlstages.tasks.ray_auth import init_local_ray
-from rlstages.tasks.specs import hybrid_spec, reward_model_spec, reward_spec, rollout_spec, training_spec
+from rlstages.engines.sync.protocol import WeightSync
+from rlstages.engines.sync.registry import build_weight_sync, choose_transport
+from rlstages.engines.workers.actor_group import ActorGroup, GroupSpec
+from rlstages.tasks.driver.context import RunHandle
+from rlstages.tasks.driver.placement import place, release, report
+from rlstages.tasks.driver.ray_auth import init_local_ray
+from rlstages.tasks.driver.specs import hybrid_spec, reward_model_spec, reward_spec, rollout_spec, training_spec
 
 
 @dataclass
@@ -31,6 +33,7 @@ class Workers:
     reference: ActorGroup | None = None
     critic: ActorGroup | None = None
     reward_model: ActorGroup | None = None
+    weight_sync: WeightSync | None = None  # trainer -> rollout transport, chosen once (`engines.sync.registry`)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -106,6 +109,9 @@ def build_workers(cfg: RunConfig, run: RunHandle) -> Workers:
         critic=group(specs.get("critic")),
         reward_model=group(reward_model_spec(cfg, run)),
     )
+    placement = "hybrid" if cfg.cluster.hybrid_engine else "split"
+    transport = choose_transport(placement, cfg.cluster.mode, cfg.cluster.weight_sync)
+    workers.weight_sync = build_weight_sync(transport)
     _REGISTRY[run.key] = workers
     if cfg.cluster.use_placement_group and not in_process:  # what runs where, for operators and the cluster tests
         report(workers.groups(), run.path / "placement.json")

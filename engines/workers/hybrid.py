@@ -11,7 +11,7 @@ frees its KV cache when it returns, and the cached blocks of each phase go back 
 
 On a GPU, with a rollout engine that frees its own memory while asleep (vLLM sleep mode, SGLang's memory saver),
 the trainer's parameters and optimizer state leave the GPU while the engine generates and come back before the
-trainer's next call (`runtime.offload`); the sync pushes from the trainer's GPU tensors by CUDA IPC.
+trainer's next call (`workers.offload`); the sync pushes from the trainer's GPU tensors by CUDA IPC.
 
 Non-goal: resharding between different parallel layouts (one rank holds whole models here).
 """
@@ -26,12 +26,10 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from rlstages.engines.base import NamedTensors
 from rlstages.engines.imports import import_object
 from rlstages.engines.runtime.device import free_cached, worker_device
-from rlstages.engines.runtime.offload import hybrid_offload
-from rlstages.engines.runtime.weight_sync import Bucket
-from rlstages.engines.types import Prompt, SamplingParams
+from rlstages.engines.types import Bucket, NamedTensors, Prompt, SamplingParams
+from rlstages.engines.workers.offload import hybrid_offload
 
 
 class HybridEngine:

@@ -1,11 +1,18 @@
 """The names the tasks and flows import for worker groups, in one place: cluster start-up and the registry of
-live groups (`tasks.cluster`) and config -> engine spec (`tasks.specs`).
+live groups (`tasks.driver.cluster`) and config -> engine spec (`tasks.driver.specs`).
 """
 
 from __future__ import annotations
 
-from rlstages.tasks.cluster import Workers, build_workers, forget_workers, get_workers, rebuild_workers, start_ray
-from rlstages.tasks.specs import (
+from rlstages.tasks.driver.cluster import (
+    Workers,
+    build_workers,
+    forget_workers,
+    get_workers,
+    rebuild_workers,
+    start_ray,
+)
+from rlstages.tasks.driver.specs import (
     converted_dir,
     hybrid_spec,
     loss_params,

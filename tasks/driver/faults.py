@@ -15,7 +15,7 @@ import os
 import signal
 from typing import Any
 
-from rlstages.tasks.context import RunHandle
+from rlstages.tasks.driver.context import RunHandle
 
 ENV = "RLSTAGES_FAULTS"
 KINDS = ("transient", "fatal", "sigkill", "nan")

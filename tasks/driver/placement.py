@@ -16,8 +16,8 @@ from pathlib import Path
 
 from rlstages.configs import RunConfig
 from rlstages.configs.rollout import rollout_tp
-from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec, Placement
-from rlstages.tasks.context import RunHandle
+from rlstages.engines.workers.actor_group import ActorGroup, GroupSpec, Placement
+from rlstages.tasks.driver.context import RunHandle
 
 RESERVED_ROLES = ("actor", "rollout", "reference", "critic")
 
