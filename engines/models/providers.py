@@ -102,7 +102,13 @@ def build_tiny_model(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rlstages.engines.models.tiny_tokenizer import build_char_tokenizer
+    from rlstages.engines.models.vision import VISION_MODEL_TYPES, build_tiny_vlm
 
+    if model_type in VISION_MODEL_TYPES:  # a tiny vision tower in front (its tokenizer and image processor)
+        return build_tiny_vlm(
+            out, model_type, vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+            num_key_value_heads, max_position_embeddings, tie_word_embeddings, seed,
+        )  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     tok = build_char_tokenizer(vocab_size)
     model_type, keys = tiny_hf_config(
