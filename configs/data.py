@@ -61,6 +61,11 @@ class DatasetsDataConfig(StrictModel):
     data_source_key: str | None = "data_source"
     extra_info_key: str | None = "extra_info"
     default_data_source: str = Field(default="", description="For rows without a data_source column.")
+    image_key: str | None = Field(
+        default="images",
+        description="A list of images per row (bytes, file paths, or {bytes, path} dicts); read when the column "
+        "exists. Their `<image>` placeholders in the prompt mark where each goes (docs/vlm.md).",
+    )
 
 
 DataSource = Annotated[AdditionTaskConfig | JsonlDataConfig | DatasetsDataConfig, Field(discriminator="kind")]
@@ -85,6 +90,13 @@ class DataConfig(StrictModel):
         "`overlong_prompts` says. Prompts that do not fit the model's context minus rollout.max_new_tokens are "
         "handled the same way, whatever this is.",
     )
+    image_min_pixels: int | None = Field(
+        default=None, ge=1, description="Images smaller than this are scaled up (the image processor's min_pixels)."
+    )
+    image_max_pixels: int | None = Field(
+        default=None, ge=1, description="Images larger than this are scaled down (the image processor's max_pixels)."
+    )
+    max_images_per_prompt: int = Field(default=4, ge=1, description="Rows with more images are refused.")
     overlong_prompts: Literal["error", "drop", "truncate"] = Field(
         default="error",
         description="error: refuse the run before it starts, naming the row; drop: skip them and count them "

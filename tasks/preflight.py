@@ -527,6 +527,13 @@ def check_data_rows(cfg: RunConfig) -> None:
     check_data(cfg)
 
 
+def check_images(cfg: RunConfig) -> None:
+    """Image rows: each opens, placeholders match, within the image and length limits, a VLM with its processor."""
+    from rlstages.tasks.vision_data import check_image_rows
+
+    check_image_rows(cfg)
+
+
 def check_run_dir(cfg: RunConfig) -> list[str] | None:
     """The run directory: one of another config is refused unless it holds nothing committed (then the run
     starts over in it, said as a warning); a continued run's newest checkpoint must be intact."""
@@ -568,6 +575,7 @@ CHECKS: tuple[Check, ...] = (
     check_context_parallel,
     check_prompt_lengths,
     check_data_rows,
+    check_images,
     check_run_dir,
     check_backend_packages,
     check_cluster_resources,

@@ -84,6 +84,20 @@ def param_groups(
     return [{"params": ps, "lr": group_lr.get(part, lr), "name": part} for part, ps in groups.items()]
 
 
+def vision_token_ids(config: Any) -> list[int]:
+    """The ids of the vision tokens (start, end, image and video pads): never sampled in a response (no image
+    stands behind them there), so the rollout and the trainer both take them out of the distribution."""
+    keys = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
+    return sorted({int(v) for k in keys if isinstance(v := getattr(config, k, None), int)})
+
+
+def suppress(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """`logits` with the `ids` columns at -1e9 (probability 0, entropy terms stay finite), out of place."""
+    if not ids:
+        return logits
+    return logits.index_fill(-1, torch.tensor(ids, device=logits.device), -1e9)
+
+
 def forward_kwargs(batch: Any, device: torch.device) -> dict[str, Any]:
     """The image inputs of a training micro-batch for the model's forward: pixel values and grids concatenated in
     row order, and the M-RoPE position ids [3, B, L] (the batch's [B, 3, L]); {} for a batch without images."""

@@ -20,9 +20,9 @@ from rlstages.engines import types as T
 from rlstages.engines.base import NamedTensors
 from rlstages.engines.models import eos_token_ids, load_causal_lm, load_tokenizer
 from rlstages.engines.models.moe_layout import ExpertSlots
-from rlstages.engines.models.vision import is_vision_model, module_name
+from rlstages.engines.models.vision import is_vision_model, module_name, suppress, vision_token_ids
 from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
-from rlstages.engines.rollout.decode import decode, picker
+from rlstages.engines.rollout.decode import Picker, decode, picker
 from rlstages.engines.rollout.multi_turn import build_runner, multi_turn_enabled
 from rlstages.engines.rollout.trajectory import build_trajectory_batch
 from rlstages.engines.rollout.vision_inputs import (
@@ -140,7 +140,7 @@ class HFRolloutEngine:
         """Token ids in, token ids out: one sample continuing each context, at most its own limit of tokens,
         cut after its first EOS (kept), with the sampled tokens' log-probs. The caller seeds torch."""
         out: list[tuple[list[int], list[float]]] = []
-        pick = picker(sampling.temperature, sampling.top_k, sampling.top_p, sampling.greedy)
+        pick = self._picker(sampling)
         for start in range(0, len(contexts), self.batch_size):
             rows, caps = contexts[start : start + self.batch_size], limits[start : start + self.batch_size]
             enc = to_device(
@@ -157,7 +157,7 @@ class HFRolloutEngine:
         self, rows: list[list[int]], sampling: SamplingParams, images: list[ImagePrompt] | None = None
     ) -> tuple[list[list[int]], list[list[float]]]:
         enc = to_device(dict(self.tokenizer.pad({"input_ids": rows}, padding=True, return_tensors="pt")), self.device)
-        pick = picker(sampling.temperature, sampling.top_k, sampling.top_p, sampling.greedy)
+        pick = self._picker(sampling)
         batch_images = ImageBatch.of(images, enc["input_ids"].shape[1], self.device) if images is not None else None
         out = decode(
             self.model,
@@ -174,6 +174,14 @@ class HFRolloutEngine:
             for ids, lps in zip(out.ids, out.logprobs, strict=True)
         ]
         return [ids for ids, _ in pairs], [lps for _, lps in pairs]
+
+    def _picker(self, sampling: SamplingParams) -> Picker:
+        """The sampler; a vision-language model's vision tokens are never sampled (`vision.vision_token_ids`)."""
+        pick = picker(sampling.temperature, sampling.top_k, sampling.top_p, sampling.greedy)
+        if self.image_processor is None:
+            return pick
+        banned = vision_token_ids(self.model.config)
+        return lambda logits: pick(suppress(logits, banned))
 
     def _stop_check(self, stop: tuple[str, ...]) -> Callable[[list[int]], bool] | None:
         """Whether a row's text so far ends in a stop string (its last few tokens decoded; `_apply_stop` then

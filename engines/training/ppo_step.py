@@ -18,7 +18,7 @@ from tensordict import TensorDict
 
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
-from rlstages.engines.models.vision import forward_kwargs
+from rlstages.engines.models.vision import forward_kwargs, suppress, vision_token_ids
 from rlstages.engines.rollout.decode import left_pad, prefill
 from rlstages.engines.training.microbatch import by_length, mini_batches
 
@@ -64,7 +64,7 @@ def response_logits(model: Any, mb: TensorDict, device: torch.device) -> torch.T
         use_cache=False,
         **images,
     )
-    return out.logits[:, :-1]
+    return suppress(out.logits[:, :-1], vision_token_ids(model.config)) if images else out.logits[:, :-1]
 
 
 class SharedPrompts:

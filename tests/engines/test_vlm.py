@@ -16,7 +16,7 @@ from rlstages.configs.training import OptimConfig, TorchTrainingConfig
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
 from rlstages.engines.models import load_causal_lm
-from rlstages.engines.models.vision import component, module_name
+from rlstages.engines.models.vision import component, module_name, vision_token_ids
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
 from rlstages.engines.rollout.vision_inputs import encode_image_prompts
 from rlstages.engines.training.core import PPOTrainer
@@ -76,6 +76,7 @@ def test_greedy_tokens_equal_generate(rollout: HFRolloutEngine) -> None:
         ref = model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=kinds,
             **enc.inputs, max_new_tokens=8, do_sample=False, eos_token_id=sorted(rollout.eos_ids),
+            suppress_tokens=vision_token_ids(model.config),
         )[0, ids.shape[1]:].tolist()  # fmt: skip
         n = int(out[T.RESPONSE_MASK][i].sum())
         assert out[T.RESPONSE_IDS][i, :n].tolist() == ref[:n] and n == len(ref)

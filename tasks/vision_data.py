@@ -1,0 +1,156 @@
+"""Images in prompt rows (verl's and ROLL's schema): the `images` column read into encoded image bytes, and the
+pre-flight's image checks, each a one-line error naming the row.
+
+A cell of `images` is a list whose items are bytes, a file path, or a `{bytes, path}` dict as `datasets`
+stores an `Image` feature. Refused before anything starts: an image that does not open, a count of `<image>`
+placeholders that differs from the images given, more images than `data.max_images_per_prompt`, a prompt whose
+tokens with its image tokens exceed the length limit (image tokens are never cut), a model without an image
+processor or that is not a vision-language model, a backend that does not run images yet.
+
+Non-goal: turning images into tensors (`engines.rollout.vision_inputs`).
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+from rlstages.configs import RunConfig
+from rlstages.engines.models.vision import IMAGE_PLACEHOLDER, VISION_MODEL_TYPES
+
+
+def row_images(value: Any, where: str, key: str, base: Path | None = None) -> tuple[bytes, ...]:
+    """The encoded images of one `images` cell (None: no images); a path is read relative to the working
+    directory, else to the data file's directory `base`. A wrong item is a one-line ValueError."""
+    if value is None:
+        return ()
+    if not isinstance(value, list | tuple):
+        value = [value]
+    out = []
+    for i, item in enumerate(value):
+        if isinstance(item, dict):
+            item = item.get("bytes") or item.get("path")
+        if isinstance(item, bytes | bytearray):
+            out.append(bytes(item))
+        elif isinstance(item, str) and item:
+            out.append(_read_path(item, f"{where}: column {key!r}: image {i}", base))
+        else:
+            raise ValueError(
+                f"{where}: column {key!r}: image {i} is {type(item).__name__}; expected bytes, a file path or "
+                "{bytes, path}"
+            )
+    return tuple(out)
+
+
+def _read_path(path: str, where: str, base: Path | None) -> bytes:
+    for candidate in (Path(path), *((base / path,) if base is not None else ())):
+        if candidate.is_file():
+            return candidate.read_bytes()
+    raise ValueError(f"{where}: {path} does not exist (expected an image file)")
+
+
+def placeholders(text: str, messages: tuple[dict[str, str], ...]) -> int:
+    """`<image>` placeholders in a prompt (in every chat message when it has messages)."""
+    return sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages) if messages else text.count(IMAGE_PLACEHOLDER)
+
+
+def check_image_rows(cfg: RunConfig) -> None:
+    """The pre-flight's image checks (no-op for data without images or placeholders)."""
+    from rlstages.tasks.data import load_rows
+
+    rows = [r for split in ("train", "eval") for r in load_rows(cfg.data, split)]
+    image_rows = [r for r in rows if r.images or placeholders(r.text, r.messages)]
+    if not image_rows:
+        return
+    _check_backends(cfg)
+    for r in image_rows:
+        where = r.where or "data"
+        found = placeholders(r.text, r.messages)
+        if found != len(r.images):
+            raise ValueError(f"{where}: {found} {IMAGE_PLACEHOLDER} placeholder(s) but {len(r.images)} image(s)")
+        if len(r.images) > cfg.data.max_images_per_prompt:
+            raise ValueError(
+                f"{where}: {len(r.images)} images > data.max_images_per_prompt={cfg.data.max_images_per_prompt}"
+            )
+        for i, data in enumerate(r.images):
+            _check_opens(data, f"{where}: image {i}")
+    processor = _model_processor(cfg)
+    if processor is not None:
+        _check_lengths(cfg, image_rows, processor)
+
+
+def _check_backends(cfg: RunConfig) -> None:
+    if cfg.rollout.backend != "hf":
+        raise ValueError(
+            f"rollout.backend: {cfg.rollout.backend} does not run image prompts yet (hf does; docs/vlm.md)"
+        )
+    if cfg.actor.backend != "torch":
+        raise ValueError(f"actor.backend: {cfg.actor.backend} does not train on images yet (torch does; docs/vlm.md)")
+    if cfg.critic is not None:
+        raise ValueError("critic: a value model of a vision-language model is not built yet (docs/vlm.md)")
+
+
+def _check_opens(data: bytes, where: str) -> None:
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            img.verify()
+    except Exception as exc:  # noqa: BLE001 - PIL raises many kinds; all are "does not open"
+        raise ValueError(f"{where} does not open as an image ({type(exc).__name__}: {exc})") from None
+
+
+def _model_processor(cfg: RunConfig) -> Any:
+    """The model directory's image processor; None while a provider has not built the model yet. A model that
+    is not a vision-language model, or has no image processor, is refused."""
+    import json
+
+    from rlstages.engines.rollout.vision_inputs import load_image_processor
+
+    path = cfg.model.path
+    config = path / "config.json"
+    if not config.is_file():
+        if cfg.model.provider == "local":
+            raise ValueError(f"model.path: {path} has no config.json (expected a vision-language model directory)")
+        return None
+    kind = json.loads(config.read_text()).get("model_type")
+    if kind not in VISION_MODEL_TYPES:
+        raise ValueError(
+            f"model.path: {path} is a {kind} model, not a vision-language one ({', '.join(VISION_MODEL_TYPES)}), "
+            "and the data has images"
+        )
+    if not (path / "preprocessor_config.json").is_file():
+        raise ValueError(f"model.path: {path} has no image processor (preprocessor_config.json), which images need")
+    return load_image_processor(path, cfg.data.image_min_pixels, cfg.data.image_max_pixels)
+
+
+def _check_lengths(cfg: RunConfig, rows: list[Any], processor: Any) -> None:
+    """Text tokens + image tokens of each image prompt within data.max_prompt_length and the model's context
+    minus rollout.max_new_tokens: image tokens are never truncated, so a longer prompt is refused."""
+    from transformers import AutoConfig
+
+    from rlstages.engines.models import load_tokenizer
+    from rlstages.engines.rollout.batching import prompt_text
+    from rlstages.engines.rollout.vision_inputs import expand_images, image_inputs, image_token_counts
+
+    model = AutoConfig.from_pretrained(str(cfg.model.path), local_files_only=True)
+    context = getattr(model.get_text_config(), "max_position_embeddings", None)
+    limits = [n for n in (cfg.data.max_prompt_length, context and context - cfg.rollout.max_new_tokens) if n]
+    if not limits:
+        return
+    limit = min(limits)
+    tokenizer = load_tokenizer(cfg.model.path)
+    if cfg.data.chat_template:
+        tokenizer.chat_template = cfg.data.chat_template
+    merge = model.vision_config.spatial_merge_size
+    for row in rows:
+        counts = image_token_counts(image_inputs(processor, row.images)["image_grid_thw"], merge)
+        text, special = prompt_text(tokenizer, row.prompt("len"), cfg.data.apply_chat_template, cfg.data.system_prompt)
+        total = len(tokenizer(expand_images(text, counts), add_special_tokens=special)["input_ids"])
+        if total > limit:
+            raise ValueError(
+                f"{row.where or 'data'}: prompt of {total} tokens ({sum(counts)} of them image tokens) > the limit "
+                f"of {limit} (data.max_prompt_length, or the context minus rollout.max_new_tokens); image tokens are "
+                "never cut: shorten the text or lower data.image_max_pixels"
+            )
