@@ -529,9 +529,10 @@ def check_data_rows(cfg: RunConfig) -> None:
 
 def check_images(cfg: RunConfig) -> None:
     """Image rows: each opens, placeholders match, within the image and length limits, a VLM with its processor."""
+    from rlstages.tasks.data import load_rows
     from rlstages.tasks.vision_data import check_image_rows
 
-    check_image_rows(cfg)
+    check_image_rows(cfg, [r for split in ("train", "eval") for r in load_rows(cfg.data, split)])
 
 
 def check_run_dir(cfg: RunConfig) -> list[str] | None:

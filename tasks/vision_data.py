@@ -55,11 +55,8 @@ def placeholders(text: str, messages: tuple[dict[str, str], ...]) -> int:
     return sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages) if messages else text.count(IMAGE_PLACEHOLDER)
 
 
-def check_image_rows(cfg: RunConfig) -> None:
-    """The pre-flight's image checks (no-op for data without images or placeholders)."""
-    from rlstages.tasks.data import load_rows
-
-    rows = [r for split in ("train", "eval") for r in load_rows(cfg.data, split)]
+def check_image_rows(cfg: RunConfig, rows: list[Any]) -> None:
+    """The pre-flight's image checks of the rows (`tasks.data.Row`) of both splits; a no-op without images."""
     image_rows = [r for r in rows if r.images or placeholders(r.text, r.messages)]
     if not image_rows:
         return
