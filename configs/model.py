@@ -74,7 +74,7 @@ class ModelConfig(StrictModel):
 
     path: Path = Field(description="A local HF model directory, or a hub id such as Qwen/Qwen2.5-0.5B-Instruct.")
     revision: str | None = Field(default=None, description="Hub branch, tag or commit of a hub id (default main).")
-    provider: Literal["local", "smollm2-gguf", "tiny-random"] = "local"
+    provider: Literal["local", "smollm2-gguf", "smollm2-vl", "tiny-random"] = "local"
     tiny: TinyModelSpec | None = None
     architecture: ModelArchitecture | None = None
     model_type: str | None = Field(

@@ -186,3 +186,64 @@ def save_vlm(out: Path, model: Any, tokenizer: Any, min_pixels: int, max_pixels:
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
     processor.save_pretrained(str(out))
+
+
+def build_smollm2_vl(out: Path, text_dir: Path, seed: int = 0) -> Path:
+    """`smollm2_vl` saved into `out` with its tokenizer and image processor (56x56..112x112 pixels)."""
+    model, tok = smollm2_vl(text_dir, seed)
+    save_vlm(out, model, tok, 56 * 56, 112 * 112)
+    return out
+
+
+def smollm2_vl(text_dir: Path, seed: int = 0) -> tuple[Any, Any]:
+    """The demo's vision-language model and tokenizer: SmolLM2-135M-Instruct (the HF directory `text_dir`) as the
+    text tower of a Qwen2-VL (zero q/k/v biases, tied embeddings, M-RoPE sections 8/12/12 of its 64-dim heads:
+    on text the same logits as SmolLM2), the three vision tokens added (zero embeddings), and a small vision
+    tower (2 blocks of width 128, patch 14, merge 2) and projector initialised at random, to be trained by RL."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    text = AutoModelForCausalLM.from_pretrained(str(text_dir), dtype=torch.float32, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(str(text_dir), local_files_only=True)
+    tok.add_special_tokens({"additional_special_tokens": [VISION_START, IMAGE_PAD, VISION_END]})
+    start, pad, end = tok.convert_tokens_to_ids([VISION_START, IMAGE_PAD, VISION_END])
+    src = text.config
+    head_dim = src.hidden_size // src.num_attention_heads
+    half = head_dim // 2
+    hw = half * 3 // 8
+    theta = (getattr(src, "rope_parameters", None) or {}).get("rope_theta", getattr(src, "rope_theta", 10000.0))
+    text_config = {
+        "vocab_size": len(tok), "hidden_size": src.hidden_size, "intermediate_size": src.intermediate_size,
+        "num_hidden_layers": src.num_hidden_layers, "num_attention_heads": src.num_attention_heads,
+        "num_key_value_heads": src.num_key_value_heads, "max_position_embeddings": src.max_position_embeddings,
+        "rms_norm_eps": src.rms_norm_eps, "hidden_act": src.hidden_act, "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta, "mrope_section": [half - 2 * hw, hw, hw]},
+        "bos_token_id": src.bos_token_id, "eos_token_id": src.eos_token_id, "pad_token_id": tok.pad_token_id,
+    }  # fmt: skip
+    vision = {"depth": 2, "embed_dim": 128, "hidden_size": src.hidden_size, "num_heads": 4, "mlp_ratio": 2}
+    vision.update(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    cfg = AutoConfig.for_model(
+        "qwen2_vl", text_config=text_config, vision_config=vision, vision_start_token_id=start, image_token_id=pad,
+        vision_end_token_id=end, video_token_id=pad, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = _random_model(cfg, seed)
+    weights = {module_name(k): v for k, v in text.state_dict().items() if k != "lm_head.weight"}
+    embed = weights.pop("model.language_model.embed_tokens.weight")
+    with torch.no_grad():
+        table = model.get_input_embeddings().weight
+        table.zero_()
+        table[: embed.shape[0]] = embed  # the vision tokens' rows stay zero
+        for name, p in model.named_parameters():
+            if name.startswith("model.language_model.") and name.endswith(
+                ("q_proj.bias", "k_proj.bias", "v_proj.bias")
+            ):
+                p.zero_()
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    left = [
+        k
+        for k in missing
+        if k.startswith("model.language_model.") and not k.endswith(("_proj.bias", "embed_tokens.weight"))
+    ]
+    if unexpected or left:
+        raise RuntimeError(f"SmolLM2 -> Qwen2-VL: unexpected {unexpected[:3]}, missing {left[:3]}")
+    model.generation_config.bos_token_id = src.bos_token_id
+    return model, tok

@@ -137,3 +137,21 @@ def test_on_disk_names_map_onto_the_model(tiny_vlm_dir: Path, rollout: HFRollout
         float(p.detach().abs().sum()) == 0 for n, p in rollout.model.named_parameters() if n.startswith("model.visual.")
     )
     rollout.update_weights(disk.items())  # back, by on-disk names
+
+
+def test_smollm2_as_the_text_tower_keeps_its_text_logits() -> None:
+    from rlstages.engines.models import ensure_model
+    from rlstages.engines.models.vision import smollm2_vl
+
+    text_dir = ensure_model(
+        Path(__file__).resolve().parents[2] / ".cache" / "models" / "smollm2-135m-instruct", "smollm2-gguf"
+    )
+    vlm, tok = smollm2_vl(text_dir)
+    text = load_causal_lm(text_dir)
+    ids = tok("What colour is the square? Answer with one word.", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        want = text(input_ids=ids).logits
+        got = vlm(input_ids=ids).logits
+    assert got.shape[-1] == want.shape[-1] + 3  # the three vision tokens
+    assert torch.allclose(got[..., : want.shape[-1]], want, atol=1e-4, rtol=1e-4)
+    assert vlm.model.visual.blocks[0].attn.qkv.weight.requires_grad  # the vision tower: random, trained by RL
