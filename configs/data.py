@@ -31,6 +31,19 @@ class AdditionTaskConfig(StrictModel):
     )
 
 
+class ColorsTaskConfig(StrictModel):
+    """Seeded synthetic image prompts drawn with PIL (docs/vlm.md): `colour` asks "What colour is the square?
+    Answer with one word: red, green, blue or yellow." of a square of that colour (size, place and shade drawn at
+    random) on a grey `image_size` canvas; `count` asks how many squares (1-4) it holds. For a vision-language model."""
+
+    kind: Literal["colors"] = "colors"
+    task: Literal["colour", "count"] = "colour"
+    num_train: int = Field(default=2000, ge=1)
+    num_eval: int = Field(default=64, ge=1)
+    image_size: int = Field(default=56, ge=28)
+    seed: int = 0
+
+
 class JsonlDataConfig(StrictModel):
     """Prompt/answer rows from JSONL files (one JSON object per line)."""
 
@@ -68,7 +81,9 @@ class DatasetsDataConfig(StrictModel):
     )
 
 
-DataSource = Annotated[AdditionTaskConfig | JsonlDataConfig | DatasetsDataConfig, Field(discriminator="kind")]
+DataSource = Annotated[
+    AdditionTaskConfig | ColorsTaskConfig | JsonlDataConfig | DatasetsDataConfig, Field(discriminator="kind")
+]
 
 
 class DataConfig(StrictModel):

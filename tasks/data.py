@@ -24,9 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from rlstages.configs import RunConfig
-from rlstages.configs.data import AdditionTaskConfig, DataConfig, DatasetsDataConfig, JsonlDataConfig
+from rlstages.configs.data import (
+    AdditionTaskConfig,
+    ColorsTaskConfig,
+    DataConfig,
+    DatasetsDataConfig,
+    JsonlDataConfig,
+)
 from rlstages.engines.types import Prompt
-from rlstages.tasks.vision_data import row_images
+from rlstages.tasks.vision_data import colour_task, row_images
 
 _SUFFIX_BUILDER = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".arrow": "arrow", ".csv": "csv"}
 DATA_SUFFIXES = tuple(_SUFFIX_BUILDER)
@@ -304,6 +310,11 @@ def load_split(cfg: DataConfig, split: str, model_path: str | None = None) -> Sp
     source = cfg.source
     if isinstance(source, AdditionTaskConfig):
         rows, where = _addition(source, split), f"addition task (seed {source.seed}, {split})"
+    elif isinstance(source, ColorsTaskConfig):
+        count = source.num_train if split == "train" else source.num_eval
+        made = colour_task(source.task, count, source.image_size, source.seed, split)
+        rows = [Row(text, truth, (), f"colors/{source.task}", extra, "", (png,)) for text, truth, png, extra in made]
+        where = f"colors task ({source.task}, seed {source.seed}, {split})"
     elif isinstance(source, JsonlDataConfig):
         rows = _jsonl(source, split)
         where = str(source.train_path if split == "train" else (source.eval_path or source.train_path))

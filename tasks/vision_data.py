@@ -50,6 +50,49 @@ def _read_path(path: str, where: str, base: Path | None) -> bytes:
     raise ValueError(f"{where}: {path} does not exist (expected an image file)")
 
 
+COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (235, 210, 40)}
+COLOUR_PROMPT = "<image>What colour is the square? Answer with one word: red, green, blue or yellow."
+COUNT_PROMPT = "<image>How many squares are in the picture? Answer with one number: 1, 2, 3 or 4."
+
+
+def colour_task(task: str, count: int, size: int, seed: int, split: str) -> list[tuple[str, str, bytes, str]]:
+    """`count` seeded synthetic image prompts (text, answer, PNG bytes, extra_info JSON): one square of a random
+    colour, size, place and shade on grey (`colour`), or 1-4 squares of one colour in distinct cells (`count`)."""
+    import json
+    import random
+
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(f"{seed}:{split}:{task}")
+    names = list(COLOURS)
+    out = []
+    for _ in range(count):
+        name = rng.choice(names)
+        shade = tuple(max(0, min(255, c + rng.randint(-25, 25))) for c in COLOURS[name])
+        img = Image.new("RGB", (size, size), tuple([rng.randint(110, 150)] * 3))
+        draw = ImageDraw.Draw(img)
+        if task == "colour":
+            side = rng.randint(size // 3, size * 3 // 4)
+            x, y = rng.randint(0, size - side), rng.randint(0, size - side)
+            draw.rectangle((x, y, x + side - 1, y + side - 1), fill=shade)
+            answer, text, choices = name, COLOUR_PROMPT, names
+        else:
+            n = rng.randint(1, 4)
+            cell = size // 2
+            for k in rng.sample(range(4), n):
+                side = rng.randint(cell // 2, cell - 4)
+                x0, y0 = (
+                    (k % 2) * cell + rng.randint(1, cell - side - 1),
+                    (k // 2) * cell + rng.randint(1, cell - side - 1),
+                )
+                draw.rectangle((x0, y0, x0 + side - 1, y0 + side - 1), fill=shade)
+            answer, text, choices = str(n), COUNT_PROMPT, ["1", "2", "3", "4"]
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        out.append((text, answer, buf.getvalue(), json.dumps({"choices": choices})))
+    return out
+
+
 def placeholders(text: str, messages: tuple[dict[str, str], ...]) -> int:
     """`<image>` placeholders in a prompt (in every chat message when it has messages)."""
     return sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages) if messages else text.count(IMAGE_PLACEHOLDER)

@@ -155,3 +155,13 @@ def test_smollm2_as_the_text_tower_keeps_its_text_logits() -> None:
     assert got.shape[-1] == want.shape[-1] + 3  # the three vision tokens
     assert torch.allclose(got[..., : want.shape[-1]], want, atol=1e-4, rtol=1e-4)
     assert vlm.model.visual.blocks[0].attn.qkv.weight.requires_grad  # the vision tower: random, trained by RL
+
+
+def test_choice_reward_names_one_choice() -> None:
+    from rlstages.engines.rewards.functions import choice
+
+    info = {"choices": ["red", "green", "blue", "yellow"]}
+    assert choice("", "Red.", "red", extra_info=info) == 1.0
+    assert choice("", "The square is red", "red", extra_info=info) == 1.0
+    assert choice("", "red or blue", "red", extra_info=info) == 0.0
+    assert choice("", "green", "red", extra_info=info) == 0.0
