@@ -165,3 +165,25 @@ def test_choice_reward_names_one_choice() -> None:
     assert choice("", "The square is red", "red", extra_info=info) == 1.0
     assert choice("", "red or blue", "red", extra_info=info) == 0.0
     assert choice("", "green", "red", extra_info=info) == 0.0
+
+
+def test_qwen2_5_vl_rollout_and_trainer_agree(tmp_path: Path) -> None:
+    from rlstages.engines.models import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "tiny-qwen2.5-vl", model_type="qwen2_5_vl")  # model.tiny.model_type
+    engine = HFRolloutEngine(path, dtype="float32", apply_chat_template=False)
+    assert type(engine.model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    greedy = engine.generate(PROMPTS[:2], SamplingParams(n=1, temperature=0.0, max_new_tokens=5), seed=0)
+    enc = encode_image_prompts(engine.model, engine.tokenizer, engine.image_processor, PROMPTS[1:2], False, None)[0]
+    ids = torch.tensor([enc.ids])
+    kinds = (ids == engine.model.config.image_token_id).int()
+    ref = engine.model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=kinds,
+        **enc.inputs, max_new_tokens=5, do_sample=False, eos_token_id=sorted(engine.eos_ids),
+        suppress_tokens=vision_token_ids(engine.model.config),
+    )[0, ids.shape[1] :].tolist()  # fmt: skip
+    n = int(greedy[T.RESPONSE_MASK][1].sum())
+    assert greedy[T.RESPONSE_IDS][1, :n].tolist() == ref[:n]
+    sampled = engine.generate(PROMPTS[:2], SamplingParams(n=2, max_new_tokens=5), seed=0)
+    out = trainer(path).logprobs(sampled)
+    assert ((out["logprobs"] - sampled[T.ROLLOUT_LOGPROBS]).abs() * sampled[T.RESPONSE_MASK]).max() < 1e-4
