@@ -96,7 +96,7 @@ def meta_causal_lm(config: Any, model_type: str | None = None) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    kind = model_type or getattr(config, "model_type", "")
+    kind = str(model_type or getattr(config, "model_type", ""))
     entry = _REGISTRY.get(kind)
     with torch.device("meta"):
         if entry is not None:

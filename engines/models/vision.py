@@ -11,6 +11,7 @@ Non-goals: images to tensors (`rollout.vision_inputs`), Megatron / vLLM / SGLang
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,7 @@ def component(name: str) -> str:
 
 
 def param_groups(
-    model: Any, params: list[torch.nn.Parameter], freeze: tuple[str, ...], group_lr: dict[str, float], lr: float
+    model: Any, params: list[torch.nn.Parameter], freeze: Sequence[str], group_lr: Mapping[str, float], lr: float
 ) -> list[dict[str, Any]]:
     """Optimizer groups of `params` by part: the frozen parts' parameters stop requiring grad and are left out;
     each remaining part gets its own learning rate (`group_lr`, else `lr`). A text model is all language_model."""
@@ -205,7 +206,8 @@ def smollm2_vl(text_dir: Path, seed: int = 0) -> tuple[Any, Any]:
     text = AutoModelForCausalLM.from_pretrained(str(text_dir), dtype=torch.float32, local_files_only=True)
     tok = AutoTokenizer.from_pretrained(str(text_dir), local_files_only=True)
     tok.add_special_tokens({"additional_special_tokens": [VISION_START, IMAGE_PAD, VISION_END]})
-    start, pad, end = tok.convert_tokens_to_ids([VISION_START, IMAGE_PAD, VISION_END])
+    vocab = tok.get_vocab()
+    start, pad, end = (vocab[t] for t in (VISION_START, IMAGE_PAD, VISION_END))
     src = text.config
     head_dim = src.hidden_size // src.num_attention_heads
     half = head_dim // 2

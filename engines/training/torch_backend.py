@@ -108,7 +108,11 @@ class TorchBackend:
             params: Any = lora.trainable_parameters(self.model)
             if settings.train.freeze or settings.optim.group_lr:  # a VLM's parts: frozen, or their own LR
                 params = param_groups(
-                    self.model, list(params), settings.train.freeze, settings.optim.group_lr, settings.optim.lr
+                    self.model,
+                    list(params),
+                    settings.train.freeze,
+                    {str(k): v for k, v in settings.optim.group_lr.items()},
+                    settings.optim.lr,
                 )
             self.optimizer = adamw(params, settings.optim, stochastic)
             self.scheduler = lr_scheduler(self.optimizer, settings.optim, settings.optim_steps)
@@ -123,8 +127,8 @@ class TorchBackend:
         if train:
             assert self.optimizer is not None
             self.optimizer.zero_grad(set_to_none=True)
-        share = bool(getattr(self.settings.train, "share_prompt_forward", False)) and not readout.values and mbs
-        share = share and T.ROPE_POSITION_IDS not in mbs[0].keys()  # image rows: forwarded whole (docs/vlm.md)
+        share = bool(getattr(self.settings.train, "share_prompt_forward", False)) and not readout.values and bool(mbs)
+        share = share and T.ROPE_POSITION_IDS not in mbs[0].keys()  # image rows are forwarded whole (docs/vlm.md)
         with lora.forward_as(self.model, readout.base):
             prompts = P.SharedPrompts(self.model, mbs, self.settings.train.bf16_autocast) if share else None
             for mb in mbs:
