@@ -4,7 +4,8 @@
   fused AdamW) on a random-init Qwen2-1.5B-shaped model, 16 rows x 1024 tokens in micro-batches of 4, over
   plain transformers' forward + backward + fused AdamW step on the same shape: plain time / our time, i.e.
   our MFU over theirs (goal >= 1.0). The detail gives both MFUs where the device's peak is known
-  (`engines.training.flops`).
+  (`engines.training.flops`). Also the same with the log-prob pass's eager chunks (`fused_logits.ENABLED` off),
+  and with BENCH_GPU_PROFILE=DIR the step's top GPU kernels as a table there.
 - `gpu_rollout_vs_generate`: the HF rollout engine's generated tokens/s over raw `model.generate`'s on the
   demo's shape (SmolLM2-135M-shaped random bf16 model, sdpa, 64 rows x 48 new tokens, T=0.7; goal >= 0.95).
 - `gpu_demo_step_vs_cpu`: one demo step (generate 64 x 48, then the update) on the GPU over the same step on
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from bench.common import MODEL_SHAPES, best_of, record, shape_fields
+from rlstages.engines.algorithms import fused_logits
 
 ROWS, PROMPT, RESPONSE, MICRO = 16, 512, 512, 4
 
@@ -103,14 +105,41 @@ def update_vs_transformers() -> None:
     plain = plain_update(path, batch)
     torch.cuda.empty_cache()
     engine = trainer(path, MICRO)
-    ours = best_of(lambda: engine.train_step(batch))
+    ours = best_of(lambda: engine.train_step(batch))  # the log-prob pass compiled (`fused_logits`; warm-up compiles)
+    fused_logits.ENABLED = False
+    try:
+        eager = best_of(lambda: engine.train_step(batch))
+    finally:
+        fused_logits.ENABLED = True
+    profile_tables(engine, batch)
     name = torch.cuda.get_device_name(0)
     flops = F.step_flops(MODEL_SHAPES["qwen2-1.5b"], [PROMPT + RESPONSE] * ROWS)
-    mfu = [F.mfu(flops, t, name, True) for t in (ours, plain)]
+    mfu = [F.mfu(flops, t, name, True) for t in (ours, plain, eager)]
     detail = f"{name}: ours {ours:.3f} s, transformers {plain:.3f} s"
     if mfu[0] is not None:
         detail += f"; MFU {mfu[0]:.3f} vs {mfu[1]:.3f}"
     record("gpu_update_vs_transformers", plain / ours, ">= 1.0", detail)
+    detail = f"{name}: eager chunks {eager:.3f} s, transformers {plain:.3f} s"
+    if mfu[2] is not None:
+        detail += f"; MFU {mfu[2]:.3f}"
+    record("gpu_update_vs_transformers_eager_logits", plain / eager, None, detail)
+
+
+def profile_tables(engine: Any, batch: Any) -> None:
+    """With BENCH_GPU_PROFILE=DIR: the 30 kernels that take the most GPU time in one of our update steps, as a
+    text table in DIR (what to cut next)."""
+    import os
+
+    out = os.environ.get("BENCH_GPU_PROFILE")
+    if not out:
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.train_step(batch)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "update_profile.txt").write_text(table)
 
 
 def rollout_vs_generate() -> None:
@@ -187,9 +216,9 @@ def main() -> None:
         print("bench_gpu: skipped (no CUDA device here); nothing recorded")
         return
     start = time.perf_counter()
-    rollout_vs_generate()
-    demo_step_vs_cpu()
-    update_vs_transformers()
+    figures = {"rollout": rollout_vs_generate, "demo_step": demo_step_vs_cpu, "update": update_vs_transformers}
+    for name in sys.argv[1:] or list(figures):  # `python -m bench.bench_gpu update rollout`: those figures only
+        figures[name]()
     print(f"bench_gpu: {time.perf_counter() - start:.0f} s on {torch.cuda.get_device_name(0)}", file=sys.stderr)
 
 

@@ -18,6 +18,9 @@
 #                                     # pytest process (each sets up its own process group); with --bench, then
 #                                     # bench/bench_gpu.py and bench/bench_gpu_sync.py; all output in $RESULTS
 #
+# With --stack: DEMO=0 skips the demo run, DEMO_ARGS adds its overrides (e.g. trainer.profile.steps=[3]),
+# GPU_TESTS=none skips the tests (or names the test files to run), BENCHES lists the benches (bench_gpu:update,rollout
+# runs only those figures of bench_gpu).
 # Environment: PYTHON (default python3, the interpreter whose torch has CUDA), WHEELS (default .whl),
 # RESULTS (default gpu_check_results.txt), SITE (default /tmp/rlstages-gpu-site), TIMEOUT per file in seconds
 # (600). The gpu tests import only torch, transformers, tensordict, safetensors, pydantic, pyyaml (and deepspeed /
@@ -110,17 +113,20 @@ EOF
 } > "$RESULTS" 2>&1
 
 status=0
-if [[ $STACK == 1 ]]; then
+if [[ $STACK == 1 && "${DEMO:-1}" == 1 ]]; then
   mkdir -p "$RESULTS_DIR"
-  echo "== rlstages run configs/demo_gpu.yaml" | tee -a "$RESULTS"
+  echo "== rlstages run configs/demo_gpu.yaml ${DEMO_ARGS:-}" | tee -a "$RESULTS"
   start=$(date +%s)
-  timeout "$TIMEOUT" "$PYTHON" -m rlstages.flows.cli.main run configs/demo_gpu.yaml > "$RESULTS_DIR/demo_gpu.log" 2>&1
+  # shellcheck disable=SC2086  # DEMO_ARGS: dotted overrides, one word each
+  timeout "$TIMEOUT" "$PYTHON" -m rlstages.flows.cli.main run configs/demo_gpu.yaml ${DEMO_ARGS:-} \
+    > "$RESULTS_DIR/demo_gpu.log" 2>&1
   rc=$?
   echo "== rlstages run configs/demo_gpu.yaml exit $rc in $(( $(date +%s) - start )) s" | tee -a "$RESULTS"
   [[ $rc -ne 0 ]] && status=1
   "$PYTHON" "$ROOT/scripts/gpu_stack_report.py" "$RESULTS_DIR" >> "$RESULTS" 2>&1
 fi
 for file in tests/gpu/test_gpu_*.py; do
+  [[ "${GPU_TESTS:-}" == none ]] && break
   [[ $STACK == 1 && -n "${GPU_TESTS:-}" && " $GPU_TESTS " != *" $(basename "$file") "* ]] && continue
   echo "== $file" | tee -a "$RESULTS"
   timeout "$TIMEOUT" "$PYTHON" -m pytest -p no:cacheprovider -m gpu -rA -q "$file" >> "$RESULTS" 2>&1
@@ -129,10 +135,12 @@ for file in tests/gpu/test_gpu_*.py; do
   [[ $rc -ne 0 && $rc -ne 5 ]] && status=1  # 5: nothing collected
 done
 if [[ $BENCH == 1 ]]; then
-  for bench in ${BENCHES:-bench_gpu bench_gpu_sync bench_trl}; do
-    echo "== bench/$bench.py" | tee -a "$RESULTS"
-    timeout "$TIMEOUT" "$PYTHON" -m "bench.$bench" >> "$RESULTS" 2>&1
-    echo "== bench/$bench.py exit $?" | tee -a "$RESULTS"
+  for bench in ${BENCHES:-bench_gpu bench_gpu_sync bench_trl}; do  # bench_gpu:update,rollout = those figures only
+    name="${bench%%:*}"; args=()
+    [[ "$bench" == *:* ]] && IFS=, read -r -a args <<< "${bench#*:}"
+    echo "== bench/$name.py ${args[*]}" | tee -a "$RESULTS"
+    timeout "$TIMEOUT" "$PYTHON" -m "bench.$name" "${args[@]}" >> "$RESULTS" 2>&1
+    echo "== bench/$name.py exit $?" | tee -a "$RESULTS"
   done
 fi
 rm -rf "$PKGROOT"

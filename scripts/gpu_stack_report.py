@@ -42,6 +42,13 @@ def main() -> None:
         values = [v for _, v in history[key]]
         if key.startswith(("perf/", "reward/mean", "eval/", "timing/")) and values:
             print(f"  {key}: first {values[0]:.4g} median {statistics.median(values):.4g} last {values[-1]:.4g}")
+    pending = ["profiles"]  # trainer.profile's artifacts (traces, top-ops tables, CUDA memory snapshots), if any
+    while pending:
+        for item in client.list_artifacts(run.info.run_id, pending.pop()):
+            if item.is_dir:
+                pending.append(item.path)
+            else:
+                print(f"  artifact {item.path}: {item.file_size} bytes")
 
 
 if __name__ == "__main__":

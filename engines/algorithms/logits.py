@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import rlstages.engines.algorithms.fused_logits as F
+
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
     """Entropy of softmax(z) over the last dim, logsumexp(z) - sum softmax(z)*z, in float32 or wider."""
@@ -148,11 +150,12 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
         out = torch.empty(labels.shape, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
         entropy = torch.empty_like(out)
-        for rows, z in _scaled_chunks(logits, temperature):
-            chunk_lse = torch.logsumexp(z, dim=-1)
-            lse[rows] = chunk_lse
-            out[rows] = torch.gather(z, -1, labels[rows].unsqueeze(-1)).squeeze(-1) - chunk_lse
-            entropy[rows] = chunk_lse - (z - chunk_lse.unsqueeze(-1)).exp_().mul_(z).sum(dim=-1)  # p z in place
+        if not (_use_fused(logits) and _fused_forward(logits, labels, 1.0 / temperature, out, lse, entropy)):
+            for rows, z in _scaled_chunks(logits, temperature):
+                chunk_lse = torch.logsumexp(z, dim=-1)
+                lse[rows] = chunk_lse
+                out[rows] = torch.gather(z, -1, labels[rows].unsqueeze(-1)).squeeze(-1) - chunk_lse
+                entropy[rows] = chunk_lse - (z - chunk_lse.unsqueeze(-1)).exp_().mul_(z).sum(dim=-1)  # p z in place
         ctx.temperature = temperature
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits, labels, lse, entropy)
@@ -169,6 +172,11 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
         logits, labels, lse, entropy = ctx.saved_tensors
         inv_t = 1.0 / ctx.temperature
         grad_logits = torch.empty_like(logits)
+        fused = _use_fused(logits) and _fused_backward(
+            logits, labels, lse, entropy, grad_logp, grad_entropy, inv_t, grad_logits
+        )
+        if fused:
+            return grad_logits, None, None, None
         step = _row_chunks(logits)
         for s in range(0, logits.shape[0], step):
             rows = slice(s, s + step)
@@ -209,3 +217,50 @@ def chunked_logprobs_entropy(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     return _ChunkedLogprobsEntropy.apply(logits, labels, float(temperature), bool(entropy_grad))
+
+
+def _use_fused(logits: Tensor) -> bool:
+    """Whether the log-prob + entropy pass runs through the compiled kernels: on a GPU, where Triton fuses them
+    (on the CPU the eager chunks are as fast and compiling costs seconds per shape)."""
+    return logits.is_cuda and F.ENABLED
+
+
+def _fused_forward(logits: Tensor, labels: Tensor, inv_t: float, out: Tensor, lse: Tensor, entropy: Tensor) -> bool:
+    """`_ChunkedLogprobsEntropy.forward`'s chunks through the compiled kernels (`fused_logits`); False where that
+    path is off or does not compile here (the caller then runs the eager chunks)."""
+    step = _row_chunks(logits)
+    for s in range(0, logits.shape[0], step):
+        rows = slice(s, s + step)
+        got = F.run("chunk_forward", logits[rows], labels[rows], inv_t)
+        if got is None:
+            return False
+        out[rows], lse[rows], entropy[rows] = got
+    return True
+
+
+def _fused_backward(
+    logits: Tensor,
+    labels: Tensor,
+    lse: Tensor,
+    entropy: Tensor,
+    grad_logp: Tensor | None,
+    grad_entropy: Tensor | None,
+    inv_t: float,
+    grad_logits: Tensor,
+) -> bool:
+    """`_ChunkedLogprobsEntropy.backward`'s chunks through the compiled kernels; False where that path is off."""
+    step = _row_chunks(logits)
+    for s in range(0, logits.shape[0], step):
+        rows = slice(s, s + step)
+        if grad_entropy is None:
+            assert grad_logp is not None
+            got = F.run("chunk_backward_logp", logits[rows], labels[rows], lse[rows], grad_logp[rows], inv_t)
+        else:
+            g = grad_logp[rows] if grad_logp is not None else torch.zeros_like(grad_entropy[rows])
+            got = F.run(
+                "chunk_backward", logits[rows], labels[rows], lse[rows], entropy[rows], g, grad_entropy[rows], inv_t
+            )
+        if got is None:
+            return False
+        grad_logits[rows] = got
+    return True

@@ -71,24 +71,31 @@ def decode(
     else:
         cache, logits, mask = images.prefill(model, input_ids, attention_mask)
         position = images.next_positions()
-    live = torch.arange(rows, device=input_ids.device)  # every index and mask on the model's device
-    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=input_ids.device)
+    rows_live = list(range(rows))  # the batch's rows, in the cache's order (host side: no device reads for it)
     for t in range(max_new_tokens):
         ids, logprobs = pick(logits)
-        done = torch.isin(ids, eos)
-        for i, (row, token, lp) in enumerate(zip(live.tolist(), ids.tolist(), logprobs.tolist(), strict=True)):
+        # one device read per step: the tokens and their log-probs together (float64 holds every token id exactly);
+        # which rows finished is decided here on the host, so no per-row or per-flag sync follows
+        picked = torch.stack([ids.to(torch.float64), logprobs.to(torch.float64)]).tolist()
+        keep: list[int] = []
+        for i, (row, token, lp) in enumerate(zip(rows_live, picked[0], picked[1], strict=True)):
+            token = int(token)
             out.ids[row].append(token)
             out.logprobs[row].append(lp)
-            if stopped is not None and not done[i] and stopped(out.ids[row]):
-                done[i] = True
+            done = token in eos_ids
+            if not done and stopped is not None and stopped(out.ids[row]):
+                done = True
             if limits is not None and len(out.ids[row]) >= limits[row]:
-                done[i] = True
-        if t == max_new_tokens - 1 or bool(done.all()):
+                done = True
+            if not done:
+                keep.append(i)
+        if t == max_new_tokens - 1 or not keep:
             break
-        if bool(done.any()):  # finished rows leave the batch and the cache
-            keep = (~done).nonzero().squeeze(-1)
-            cache.batch_select_indices(keep)
-            live, ids, mask, position = live[keep], ids[keep], mask[keep], position[keep]
+        if len(keep) < len(rows_live):  # finished rows leave the batch and the cache
+            rows_live = [rows_live[i] for i in keep]
+            index = torch.tensor(keep, device=input_ids.device)
+            cache.batch_select_indices(index)
+            ids, mask, position = ids[index], mask[index], position[index]
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         step = model(
             input_ids=ids.unsqueeze(-1),

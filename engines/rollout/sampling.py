@@ -29,4 +29,6 @@ def sample_rows(logits: torch.Tensor) -> torch.Tensor:
     u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
     picked = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1).squeeze(-1)
     impossible = logits.gather(-1, picked.unsqueeze(-1)).squeeze(-1) == float("-inf")  # u rounded up to the total
+    if cdf.is_cuda:  # no host read of `impossible` per step: a sync that stalls the decode loop on a GPU
+        return torch.where(impossible, logits.argmax(-1), picked)
     return torch.where(impossible, logits.argmax(-1), picked) if impossible.any() else picked

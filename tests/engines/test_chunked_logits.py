@@ -138,3 +138,40 @@ def test_the_gpu_one_kernel_shift_equals_the_cpu_one(dtype, temperature):
     assert one.dtype == two.dtype == torch.float32
     torch.testing.assert_close(one, two, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(two, logits.float() / temperature - lse[..., None], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grads", ["logp", "both", "entropy"])
+def test_the_compiled_gpu_kernels_compute_the_eager_chunks_values(monkeypatch, dtype, grads):
+    """`fused_logits` (what a GPU runs compiled to Triton) traced whole (fullgraph, dynamic shapes; the CPU
+    traces it with aot_eager) gives the eager chunks' log-probs, entropy and logits gradient, for each set of
+    gradients the loss can carry."""
+    from rlstages.engines.algorithms import fused_logits as F
+
+    monkeypatch.setattr(L, "CHUNK_BYTES", 2 * 6 * 40 * 4)  # two rows a chunk: the loop and a short last chunk
+    monkeypatch.setattr(F, "_COMPILED", {})
+    for name in ("chunk_forward", "chunk_backward", "chunk_backward_logp"):
+        F._COMPILED[name] = torch.compile(getattr(F, name), backend="aot_eager", dynamic=True, fullgraph=True)
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(5, 6, 40, generator=g) * 3).to(dtype)
+    labels = torch.randint(0, 40, (5, 6), generator=g)
+    temperature = 0.7
+    inv_t = 1 / temperature
+
+    ref_in = logits.clone().requires_grad_(True)
+    ref_lp, ref_ent = L.chunked_logprobs_entropy(ref_in, labels, temperature, entropy_grad=grads != "logp")
+    w_lp, w_ent = torch.randn(5, 6, generator=g), torch.randn(5, 6, generator=g)
+    loss = (ref_lp * w_lp).sum() * (grads != "entropy") + ((ref_ent * w_ent).sum() if grads != "logp" else 0.0)
+    loss.backward()
+
+    out, lse, ent = (torch.empty(5, 6) for _ in range(3))
+    assert L._fused_forward(logits, labels, inv_t, out, lse, ent)
+    torch.testing.assert_close(out, ref_lp.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, ref_ent.detach(), rtol=1e-5, atol=1e-5)
+    grad = torch.empty_like(logits)
+    grad_logp = None if grads == "entropy" else w_lp
+    grad_ent = None if grads == "logp" else w_ent
+    assert L._fused_backward(logits, labels, lse, ent, grad_logp, grad_ent, inv_t, grad)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(grad.float(), ref_in.grad.float(), rtol=tol, atol=tol)
+    assert grad.dtype == dtype and grad.abs().max() > 1e-3

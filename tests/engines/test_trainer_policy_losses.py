@@ -69,3 +69,30 @@ def test_every_loss_trains_and_the_weights_matter(tiny_model_dir: Path, batch, n
     assert math.isfinite(weighted["pg_loss"]) and weighted["grad_norm"] > 0
     if name != "clip_cov":  # clip_cov draws its detached tokens at random: the two runs differ anyway
         assert weighted["pg_loss"] != pytest.approx(unweighted["pg_loss"], abs=1e-7)
+
+
+def test_the_gpu_fused_log_prob_pass_trains_as_the_eager_chunks(monkeypatch, tiny_model_dir: Path, batch) -> None:
+    """Two GRPO steps with an entropy bonus at T=0.7 through the fused log-prob kernels (what a GPU compiles;
+    traced here with aot_eager) leave the weights the eager chunks the CPU runs leave, and those moved."""
+    from rlstages.engines.algorithms import fused_logits as F
+    from rlstages.engines.algorithms import logits as L
+
+    def train(fused: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        monkeypatch.setattr(L, "_use_fused", lambda logits: fused)
+        options = TorchTrainingConfig(optim=OptimConfig(lr=1e-2, total_steps=10), micro_batch_size=8)
+        params = A.PolicyLossParams(entropy_coeff=0.01)
+        engine = PPOTrainer(TrainerSettings(str(tiny_model_dir), train=options, loss=params, temperature=0.7))
+        start = [p.detach().clone() for p in engine.backend.model.parameters()]
+        for _ in range(2):
+            engine.train_step(batch)
+        return start, [p.detach().clone() for p in engine.backend.model.parameters()]
+
+    monkeypatch.setattr(F, "_COMPILED", {})
+    for name in ("chunk_forward", "chunk_backward", "chunk_backward_logp"):
+        F._COMPILED[name] = torch.compile(getattr(F, name), backend="aot_eager", dynamic=True, fullgraph=True)
+    start, fused = train(True)
+    _, eager = train(False)
+    assert not F._FAILED
+    for a, b in zip(fused, eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert max((a - b).abs().max().item() for a, b in zip(eager, start, strict=True)) > 1e-4
