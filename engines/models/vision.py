@@ -200,7 +200,8 @@ def smollm2_vl(text_dir: Path, seed: int = 0) -> tuple[Any, Any]:
     """The demo's vision-language model and tokenizer: SmolLM2-135M-Instruct (the HF directory `text_dir`) as the
     text tower of a Qwen2-VL (zero q/k/v biases, tied embeddings, M-RoPE sections 8/12/12 of its 64-dim heads:
     on text the same logits as SmolLM2), the three vision tokens added (zero embeddings), and a small vision
-    tower (2 blocks of width 128, patch 14, merge 2) and projector initialised at random, to be trained by RL."""
+    tower (2 blocks of width 128, patch 14, merge 2) and projector initialised at random (the projector's output
+    layer at zero), to be trained by RL."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     text = AutoModelForCausalLM.from_pretrained(str(text_dir), dtype=torch.float32, local_files_only=True)
@@ -239,6 +240,9 @@ def smollm2_vl(text_dir: Path, seed: int = 0) -> tuple[Any, Any]:
                 ("q_proj.bias", "k_proj.bias", "v_proj.bias")
             ):
                 p.zero_()
+        last = model.model.visual.merger.mlp[-1]  # the projector's output layer starts at zero: image tokens are
+        last.weight.zero_()  # blank to SmolLM2 at first (it answers as without an image: in words, at chance),
+        last.bias.zero_()  # not random vectors far from its embeddings (which made it babble)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     left = [
         k
