@@ -127,6 +127,8 @@ def _check_backends(cfg: RunConfig) -> None:
         )
     if cfg.actor.backend != "torch":
         raise ValueError(f"actor.backend: {cfg.actor.backend} does not train on images yet (torch does; docs/vlm.md)")
+    if getattr(getattr(cfg.rollout, "multi_turn", None), "enabled", False):
+        raise ValueError("rollout.multi_turn.enabled: multi-turn rollouts with images are not built yet (docs/vlm.md)")
     if cfg.critic is not None:
         raise ValueError("critic: a value model of a vision-language model is not built yet (docs/vlm.md)")
 
