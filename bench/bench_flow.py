@@ -44,7 +44,7 @@ def bare_loop(cfg, steps: int) -> float:  # type: ignore[no-untyped-def]
     """Seconds per iteration of the stage functions without Prefect (after one warm-up iteration)."""
     from rlstages.tasks import advantage, reward, rollout, run, update
     from rlstages.tasks.advantage import initial_kl_state
-    from rlstages.tasks.workers import build_workers, forget_workers
+    from rlstages.tasks.driver.workers import build_workers, forget_workers
 
     handle = run.prepare_run.fn(cfg)
     build_workers(cfg, handle)

@@ -1,6 +1,6 @@
 """Weights between trainer and rollout on one GPU (issue 29); each figure a ratio against a baseline of the same run:
 
-- CUDA IPC push (`runtime.cuda_ipc.FlatPusher`: the weights cast to bf16 into one persistent device buffer,
+- CUDA IPC push (`sync.cuda_ipc.FlatPusher`: the weights cast to bf16 into one persistent device buffer,
   shared once; a second process maps it once, then each push sends only its id and offsets and the receiver
   copies the tensors into its own weights) against an in-device cast-copy of the same bytes in one process, for
   the demo's model shape (SmolLM2-135M) and a 1.5B one (Qwen2-1.5B shape), random weights, after two warm-up
@@ -44,7 +44,7 @@ def random_weights(shape: dict[str, Any], device: torch.device) -> list[tuple[st
 
 def _receiver(conn: Any) -> None:
     """The engine's side: map each bucket, copy its tensors into weights of its own (allocated once)."""
-    from rlstages.engines.runtime import cuda_ipc
+    from rlstages.engines.sync import cuda_ipc
 
     own: dict[str, torch.Tensor] = {}
 
@@ -60,8 +60,8 @@ def _receiver(conn: Any) -> None:
 
 def sync_figures(device: torch.device) -> None:
     """CUDA IPC push into a second process vs an in-device copy (cast to bf16) of the same weights."""
-    from rlstages.engines.rollout.ipc import iter_buckets
-    from rlstages.engines.runtime import cuda_ipc
+    from rlstages.engines.sync import cuda_ipc
+    from rlstages.engines.sync.buckets import tensor_buckets
 
     ctx = mp.get_context("spawn")
     for label in SHAPES:
@@ -82,7 +82,7 @@ def sync_figures(device: torch.device) -> None:
         def push(weights: list = weights, send: Any = send, pusher: Any = pusher, messages: list = messages) -> float:
             torch.cuda.synchronize(device)
             start = time.perf_counter()
-            metrics = pusher.push(iter_buckets(iter(weights), BUCKET_BYTES), send)
+            metrics = pusher.push(tensor_buckets(iter(weights), BUCKET_BYTES), send)
             messages.append(metrics["sync/messages"])
             return time.perf_counter() - start
 
@@ -137,9 +137,9 @@ def vllm_figures(device: torch.device) -> None:
     from rlstages.engines.models import build_tiny_model
     from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
     from rlstages.engines.rollout.vllm_rollout import VLLMRolloutEngine
-    from rlstages.engines.runtime.hybrid import HybridEngine
     from rlstages.engines.training.settings import TrainerSettings
     from rlstages.engines.types import Prompt, SamplingParams
+    from rlstages.engines.workers.hybrid import HybridEngine
 
     shape = shape_fields("smollm2-135m", "vocab_size")
     path = build_tiny_model(Path(tempfile.mkdtemp(prefix="rlstages-gpu-demo-")), "llama", vocab_size=512, **shape)

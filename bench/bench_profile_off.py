@@ -24,7 +24,7 @@ CALLS = 1_000_000
 def _per_call_overhead(cfg) -> float:  # type: ignore[no-untyped-def]
     """Seconds the off-path check adds to one stage call (best of 5 rounds of CALLS calls)."""
     from rlstages.flows.stages import Stage, _quoted
-    from rlstages.tasks.context import RunHandle
+    from rlstages.tasks.driver.context import RunHandle
 
     def noop(cfg, run, step):  # type: ignore[no-untyped-def]
         return None

@@ -11,7 +11,7 @@ import tempfile
 
 from bench.common import best_of, record, report
 from rlstages.engines.tools.isolation import interpreter
-from rlstages.engines.tools.sandbox import SandboxLimits, run_python
+from rlstages.engines.tools.sandbox_run import SandboxLimits, run_python
 
 CODE = "import math\nopen('notes.txt', 'w').write(str(math.pi))\nprint(open('notes.txt').read())"
 

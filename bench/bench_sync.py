@@ -14,9 +14,9 @@ import torch
 
 from bench.common import best_of, record, report, small_model
 from rlstages.engines.rollout.vllm_rollout import default_vllm_python
-from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
 from rlstages.engines.training.core import PPOTrainer
 from rlstages.engines.training.settings import TrainerSettings
+from rlstages.engines.workers.actor_group import ActorGroup, GroupSpec
 
 TRAINER = "rlstages.engines.training.core:PPOTrainer"
 ROLLOUT = "rlstages.engines.rollout.hf_rollout:HFRolloutEngine"
@@ -30,7 +30,7 @@ def split_sync(path: Path, dtype: str, *overrides: str) -> float:
     """Seconds of the flow's `sync_weights` stage with trainer and rollout in separate workers."""
     from rlstages.configs import load_config
     from rlstages.tasks import rollout, run
-    from rlstages.tasks.workers import build_workers, forget_workers
+    from rlstages.tasks.driver.workers import build_workers, forget_workers
 
     tmp = Path(tempfile.mkdtemp(prefix="rlstages-bench-sync-"))
     root = Path(__file__).resolve().parents[1]
@@ -61,7 +61,7 @@ def measure(path: Path, local: PPOTrainer, dtype: str) -> list[tuple[str, float,
     rollout_kwargs = {"model_path": str(path), "dtype": dtype, "apply_chat_template": False}
     hybrid = _group(
         f"bench-hybrid-{dtype}",
-        "rlstages.engines.runtime.hybrid:HybridEngine",
+        "rlstages.engines.workers.hybrid:HybridEngine",
         trainer=TRAINER,
         trainer_kwargs={"settings": TrainerSettings(str(path))},
         rollout=ROLLOUT,

@@ -1,7 +1,7 @@
 """The engine Protocols: what every backend of a kind implements, with the signatures the tasks call.
 No logic lives here; `tests/engines/test_protocols.py` checks every registered class against its Protocol.
 
-Engines are plain classes (no Ray decorators); `runtime.actor_group` makes them Ray actors from outside,
+Engines are plain classes (no Ray decorators); `workers.actor_group` makes them Ray actors from outside,
 and unit tests run them in-process. A training engine is one `training.core.PPOTrainer` driving a
 `StepBackend` (torch, DeepSpeed, Megatron): the update loop is written once, a backend only runs
 micro-batches and steps its optimizer.
@@ -9,22 +9,16 @@ micro-batches and steps its optimizer.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 from tensordict import TensorDict
 
-from rlstages.engines.types import Prompt, SamplingParams
-
-if TYPE_CHECKING:
-    from rlstages.engines.rewards.scorer import ScoreResult
-    from rlstages.engines.runtime.weight_sync import Bucket
-
-NamedTensors = Iterable[tuple[str, torch.Tensor]]
+from rlstages.engines.types import Bucket, NamedTensors, Prompt, SamplingParams, ScoreResult
 
 
 @runtime_checkable
@@ -52,7 +46,7 @@ class RolloutEngine(Protocol):
 class GroupReceiver(Protocol):
     """A rollout engine whose weights live in processes of its own (vLLM's workers): in split placement those
     processes join the trainer's broadcast group and load the buckets themselves
-    (`rlstages.engines.runtime.collective_sync`). Engines without these methods receive in their actor."""
+    (`rlstages.engines.sync.collective`). Engines without these methods receive in their actor."""
 
     def weight_group_size(self) -> int:
         """How many processes this engine adds to a sync group (they take consecutive ranks)."""
@@ -77,7 +71,7 @@ class GroupReceiver(Protocol):
 class BucketReceiver(Protocol):
     """A rollout engine that forms the trainer's broadcast group with its own API and loads flat buckets whose
     layout the source sends it through Ray (SGLang: `init_weights_update_group`,
-    `update_weights_from_distributed(load_format="flattened_bucket")`; `rlstages.engines.runtime.flat_sync`)."""
+    `update_weights_from_distributed(load_format="flattened_bucket")`; `rlstages.engines.sync.collective.flat`)."""
 
     def weight_group_size(self) -> int:
         """How many processes this engine adds to a sync group (they take consecutive ranks)."""
@@ -183,7 +177,7 @@ class StepBackend(Protocol):
     @property
     def keeps_weights(self) -> bool:
         """The tensors `named_weights` yields stay valid and are never reused as buffers, so a rollout engine in
-        the same process may hold them as its own weights instead of copying them (`runtime.hybrid`)."""
+        the same process may hold them as its own weights instead of copying them (`workers.hybrid`)."""
         ...
 
     def run(self, mbs: list[TensorDict], readout: Readout, on_output: OnOutput, train: bool) -> None:

@@ -159,8 +159,8 @@ def prefect_ui_command() -> str:
 
 def summary_rows(cfg: RunConfig, policy: str, wall_s: float) -> list[tuple[str, str]]:
     """The end-of-run summary: steps, wall time, held-out accuracy first → best → last, where things are."""
-    from rlstages.tasks import tracking
-    from rlstages.tasks.run_dir import read_state
+    from rlstages.tasks.driver import tracking
+    from rlstages.tasks.driver.run_dir import read_state
 
     run = Path(policy).parent
     run_id = read_state(run).get("mlflow_run_id")

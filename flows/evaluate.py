@@ -8,12 +8,13 @@ from pathlib import Path
 from prefect import flow
 
 from rlstages.configs import RunConfig
-from rlstages.tasks.checkpoint import latest_checkpoint, restore_engines
-from rlstages.tasks.context import RunHandle
+from rlstages.tasks.checkpoint import restore_engines
+from rlstages.tasks.driver.checkpoints import latest_checkpoint
+from rlstages.tasks.driver.context import RunHandle
+from rlstages.tasks.driver.workers import build_workers, forget_workers
 from rlstages.tasks.evaluate import run_eval
 from rlstages.tasks.rollout import sync_weights
 from rlstages.tasks.run import run_dir
-from rlstages.tasks.workers import build_workers, forget_workers
 
 
 @flow(name="rl-evaluate", validate_parameters=True)

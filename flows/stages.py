@@ -18,7 +18,7 @@ from prefect.utilities.annotations import quote
 from rlstages.configs import RunConfig
 from rlstages.tasks import advantage, checkpoint, evaluate, logprobs, reward, rollout, run, update
 from rlstages.tasks.advantage import AdvantageResult
-from rlstages.tasks.context import RunHandle
+from rlstages.tasks.driver.context import RunHandle
 from rlstages.tasks.policies import with_policy
 from rlstages.tasks.profiling import due, profiled
 from rlstages.tasks.run import StartPoint

@@ -23,10 +23,10 @@ from rlstages.configs import RunConfig
 from rlstages.flows.console import machine_of
 from rlstages.flows.progress import RunProgress, flow_run_name, run_progress
 from rlstages.flows.stages import MAX_PARALLEL_STAGES, Metrics, Stages
-from rlstages.tasks.context import RunHandle
+from rlstages.tasks.driver.context import RunHandle
+from rlstages.tasks.driver.tracking import log_step, set_tags
 from rlstages.tasks.policies import WorkerLost, failed_stage
 from rlstages.tasks.run import close_run, convert_for_training, driver_snapshot, link_mlflow_run
-from rlstages.tasks.tracking import log_step, set_tags
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from rlstages.configs import RunConfig
 from rlstages.configs.algorithm import RolloutISConfig
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
-from rlstages.tasks.context import RunHandle
+from rlstages.tasks.driver.context import RunHandle
 
 
 class AdvantageResult(NamedTuple):

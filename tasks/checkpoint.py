@@ -9,7 +9,6 @@ exist for `latest_checkpoint`, so a crash at any point leaves the previous one l
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -22,22 +21,12 @@ from prefect.cache_policies import NO_CACHE
 
 from rlstages.configs import RunConfig
 from rlstages.engines.training.state_io import atomic_write_text
-from rlstages.tasks import tracking
-from rlstages.tasks.context import RunHandle
-from rlstages.tasks.faults import maybe_fail
-from rlstages.tasks.policies import guard_workers, root_cause
-from rlstages.tasks.workers import get_workers
-
-MANIFEST = "manifest.json"
-DRIVER_STATE = "driver_state.json"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+from rlstages.tasks.driver import tracking
+from rlstages.tasks.driver.checkpoints import DRIVER_STATE, MANIFEST, checkpoint_dir, read_manifest, sha256_file
+from rlstages.tasks.driver.context import RunHandle
+from rlstages.tasks.driver.faults import maybe_fail
+from rlstages.tasks.policies import root_cause
+from rlstages.tasks.stage_workers import stage_workers
 
 
 def _fsync_tree(root: Path) -> None:
@@ -50,87 +39,6 @@ def _fsync_tree(root: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def checkpoint_dir(run: RunHandle, step: int) -> Path:
-    """The committed location of step `step`."""
-    return run.checkpoints / f"step_{step:06d}"
-
-
-class CheckpointError(ValueError):
-    """A committed checkpoint that cannot be used; the message names the directory and why."""
-
-
-def read_manifest(path: Path, verify: bool = False) -> dict[str, Any] | None:
-    """The manifest of a checkpoint directory, or None when it is not committed (or, with verify, corrupt)."""
-    try:
-        return checked_manifest(path, verify)
-    except CheckpointError:
-        return None
-
-
-def checked_manifest(path: Path, verify: bool = True) -> dict[str, Any] | None:
-    """The manifest of `path`; None when no manifest was committed; CheckpointError naming the file when the
-    manifest is unreadable or (with verify) a listed file is missing, truncated or altered."""
-    target = path / MANIFEST
-    if not target.is_file():
-        return None
-    try:
-        manifest = json.loads(target.read_text())
-        step = int(manifest["step"])
-        files = dict(manifest["files"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable ({type(exc).__name__}: {exc})") from None
-    if verify:
-        for rel, digest in files.items():
-            f = path / rel
-            if not f.is_file():
-                raise CheckpointError(f"checkpoint {path}: {rel} is listed in {MANIFEST} but missing")
-            if _sha256(f) != digest:
-                raise CheckpointError(
-                    f"checkpoint {path}: {rel} does not match its sha256 in {MANIFEST} (truncated or altered)"
-                )
-    return {**manifest, "step": step}
-
-
-def latest_checkpoint(run: RunHandle, verify: bool = False, on_corrupt: str = "error") -> tuple[int, Path] | None:
-    """The newest committed checkpoint as (step, dir), or None. A directory without a manifest is an interrupted
-    commit (reported, skipped); a corrupt one (with verify) raises CheckpointError, or with
-    on_corrupt="fallback" is reported and the next older one is tried."""
-    if not run.checkpoints.is_dir():
-        return None
-    for path in sorted(run.checkpoints.glob("step_*"), reverse=True):
-        try:
-            manifest = checked_manifest(path, verify)
-        except CheckpointError as exc:
-            if on_corrupt != "fallback":
-                raise CheckpointError(f"{exc}; set checkpoint.on_corrupt=fallback to use an older one") from None
-            _warn(f"{exc}; falling back to an older checkpoint (checkpoint.on_corrupt=fallback)")
-            continue
-        if manifest is None:
-            _warn(f"checkpoint {path}: no {MANIFEST} (an interrupted commit); it is ignored")
-            continue
-        return int(manifest["step"]), path
-    return None
-
-
-def verify_checkpoint(path: Path) -> int:
-    """The step of a committed, intact checkpoint directory (what `eval --checkpoint` accepts); else an error."""
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path}: no such directory")
-    manifest = checked_manifest(path, verify=True)
-    if manifest is None:
-        raise CheckpointError(f"checkpoint {path}: no {MANIFEST}; not a committed checkpoint")
-    return int(manifest["step"])
-
-
-def _warn(message: str) -> None:
-    import logging
-    import sys
-
-    logging.getLogger("rlstages.checkpoint").warning(message)
-    sys.stderr.write(f"warning: {message}\n")
-    sys.stderr.flush()
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE)
@@ -157,7 +65,7 @@ def save_checkpoint(cfg: RunConfig, run: RunHandle, step: int, driver_state: dic
     os.replace(tmp, final)
     maybe_fail(run, "checkpoint_commit", step)  # drills: a crash between the rename and the manifest
     tracking.flush()  # the steps up to this one are in MLflow before the checkpoint is committed
-    files = {str(p.relative_to(final)): _sha256(p) for p in sorted(final.rglob("*")) if p.is_file()}
+    files = {str(p.relative_to(final)): sha256_file(p) for p in sorted(final.rglob("*")) if p.is_file()}
     manifest = {"step": step, "created": time.time(), "files": files, **driver_state}
     atomic_write_text(final / MANIFEST, json.dumps(manifest, indent=2))
     if driver_state.get("mlflow_run_id"):
@@ -179,12 +87,10 @@ def _storage_errno(cause: BaseException) -> int | None:
 
 def _write(cfg: RunConfig, run: RunHandle, tmp: Path, step: int, driver_state: dict[str, Any]) -> None:
     """Every engine's state and the driver state into `tmp`, fsynced."""
-    workers = get_workers(cfg, run)
-    timeout = cfg.prefect.policy("checkpoint").timeout_seconds
-    guard_workers(lambda: workers.actor.all(timeout).save(str(tmp / "actor")))
-    if workers.critic is not None:
-        critic = workers.critic
-        guard_workers(lambda: critic.all(timeout).save(str(tmp / "critic")))
+    w = stage_workers(cfg, run, "checkpoint")
+    w.all("actor").save(str(tmp / "actor"))
+    if w.workers.critic is not None:
+        w.all("critic").save(str(tmp / "critic"))
     atomic_write_text(tmp / DRIVER_STATE, json.dumps({**driver_state, "step": step}, indent=2))
     _fsync_tree(tmp)
 
@@ -198,16 +104,9 @@ def prune(run: RunHandle, keep: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def driver_state(path: Path) -> dict[str, Any]:
-    """The driver state saved with a checkpoint."""
-    return json.loads((path / DRIVER_STATE).read_text())
-
-
 def restore_engines(cfg: RunConfig, run: RunHandle, path: Path) -> None:
     """Load a committed checkpoint into the trainable engines (not the rollout: sync does that)."""
-    workers = get_workers(cfg, run)
-    timeout = cfg.prefect.policy("checkpoint").timeout_seconds
-    guard_workers(lambda: workers.actor.all(timeout).load(str(path / "actor")))
-    if workers.critic is not None:
-        critic = workers.critic
-        guard_workers(lambda: critic.all(timeout).load(str(path / "critic")))
+    w = stage_workers(cfg, run, "checkpoint")
+    w.all("actor").load(str(path / "actor"))
+    if w.workers.critic is not None:
+        w.all("critic").load(str(path / "critic"))

@@ -17,13 +17,12 @@ from rlstages.engines import types as T
 from rlstages.engines.rewards.metrics import group_metrics
 from rlstages.engines.rollout.trajectory import rollout_metrics
 from rlstages.engines.types import SamplingParams
-from rlstages.tasks import tracking
-from rlstages.tasks.context import RunHandle, derive_seed
-from rlstages.tasks.data import eval_prompts, tokenizer_path
-from rlstages.tasks.policies import guard_workers
+from rlstages.tasks.driver import tracking
+from rlstages.tasks.driver.context import RunHandle, derive_seed
+from rlstages.tasks.driver.data import eval_prompts, tokenizer_path
 from rlstages.tasks.reward import score_batch
 from rlstages.tasks.rollout import sampling
-from rlstages.tasks.workers import get_workers
+from rlstages.tasks.stage_workers import stage_workers
 
 
 def _correct_by_prompt(batch: Any, scores: Any, threshold: float) -> dict[str, tuple[str, list[bool]]]:
@@ -53,13 +52,12 @@ def run_eval(
 ) -> tuple[dict[str, float], dict[str, list[Any]]]:
     """Score the held-out prompts: a sampled pass of k samples each (mean@k, pass@j; skipped when only
     `greedy` is asked with k=1) and a greedy pass when asked here or in `evaluation.greedy`: (metrics, rows)."""
-    workers = get_workers(cfg, run)
-    timeout = cfg.prefect.policy("evaluate").timeout_seconds
+    w = stage_workers(cfg, run, "evaluate")
     k = k or cfg.evaluation.k
     base = sampling(cfg, evaluation=True)
     prompts = eval_prompts(cfg.data, tokenizer_path(cfg))
     seed = derive_seed(cfg.trainer.seed, step, "evaluate")
-    guard_workers(lambda: workers.rollout.all(timeout).wake())
+    w.all("rollout").wake()
     metrics: dict[str, float] = {}
     passes = []
     if greedy or cfg.evaluation.greedy:
@@ -70,12 +68,8 @@ def run_eval(
         passes.insert(0, ("sampled", replace(base, n=k)))
     rows: dict[str, list[Any]] = {}
     for name, params in passes:
-
-        def generate(params: SamplingParams = params) -> Any:
-            return workers.rollout.dp(timeout).generate(prompts, params, seed)
-
-        batch = guard_workers(generate)
-        scores, _ = score_batch(cfg, workers, batch, timeout)
+        batch = w.dp("rollout").generate(prompts, params, seed)
+        scores, _ = score_batch(cfg, w, batch)
         groups = _correct_by_prompt(batch, scores, cfg.evaluation.correct_above)
         metrics.update(_per_source(groups, name))
         prefix = "eval/greedy_" if name == "greedy" else "eval/"

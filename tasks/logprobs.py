@@ -14,10 +14,8 @@ from tensordict import TensorDict
 from rlstages.configs import RunConfig
 from rlstages.engines import types as T
 from rlstages.engines.algorithms import masked_mean
-from rlstages.engines.runtime.actor_group import ActorGroup
-from rlstages.tasks.context import RunHandle
-from rlstages.tasks.policies import guard_workers
-from rlstages.tasks.workers import get_workers
+from rlstages.tasks.driver.context import RunHandle
+from rlstages.tasks.stage_workers import stage_workers
 
 
 def _write(run: RunHandle, step: int, stage: str, key: str, value: torch.Tensor) -> None:
@@ -26,15 +24,15 @@ def _write(run: RunHandle, step: int, stage: str, key: str, value: torch.Tensor)
 
 
 def _logprobs(
-    cfg: RunConfig, run: RunHandle, step: int, group: ActorGroup, stage: str, key: str, base: bool = False
+    cfg: RunConfig, run: RunHandle, step: int, role: str, stage: str, key: str, base: bool = False
 ) -> dict[str, float]:
     start = time.perf_counter()
     batch = T.load_batch(run.batch(step, "rollout"))
-    timeout = cfg.prefect.policy(stage).timeout_seconds
+    w = stage_workers(cfg, run, stage)
     if base:  # the actor's frozen LoRA base serves as the reference
-        out = guard_workers(lambda: group.dp(timeout).logprobs(batch, None, True))
+        out = w.dp(role).logprobs(batch, None, True)
     else:
-        out = guard_workers(lambda: group.dp(timeout).logprobs(batch))
+        out = w.dp(role).logprobs(batch)
     _write(run, step, stage, key, out["logprobs"])
     metrics = {f"timing/{stage}_s": time.perf_counter() - start}
     if stage == "actor_logprobs":
@@ -48,29 +46,23 @@ def _logprobs(
 @task(name="actor_logprobs", cache_policy=NO_CACHE)
 def actor_logprobs(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
     """Log-probs of the rollouts under the current actor (PPO's old policy)."""
-    return _logprobs(cfg, run, step, get_workers(cfg, run).actor, "actor_logprobs", T.OLD_LOGPROBS)
+    return _logprobs(cfg, run, step, "actor", "actor_logprobs", T.OLD_LOGPROBS)
 
 
 @task(name="ref_logprobs", cache_policy=NO_CACHE)
 def ref_logprobs(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
     """Log-probs of the rollouts under the frozen reference policy."""
-    workers = get_workers(cfg, run)
     if cfg.model.lora is not None:  # no second copy of the weights: the actor with its adapter disabled
-        return _logprobs(cfg, run, step, workers.actor, "ref_logprobs", T.REF_LOGPROBS, base=True)
-    group = workers.reference
-    assert group is not None, "ref_logprobs runs only when the reference is enabled"
-    return _logprobs(cfg, run, step, group, "ref_logprobs", T.REF_LOGPROBS)
+        return _logprobs(cfg, run, step, "actor", "ref_logprobs", T.REF_LOGPROBS, base=True)
+    return _logprobs(cfg, run, step, "reference", "ref_logprobs", T.REF_LOGPROBS)
 
 
 @task(name="critic_values", cache_policy=NO_CACHE)
 def critic_values(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
     """Critic values of the rollouts (PPO with GAE)."""
     start = time.perf_counter()
-    group = get_workers(cfg, run).critic
-    assert group is not None, "critic_values runs only with a critic"
     batch = T.load_batch(run.batch(step, "rollout"))
-    timeout = cfg.prefect.policy("critic_values").timeout_seconds
-    values = guard_workers(lambda: group.dp(timeout).values(batch))
+    values = stage_workers(cfg, run, "critic_values").dp("critic").values(batch)
     _write(run, step, "critic_values", T.VALUES, values)
     return {
         "critic/values_mean": float(masked_mean(values, batch[T.RESPONSE_MASK])),

@@ -13,10 +13,10 @@ from prefect.artifacts import create_markdown_artifact
 
 from rlstages.configs import RunConfig
 from rlstages.engines.runtime import profiling
-from rlstages.engines.runtime.actor_group import ActorGroup
-from rlstages.tasks import tracking
-from rlstages.tasks.context import RunHandle
-from rlstages.tasks.workers import get_workers
+from rlstages.engines.workers.actor_group import ActorGroup
+from rlstages.tasks.driver import tracking
+from rlstages.tasks.driver.context import RunHandle
+from rlstages.tasks.driver.workers import get_workers
 
 log = logging.getLogger(__name__)
 

@@ -16,15 +16,12 @@ from rlstages.configs import RunConfig
 from rlstages.engines import types as T
 from rlstages.engines.algorithms import overlong_penalty
 from rlstages.engines.rollout.trajectory import trajectory_infos
-from rlstages.tasks.context import RunHandle
-from rlstages.tasks.faults import maybe_fail
-from rlstages.tasks.policies import guard_workers
-from rlstages.tasks.workers import Workers, get_workers
+from rlstages.tasks.driver.context import RunHandle
+from rlstages.tasks.driver.faults import maybe_fail
+from rlstages.tasks.stage_workers import StageWorkers, stage_workers
 
 
-def score_batch(
-    cfg: RunConfig, workers: Workers, batch: TensorDict, timeout: float
-) -> tuple[torch.Tensor, dict[str, float]]:
+def score_batch(cfg: RunConfig, w: StageWorkers, batch: TensorDict) -> tuple[torch.Tensor, dict[str, float]]:
     """Scores [B] of a rollout batch and the reward metrics (functions + reward model + overlong penalty)."""
     prompts, responses = T.get_rows(batch, "prompt"), T.get_rows(batch, "response")
     truths = T.get_rows(batch, "ground_truth")
@@ -36,7 +33,7 @@ def score_batch(
             {**info, "trajectory": {k: t[k] for k in ("turns", "stop_reason", "tool_calls")}}
             for info, t in zip(infos or [{} for _ in trajectories], trajectories, strict=True)
         ]
-    result = guard_workers(lambda: workers.reward.one(0, timeout).score(prompts, responses, truths, sources, infos))
+    result = w.one("reward").score(prompts, responses, truths, sources, infos)
     scores = torch.tensor(result.scores, dtype=torch.float32)
     metrics = dict(result.metrics)
     if trajectories is not None:  # multi-turn: an environment's own final reward wins, the tools' turn rewards add
@@ -45,9 +42,9 @@ def score_batch(
         scores = scores + torch.tensor([float(sum(x["turn_rewards"])) for x in trajectories])
         metrics["reward/environment_scored"] = sum(e is not None for e in env) / max(len(env), 1)
     metrics["reward/accuracy"] = float((scores > 0).float().mean())
-    if workers.reward_model is not None and cfg.reward.reward_model is not None:
-        rm, weight = workers.reward_model, cfg.reward.reward_model.weight
-        rm_scores = torch.tensor(guard_workers(lambda: rm.dp(timeout).score(prompts, responses)), dtype=torch.float32)
+    if w.workers.reward_model is not None and cfg.reward.reward_model is not None:
+        weight = cfg.reward.reward_model.weight
+        rm_scores = torch.tensor(w.dp("reward_model").score(prompts, responses), dtype=torch.float32)
         scores = scores + weight * rm_scores
         metrics["reward/model_mean"] = float(rm_scores.mean())
     overlong = cfg.algorithm.overlong
@@ -68,9 +65,9 @@ def score_rewards(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]
     """Score the step's rollouts; writes the `scores` batch."""
     start = time.perf_counter()
     batch = T.load_batch(run.batch(step, "rollout"))
-    workers = get_workers(cfg, run)
-    maybe_fail(run, "score_rewards", step, workers)
-    scores, metrics = score_batch(cfg, workers, batch, cfg.prefect.policy("score_rewards").timeout_seconds)
+    w = stage_workers(cfg, run, "score_rewards")
+    maybe_fail(run, "score_rewards", step, w.workers)
+    scores, metrics = score_batch(cfg, w, batch)
     T.save_batch(TensorDict({T.SCORES: scores}, batch_size=[len(scores)]), run.batch(step, "scores"))
     metrics["timing/score_rewards_s"] = time.perf_counter() - start
     return metrics

@@ -11,25 +11,18 @@ from tensordict import TensorDict
 from rlstages.configs import RunConfig
 from rlstages.engines import types as T
 from rlstages.engines.rollout.trajectory import decoded_table, rollout_metrics, trajectory_infos
-from rlstages.engines.runtime.collective_sync import CollectiveSync
-from rlstages.engines.runtime.weight_sync import sync_weights_local, sync_weights_ray
+from rlstages.engines.sync.protocol import SyncRound
 from rlstages.engines.tools.registry import isolation_label
 from rlstages.engines.types import SamplingParams
-from rlstages.tasks import tracking
-from rlstages.tasks.context import RunHandle, derive_seed
-from rlstages.tasks.data import prompts_for_step, tokenizer_path
-from rlstages.tasks.faults import maybe_fail
+from rlstages.tasks.driver import tracking
+from rlstages.tasks.driver.context import RunHandle, derive_seed
+from rlstages.tasks.driver.data import prompts_for_step, tokenizer_path
+from rlstages.tasks.driver.faults import maybe_fail
+from rlstages.tasks.driver.workers import get_workers
 from rlstages.tasks.policies import guard_workers
-from rlstages.tasks.workers import get_workers
+from rlstages.tasks.stage_workers import stage_workers
 
 BUCKET_BYTES = 256 << 20
-_COLLECTIVE: dict[str, CollectiveSync] = {}  # run key -> the driver's sync groups (rebuilt actors get new ones)
-
-
-def collective_sync(cfg: RunConfig) -> bool:
-    """Whether split placement syncs through a broadcast group (`cluster.weight_sync`)."""
-    mode = cfg.cluster.weight_sync
-    return mode in ("collective", "auto")
 
 
 def sampling(cfg: RunConfig, evaluation: bool = False) -> SamplingParams:
@@ -51,16 +44,15 @@ def generate(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
     """Sample `rollout.n` responses for the step's prompts (seeded by run seed, step); writes rollout batch."""
     start = time.perf_counter()
     prompts = prompts_for_step(cfg.data, step, cfg.trainer.seed, tokenizer_path(cfg))
-    workers = get_workers(cfg, run)
-    maybe_fail(run, "generate", step, workers)
-    timeout = cfg.prefect.policy("generate").timeout_seconds
+    w = stage_workers(cfg, run, "generate")
+    maybe_fail(run, "generate", step, w.workers)
     seed = derive_seed(cfg.trainer.seed, step, "generate")
-    batch = guard_workers(lambda: workers.rollout.dp(timeout).generate(prompts, sampling(cfg), seed))
+    batch = w.dp("rollout").generate(prompts, sampling(cfg), seed)
     T.save_batch(batch, run.batch(step, "rollout"))
     # free the rollout weights while the trainers work (sync_weights wakes them), unless the next step's
     # generation runs during the update (one-step off-policy)
     if cfg.cluster.colocate and not cfg.trainer.one_step_off_policy:
-        guard_workers(lambda: workers.rollout.all(timeout).sleep())
+        w.all("rollout").sleep()
     elapsed = time.perf_counter() - start
     lengths = batch[T.ATTENTION_MASK][:, batch[T.PROMPT_IDS].shape[1] :].sum(-1).float()  # policy + observations
     tokens = float(lengths.sum())
@@ -93,23 +85,15 @@ def log_trajectories(cfg: RunConfig, run: RunHandle, step: int, batch: TensorDic
 
 @task(name="sync_weights", cache_policy=NO_CACHE)
 def sync_weights(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
-    """Trainer -> rollout engines, streamed by HF name in buckets (woken first if they sleep)."""
+    """Trainer -> rollout engines, streamed by HF name in buckets (woken first if they sleep), by the transport
+    chosen when the workers were built (`Workers.weight_sync`, `engines.sync.registry`)."""
     workers = get_workers(cfg, run)
     timeout = cfg.prefect.policy("sync_weights").timeout_seconds
-    if workers.hybrid:
-        per_rank = guard_workers(lambda: workers.actor.all(timeout).sync_local())
-        return per_rank[0]
-    actor, source = workers.actor, workers.actor.collect_ranks()[0]
-    if collective_sync(cfg) and not workers.rollout.in_process:  # the receivers wake themselves
-        sync = _COLLECTIVE.setdefault(run.key, CollectiveSync())
-        return guard_workers(
-            lambda: sync.sync(actor.handles, source, workers.rollout.handles, BUCKET_BYTES, cfg.rollout.dtype, timeout)
-        )
-    guard_workers(lambda: workers.rollout.all(timeout).wake())
-    if workers.rollout.in_process:
-        return sync_weights_local(workers.actor.handles[0], workers.rollout.handles, BUCKET_BYTES, cfg.rollout.dtype)
-    return guard_workers(
-        lambda: sync_weights_ray(
-            actor.handles, source, workers.rollout.handles, BUCKET_BYTES, cfg.rollout.dtype, timeout
-        )
+    actor = workers.actor
+    source = actor.collect_ranks()[0]
+    round = SyncRound(
+        actor.handles, source, workers.rollout.handles, BUCKET_BYTES, cfg.rollout.dtype, timeout, actor.in_process
     )
+    transport = workers.weight_sync
+    assert transport is not None, "build_workers chooses the transport"
+    return guard_workers(lambda: transport.push(round))

@@ -20,24 +20,25 @@ from rlstages.configs.loader import flatten
 from rlstages.configs.training import MegatronTrainingConfig
 from rlstages.engines.models import ensure_model
 from rlstages.engines.training.state_io import atomic_write_text
-from rlstages.tasks import tracking
 from rlstages.tasks.advantage import initial_kl_state
-from rlstages.tasks.checkpoint import driver_state, latest_checkpoint, read_manifest, restore_engines
-from rlstages.tasks.context import RUN_STATE, RunHandle
-from rlstages.tasks.data import cursor, data_record
-from rlstages.tasks.policies import guard_workers, stage_logger
-from rlstages.tasks.preflight import check_import_allowed
-from rlstages.tasks.rollout import sync_weights
-from rlstages.tasks.run_dir import clear_dir, read_state, resolve_run_dir, starts_over
-from rlstages.tasks.run_dir import run_dir as run_dir  # re-exported: flows import it from here
-from rlstages.tasks.workers import (
+from rlstages.tasks.checkpoint import restore_engines
+from rlstages.tasks.driver import tracking
+from rlstages.tasks.driver.checkpoints import driver_state, latest_checkpoint, read_manifest
+from rlstages.tasks.driver.context import RUN_STATE, RunHandle
+from rlstages.tasks.driver.data import cursor, data_record
+from rlstages.tasks.driver.preflight import check_import_allowed
+from rlstages.tasks.driver.run_dir import clear_dir, read_state, resolve_run_dir, starts_over
+from rlstages.tasks.driver.run_dir import run_dir as run_dir  # re-exported: flows import it from here
+from rlstages.tasks.driver.workers import (
     build_workers,
     converted_dir,
     forget_workers,
-    get_workers,
     model_dir,
     rebuild_workers,
 )
+from rlstages.tasks.policies import stage_logger
+from rlstages.tasks.rollout import sync_weights
+from rlstages.tasks.stage_workers import stage_workers
 
 
 @dataclass(frozen=True)
@@ -205,10 +206,8 @@ def _save_hf(cfg: RunConfig, run: RunHandle, name: str) -> Path:
     """The actor's current weights as an HF directory `run_dir/name` (written beside, then renamed)."""
     out, tmp = run.path / name, run.path / f".{name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    workers = get_workers(cfg, run)
-    timeout = cfg.prefect.policy("checkpoint").timeout_seconds
     # every rank takes part (gathering sharded weights is a collective); the engines write from one rank
-    guard_workers(lambda: workers.actor.all(timeout).save_pretrained(str(tmp), model_dir(cfg)))
+    stage_workers(cfg, run, "checkpoint").all("actor").save_pretrained(str(tmp), model_dir(cfg))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out

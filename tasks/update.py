@@ -10,24 +10,22 @@ from prefect.cache_policies import NO_CACHE
 
 from rlstages.configs import RunConfig
 from rlstages.engines import types as T
-from rlstages.engines.runtime.actor_group import ActorGroup
-from rlstages.tasks.context import RunHandle
-from rlstages.tasks.faults import maybe_fail, nan_due
-from rlstages.tasks.policies import guard_workers
-from rlstages.tasks.workers import get_workers
+from rlstages.tasks.driver.context import RunHandle
+from rlstages.tasks.driver.faults import maybe_fail, nan_due
+from rlstages.tasks.stage_workers import stage_workers
 
 
-def _train(cfg: RunConfig, run: RunHandle, step: int, group: ActorGroup, stage: str, prefix: str) -> dict[str, float]:
+def _train(cfg: RunConfig, run: RunHandle, step: int, stage: str, prefix: str) -> dict[str, float]:
     start = time.perf_counter()
-    maybe_fail(run, stage, step, get_workers(cfg, run))
+    w = stage_workers(cfg, run, stage)
+    maybe_fail(run, stage, step, w.workers)
     batch = T.load_batch(run.batch(step, "train"))
     if batch.batch_size[0] == 0:
         return {f"{prefix}/skipped": 1.0}
     if nan_due(run, stage, step):  # drill: a step whose loss is NaN
         field = T.RETURNS if prefix == "critic" else T.ADVANTAGES
         batch[field] = batch[field] * float("nan")
-    timeout = cfg.prefect.policy(stage).timeout_seconds
-    results = guard_workers(lambda: group.dp(timeout).train_step(batch))
+    results = w.dp(prefix).train_step(batch)  # the role: actor or critic
     per_rank = results if isinstance(results, list) else [results]
     metrics = {_name(prefix, k): _across_ranks(k, [r[k] for r in per_rank]) for k in per_rank[0]}
     metrics.update(reject_nonfinite(cfg, stage, step, metrics))
@@ -71,15 +69,13 @@ def reject_nonfinite(cfg: RunConfig, stage: str, step: int, metrics: dict[str, f
 @task(name="update_critic", cache_policy=NO_CACHE)
 def update_critic(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
     """PPO value-function update."""
-    group = get_workers(cfg, run).critic
-    assert group is not None, "update_critic runs only with a critic"
-    return _train(cfg, run, step, group, "update_critic", "critic")
+    return _train(cfg, run, step, "update_critic", "critic")
 
 
 @task(name="update_actor", cache_policy=NO_CACHE)
 def update_actor(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
     """Policy update; also reports `rollout/logprob_diff` (trainer vs rollout log-probs before the update)."""
-    metrics = _train(cfg, run, step, get_workers(cfg, run).actor, "update_actor", "actor")
+    metrics = _train(cfg, run, step, "update_actor", "actor")
     for key in ("logprob_diff", "logprob_diff_max"):
         if f"actor/{key}" in metrics:
             metrics[f"rollout/{key}"] = metrics.pop(f"actor/{key}")

@@ -108,7 +108,7 @@ def ray_session():
     """One local Ray for the session (2 CPUs, no dashboard; token auth on, 127.0.0.1 only)."""
     import ray
 
-    from rlstages.tasks.ray_auth import init_local_ray
+    from rlstages.tasks.driver.ray_auth import init_local_ray
 
     if not ray.is_initialized():
         init_local_ray(num_cpus=2, include_dashboard=False, namespace="rlstages-tests", log_to_driver=False)

@@ -1,13 +1,15 @@
-"""The layering of design §1, enforced on the source: flows -> tasks -> engines -> configs.
+"""The layering of design §1, enforced on the source: flows -> tasks -> tasks.driver -> engines -> configs.
 
-engines never import prefect or mlflow; flows and tasks never import vllm, sglang, deepspeed or megatron;
-configs import nothing of ours; only tasks/tracking.py imports mlflow; inside engines/ imports flow one way
+tasks/ holds the Prefect stage tasks; tasks/driver/ the driver's Prefect-free services below them (never
+importing prefect, nor a stage module); engines never import prefect or mlflow; flows and tasks never import
+vllm, sglang, deepspeed or megatron; configs import nothing of ours; only the tasks/driver/tracking/ package
+imports mlflow; inside engines/ imports flow one way
 (no cycle between modules, lazy imports inside functions included) and downward through the layers of
-`ENGINE_LAYERS`, the known upward arrows of `KNOWN_UPWARD` aside. Imports made by name count as imports:
+`ENGINE_LAYERS`, with no exception. Imports made by name count as imports:
 `importlib.import_module("a.b")` / `import_module("a.b")` / `__import__("a.b")` with a literal; a registry's
 "package.module:attr" string is checked against the package rules (engines never name a task) but is no edge
 of the file that holds it (a table imports nothing: whoever resolves the string does, through
-`engines.utils.import_object`). CPU only, no imports executed.
+`engines.imports.import_object`). CPU only, no imports executed.
 Run: pytest tests/test_dependency_rule.py
 """
 
@@ -22,12 +24,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("configs", "engines", "tasks", "flows")
 BACKENDS = {"vllm", "sglang", "deepspeed", "megatron"}
-RULES = {
-    "configs": {"flows", "tasks", "engines", "prefect", "mlflow", "ray", "torch"} | BACKENDS,
-    "engines": {"flows", "tasks", "prefect", "mlflow"},
+RULES = {  # layer -> what it must not import (a layer is a package, or tasks.driver inside tasks)
+    "configs": {"flows", "tasks", "tasks.driver", "engines", "prefect", "mlflow", "ray", "torch"} | BACKENDS,
+    "engines": {"flows", "tasks", "tasks.driver", "prefect", "mlflow"},
+    "tasks.driver": {"flows", "tasks", "prefect"} | BACKENDS,
     "tasks": {"flows"} | BACKENDS,
     "flows": BACKENDS,
 }
+TRACKING = "tasks/driver/tracking"  # the only MLflow user
 
 
 BY_NAME = {"import_module", "__import__"}  # importlib.import_module("x"), import_module("x"), __import__("x")
@@ -71,9 +75,18 @@ def named_targets(path: Path) -> set[str]:
 
 
 def layer(module: str) -> str:
-    """The layer (or third-party root) a module belongs to: `rlstages.engines.x` -> `engines`."""
+    """The layer (or third-party root) a module belongs to: `rlstages.engines.x` -> `engines`,
+    `rlstages.tasks.driver.x` -> `tasks.driver`."""
     parts = module.split(".")
+    if parts[:3] == ["rlstages", "tasks", "driver"]:
+        return "tasks.driver"
     return parts[1] if parts[0] == "rlstages" and len(parts) > 1 else parts[0]
+
+
+def layer_files(name: str) -> list[Path]:
+    """The sources of one layer of `RULES` (tasks/ without tasks/driver/)."""
+    files = sorted((ROOT / name.replace(".", "/")).rglob("*.py"))
+    return [f for f in files if layer(module_name(f)) == name]
 
 
 def module_file(module: str) -> Path | None:
@@ -96,8 +109,8 @@ def module_name(path: Path) -> str:
 
 @pytest.mark.parametrize("package", sorted(RULES))
 def test_layering(package: str) -> None:
-    files = sorted((ROOT / package).rglob("*.py"))
-    assert files, f"no sources under {package}/"
+    files = layer_files(package)
+    assert files, f"no sources in layer {package}"
     offenders = {
         str(f.relative_to(ROOT)): sorted({layer(m) for m in imported_modules(f) | named_targets(f)} & RULES[package])
         for f in files
@@ -117,20 +130,34 @@ def test_no_bare_top_level_imports() -> None:
 
 
 def test_only_tracking_imports_mlflow() -> None:
-    users = [
+    users = sorted(
         str(f.relative_to(ROOT))
-        for pkg in RULES
+        for pkg in PACKAGES
         for f in (ROOT / pkg).rglob("*.py")
         if "mlflow" in {layer(m) for m in imported_modules(f)}
+    )
+    assert users, "no module imports mlflow: the tracking package moved (update TRACKING)"
+    assert all(u.startswith(TRACKING + "/") for u in users), f"mlflow imported outside {TRACKING}/: {users}"
+
+
+def test_tasks_holds_the_stages_only() -> None:
+    """A module directly in tasks/ is Prefect's (a stage, or the stages' policies and worker-call helper); a
+    Prefect-free driver service belongs in tasks/driver/."""
+    prefect_free = [
+        str(f.relative_to(ROOT))
+        for f in layer_files("tasks")
+        if f.name != "__init__.py"
+        and not {layer(m) for m in imported_modules(f)} & {"prefect"}
+        and "rlstages.tasks.policies" not in imported_modules(f)
     ]
-    assert users == ["tasks/tracking.py"]
+    assert not prefect_free, f"Prefect-free modules in tasks/ (move them to tasks/driver/): {prefect_free}"
 
 
 def import_graph(package: str) -> dict[str, set[str]]:
     """Module -> the modules of the same package it imports (a package's __init__ is its own node)."""
     graph: dict[str, set[str]] = {}
     for f in sorted((ROOT / package).rglob("*.py")):
-        deps = {m for m in imported_modules(f) if layer(m) == package and module_file(m) is not None}
+        deps = {m for m in imported_modules(f) if m.split(".")[1:2] == [package] and module_file(m) is not None}
         graph[module_name(f)] = deps - {module_name(f)}
     return graph
 
@@ -175,6 +202,8 @@ def test_rule_checker_catches_a_violation(tmp_path: Path) -> None:
         "import prefect\nfrom mlflow import log_metric\nfrom .local import y\nfrom rlstages.flows import z\n"
     )
     assert {layer(m) for m in imported_modules(bad)} == {"prefect", "mlflow", "flows"}
+    assert layer("rlstages.tasks.driver.preflight") == "tasks.driver" and layer("rlstages.tasks.rollout") == "tasks"
+    assert layer_files("tasks") and not any("driver" in f.relative_to(ROOT).parts for f in layer_files("tasks"))
 
 
 def test_imports_by_name_are_seen(tmp_path: Path) -> None:
@@ -195,28 +224,19 @@ def test_imports_by_name_are_seen(tmp_path: Path) -> None:
 
 # ---- the layers inside engines/ ------------------------------------------------------------------------------
 # Lowest first; a module may import its own layer and those below. Names are relative to `rlstages.engines`; a
-# module belongs to the longest name that prefixes it ("runtime.device" -> "runtime"). The picture of the house
-# today: runtime/ is one layer (per-process plumbing and the composition that issue #43 would move above
-# training/ and rollout/), which is where the known upward arrows come from.
+# module belongs to the longest name that prefixes it ("runtime.device" -> "runtime"). The picture of the house:
+# per-process plumbing (runtime/) and the weight transports (sync/) below the engines, the composition of engines
+# into workers (workers/: actor groups, the hybrid engine, offload) above them.
 ENGINE_LAYERS: tuple[tuple[str, ...], ...] = (
-    ("", "types", "utils", "imports"),  # the package itself, the batch schema, small shared helpers, the importer
+    ("", "types", "utils", "imports", "model_files"),  # the package, batch schema and shared types, helpers, importer
     ("base", "algorithms", "memory_plan"),  # the engine protocols; pure loss / advantage math; the memory plan
     ("models", "convert", "registry"),  # model loading, HF <-> Megatron tensor mapping, the backends' name table
-    ("runtime",),  # device, heap, payload, rendezvous, weight sync, actor groups, hybrid engine, offload
+    ("runtime",),  # per-process plumbing: device, heap, payload, rendezvous, profiling
+    ("sync",),  # trainer -> rollout weight transports: the WeightSync classes, the bucketizer, their registry
     ("rewards", "tools"),  # reward functions / scorer / reward model; tools and environments
     ("rollout", "training", "megatron"),  # the rollout and training engines
+    ("workers",),  # composition: actor groups, the hybrid engine, a trainer's offload around generation
 )
-
-# (importer, imported) -> why: every upward arrow there is today. A new one fails the test; a fixed one must
-# leave this table (the test fails while it lists an arrow that is gone).
-KNOWN_UPWARD: dict[tuple[str, str], str] = {
-    ("base", "rewards.scorer"): "RewardScorer protocol's ScoreResult type (TYPE_CHECKING only)",
-    ("base", "runtime.weight_sync"): "the weight-sync methods' Bucket type (TYPE_CHECKING only)",
-    ("runtime.collective_sync", "rollout.ipc"): "the broadcast group's shared-memory dir, shm_dir",
-    ("runtime.offload", "training.torch_backend"): "isinstance(trainer, TorchBackend) to find its optimizer",
-}
-# The fourth arrow issue #43 names, runtime.hybrid -> base (NamedTensors), points down in this table: with
-# base -> runtime.weight_sync it is the runtime <-> base knot, counted once, above.
 
 
 def engine_layer(module: str) -> int:
@@ -240,15 +260,17 @@ def test_engines_layer_order() -> None:
     placed = {name.split(".")[0] for names in ENGINE_LAYERS for name in names if name}
     unplaced = sorted(m for m in graph if m != "rlstages.engines" and m.split(".")[2] not in placed)
     assert not unplaced, f"engines modules in no layer of ENGINE_LAYERS (add their package): {unplaced}"
-    arrows = upward_arrows(graph)
-    new = sorted(arrows - KNOWN_UPWARD.keys())
-    assert not new, f"imports up the engines' layers (ENGINE_LAYERS): {new}"
-    gone = sorted(KNOWN_UPWARD.keys() - arrows)
-    assert not gone, f"KNOWN_UPWARD lists arrows that are gone (remove them): {gone}"
+    arrows = sorted(upward_arrows(graph))
+    assert not arrows, f"imports up the engines' layers (ENGINE_LAYERS): {arrows}"
 
 
 def test_layer_checker_catches_an_upward_import() -> None:
     graph = {"rlstages.engines.types": {"rlstages.engines.training.core"}, "rlstages.engines.rollout.x": set()}
     assert upward_arrows(graph) == {("types", "training.core")}
     assert engine_layer("rlstages.engines.runtime.device") == engine_layer("rlstages.engines.runtime") == 3
+    assert engine_layer("rlstages.engines.sync.collective.wire") == 4
+    assert engine_layer("rlstages.engines.workers.hybrid") > engine_layer("rlstages.engines.training.core")
     assert engine_layer("rlstages.engines") == 0
+    assert upward_arrows({"rlstages.engines.runtime.device": {"rlstages.engines.workers.hybrid"}}) == {
+        ("runtime.device", "workers.hybrid")
+    }

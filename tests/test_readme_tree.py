@@ -1,5 +1,6 @@
 """The annotated file tree (docs/architecture.md, linked from the README) names files and folders that exist, and
-names every module of flows/ and tasks/ and every subpackage of engines/ (so a new module shows up in the tree).
+names every module of flows/, tasks/ and tasks/driver/ and every subpackage of engines/ (so a new module shows up in
+the tree).
 CPU only, instant.
 Run: pytest tests/test_readme_tree.py
 """
@@ -43,7 +44,10 @@ def test_every_module_and_subpackage_is_named() -> None:
     named = named_paths()
     wanted = {f"{d}/{p.name}" for d in ("flows", "tasks") for p in (ROOT / d).glob("*.py") if p.name != "__init__.py"}
     wanted |= {
-        f"{d}/{p.name}" for d in ("flows", "engines") for p in (ROOT / d).iterdir() if (p / "__init__.py").is_file()
+        f"{d}/{p.name}"
+        for d in ("flows", "tasks", "engines")
+        for p in (ROOT / d).iterdir()
+        if (p / "__init__.py").is_file()
     }
     wanted |= {f"engines/{p.name}" for p in (ROOT / "engines").glob("*.py") if p.name != "__init__.py"}
     assert not sorted(wanted - named), f"{TREE_DOC.name}'s tree does not name: {sorted(wanted - named)}"
@@ -55,3 +59,14 @@ def test_the_readme_links_the_tree_and_stays_short() -> None:
     assert "(docs/architecture.md)" in readme
     assert "make demo   #" in readme and "make test   #" in readme
     assert len(readme.splitlines()) <= 250
+
+
+def test_every_driver_module_is_named() -> None:
+    """tasks/driver/ is one entry of the tree; its modules and subpackages are named in its description."""
+    block = tree_block()
+    driver = ROOT / "tasks" / "driver"
+    names = {p.name for p in driver.glob("*.py") if p.name != "__init__.py"}
+    names |= {f"{p.name}/" for p in driver.iterdir() if (p / "__init__.py").is_file()}
+    assert names, "tasks/driver/ has no modules"
+    unnamed = sorted(n for n in names if n not in block)
+    assert not unnamed, f"{TREE_DOC.name}'s tree does not name these of tasks/driver/: {unnamed}"

@@ -65,8 +65,7 @@ def _main(job_path: str, rank: int) -> None:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     job = json.loads(Path(job_path).read_text())
-    module, _, name = job["target"].partition(":")
-    fn = import_object(f"{module}:{name}")
+    fn = import_object(job["target"], "gloo_world target", expected="function")
     result = fn(rank, job["world_size"], job["port"], **job["kwargs"])
     (Path(job_path).parent / f"result{rank}.json").write_text(json.dumps(result))
 

@@ -37,7 +37,7 @@ NEEDS_GROUND_TRUTH = frozenset({"last_integer", "math_verify", "exact_match", "g
 
 
 def _import_target(target: str, field: str) -> RewardFn:
-    """Import `package.module:attr[.attr]` (`engines.utils.import_object`) and check it is callable; every
+    """Import `package.module:attr[.attr]` (`engines.imports.import_object`) and check it is callable; every
     failure is a one-line ImportTargetError (a ValueError) starting with `field`."""
     obj = import_object(target, field, expected="function")
     if not callable(obj):

@@ -17,17 +17,8 @@ from typing import cast
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from rlstages.engines.model_files import check_model_dir
 from rlstages.engines.runtime.device import to_device, worker_device
-
-
-def _check_model_dir(path: Path) -> None:
-    """Raise a one-line error naming `path` unless it holds a config and safetensors weights."""
-    if not path.is_dir():
-        raise FileNotFoundError(f"reward model directory not found: {path}")
-    if not (path / "config.json").is_file():
-        raise ValueError(f"reward model directory {path} has no config.json")
-    if not any(path.glob("*.safetensors")):
-        raise ValueError(f"reward model directory {path} has no *.safetensors weights")
 
 
 def _first_line(err: BaseException) -> str:
@@ -53,7 +44,7 @@ class RewardModelEngine:
         if not isinstance(torch_dtype, torch.dtype):
             raise ValueError(f"unknown torch dtype {dtype!r} for the reward model")
         self.path = Path(path)
-        _check_model_dir(self.path)
+        check_model_dir(self.path, "reward.reward_model.path")  # the pre-flight's check, again in the worker
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
             self.model = AutoModelForSequenceClassification.from_pretrained(

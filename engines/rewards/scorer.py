@@ -29,12 +29,12 @@ import os
 import pickle
 from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
 from typing import Any
 
 from pebble import ProcessPool
 
 from rlstages.engines.rewards.registry import RewardFn, call_reward_fn, resolve_reward_fn
+from rlstages.engines.types import ScoreResult
 
 logger = logging.getLogger(__name__)
 
@@ -100,18 +100,6 @@ def _call_reward(
     """Worker task: run one reward function on one sample and return its normalized result."""
     fn = _resolve_cached(name)
     return _normalize(name, call_reward_fn(fn, prompt, response, ground_truth, data_source, extra_info, **kwargs))
-
-
-@dataclass
-class ScoreResult:
-    """Scores of one batch: weighted totals, per-function (and extra-key) columns, and metrics.
-
-    See the module docstring for the component and metric names.
-    """
-
-    scores: list[float]
-    components: dict[str, list[float]] = field(default_factory=dict)
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class RewardScorer:

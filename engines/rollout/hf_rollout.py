@@ -235,7 +235,7 @@ class HFRolloutEngine:
     def adopt_weights(self, named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
         """Make these tensors the model's weights, without a copy, where shape and dtype match; returns the
         others, for the caller to copy in with `update_weights`. The caller's memory becomes the weights: a
-        same-node trainer casts the next sync straight into them (`collective_sync.send_weights`)."""
+        same-node trainer casts the next sync straight into them (`sync.collective.wire.send_weights`)."""
         params = self.model.state_dict(keep_vars=True)
         rest = []
         for name, tensor in named_tensors:

@@ -14,7 +14,7 @@ the trainer on its GPU: per bucket one `FlattenedTensorBucket`, serialised once 
 as slime does), and split placement's collective sync (`BucketReceiver`): SGLang's TP workers
 join the trainer's broadcast group (`init_weights_update_group`), the trainer sends each bucket's names, dtypes
 and shapes to this actor through Ray and broadcasts the bucket as one flat tensor, which SGLang receives with
-`update_weights_from_distributed(..., load_format="flattened_bucket")` (`rlstages.engines.runtime.collective_sync`).
+`update_weights_from_distributed(..., load_format="flattened_bucket")` (`rlstages.engines.sync.collective`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import torch
 from tensordict import TensorDict
 
 from rlstages.engines.base import NamedTensors
-from rlstages.engines.rollout import ipc
 from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
+from rlstages.engines.sync.buckets import DEFAULT_BUCKET_BYTES, tensor_buckets
 from rlstages.engines.types import Prompt, SamplingParams
 from rlstages.engines.utils import torch_dtype
 
@@ -57,7 +57,7 @@ class SGLangRolloutEngine:
         self.apply_chat_template = apply_chat_template
         self.system_prompt = system_prompt
         self.memory_saver = enable_memory_saver
-        self.bucket_bytes = ipc.DEFAULT_BUCKET_BYTES
+        self.bucket_bytes = DEFAULT_BUCKET_BYTES
         model_path = str(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         if chat_template:  # the configured template replaces the tokenizer's own
@@ -107,7 +107,7 @@ class SGLangRolloutEngine:
         stream = ((name, _cast(t, self.dtype)) for name, t in named_tensors)
         _check(self.engine.begin_weight_update(), "begin_weight_update")
         try:
-            for bucket in ipc.iter_buckets(stream, self.bucket_bytes):
+            for bucket in tensor_buckets(stream, self.bucket_bytes):
                 payloads = flattened_payloads(bucket, self.tp_size)
                 result = self.engine.update_weights_from_tensor(
                     named_tensors=payloads, load_format="flattened_bucket", flush_cache=False

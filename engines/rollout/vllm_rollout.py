@@ -8,10 +8,10 @@ Weights are updated through vLLM's layerwise reload, the path its own weight-tra
 finish (each layer re-runs its post-load processing; on CPU that re-packs the GEMM weights, which vLLM
 keeps only in packed form). Two ways in: `update_weights` (tensors handed to the actor reach the worker
 process on this node: on a GPU by CUDA IPC into one persistent buffer shared once, one `collective_rpc` per push
-(`rlstages.engines.runtime.cuda_ipc`); on CPU through shared-memory files, `rlstages.engines.rollout.ipc`;
-`cuda_ipc.weight_transport` chooses), and split placement's collective sync
+(`rlstages.engines.sync.cuda_ipc`); on CPU through shared-memory files, `rlstages.engines.sync.shm_files`;
+chosen once by the device, `sync.registry.ENGINE_PUSH`), and split placement's collective sync
 (`GroupReceiver`: vLLM's worker processes themselves join the trainer's broadcast group,
-`rlstages.engines.runtime.collective_sync`, and load each bucket as it arrives, as verl's and OpenRLHF's vLLM
+`rlstages.engines.sync.collective`, and load each bucket as it arrives, as verl's and OpenRLHF's vLLM
 workers do with NCCL; no hop through this actor).
 
 Sleep: vLLM refuses `enable_sleep_mode` on CPU and its CPU worker ignores sleep. There the closest real
@@ -38,12 +38,12 @@ import torch
 from tensordict import TensorDict
 
 from rlstages.engines.base import NamedTensors
-from rlstages.engines.rollout import ipc
 from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
 from rlstages.engines.rollout.multi_turn import build_runner, multi_turn_enabled
 from rlstages.engines.rollout.trajectory import build_trajectory_batch
-from rlstages.engines.runtime.cuda_ipc import FlatPusher, Message, weight_transport
 from rlstages.engines.runtime.device import worker_device
+from rlstages.engines.sync.buckets import DEFAULT_BUCKET_BYTES, tensor_buckets
+from rlstages.engines.sync.registry import build_engine_push, engine_push
 from rlstages.engines.types import Prompt, SamplingParams
 from rlstages.engines.utils import torch_dtype
 
@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_VLLM_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"
 _EXTENSION = "rlstages.engines.rollout.vllm_worker.RolloutWorkerExtension"
+_LOAD_RPC = {"cuda_ipc": "rls_load_ipc", "shm_file": "rls_load_weights_file"}  # the workers' side of each push
 
 
 def vllm_venv_candidates() -> tuple[Path, ...]:
@@ -117,8 +118,8 @@ class VLLMRolloutEngine:
         self.sleep_level = sleep_level
         self.apply_chat_template = apply_chat_template
         self.system_prompt = system_prompt
-        self.bucket_bytes = ipc.DEFAULT_BUCKET_BYTES
-        self._pusher: FlatPusher | None = None  # the CUDA IPC push's persistent buffer, made at the first push
+        self.bucket_bytes = DEFAULT_BUCKET_BYTES
+        self._pushers: dict[str, Any] = {}  # transport -> its push (CUDA IPC: a persistent buffer), made at first use
         self.multi_turn = multi_turn if multi_turn_enabled(multi_turn) else None
         self.max_model_len = max_model_len
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -151,7 +152,7 @@ class VLLMRolloutEngine:
         self.packed_modules: dict[str, list[str]] = self.llm.collective_rpc("rls_packed_modules")[0]
         # where buckets are packed for the worker process: the GPU this actor shares with vLLM's worker
         self.device = torch.device("cpu") if self.on_cpu else worker_device()
-        self.transport = weight_transport(self.device)
+        self.transport = engine_push(self.device.type)
         self._asleep_tags: set[str] = set()
 
     def generate(self, prompts: list[Prompt], sampling: SamplingParams, seed: int) -> TensorDict:
@@ -247,19 +248,11 @@ class VLLMRolloutEngine:
         fused = _FusedParts(self.packed_modules)
         self.llm.collective_rpc("rls_begin_weight_update")
         try:
-            if self.transport == "cuda_ipc":  # packing casts: the tensors go in as they are
-                stream = fused.complete((name, t.detach()) for name, t in named_tensors)
-                if self._pusher is None or self._pusher.dtype != self.dtype:
-                    self._pusher = FlatPusher(self.dtype, self.device)
-                self._pusher.push(ipc.iter_buckets(stream, self.bucket_bytes), self._load_ipc)
-            else:
-                stream = fused.complete((name, _cast(t, self.dtype)) for name, t in named_tensors)
-                for bucket in ipc.iter_buckets(stream, self.bucket_bytes):
-                    path = ipc.write_bucket(bucket)
-                    try:
-                        self.llm.collective_rpc("rls_load_weights_file", args=(str(path),))
-                    finally:
-                        path.unlink(missing_ok=True)
+            pusher = self._pushers.get(self.transport)
+            if pusher is None or pusher.dtype != self.dtype:
+                pusher = self._pushers[self.transport] = build_engine_push(self.transport, self.dtype, self.device)
+            stream = fused.complete((name, t.detach()) for name, t in named_tensors)  # the push casts
+            pusher.push(tensor_buckets(stream, self.bucket_bytes, self.dtype), self._send)
         finally:
             self.llm.collective_rpc("rls_finish_weight_update")
             self.llm.reset_prefix_cache()
@@ -270,13 +263,13 @@ class VLLMRolloutEngine:
                 "send all parts of a fused layer (e.g. q_proj, k_proj, v_proj) in the same update_weights call"
             )
 
-    def _load_ipc(self, message: Message) -> int:
-        """One RPC per filled buffer (one per push once the buffer has the push's size): every worker maps the
-        buffer the first time it sees its handle, then views and loads it; returns one worker's count."""
-        return int(self.llm.collective_rpc("rls_load_ipc", args=(message,))[0])
+    def _send(self, message: Any) -> int:
+        """One RPC per push message (CUDA IPC: per filled buffer, one per push once the buffer has the push's size;
+        files: per bucket): every worker loads it; returns one worker's count."""
+        return int(self.llm.collective_rpc(_LOAD_RPC[self.transport], args=(message,))[0])
 
     def weight_group_devices(self) -> list[str | None]:
-        """The GPU UUID of each worker (None on CPU), in rank order (`collective_sync` refuses two ranks on one GPU)."""
+        """The GPU UUID of each worker (None on CPU), in rank order (`sync.collective` refuses two ranks on one GPU)."""
         return list(self.llm.collective_rpc("rls_device_uuid"))
 
     def weight_group_size(self) -> int:
@@ -286,7 +279,7 @@ class VLLMRolloutEngine:
     def join_weight_group(
         self, name: str, addr: str, port: int, rank: int, world: int, timeout: float, shm_path: str | None, host: str
     ) -> None:
-        """Each worker joins the sync group `name` at `rank` + its own rank (`collective_sync.join_group`)."""
+        """Each worker joins the sync group `name` at `rank` + its own rank (`collective.membership.join_group`)."""
         self.llm.collective_rpc("rls_join_weight_group", args=(name, addr, port, rank, world, timeout, shm_path, host))
 
     def receive_weight_group(self, name: str) -> int:
@@ -335,12 +328,8 @@ class VLLMRolloutEngine:
         core = getattr(self.llm.llm_engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
-        if self._pusher is not None:
-            self._pusher.release()  # the workers are gone: nothing to tell them
-
-
-def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return tensor.detach().to(dtype) if tensor.is_floating_point() else tensor.detach()
+        for pusher in self._pushers.values():
+            pusher.release()  # the workers are gone: nothing to tell them
 
 
 def _eos_ids(tokenizer: Any, model_path: str) -> set[int]:

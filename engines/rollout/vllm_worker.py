@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from rlstages.engines.base import NamedTensors
-from rlstages.engines.rollout import ipc
+from rlstages.engines.sync.shm_files import read_bucket
 
 
 def _storages(tensors: Any) -> list[torch.UntypedStorage]:
@@ -57,15 +57,15 @@ class RolloutWorkerExtension:
 
     def rls_load_weights_file(self, path: str) -> int:
         """Load one bucket of HF-named tensors with the model's own `load_weights`; returns its size."""
-        weights = ipc.read_bucket(path)
+        weights = read_bucket(path)
         self.rls_load(weights)
         return len(weights)
 
     def rls_load_ipc(self, message: dict[str, Any]) -> int:
-        """Load the tensors of one CUDA IPC push message (`runtime.cuda_ipc.receive`: the sender's persistent
+        """Load the tensors of one CUDA IPC push message (`sync.cuda_ipc.receive`: the sender's persistent
         buffer mapped once by its handle, the GPU found by UUID, then views into it); the device is synchronised
         before this answers, so the sender may overwrite the buffer. Returns the number of tensors."""
-        from rlstages.engines.runtime.cuda_ipc import receive
+        from rlstages.engines.sync.cuda_ipc import receive
 
         return receive(message, self.rls_load)
 
@@ -74,7 +74,7 @@ class RolloutWorkerExtension:
         device = self.model_runner.device  # the device vLLM placed this worker's model on (not process-wide)
         if device.type != "cuda":
             return None
-        from rlstages.engines.runtime.cuda_ipc import gpu_uuid
+        from rlstages.engines.sync.cuda_ipc import gpu_uuid
 
         return gpu_uuid(torch.cuda.current_device() if device.index is None else device.index)
 
@@ -97,14 +97,14 @@ class RolloutWorkerExtension:
         self, name: str, addr: str, port: int, rank: int, world: int, timeout: float, shm_path: str | None, host: str
     ) -> None:
         """Join the trainer's weight-sync group at `rank` + this worker's rank."""
-        from rlstages.engines.runtime.collective_sync import join_group
+        from rlstages.engines.sync.collective.membership import join_group
 
         join_group(name, addr, port, rank + int(getattr(self, "rank", 0)), world, timeout, shm_path, host)
 
     def rls_receive_weights(self, name: str) -> int:
         """Receive the source's buckets into one layerwise reload (a fused layer's parts may arrive in different
         buckets: each layer is processed once all its tensors are in); returns the number of tensors."""
-        from rlstages.engines.runtime.collective_sync import receive_into
+        from rlstages.engines.sync.collective.wire import receive_into
 
         self.rls_begin_weight_update()
         try:
@@ -114,7 +114,7 @@ class RolloutWorkerExtension:
 
     def rls_leave_weight_group(self, name: str) -> None:
         """Forget the sync group `name` in this worker."""
-        from rlstages.engines.runtime.collective_sync import leave_group
+        from rlstages.engines.sync.collective.membership import leave_group
 
         leave_group(name)
 
@@ -143,7 +143,7 @@ class RolloutWorkerExtension:
 
 
 class _ModelLoader:
-    """What `collective_sync.receive_into` hands buckets to inside a vLLM worker: the model's own `load_weights`."""
+    """What `collective.wire.receive_into` hands buckets to inside a vLLM worker: the model's own `load_weights`."""
 
     def __init__(self, worker: RolloutWorkerExtension) -> None:
         self.worker = worker

@@ -18,7 +18,7 @@ On the CPU each of these is a no-op or an empty result, so the CPU path runs the
 
 `visible_gpus()` is the driver's count of this machine's GPUs (pre-flight, `rlstages doctor`).
 
-Non-goals: moving weights between processes (`runtime.weight_sync`, `runtime.collective_sync`); several GPUs
+Non-goals: moving weights between processes (`sync.object_store`, `sync.collective`); several GPUs
 per worker (one rank, one GPU).
 """
 

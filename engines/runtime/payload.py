@@ -1,6 +1,6 @@
 """The payload of a weight-sync bucket: its tensors cast to one dtype and laid end to end in one byte tensor,
 with JSON meta (name, dtype, shape, byte offset) beside it. This is also the layout of SGLang's
-`FlattenedTensorBucket`, so the same payload serves `collective_sync` and `flat_sync`.
+`FlattenedTensorBucket`, so the same payload serves `sync.collective` and `sync.collective.flat`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 `start(engine, options)` (run inside the worker, e.g. through `ActorGroup.each`) starts a profiler of the CPU and,
 where present, CUDA activities; `stop(engine)` ends it and returns the files as bytes: `trace.json` (Chrome /
 Perfetto trace), `top_ops.txt` (the operators by self time), and with `memory`: `peak_rss.json` (the process's
-peak resident set during the stage: VmHWM after resetting it through /proc/self/clear_refs) and on CUDA
+peak resident set during the stage: VmHWM after resetting it through /proc/self/clear_refs; and the bytes of the
+tensors the engine holds at the stage's end, `engine_tensor_bytes`) and on CUDA
 `memory_snapshot.pickle` (`torch.cuda.memory._record_memory_history` -> `_dump_snapshot`, for PyTorch's memory
 viz at pytorch.org/memory_viz) with `max_memory_allocated`. One profiler per process: a second engine in the same
 process (in-process groups, the hybrid engine) is not profiled again while the first one records.
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from rlstages.engines.runtime.device import on_cuda
+from rlstages.engines.runtime.tensor_census import reachable_tensor_bytes
 
 SNAPSHOT_ENTRIES = 100_000  # allocation events kept by the CUDA memory history
 
@@ -104,6 +106,7 @@ def stop(engine: Any) -> dict[str, bytes]:
         if options.memory:
             memory: dict[str, Any] = {"pid": os.getpid(), "peak_rss_bytes": peak_rss_bytes()}
             memory["peak_rss_since"] = "stage start" if state["rss_reset"] else "process start"
+            memory["engine_tensor_bytes"] = reachable_tensor_bytes(engine)  # what the engine holds after the stage
             if state["cuda"]:
                 snapshot = os.path.join(tmp, "memory_snapshot.pickle")
                 torch.cuda.memory._dump_snapshot(snapshot)

@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from rlstages.configs.tools import EnvironmentSpec, ToolSpec
-from rlstages.engines.imports import ImportTargetError, import_object
+from rlstages.engines.imports import ImportTargetError, check_allowed, import_object
 from rlstages.engines.tools.base import Environment, Tool, ToolLimits
 from rlstages.engines.tools.environment import LimitedEnvironment, ToolEnvironment
 
@@ -38,7 +38,7 @@ def _target(name: str, field: str) -> str:
 
 
 def import_class(target: str, field: str) -> type:
-    """Import `package.module:Class` (`engines.utils.import_object`); every failure is a one-line
+    """Import `package.module:Class` (`engines.imports.import_object`); every failure is a one-line
     ImportTargetError (a ValueError) naming the field."""
     obj = import_object(target, field, expected="Class")
     if not inspect.isclass(obj):
@@ -75,13 +75,7 @@ def check_environment_spec(
 ) -> None:
     """Refuse, in one line naming the field, a user module off the allow-list (when there is one), an unknown
     tool name, a class that does not import, lacks the protocol's methods or rejects its kwargs. Builds nothing."""
-    if allowed_imports is not None:
-        for where, module in import_targets(spec, field):
-            if not any(module == a or module.startswith(f"{a}.") for a in allowed_imports):
-                raise ValueError(
-                    f"{where}: module {module!r} is not on this deployment's import allow-list "
-                    f"({', '.join(allowed_imports) or 'empty'}); redeploy with --allow-import {module}"
-                )
+    check_allowed(import_targets(spec, field), allowed_imports)  # the deployment's one allow-list rule
     if spec.environment != "default":
         where = f"{field}.environment"
         cls = import_class(spec.environment, where)

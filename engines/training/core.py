@@ -26,11 +26,12 @@ from rlstages.engines.base import Readout, StepBackend
 from rlstages.engines.imports import import_object
 from rlstages.engines.registry import training_backend
 from rlstages.engines.runtime import device as D
-from rlstages.engines.runtime.weight_sync import Bucket, bucketize
+from rlstages.engines.sync.buckets import bucketize
 from rlstages.engines.training import flops as F
 from rlstages.engines.training import ppo_step as P
 from rlstages.engines.training.microbatch import by_length, micro_batches
 from rlstages.engines.training.settings import TrainerSettings
+from rlstages.engines.types import Bucket
 
 PERF = "perf/"  # train_step's measured metrics (throughput, MFU, memory): they differ between identical steps
 

@@ -1,4 +1,4 @@
-"""What a training engine is built from: one frozen object made once from the config (`tasks.specs`).
+"""What a training engine is built from: one frozen object made once from the config (`tasks.driver.specs`).
 
 It holds the config's own pieces (the role's `configs.training` options, with its `OptimConfig`, and the
 algorithm's loss knobs) plus the few run-level numbers they lack; the derived numbers (how many optimizer

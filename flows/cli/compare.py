@@ -23,7 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from rlstages.tasks.tracking import RunRecord
+    from rlstages.tasks.driver.tracking import RunRecord
 
 TAG_ROWS = ("rlstages.algorithm", "rlstages.model", "rlstages.rollout_backend", "rlstages.actor_backend")
 HIDDEN_PARAMS = ("trainer.run_name",)  # differs by construction; the column header shows it
@@ -53,7 +53,7 @@ def compare_table(
     tracking_uri: str, runs: list[RunRecord], metrics: list[str], maximize: bool = True, max_params: int = 40
 ) -> Table:
     """The side-by-side table (runs as columns)."""
-    from rlstages.tasks.tracking import metric_series
+    from rlstages.tasks.driver.tracking import metric_series
 
     table = Table(title=f"{len(runs)} runs", show_lines=False)
     table.add_column("", style="bold", no_wrap=True)
@@ -98,7 +98,7 @@ def _curves(tracking_uri: str, runs: list[RunRecord], metric: str, fmt: str) -> 
     """The overlaid curves of `metric` as an image file's bytes (png or svg)."""
     import matplotlib
 
-    from rlstages.tasks.tracking import metric_series
+    from rlstages.tasks.driver.tracking import metric_series
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -125,7 +125,7 @@ def _curves(tracking_uri: str, runs: list[RunRecord], metric: str, fmt: str) -> 
 def html_report(tracking_uri: str, experiment: str, runs: list[RunRecord], metrics: list[str]) -> str:
     """One self-contained HTML page: each metric's curves overlaid (inline SVG), final/best values, the tags
     runs are compared by and the config keys that differ. No scripts, no links out: it opens from a file."""
-    from rlstages.tasks.tracking import metric_series
+    from rlstages.tasks.driver.tracking import metric_series
 
     e = html.escape
     head = "".join(f"<th>{e(r.name)}</th>" for r in runs)
@@ -224,7 +224,7 @@ def compare_command(
     ] = None,
 ) -> None:
     """Print the runs of an MLflow experiment side by side (config differences, metrics, steps, time, status)."""
-    from rlstages.tasks.tracking import DEFAULT_URI, compare_link, experiment_id, experiment_runs
+    from rlstages.tasks.driver.tracking import DEFAULT_URI, compare_link, experiment_id, experiment_runs
 
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
     metrics = metric or ["reward/mean", "eval/reward_mean"]

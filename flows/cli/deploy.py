@@ -152,8 +152,8 @@ def serve_training(
     from prefect.exceptions import TerminationSignal
     from prefect.runner import Runner
 
+    from rlstages.engines.imports import ALLOWED_IMPORTS_ENV
     from rlstages.flows.train import rl_post_train
-    from rlstages.tasks.preflight import ALLOWED_IMPORTS_ENV
 
     os.environ[ALLOWED_IMPORTS_ENV] = ",".join(allow_imports)  # set at deploy time; a run's parameters cannot
     if not os.environ.get("PREFECT_API_URL"):
@@ -218,7 +218,8 @@ def deploy_command(
     ] = None,
 ) -> None:
     """Serve the training flow of CONFIG as a deployment with a schedule (concurrency limit 1)."""
-    from rlstages.tasks.preflight import ALLOWED_IMPORTS_ENV, check_run_dir, preflight
+    from rlstages.engines.imports import ALLOWED_IMPORTS_ENV
+    from rlstages.tasks.driver.preflight import check_run_dir, preflight
 
     allowed = tuple(allow_import or ())
     try:

@@ -128,10 +128,10 @@ def _guard(debug: bool, action) -> object:  # type: ignore[no-untyped-def]
 
 
 def _precheck(cfg: RunConfig) -> None:
-    """Refuse, before any flow starts, what the pre-flight finds (`rlstages.tasks.preflight.CHECKS`: the model,
+    """Refuse, before any flow starts, what the pre-flight finds (`rlstages.tasks.driver.preflight.CHECKS`: the model,
     data files and rows, imports, the tracking store, LoRA targets, prompts, faults, a run directory of another
     config or with a damaged checkpoint, a missing backend package, GPUs or CPUs this machine lacks)."""
-    from rlstages.tasks.preflight import preflight
+    from rlstages.tasks.driver.preflight import preflight
 
     for message in preflight(cfg):
         warn(message)
@@ -189,7 +189,7 @@ def resume(
             "checkpoint.resume=auto",
         ],
     )
-    from rlstages.tasks.run_dir import finished
+    from rlstages.tasks.driver.run_dir import finished
 
     if _guard(debug, lambda: finished(run_dir, cfg)):  # nothing starts: no Ray, Prefect or MLflow
         out.print(f"[green]nothing to resume[/]: {escape(str(run_dir))} finished; final policy in {run_dir / 'final'}")
@@ -228,9 +228,14 @@ def eval_command(
 def _eval_checkpoint(cfg: RunConfig, run_dir: Path, checkpoint: Path | None) -> Path:
     """Pre-flight of `eval`: the model and data, and a committed, intact checkpoint of this run's config."""
     from rlstages.configs import config_hash
-    from rlstages.tasks.checkpoint import CheckpointError, checked_manifest, latest_checkpoint, verify_checkpoint
-    from rlstages.tasks.context import RunHandle
-    from rlstages.tasks.preflight import check_run_dir, preflight
+    from rlstages.tasks.driver.checkpoints import (
+        CheckpointError,
+        checked_manifest,
+        latest_checkpoint,
+        verify_checkpoint,
+    )
+    from rlstages.tasks.driver.context import RunHandle
+    from rlstages.tasks.driver.preflight import check_run_dir, preflight
 
     preflight(cfg, measure_prompts=False, skip=(check_run_dir,))  # the run exists: its checkpoint is checked below
     if checkpoint is None:

@@ -17,11 +17,12 @@ import ray
 import torch
 
 from rlstages.engines import types as T
-from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec, Placement
-from rlstages.engines.runtime.collective_sync import CollectiveSync
 from rlstages.engines.runtime.rendezvous import collective_backend
+from rlstages.engines.sync.collective.driver import CollectiveSync
+from rlstages.engines.sync.protocol import SyncRound
 from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
+from rlstages.engines.workers.actor_group import ActorGroup, GroupSpec, Placement
 
 NS = "rlstages-sim"
 
@@ -101,7 +102,7 @@ def sync(model: str) -> dict[str, Any]:
             stale = rollout.dp(300).generate(prompts, params, 10 + step)
             d = (trainer.dp(300).logprobs(stale)["logprobs"] - stale[T.ROLLOUT_LOGPROBS]).abs() * stale[T.RESPONSE_MASK]
             out["stale"].append(float(d.max()))
-            out["metrics"] = transport.sync(trainer.handles, 0, rollout.handles, 1 << 15, "float32", 300)
+            out["metrics"] = transport.push(SyncRound(trainer.handles, 0, rollout.handles, 1 << 15, "float32", 300))
             fresh = rollout.dp(300).generate(prompts, params, 10 + step)
             d = (trainer.dp(300).logprobs(fresh)["logprobs"] - fresh[T.ROLLOUT_LOGPROBS]).abs() * fresh[T.RESPONSE_MASK]
             out["diffs"].append(float(d.max()))
@@ -113,7 +114,7 @@ def sync(model: str) -> dict[str, Any]:
 
 def short() -> dict[str, Any]:
     """A layout the cluster cannot hold: the clear error, in bounded time."""
-    from rlstages.tasks.placement import _reserve
+    from rlstages.tasks.driver.placement import _reserve
 
     try:
         _reserve("sim-short", [{"CPU": 0.1, "GPU": 4.0}] * 3, "PACK", 20)

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+from plan_twins import PROFILE, check_twin
 from sim_support import BIN, REPO, SimCluster, run_driver
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(3600)]
@@ -242,9 +243,11 @@ def test_megatron_moe_layout_across_nodes(sim_cluster: SimCluster, tiny_moe_dir:
         "reference.num_workers=1",
         "cluster.placement_timeout_seconds=300",
         "cluster.rendezvous_timeout_seconds=900",  # 8 Megatron ranks + 8 rollouts start on two cores
+        PROFILE,
         *LEAN,
     )
     rows = finished_flow(sim_cluster, tmp_path, "mcore", cmd, moe=True)  # every expert reached the rollout
+    check_twin(tmp_path / "runs" / "mcore")  # each rank's update against the plan of its config
     spans_both_nodes(sim_cluster, rows)
     one_actor_rank_per_gpu(rows)
 
@@ -283,9 +286,11 @@ def test_megatron_deepseek_layout_across_nodes(
         "reference.num_workers=1",
         "cluster.placement_timeout_seconds=300",
         "cluster.rendezvous_timeout_seconds=900",
+        PROFILE,
         *LEAN,
     )
     rows = finished_flow(sim_cluster, tmp_path, "dsv3", cmd, moe=True)  # MLA, experts, shared expert
+    check_twin(tmp_path / "runs" / "dsv3")
     assert len([r for r in rows if r["role"] == "actor"]) == 4
     spans_both_nodes(sim_cluster, rows)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rlstages.configs import ConfigError, load_config
-from rlstages.tasks.workers import loss_params
+from rlstages.tasks.driver.workers import loss_params
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ import pytest
 from rlstages.configs import load_config
 from rlstages.configs.run import gpus_needed
 from rlstages.configs.training import MegatronTrainingConfig
-from rlstages.tasks.specs import trainer_settings
+from rlstages.tasks.driver.specs import trainer_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN3 = ROOT / "configs" / "qwen3_235b_grpo_megatron.yaml"

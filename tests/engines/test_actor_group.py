@@ -13,10 +13,13 @@ from tensordict import TensorDict
 
 from rlstages.engines import types as T
 from rlstages.engines.runtime import profiling
-from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec, worker_env
-from rlstages.engines.runtime.weight_sync import bucketize, decode_bucket, sync_weights_local, sync_weights_ray
+from rlstages.engines.sync.buckets import bucketize, decode_bucket
+from rlstages.engines.sync.in_process import InProcessSync
+from rlstages.engines.sync.object_store import ObjectStoreSync
+from rlstages.engines.sync.protocol import SyncRound
 from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
+from rlstages.engines.workers.actor_group import ActorGroup, GroupSpec, worker_env
 
 PROMPTS = [Prompt(f"u{i}", f"{i}+1=", str(i + 1)) for i in range(4)]
 
@@ -155,7 +158,7 @@ def test_weight_sync_over_ray_keeps_logprobs_in_step(ray_session, tiny_model_dir
     diff_stale = (
         (trainer.dp(60).logprobs(stale)["logprobs"] - stale[T.ROLLOUT_LOGPROBS]).abs() * stale[T.RESPONSE_MASK]
     ).max()
-    metrics = sync_weights_ray(trainer.handles, 0, rollout.handles, bucket_bytes=1 << 16, dtype="float32", timeout=60)
+    metrics = ObjectStoreSync().push(SyncRound(trainer.handles, 0, rollout.handles, 1 << 16, "float32", timeout=60))
     assert metrics["sync/buckets"] > 1 and metrics["sync/tensors"] > 0
     fresh = rollout.dp(60).generate(PROMPTS, params, 1)
     diff = (trainer.dp(60).logprobs(fresh)["logprobs"] - fresh[T.ROLLOUT_LOGPROBS]).abs() * fresh[T.RESPONSE_MASK]
@@ -181,7 +184,7 @@ def test_in_process_group_runs_the_same_engines(tiny_model_dir: Path) -> None:
     trainer = ActorGroup(trainer_spec(tiny_model_dir, "local-trainer"), in_process=True)
     out = rollout.dp().generate(PROMPTS, SamplingParams(n=2, max_new_tokens=4), 0)
     assert out.batch_size[0] == 8
-    metrics = sync_weights_local(trainer.handles[0], rollout.handles, 1 << 20, "float32")
+    metrics = InProcessSync().push(SyncRound(trainer.handles, 0, rollout.handles, 1 << 20, "float32", 60, True))
     assert metrics["sync/tensors"] == len(list(trainer.handles[0].named_weights()))
 
 

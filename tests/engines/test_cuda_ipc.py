@@ -1,4 +1,4 @@
-"""The CUDA IPC push protocol (`runtime.cuda_ipc`) on the CPU: a bucket packed into one flat payload and read
+"""The CUDA IPC push protocol (`sync.cuda_ipc`) on the CPU: a bucket packed into one flat payload and read
 back bit-exact; pushes into a second process through one persistent buffer whose handle (plain values that
 survive msgpack, the encoding of vLLM's `collective_rpc`; torch's shared-memory twin of a CUDA IPC handle) is
 sent once, every tensor of every push read there bit-exact, in the sender's order; the GPU-by-UUID remap; and
@@ -14,8 +14,8 @@ import msgpack
 import pytest
 import torch
 
-from rlstages.engines.runtime import cuda_ipc
-from rlstages.engines.runtime.collective_sync import distinct_gpus, same_nccl_cumem
+from rlstages.engines.sync import cuda_ipc, registry
+from rlstages.engines.sync.collective.membership import distinct_gpus, same_nccl_cumem
 
 
 def _bucket() -> list[tuple[str, torch.Tensor]]:
@@ -132,8 +132,9 @@ def test_the_gpu_is_found_by_uuid_not_by_index() -> None:
 
 
 def test_the_transport_follows_the_engine_device() -> None:
-    assert cuda_ipc.weight_transport(torch.device("cuda", 0)) == "cuda_ipc"
-    assert cuda_ipc.weight_transport(torch.device("cpu")) == "shm_file"
+    assert registry.engine_push(torch.device("cuda", 0).type) == "cuda_ipc"
+    assert registry.engine_push(torch.device("cpu").type) == "shm_file"
+    assert registry.build_engine_push("cuda_ipc", torch.bfloat16, torch.device("cpu")).__class__ is cuda_ipc.FlatPusher
 
 
 def test_a_sync_group_with_two_ranks_on_one_gpu_is_refused_in_one_line() -> None:

@@ -23,18 +23,20 @@ from torch.utils.cpp_extension import get_default_build_root
 
 pytest.importorskip("deepspeed")
 
+from plan_check import check_group  # noqa: E402
+
 from rlstages.configs.training import DeepSpeedTrainingConfig, OptimConfig, TorchTrainingConfig  # noqa: E402
 from rlstages.engines import algorithms as A  # noqa: E402
 from rlstages.engines import types as T  # noqa: E402
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine  # noqa: E402
-from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec  # noqa: E402
-from rlstages.engines.runtime.weight_sync import decode_bucket  # noqa: E402
+from rlstages.engines.sync.buckets import decode_bucket  # noqa: E402
 from rlstages.engines.training.core import (
     PPOTrainer,  # noqa: E402
     without_perf,
 )
 from rlstages.engines.training.settings import TrainerSettings  # noqa: E402
 from rlstages.engines.types import Prompt, SamplingParams  # noqa: E402
+from rlstages.engines.workers.actor_group import ActorGroup, GroupSpec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXT_DIR = os.environ.get("TORCH_EXTENSIONS_DIR") or str(  # torch's default, given to the Ray workers alike
@@ -309,5 +311,6 @@ def test_two_ranks_on_ray_stay_in_sync(ray_session, model_for, batch, tmp_path: 
         assert [without_perf(m) for m in group.dp(300).train_step(rows)] == [without_perf(m) for m in first]
         again = group.all(120).__ray_call__(rank_weights)[0]  # collective under ZeRO-3
         assert all(torch.equal(again[k], after_first[k]) for k in w0)
+        check_group(group, path, rows, f"deepspeed zero{stage} dp2")  # last: one more step
     finally:
         group.kill()

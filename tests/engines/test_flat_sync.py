@@ -7,7 +7,7 @@ SGLang itself cannot run here (no CPU build). Its receiving side is a few torch 
 the HF engine receiving as SGLang's workers do: where SGLang's own modules import (a GPU machine, or
 `pip install --no-deps sglang` plus the modules `sglang.srt.utils.common` imports), it forms the group with
 SGLang's `init_custom_process_group` and unpacks with SGLang's `FlattenedTensorBucket`, which checks the source's
-group and payload against SGLang's code; elsewhere (CI) it forms the group with `flat_sync.join_flat_group`.
+group and payload against SGLang's code; elsewhere (CI) it forms the group with `sync.collective.flat.join_flat_group`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ import torch
 
 from rlstages.engines import types as T
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
-from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
-from rlstages.engines.runtime.collective_sync import CollectiveSync
+from rlstages.engines.sync.collective.driver import CollectiveSync
+from rlstages.engines.sync.protocol import SyncRound
 from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
+from rlstages.engines.workers.actor_group import ActorGroup, GroupSpec
 
 PROMPTS = [Prompt(f"u{i}", f"{i}+1=", str(i + 1)) for i in range(4)]
 
@@ -66,7 +67,7 @@ class FlatRollout(HFRolloutEngine):
                 backend="gloo", init_method=init, world_size=world, rank=rank, group_name=name
             )
         else:
-            from rlstages.engines.runtime.flat_sync import join_flat_group
+            from rlstages.engines.sync.collective.flat import join_flat_group
 
             self.groups[name] = join_flat_group(name, addr, port, rank, world, timeout)
 
@@ -132,7 +133,7 @@ def test_flat_bucket_sync_keeps_logprobs_in_step(ray_session, tiny_model_dir: Pa
             trainer.dp(120).train_step(batch)
             stale = rollout.dp(120).generate(PROMPTS, params, 10 + step)
             diff_stale = (trainer.dp(120).logprobs(stale)["logprobs"] - stale[T.ROLLOUT_LOGPROBS]).abs()
-            metrics = sync.sync(trainer.handles, 0, rollout.handles, 1 << 15, "float32", 120)
+            metrics = sync.push(SyncRound(trainer.handles, 0, rollout.handles, 1 << 15, "float32", 120))
             assert metrics["sync/buckets"] > 1 and metrics["sync/shared_memory"] == 0.0  # flat: always broadcast
             fresh = rollout.dp(120).generate(PROMPTS, params, 10 + step)
             diff = (trainer.dp(120).logprobs(fresh)["logprobs"] - fresh[T.ROLLOUT_LOGPROBS]).abs()

@@ -10,9 +10,9 @@ import torch
 
 from rlstages.configs.training import OptimConfig, TorchTrainingConfig
 from rlstages.engines import types as T
-from rlstages.engines.runtime.hybrid import HybridEngine
 from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
+from rlstages.engines.workers.hybrid import HybridEngine
 
 PROMPTS = [Prompt(f"u{i}", f"{i}+{i}=", str(2 * i)) for i in range(2)]
 SAMPLING = SamplingParams(n=4, temperature=1.0, max_new_tokens=6)

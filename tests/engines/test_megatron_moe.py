@@ -25,16 +25,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from plan_check import check_group
 
 from rlstages.configs.training import MegatronTrainingConfig, MoERouterConfig, OptimConfig, TorchTrainingConfig
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
-from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
-from rlstages.engines.runtime.weight_sync import decode_bucket
+from rlstages.engines.sync.buckets import decode_bucket
 from rlstages.engines.training.core import PPOTrainer
 from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
+from rlstages.engines.workers.actor_group import ActorGroup, GroupSpec
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
 
@@ -142,6 +143,7 @@ def test_ep2_ray_group_matches_torch_and_reshards_to_ep1(
         assert all(not torch.equal(after[k], torch_ref["before"][k]) for k in after)  # every expert moved
         group.all(300).save(str(tmp_path / "ckpt"))
         logprobs_ep2 = group.dp(300).logprobs(batch)["logprobs"]
+        check_group(group, tiny_moe_dir, batch, "megatron ep2")  # last: one more step
     finally:
         group.kill()
     # EP=1 in this process, converted in memory, loads the EP=2 dist checkpoint: the model resharded bit for bit,
@@ -272,6 +274,7 @@ def test_tp2_ep2_etp1_ray_group_matches_torch_and_loads_ep1(
         group.all(300).load(str(tmp_path / "ckpt-ep1"))
         assert max_diff(group_weights(group), saved_weights) == 0.0
         views = ray.get([h.__ray_call__.remote(rank_view, True) for h in group.handles], timeout=120)
+        check_group(group, tiny_moe_dir, batch, "megatron tp2 x ep2")  # last: one more step
     finally:
         group.kill()
     routed = len([n for n in saved_adam if ".experts." in n])

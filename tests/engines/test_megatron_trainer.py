@@ -17,17 +17,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from plan_check import check_group
 from safetensors.torch import load_file
 
 from rlstages.configs.training import MegatronTrainingConfig, OptimConfig, TorchTrainingConfig
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
-from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
-from rlstages.engines.runtime.weight_sync import decode_bucket
+from rlstages.engines.sync.buckets import decode_bucket
 from rlstages.engines.training.core import PPOTrainer, without_perf
 from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
+from rlstages.engines.workers.actor_group import ActorGroup, GroupSpec
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
 
@@ -277,6 +278,7 @@ def test_tp2_ray_group_matches_torch_and_resumes(
         group.all(300).save_pretrained(str(tmp_path / "hf"), str(tiny_model_dir))
         exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
         assert max_diff(exported, w2) == 0.0 and (tmp_path / "hf" / "tokenizer_config.json").is_file()
+        check_group(group, tiny_model_dir, batch, "megatron tp2")  # last: one more step
     finally:
         group.kill()
 
@@ -292,6 +294,7 @@ def test_pp2_ray_group_pipeline_schedule(ray_session, tiny_model_dir: Path, conv
         assert without_perf(metrics[0]) == without_perf(metrics[1]) and math.isfinite(metrics[0]["grad_norm"])
         check_against_torch(metrics[1], torch_ref)
         assert max_diff(group_weights(group), torch_ref["after"]) <= STEP_ATOL  # both stages' tensors arrive
+        check_group(group, tiny_model_dir, batch, "megatron pp2")
     finally:
         group.kill()
 

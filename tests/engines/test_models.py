@@ -52,12 +52,12 @@ def test_custom_model_registered_and_loaded_by_name(custom_dir: Path, tmp_path: 
 
 
 def test_custom_model_runs_rollout_and_training_in_a_ray_worker(custom_dir: Path, ray_session, monkeypatch) -> None:
-    from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
+    from rlstages.engines.workers.actor_group import ActorGroup, GroupSpec
 
     monkeypatch.setenv("RLSTAGES_PLUGINS", "custom_model")
     spec = GroupSpec(
         name="custom-hybrid",
-        engine="rlstages.engines.runtime.hybrid:HybridEngine",
+        engine="rlstages.engines.workers.hybrid:HybridEngine",
         kwargs={
             "trainer": "rlstages.engines.training.core:PPOTrainer",
             "trainer_kwargs": {"settings": TrainerSettings(str(custom_dir))},

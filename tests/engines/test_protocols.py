@@ -19,8 +19,10 @@ from rlstages.engines.registry import (
     TRAINING_BACKENDS,
     TRAINING_ENGINE,
 )
+from rlstages.engines.sync.protocol import EnginePush, WeightSync, WeightTarget
+from rlstages.engines.sync.registry import ENGINE_PUSHERS, TRANSPORTS
 
-HYBRID = "rlstages.engines.runtime.hybrid:HybridEngine"
+HYBRID = "rlstages.engines.workers.hybrid:HybridEngine"
 CASES: list[tuple[str, type]] = [
     *[(path, base.RolloutEngine) for path in ROLLOUT_ENGINES.values()],
     (TRAINING_ENGINE, base.TrainingEngine),
@@ -31,6 +33,10 @@ CASES: list[tuple[str, type]] = [
     (ROLLOUT_ENGINES["sglang"], base.BucketReceiver),  # SGLang's workers join it with SGLang's own API
     (HYBRID, base.RolloutEngine),  # the hybrid engine serves both roles of its group
     (HYBRID, base.TrainingEngine),
+    *[(path, WeightSync) for path in TRANSPORTS.values()],  # every weight transport
+    *[(path, EnginePush) for path in ENGINE_PUSHERS.values()],  # every push into a colocated engine's processes
+    *[(path, WeightTarget) for path in ROLLOUT_ENGINES.values()],  # what the transports need of the rollout side
+    (HYBRID, WeightTarget),
 ]
 
 
@@ -59,6 +65,7 @@ def test_every_registered_backend_is_checked() -> None:
     checked = {path for path, _ in CASES}
     assert set(ROLLOUT_ENGINES.values()) | set(REWARD_ENGINES.values()) <= checked
     assert {entry.step for entry in TRAINING_BACKENDS.values()} | {TRAINING_ENGINE} <= checked
+    assert set(TRANSPORTS.values()) | set(ENGINE_PUSHERS.values()) <= checked
 
 
 @pytest.mark.parametrize(("path", "protocol"), CASES, ids=[f"{p.split(':')[1]}-{q.__name__}" for p, q in CASES])

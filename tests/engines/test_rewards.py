@@ -166,7 +166,7 @@ def test_registry_errors_are_one_line_and_say_what_failed(user_module: str) -> N
 
 def test_one_importer_one_error_naming_the_field() -> None:
     """Reward functions, tool and environment classes and backends import "module:attr" through
-    `engines.utils.import_object`: one error type (an ImportError and a ValueError), its line starting with
+    `engines.imports.import_object`: one error type (an ImportError and a ValueError), its line starting with
     the config field."""
     from rlstages.engines.imports import ImportTargetError, import_object
     from rlstages.engines.tools.registry import import_class

@@ -60,7 +60,7 @@ def test_method_keywords_match(sglang_api) -> None:
     assert "tags" in params(engine.release_memory_occupation)
     assert "tags" in params(engine.resume_memory_occupation)
     assert callable(engine.flush_cache) and callable(engine.shutdown)
-    # split placement's collective sync (engines/runtime/flat_sync.py) and the weight-update session around loads
+    # split placement's collective sync (engines/sync/collective/flat.py) and the weight-update session around loads
     group = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
     assert group <= params(engine.init_weights_update_group)
     flat = {"names", "dtypes", "shapes", "group_name", "flush_cache", "load_format"}

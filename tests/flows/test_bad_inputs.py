@@ -38,7 +38,7 @@ def snapshot(root: Path) -> dict[str, str]:
 
 
 def fake_checkpoint(run: Path, step: int, config_hash: str) -> Path:
-    """A committed checkpoint in the on-disk format of rlstages.tasks.checkpoint (files, then a manifest)."""
+    """A committed checkpoint in the on-disk format of rlstages.tasks.driver.checkpoints (files, then a manifest)."""
     path = run / "checkpoints" / f"step_{step:06d}"
     (path / "actor").mkdir(parents=True)
     (path / "actor" / "model.safetensors").write_bytes(b"weights of step %d" % step)
@@ -62,7 +62,7 @@ def workspace(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, ti
 
     from rlstages.configs import config_hash, load_config, to_yaml
     from rlstages.configs.loader import flatten
-    from rlstages.tasks.tracking import client
+    from rlstages.tasks.driver.tracking import client
 
     work = tmp_path_factory.mktemp("bad-inputs")
     base = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
@@ -576,7 +576,7 @@ def test_the_table_is_large_enough() -> None:
 
 
 def test_the_finished_mlflow_run_stays_finished(workspace: Path) -> None:
-    from rlstages.tasks.tracking import MlflowClient
+    from mlflow import MlflowClient
 
     state = json.loads((workspace / "runs" / "done" / "run_state.json").read_text())
     run = MlflowClient(tracking_uri=f"sqlite:///{workspace / 'mlflow.db'}").get_run(state["mlflow_run_id"])

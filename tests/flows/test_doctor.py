@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rlstages.engines.rollout import vllm_rollout
-from rlstages.flows.cli import doctor
+from rlstages.flows.cli import doctor_probes as doctor
 
 
 def fake_venv(root: Path) -> Path:

@@ -11,31 +11,31 @@ import pytest
 from typer.testing import CliRunner
 
 from rlstages.configs import load_config
-from rlstages.flows.cli import doctor
+from rlstages.flows.cli import doctor_config
 from rlstages.flows.cli.main import app
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = ROOT / "configs" / "qwen3_235b_grpo_megatron.yaml"
 
 
-def _rows(checks: list[doctor.Check]) -> dict[str, doctor.Check]:
+def _rows(checks: list[doctor_config.Check]) -> dict[str, doctor_config.Check]:
     return {c.name: c for c in checks}
 
 
 def test_config_checks_of_the_235b_preset(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NCCL_DEBUG", "WARN")
-    monkeypatch.setattr(doctor, "_vllm_version", lambda python: "0.32.0")
-    monkeypatch.setattr(doctor, "_version", lambda dist: "0.16.1" if dist == "megatron-core" else None)
-    checks = doctor.config_checks(load_config(PRESET, []), "H20", Path(sys.executable))
+    monkeypatch.setattr(doctor_config, "_vllm_version", lambda python: "0.32.0")
+    monkeypatch.setattr(doctor_config, "_version", lambda dist: "0.16.1" if dist == "megatron-core" else None)
+    checks = doctor_config.config_checks(load_config(PRESET, []), "H20", Path(sys.executable))
     rows = _rows(checks)
     assert rows["fullest rank"].ok is False and "actor stage 1" in rows["fullest rank"].detail
     assert any(c.name == "change" and "gradient_checkpointing=true" in c.detail for c in checks)
     assert rows["CUDA_DEVICE_MAX_CONNECTIONS"].ok is True
     assert "NCCL_DEBUG=WARN" in rows["NCCL"].detail and "nccl_cumem_enable" in rows["NCCL"].detail
     assert rows["megatron-core / vllm"].ok is True and "this project's CI" in rows["megatron-core / vllm"].detail
-    monkeypatch.setattr(doctor, "_vllm_version", lambda python: "0.9.2")
+    monkeypatch.setattr(doctor_config, "_vllm_version", lambda python: "0.9.2")
     cfg = load_config(PRESET, ["cluster.cuda_device_max_connections=8", "actor.gradient_checkpointing=true"])
-    rows = _rows(doctor.config_checks(cfg, "H20", Path(sys.executable)))
+    rows = _rows(doctor_config.config_checks(cfg, "H20", Path(sys.executable)))
     assert rows["megatron-core / vllm"].ok is False and "untested pair" in rows["megatron-core / vllm"].detail
     assert rows["CUDA_DEVICE_MAX_CONNECTIONS"].ok is False and rows["fullest rank"].ok is True
 

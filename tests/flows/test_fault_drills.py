@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 
 from rlstages.configs import RunConfig, load_config
 from rlstages.flows.train import rl_post_train
-from rlstages.tasks.checkpoint import MANIFEST, latest_checkpoint
-from rlstages.tasks.context import RunHandle
+from rlstages.tasks.driver.checkpoints import MANIFEST, latest_checkpoint
+from rlstages.tasks.driver.context import RunHandle
 from rlstages.tasks.update import NonFiniteStep
 
 

@@ -16,7 +16,7 @@ import pytest
 from rlstages.configs import load_config
 from rlstages.flows.progress import step_line
 from rlstages.flows.stages import MAX_PARALLEL_STAGES, Stages
-from rlstages.tasks import tracking
+from rlstages.tasks.driver import tracking
 
 ROOT = Path(__file__).resolve().parents[2]
 

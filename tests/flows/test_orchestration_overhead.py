@@ -21,8 +21,8 @@ from rlstages.configs import RunConfig, load_config
 from rlstages.configs.stages import StagePolicy
 from rlstages.flows import TEMPORARY_SERVER_DEFAULTS
 from rlstages.flows.stages import Stage, Stages
-from rlstages.tasks import tracking
-from rlstages.tasks.context import RunHandle
+from rlstages.tasks.driver import tracking
+from rlstages.tasks.driver.context import RunHandle
 from rlstages.tasks.policies import with_policy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,7 +93,7 @@ def test_steps_are_logged_once_and_a_new_process_asks_mlflow_where_it_stopped(tm
     run_id = tracking.start_or_resume(cfg, "overhead", None, None)
     assert [tracking.log_step(cfg, run_id, s, {"reward/mean": s / 10}) for s in (1, 2, 2, 3)] == [1, 1, 0, 1]
     tracking.flush()
-    tracking._LAST_STEP.pop(run_id)  # as a new process resuming the run sees it
+    tracking.runs._LAST_STEP.pop(run_id)  # as a new process resuming the run sees it
     assert not tracking.log_step(cfg, run_id, 3, {"reward/mean": 0.0})  # MLflow already has step 3
     assert tracking.log_step(cfg, run_id, 4, {"reward/mean": 0.4})
     tracking.flush()

@@ -52,6 +52,8 @@ def test_profiled_stages_leave_traces_in_mlflow(tmp_path: Path, tiny_model_dir: 
     rss_file = client.download_artifacts(run.info.run_id, "profiles/step_1/update_actor/actor-0/peak_rss.json")
     rss = json.loads(Path(rss_file).read_text())
     assert rss["peak_rss_bytes"] > 0
+    # the engine's tensors after the update: the weights and AdamW's two moments (fp32, as the checkpoint file)
+    assert rss["engine_tensor_bytes"] >= 2.9 * (tiny_model_dir / "model.safetensors").stat().st_size
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 

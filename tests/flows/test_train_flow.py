@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 
 from rlstages.configs import RunConfig
 from rlstages.flows.train import rl_post_train
-from rlstages.tasks.checkpoint import latest_checkpoint
-from rlstages.tasks.context import RunHandle
+from rlstages.tasks.driver.checkpoints import latest_checkpoint
+from rlstages.tasks.driver.context import RunHandle
 
 
 @pytest.fixture
@@ -173,7 +173,7 @@ def test_a_failed_start_does_not_block_its_run_name(
     import json
 
     from rlstages.configs import config_hash
-    from rlstages.tasks.preflight import preflight
+    from rlstages.tasks.driver.preflight import preflight
 
     quick = ("trainer.eval_at_start=false", "trainer.total_steps=1", IN_DRIVER)
     wrong = tiny_cfg(tmp_path, tiny_model_dir, "late", "rollout.temperature=0.5", *quick)

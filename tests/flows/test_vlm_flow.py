@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from rlstages.configs.data import DatasetsDataConfig
 from rlstages.flows.train import rl_post_train
-from rlstages.tasks.vision_data import row_images
+from rlstages.tasks.driver.vision_data import row_images
 from tests.flows.flow_support import IN_DRIVER, mlflow_run, run_dir, tiny_cfg
 
 COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "yellow": (255, 255, 0)}

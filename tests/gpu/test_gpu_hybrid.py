@@ -13,9 +13,9 @@ from gpu_helpers import LR, PROMPTS
 from rlstages.configs.training import OptimConfig, TorchTrainingConfig
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
-from rlstages.engines.runtime.hybrid import HybridEngine
 from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import SamplingParams
+from rlstages.engines.workers.hybrid import HybridEngine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 LEAK_BOUND = 16 * 2**20  # bytes: allocator rounding and cuBLAS workspaces, far below a model copy or KV cache

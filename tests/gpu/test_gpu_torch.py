@@ -78,3 +78,22 @@ def test_hf_rollout_greedy_tokens_equal_generate(tiny_model_dir: Path) -> None:
     for row, n in enumerate(out[T.RESPONSE_MASK].sum(-1).long().tolist()):
         assert out[T.RESPONSE_IDS][row, :n].tolist() == ref[row, :n].tolist()
     assert out[T.ROLLOUT_LOGPROBS].device.type == "cpu"
+
+
+def test_profiled_train_step_leaves_a_cuda_memory_snapshot(tiny_model_dir: Path, batch, settings) -> None:
+    """trainer.profile's memory path on CUDA (engines/runtime/profiling.py): `_record_memory_history` ->
+    `_dump_snapshot` around a train step gives a snapshot PyTorch's memory viz reads (segments and the step's
+    allocation events) and the peak the trainer reports."""
+    import json
+    import pickle
+
+    from rlstages.engines.runtime import profiling
+
+    engine = PPOTrainer(settings(tiny_model_dir, dtype="bfloat16"))
+    assert profiling.start(engine, profiling.ProfileOptions(memory=True))
+    engine.train_step(batch)
+    files = profiling.stop(engine)
+    snapshot = pickle.loads(files["memory_snapshot.pickle"])
+    assert snapshot["segments"] and sum(len(t) for t in snapshot["device_traces"]) > 0
+    memory = json.loads(files["peak_rss.json"])
+    assert memory["cuda_max_memory_allocated"] > 0 and "CUDA" in files["top_ops.txt"].decode()

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 
-from rlstages.engines.runtime import cuda_ipc
+from rlstages.engines.sync import cuda_ipc
 from rlstages.engines.types import Prompt, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -217,8 +217,8 @@ def test_device_memory_is_flat_over_five_syncs(vllm_engine, model_dir: Path) -> 
 def test_hybrid_engine_offloads_the_trainer_while_vllm_generates(model_dir: Path) -> None:
     from rlstages.engines import algorithms as A
     from rlstages.engines import types as T
-    from rlstages.engines.runtime.hybrid import HybridEngine
     from rlstages.engines.training.settings import TrainerSettings
+    from rlstages.engines.workers.hybrid import HybridEngine
 
     engine = HybridEngine(
         "rlstages.engines.training.core:PPOTrainer",

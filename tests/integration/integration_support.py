@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from rlstages.flows.cli import servers as srv
-from rlstages.tasks.ray_auth import secure_env
+from rlstages.tasks.driver.ray_auth import secure_env
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

@@ -18,7 +18,7 @@ import pytest
 import torch
 from integration_support import REPO
 
-from rlstages.flows.cli import doctor
+from rlstages.flows.cli import doctor, doctor_probes
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -60,13 +60,13 @@ def test_doctor_reports_the_cluster_the_servers_and_the_backends(ray_cluster, se
 def test_doctor_says_why_not(tmp_path: Path) -> None:
     broken = tmp_path / "clash.py"
     broken.write_text("raise ImportError('needs torch<2.0, found 2.13')\n")
-    ok, text = doctor._run(
+    ok, text = doctor_probes._run(
         [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import clash"], 60
     )
     assert not ok and "needs torch<2.0" in text
-    row = doctor._train_row("training deepspeed", (ok, text), "ZeRO", "deepspeed")
+    row = doctor_probes._train_row("training deepspeed", (ok, text), "ZeRO", "deepspeed")
     assert row.ok is False and row.detail.startswith("import failed (version clash?)")
-    unreachable = doctor.prefect_endpoint("http://127.0.0.1:9/api")[0]
+    unreachable = doctor_probes.prefect_endpoint("http://127.0.0.1:9/api")[0]
     assert unreachable.ok is False
-    assert doctor.mlflow_endpoint("http://127.0.0.1:9")[0].ok is False
-    assert doctor.ray_cluster(None)[0].ok is None  # no cluster: a run starts its own local Ray
+    assert doctor_probes.mlflow_endpoint("http://127.0.0.1:9")[0].ok is False
+    assert doctor_probes.ray_cluster(None)[0].ok is None  # no cluster: a run starts its own local Ray

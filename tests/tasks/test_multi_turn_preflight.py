@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rlstages.configs import RunConfig, load_config
-from rlstages.tasks.preflight import PreflightError, check_multi_turn
+from rlstages.tasks.driver.preflight import PreflightError, check_multi_turn
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAT = (

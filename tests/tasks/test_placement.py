@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from rlstages.configs import load_config
-from rlstages.tasks.context import RunHandle
-from rlstages.tasks.placement import pg_name
-from rlstages.tasks.workers import build_workers, forget_workers
+from rlstages.tasks.driver.context import RunHandle
+from rlstages.tasks.driver.placement import pg_name
+from rlstages.tasks.driver.workers import build_workers, forget_workers
 
 ROOT = Path(__file__).resolve().parents[2]
 

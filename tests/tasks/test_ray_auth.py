@@ -13,7 +13,7 @@ from pathlib import Path
 SCRIPT = r"""
 import json, os, subprocess, sys
 import psutil, ray
-from rlstages.tasks.ray_auth import init_local_ray
+from rlstages.tasks.driver.ray_auth import init_local_ray
 init_local_ray(num_cpus=1, include_dashboard=False, log_to_driver=False)
 
 @ray.remote

@@ -9,8 +9,8 @@ from pathlib import Path
 from rlstages.configs import load_config
 from rlstages.configs.training import DeepSpeedTrainingConfig, MegatronTrainingConfig, TorchTrainingConfig
 from rlstages.engines.registry import ROLLOUT_BACKENDS, TRAINING_ENGINE
-from rlstages.tasks.context import RunHandle
-from rlstages.tasks.specs import rollout_spec, trainer_settings, training_spec
+from rlstages.tasks.driver.context import RunHandle
+from rlstages.tasks.driver.specs import rollout_spec, trainer_settings, training_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = RunHandle("specs", "/tmp/specs")

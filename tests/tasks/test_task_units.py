@@ -18,7 +18,7 @@ from rlstages.configs import load_config
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
 from rlstages.tasks.advantage import advantages, initial_kl_state
-from rlstages.tasks.context import RunHandle, derive_seed
+from rlstages.tasks.driver.context import RunHandle, derive_seed
 from rlstages.tasks.policies import (
     WorkerLost,
     backoff_delays,

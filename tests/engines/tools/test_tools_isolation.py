@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from rlstages.engines.tools import isolation, jail
-from rlstages.engines.tools.sandbox import PythonSandbox, SandboxLimits, run_python
+from rlstages.engines.tools.sandbox import PythonSandbox
+from rlstages.engines.tools.sandbox_run import SandboxLimits, run_python
 
 ROOT = os.geteuid() == 0
 
@@ -390,7 +391,7 @@ def test_preflight_reports_layers_refuses_a_missing_one_and_an_opt_out_is_record
 ) -> None:
     from rlstages.configs import flatten, load_config
     from rlstages.engines.tools.registry import isolation_label
-    from rlstages.tasks.preflight import PreflightError, check_tool_isolation
+    from rlstages.tasks.driver.preflight import PreflightError, check_tool_isolation
 
     tiny = Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml"
     tools = "rollout.multi_turn={enabled: true, environment: {tools: [{name: python%s}]}}"

@@ -18,15 +18,8 @@ import pytest
 
 from rlstages.configs.tools import EnvironmentSpec
 from rlstages.engines.tools import ToolCall, build_environment, run_tool_call
-from rlstages.engines.tools.sandbox import (
-    _LAUNCHER,
-    PythonSandbox,
-    SandboxLimits,
-    SandboxRun,
-    _rlimits,
-    observation,
-    run_python,
-)
+from rlstages.engines.tools.sandbox import PythonSandbox, observation
+from rlstages.engines.tools.sandbox_run import _LAUNCHER, SandboxLimits, SandboxRun, _rlimits, run_python
 
 
 def _run(code: str, **limits) -> object:

@@ -1,0 +1,291 @@
+"""From a RunConfig to engine specs: what each group runs (engine class, constructor arguments, resources).
+
+Backend-specific constructor arguments come from the backend's registry entry (`engines.registry`), not from
+an if-chain here: a rollout backend names the config fields it takes, a training backend reads its own
+options from the `TrainerSettings` built once by `trainer_settings`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from rlstages.configs.rollout import VLLMRolloutConfig
+from rlstages.configs.run import RunConfig
+from rlstages.configs.training import MegatronTrainingConfig, TorchTrainingConfig
+from rlstages.engines.algorithms import PolicyLossParams
+from rlstages.engines.imports import import_object
+from rlstages.engines.registry import (
+    REWARD_ENGINES,
+    ROLLOUT_BACKENDS,
+    ROLLOUT_ENGINES,
+    TRAINING_ENGINE,
+    engine_path,
+    missing_package,
+    training_backend,
+)
+from rlstages.engines.runtime.device import gpu_env
+from rlstages.engines.training.settings import Role, TrainerSettings
+from rlstages.engines.workers.actor_group import GroupSpec
+from rlstages.tasks.driver.context import RunHandle
+
+_COMMON_TRAINING = set(TorchTrainingConfig.model_fields) - {"backend"}
+MEGATRON_LAYOUT = {  # a Megatron reference beside a Megatron actor runs the actor's parallel layout and MoE options
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "num_layers_in_first_pipeline_stage",
+    "num_layers_in_last_pipeline_stage",
+    "moe",
+    "transformer_impl",
+}
+
+
+def worker_gpu_env(cfg: RunConfig) -> dict[str, str]:
+    """The GPU env every trainer and rollout worker gets alike (`cluster.nccl_cumem_enable`,
+    `cluster.cuda_device_max_connections`); nothing without GPUs."""
+    c = cfg.cluster
+    return gpu_env(c.nccl_cumem_enable, c.cuda_device_max_connections) if c.num_gpus else {}
+
+
+def model_dir(cfg: RunConfig) -> str:
+    """The policy's local directory: `model.path`, or a hub id's snapshot in the HF cache."""
+    from rlstages.engines.models import resolve_model_path
+
+    return str(resolve_model_path(str(cfg.model.path), cfg.model.revision))
+
+
+def converted_dir(cfg: RunConfig) -> Path | None:
+    """Where the actor's Megatron-Core checkpoint is converted to (None when the actor is not Megatron)."""
+    a = cfg.actor
+    if not isinstance(a, MegatronTrainingConfig):
+        return None
+    vpp = f"-vpp{a.virtual_pipeline_model_parallel_size}" if a.virtual_pipeline_model_parallel_size else ""
+    ep = f"-ep{a.expert_model_parallel_size}" if a.expert_model_parallel_size > 1 else ""
+    ep += f"-etp{a.expert_tp}" if a.expert_tp != a.tensor_model_parallel_size else ""
+    first, last = a.num_layers_in_first_pipeline_stage, a.num_layers_in_last_pipeline_stage
+    ep += (f"-first{first}" if first else "") + (f"-last{last}" if last else "")  # uneven pipeline stages
+    name = f"{cfg.model.path.name}-tp{a.tensor_model_parallel_size}-pp{a.pipeline_model_parallel_size}{vpp}{ep}"
+    return (Path(".cache") / "mcore" / name).resolve()
+
+
+def missing_backend_package(cfg: RunConfig) -> str | None:
+    """A one-line error for the first chosen backend whose package this machine lacks. Only when Ray starts
+    here (a remote cluster's workers have their own packages); vLLM in its own venv (`rollout.python` or
+    .venv-vllm) is the venv's business."""
+    from rlstages.engines.rollout.vllm_rollout import default_vllm_python
+
+    if cfg.cluster.mode == "ray" and (cfg.cluster.address or os.environ.get("RAY_ADDRESS")):
+        return None
+    chosen: list[tuple[str, str]] = [("actor.backend", cfg.actor.backend)]
+    if cfg.critic is not None:
+        chosen.append(("critic.backend", cfg.critic.backend))
+    r = cfg.rollout
+    if not (isinstance(r, VLLMRolloutConfig) and (r.python or default_vllm_python())):
+        chosen.append(("rollout.backend", r.backend))
+    return next((msg for field, backend in chosen if (msg := missing_package(field, backend))), None)
+
+
+def rollout_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
+    """Rollout engine spec: the common constructor arguments plus those the backend's registry entry names."""
+    r = cfg.rollout
+    engine = engine_path(ROLLOUT_ENGINES, r.backend)
+    entry = ROLLOUT_BACKENDS[r.backend]
+    run_values = {"seed": cfg.trainer.seed, "model_type": cfg.model.model_type}
+    kwargs: dict[str, Any] = {
+        "model_path": model_dir(cfg),
+        "dtype": r.dtype,
+        "apply_chat_template": cfg.data.apply_chat_template,
+        "system_prompt": cfg.data.system_prompt,
+        **{name: _plain(getattr(r, name)) for name in entry.options},
+        **{name: run_values[name] for name in entry.run_args},
+    }
+    if cfg.data.chat_template:
+        kwargs["chat_template"] = cfg.data.chat_template
+    if cfg.data.image_min_pixels or cfg.data.image_max_pixels:  # a vision-language model's image processor
+        kwargs["image_pixels"] = (cfg.data.image_min_pixels, cfg.data.image_max_pixels)
+    extra: dict[str, Any] = {}
+    if entry.actor_options is not None:
+        python = getattr(r, "python", None)
+        extra = import_object(entry.actor_options, "rollout.backend", expected="function")(
+            str(python) if python else None
+        )
+    return GroupSpec(
+        name=f"{run.name}-{run.key}-rollout",
+        engine=engine,
+        kwargs=kwargs,
+        num_workers=r.num_workers,
+        num_gpus=cfg.cluster.gpus_per_worker if cfg.cluster.num_gpus else 0.0,
+        resources=dict(cfg.cluster.rollout_resources),
+        env=worker_gpu_env(cfg),
+        threads=cfg.cluster.threads_per_worker,
+        omp_passive=cfg.omp_passive,
+        heap=cfg.cluster.heap,
+        extra_options=extra,
+    )
+
+
+def _plain(value: Any) -> Any:
+    """A config section as plain data (a dict) for an engine's constructor, which may run in another venv."""
+    return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+
+
+def _grad_average_size(cfg: RunConfig) -> int:
+    """Ranks the actor's gradients are averaged over (DP, times CP for Megatron): token-sum's scale."""
+    actor = cfg.actor
+    if isinstance(actor, MegatronTrainingConfig):
+        return actor.data_parallel_size * actor.context_parallel_size
+    return actor.num_workers
+
+
+def response_budget(cfg: RunConfig) -> int:
+    """The most response tokens a row can have: rollout.max_new_tokens, or the multi-turn trajectory budget."""
+    mt = cfg.rollout.multi_turn
+    return mt.max_response_tokens if mt.enabled else cfg.rollout.max_new_tokens
+
+
+def loss_params(cfg: RunConfig) -> PolicyLossParams:
+    """The actor's loss knobs from the algorithm section."""
+    a = cfg.algorithm
+    return PolicyLossParams(
+        clip_ratio_low=a.clip_ratio_low,
+        clip_ratio_high=a.clip_ratio_high,
+        clip_ratio_c=a.clip_ratio_c,
+        loss_agg_mode=a.loss_agg_mode,
+        loss_scale_factor=a.loss_scale_factor or response_budget(cfg),
+        entropy_coeff=a.entropy_coeff,
+        use_kl_loss=a.use_kl_loss,
+        kl_loss_coef=a.kl_loss_coef,
+        kl_loss_type=a.kl_loss_type,
+        name=a.policy_loss,
+        gspo_clip_ratio_low=a.gspo.clip_ratio_low,
+        gspo_clip_ratio_high=a.gspo.clip_ratio_high,
+        cispo_clip_ratio_low=a.cispo.clip_ratio_low,
+        cispo_clip_ratio_high=a.cispo.clip_ratio_high,
+        clip_cov_ratio=a.clip_cov.ratio,
+        clip_cov_lb=a.clip_cov.lb,
+        clip_cov_ub=a.clip_cov.ub,
+        kl_cov_ratio=a.kl_cov.ratio,
+        kl_cov_coef=a.kl_cov.coef,
+        dp_size=_grad_average_size(cfg),
+    )
+
+
+def trainer_settings(cfg: RunConfig, role: Role) -> TrainerSettings:
+    """The settings of the actor, critic or reference engine. Actor and critic take their config section as
+    is; the reference runs the actor's batching with its own backend (at that backend's default options),
+    micro-batch size and worker count."""
+    if role == "reference":
+        common = cfg.actor.model_dump(include=_COMMON_TRAINING)
+        common.update(micro_batch_size=cfg.reference.micro_batch_size, num_workers=cfg.reference.num_workers)
+        if cfg.reference.backend == "megatron" and isinstance(cfg.actor, MegatronTrainingConfig):
+            common.update(cfg.actor.model_dump(include=MEGATRON_LAYOUT))  # verl: the ref takes the actor's layout
+        train = training_backend(cfg.reference.backend).options.model_validate(common)
+    else:
+        section = cfg.critic if role == "critic" else cfg.actor
+        assert section is not None
+        train = section
+    converted = converted_dir(cfg) if role == "actor" else None
+    return TrainerSettings(
+        model_path=model_dir(cfg),
+        role=role,
+        train=train,
+        loss=loss_params(cfg),
+        num_mini_batches=cfg.data.prompts_per_step // cfg.mini_batch_prompts,
+        train_steps=cfg.trainer.total_steps,
+        cliprange_value=cfg.algorithm.cliprange_value,
+        temperature=cfg.rollout.temperature or 1.0,
+        dtype=cfg.model.dtype,
+        model_type=cfg.model.model_type,
+        seed=cfg.trainer.seed,
+        converted_path=str(converted) if converted is not None else None,
+        lora=cfg.model.lora.model_dump() if cfg.model.lora is not None and role == "actor" else None,
+        shares_device=shares_device(cfg),
+    )
+
+
+def shares_device(cfg: RunConfig) -> bool:
+    """Whether an engine in another process uses the trainers' GPUs, so a trainer hands its cached blocks back
+    after each forward and update: colocated roles do, except a hybrid worker alone on its GPU (its rollout in
+    its own process space: `HybridEngine` turns it on where that rollout keeps memory of its own, vLLM's)."""
+    if not cfg.cluster.colocate:
+        return False
+    others = (cfg.uses_reference and cfg.model.lora is None) or cfg.critic is not None
+    return not cfg.cluster.hybrid_engine or others
+
+
+def training_spec(cfg: RunConfig, run: RunHandle, role: Role) -> GroupSpec:
+    """Actor / critic / reference spec: one `PPOTrainer` per rank, built from the role's settings."""
+    settings = trainer_settings(cfg, role)
+    train = settings.train
+    return GroupSpec(
+        name=f"{run.name}-{run.key}-{role}",
+        engine=TRAINING_ENGINE,
+        kwargs={"settings": settings},
+        num_workers=train.num_workers,
+        tp=getattr(train, "tensor_model_parallel_size", 1),
+        pp=getattr(train, "pipeline_model_parallel_size", 1),
+        num_gpus=cfg.cluster.gpus_per_worker if cfg.cluster.num_gpus else 0.0,
+        resources=dict(cfg.cluster.trainer_resources),
+        env=worker_gpu_env(cfg),
+        threads=cfg.cluster.threads_per_worker,
+        omp_passive=cfg.omp_passive,
+        heap=cfg.cluster.heap,
+    )
+
+
+def reward_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
+    """The reward-function scorer (a process pool inside one actor)."""
+    fns = [(f.name, f.weight, dict(f.kwargs)) for f in cfg.reward.functions]
+    kwargs = {
+        "functions": fns,
+        "timeout_seconds": cfg.reward.timeout_seconds,
+        "fallback_score": cfg.reward.fallback_score,
+        "num_processes": cfg.reward.num_processes,
+    }
+    return GroupSpec(
+        name=f"{run.name}-{run.key}-reward", engine=engine_path(REWARD_ENGINES, "functions"), kwargs=kwargs
+    )
+
+
+def reward_model_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec | None:
+    """The reward model actor, when configured."""
+    rm = cfg.reward.reward_model
+    if rm is None:
+        return None
+    kwargs = {"path": str(rm.path), "micro_batch_size": rm.micro_batch_size}
+    return GroupSpec(
+        name=f"{run.name}-{run.key}-rm",
+        engine=engine_path(REWARD_ENGINES, "model"),
+        kwargs=kwargs,
+        threads=cfg.cluster.threads_per_worker,
+        omp_passive=cfg.omp_passive,
+        heap=cfg.cluster.heap,
+    )
+
+
+def hybrid_spec(trainer: GroupSpec, rollout: GroupSpec) -> GroupSpec:
+    """One group whose ranks hold both the trainer and a rollout engine (`workers.hybrid.HybridEngine`)."""
+    kwargs = {
+        "trainer": trainer.engine,
+        "trainer_kwargs": trainer.kwargs,
+        "rollout": rollout.engine,
+        "rollout_kwargs": rollout.kwargs,
+    }
+    options = {**rollout.extra_options, **trainer.extra_options}
+    return replace(
+        trainer,
+        name=trainer.name.replace("-actor", "-hybrid"),
+        engine="rlstages.engines.workers.hybrid:HybridEngine",
+        kwargs=kwargs,
+        resources={**rollout.resources, **trainer.resources},
+        env={**rollout.env, **trainer.env},
+        extra_options=options,
+    )

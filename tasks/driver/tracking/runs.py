@@ -1,0 +1,223 @@
+"""One MLflow run per training run, resumed by id, metrics logged once per step; params, tags, datasets,
+tables and files of the run.
+
+MLflow is append-only, so a resumed or replayed run skips steps MLflow already has (tracked through the
+`progress/step` metric). Everything goes through `MlflowClient` with an explicit run id, so stage tasks
+on worker threads never depend on a thread's "active run".
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.utils import mlflow_tags
+
+from rlstages.configs import RunConfig, config_hash, flatten, to_yaml
+from rlstages.tasks.driver.tracking.store import client, tracking_uri
+
+STEP_KEY = "progress/step"
+_LAST_STEP: dict[str, int] = {}
+_PENDING: list[Any] = []
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "unknown"
+
+
+def system_tags(commit: str) -> dict[str, str]:
+    """MLflow's own `mlflow.source.*` / `mlflow.user` tags (the UI's source and user columns read them)."""
+    tags = {
+        mlflow_tags.MLFLOW_SOURCE_NAME: os.path.basename(sys.argv[0]) or "rlstages",
+        mlflow_tags.MLFLOW_SOURCE_TYPE: "LOCAL",
+        mlflow_tags.MLFLOW_USER: _user(),
+    }
+    if commit != "unknown":
+        tags[mlflow_tags.MLFLOW_GIT_COMMIT] = commit
+    return tags
+
+
+def run_tags(cfg: RunConfig, flow_run_id: str | None) -> dict[str, str]:
+    """The tags experiments are compared by, plus MLflow's system tags."""
+    commit = _git_commit()
+    return {
+        **system_tags(commit),
+        "rlstages.config_hash": config_hash(cfg),
+        "rlstages.git_commit": commit,
+        "rlstages.model": str(cfg.model.path.name),
+        "rlstages.algorithm": cfg.algorithm.adv_estimator,
+        "rlstages.rollout_backend": cfg.rollout.backend,
+        "rlstages.actor_backend": cfg.actor.backend,
+        "rlstages.prefect_flow_run_id": flow_run_id or "none",
+    }
+
+
+def start_or_resume(cfg: RunConfig, run_name: str, run_id: str | None, flow_run_id: str | None) -> str:
+    """Reattach to `run_id` (status back to RUNNING), or create the run with params, tags and the config."""
+    c = client(cfg)
+    if run_id is not None:
+        c.update_run(run_id, status="RUNNING")
+        c.set_tag(run_id, "rlstages.prefect_flow_run_id", flow_run_id or "none")
+        _LAST_STEP[run_id] = last_logged_step(cfg, run_id)
+        return run_id
+    exp = c.get_experiment_by_name(cfg.tracking.experiment)
+    exp_id = exp.experiment_id if exp is not None else c.create_experiment(cfg.tracking.experiment)
+    run = c.create_run(exp_id, run_name=run_name, tags=run_tags(cfg, flow_run_id))
+    rid = run.info.run_id
+    params = [Param(k, v[:6000]) for k, v in flatten(cfg.model_dump(mode="json")).items()]
+    for i in range(0, len(params), 100):
+        c.log_batch(rid, params=params[i : i + 100])
+    c.log_text(rid, to_yaml(cfg), "config/resolved.yaml")
+    _LAST_STEP[rid] = 0
+    return rid
+
+
+def log_dataset(cfg: RunConfig, run_id: str, record: dict[str, dict[str, Any]]) -> None:
+    """Record each split as an MLflow dataset input (source, content digest; runs compare by data) and the
+    row counts, including prompts dropped by the length filter, as `data/*` metrics at step 0."""
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+
+    inputs, rows = [], []
+    now = int(time.time() * 1000)
+    for split, info in record.items():
+        ds = MetaDataset(  # type: ignore[abstract]  # mlflow: Dataset is not an ABC; `profile` is not enforced
+            _dataset_source(str(info["source"])), name=f"{split}: {info['source']}"[:500], digest=info["digest"]
+        )
+        inputs.append(DatasetInput(ds._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", split)]))
+        rows += [Metric(f"data/{split}_rows", float(info["rows"]), now, 0)]
+        rows += [Metric(f"data/{split}_dropped_prompts", float(info["dropped"]), now, 0)]
+    c = client(cfg)
+    c.log_inputs(run_id, datasets=inputs)
+    c.log_batch(run_id, metrics=rows)
+
+
+def _dataset_source(where: str) -> Any:
+    """A local file's source, a hub dataset's, or a code source naming a synthetic dataset."""
+    path = where.split(" [")[0]
+    if path.startswith("hub dataset "):
+        from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
+
+        return HuggingFaceDatasetSource(path=path.removeprefix("hub dataset "))
+    if Path(path).exists():
+        import warnings
+
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
+
+        with warnings.catch_warnings():  # "can be interpreted in multiple ways": both are the local source
+            warnings.simplefilter("ignore", UserWarning)
+            return resolve_dataset_source(str(Path(path).resolve()))
+    from mlflow.data.code_dataset_source import CodeDatasetSource
+
+    return CodeDatasetSource(tags={"source": where})
+
+
+def last_logged_step(cfg: RunConfig, run_id: str) -> int:
+    """The newest step MLflow already holds for this run (0 if none)."""
+    history = client(cfg).get_metric_history(run_id, STEP_KEY)
+    return max((int(m.step) for m in history), default=0)
+
+
+def log_step(cfg: RunConfig, run_id: str, step: int, metrics: dict[str, float]) -> bool:
+    """Log one step's metrics in one batch; a step MLflow already has is skipped (returns False)."""
+    if run_id not in _LAST_STEP:  # asked once per run and process, not on every step
+        _LAST_STEP[run_id] = last_logged_step(cfg, run_id)
+    if step <= _LAST_STEP[run_id]:
+        return False
+    now = int(time.time() * 1000)
+    rows = [Metric(k, float(v), now, step) for k, v in sorted(metrics.items()) if _finite(v)]
+    rows.append(Metric(STEP_KEY, float(step), now, step))
+    c = client(cfg)
+    for i in range(0, len(rows), 1000):  # asynchronous: `flush` before a checkpoint commits and at the end
+        _PENDING.append(c.log_batch(run_id, metrics=rows[i : i + 1000], synchronous=False))
+    _LAST_STEP[run_id] = step
+    return True
+
+
+def flush() -> None:
+    """Wait until every asynchronously logged step has reached the tracking store."""
+    while _PENDING:
+        op = _PENDING.pop(0)
+        if op is not None:
+            op.wait()
+
+
+def log_eval_metrics(cfg: RunConfig, run_id: str, step: int, metrics: dict[str, float]) -> None:
+    """Evaluation metrics at `step` (kept separate: evaluation at step 0 precedes training)."""
+    history = client(cfg).get_metric_history(run_id, "eval/reward_mean")
+    if any(int(m.step) == step for m in history):
+        return
+    now = int(time.time() * 1000)
+    client(cfg).log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items() if _finite(v)])
+
+
+def _finite(v: Any) -> bool:
+    try:
+        return float(v) == float(v) and abs(float(v)) != float("inf")
+    except (TypeError, ValueError):
+        return False
+
+
+def log_samples(cfg: RunConfig, run_id: str, step: int, rows: dict[str, list[Any]]) -> None:
+    """Evaluation samples as an MLflow table (one file per evaluation, so nothing is re-uploaded)."""
+    client(cfg).log_table(run_id, data=rows, artifact_file=f"eval/samples_step_{step:06d}.json")
+
+
+def log_table(cfg: RunConfig, run_id: str, rows: dict[str, list[Any]], artifact_file: str) -> None:
+    """Rows as an MLflow table artifact (one file per call)."""
+    client(cfg).log_table(run_id, data=rows, artifact_file=artifact_file)
+
+
+def metric_history(cfg: RunConfig, run_id: str, key: str) -> list[tuple[int, float]]:
+    """(step, value) pairs of a metric, first value per step."""
+    flush()
+    seen: dict[int, float] = {}
+    for m in client(cfg).get_metric_history(run_id, key):
+        seen.setdefault(int(m.step), float(m.value))
+    return sorted(seen.items())
+
+
+def log_file(cfg: RunConfig, run_id: str, path: Path, artifact_dir: str) -> None:
+    """Log a small file (a checkpoint manifest, a summary)."""
+    client(cfg).log_artifact(run_id, str(path), artifact_dir)
+
+
+def log_directory(cfg: RunConfig, run_id: str, local_dir: Path, artifact_path: str) -> None:
+    """Log every file under `local_dir` at `artifact_path` (stage profiles)."""
+    client(cfg).log_artifacts(run_id, str(local_dir), artifact_path)
+
+
+def set_tags(cfg: RunConfig, run_id: str, tags: dict[str, str]) -> None:
+    """Set run tags (e.g. the failing stage)."""
+    client(cfg).log_batch(run_id, tags=[RunTag(k, v[:8000]) for k, v in tags.items()])
+
+
+def end(cfg: RunConfig, run_id: str, status: str) -> None:
+    """End the run as FINISHED, FAILED or KILLED (MLflow never does it for a dead process)."""
+    flush()
+    client(cfg).set_terminated(run_id, status=status)
+
+
+def run_link(cfg: RunConfig, run_id: str) -> str:
+    """A URL of the run in the MLflow UI (`mlflow ui` on 127.0.0.1:5000 for a SQLite store)."""
+    run = client(cfg).get_run(run_id)
+    uri = tracking_uri(cfg)
+    base = uri if uri.startswith("http") else "http://127.0.0.1:5000"
+    return f"{base.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
