@@ -31,6 +31,19 @@ class AdditionTaskConfig(StrictModel):
     )
 
 
+class ColorsTaskConfig(StrictModel):
+    """Seeded synthetic image prompts drawn with PIL (docs/vlm.md): `colour` asks "What colour is the square?
+    Answer with one word: red, green, blue or yellow." of a square of that colour (size, place and shade drawn at
+    random) on a grey `image_size` canvas; `count` asks how many squares (1-4) it holds. For a vision-language model."""
+
+    kind: Literal["colors"] = "colors"
+    task: Literal["colour", "count"] = "colour"
+    num_train: int = Field(default=2000, ge=1)
+    num_eval: int = Field(default=64, ge=1)
+    image_size: int = Field(default=56, ge=28)
+    seed: int = 0
+
+
 class JsonlDataConfig(StrictModel):
     """Prompt/answer rows from JSONL files (one JSON object per line)."""
 
@@ -61,9 +74,16 @@ class DatasetsDataConfig(StrictModel):
     data_source_key: str | None = "data_source"
     extra_info_key: str | None = "extra_info"
     default_data_source: str = Field(default="", description="For rows without a data_source column.")
+    image_key: str | None = Field(
+        default="images",
+        description="A list of images per row (bytes, file paths, or {bytes, path} dicts); read when the column "
+        "exists. Their `<image>` placeholders in the prompt mark where each goes (docs/vlm.md).",
+    )
 
 
-DataSource = Annotated[AdditionTaskConfig | JsonlDataConfig | DatasetsDataConfig, Field(discriminator="kind")]
+DataSource = Annotated[
+    AdditionTaskConfig | ColorsTaskConfig | JsonlDataConfig | DatasetsDataConfig, Field(discriminator="kind")
+]
 
 
 class DataConfig(StrictModel):
@@ -85,6 +105,13 @@ class DataConfig(StrictModel):
         "`overlong_prompts` says. Prompts that do not fit the model's context minus rollout.max_new_tokens are "
         "handled the same way, whatever this is.",
     )
+    image_min_pixels: int | None = Field(
+        default=None, ge=1, description="Images smaller than this are scaled up (the image processor's min_pixels)."
+    )
+    image_max_pixels: int | None = Field(
+        default=None, ge=1, description="Images larger than this are scaled down (the image processor's max_pixels)."
+    )
+    max_images_per_prompt: int = Field(default=4, ge=1, description="Rows with more images are refused.")
     overlong_prompts: Literal["error", "drop", "truncate"] = Field(
         default="error",
         description="error: refuse the run before it starts, naming the row; drop: skip them and count them "

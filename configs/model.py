@@ -15,7 +15,9 @@ TINY_MOE_TYPES = ("qwen3_moe", "mixtral", "deepseek_v3")
 class TinyModelSpec(StrictModel):
     """A random-init model built from a config (tests, smoke runs): a few layers, hidden 32–64."""
 
-    model_type: Literal["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "deepseek_v3"] = "qwen2"
+    model_type: Literal[
+        "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "deepseek_v3", "qwen2_vl", "qwen2_5_vl"
+    ] = "qwen2"
     vocab_size: int = Field(default=512, ge=16)
     hidden_size: int = Field(default=64, ge=8)
     intermediate_size: int = Field(default=128, ge=8)
@@ -72,7 +74,7 @@ class ModelConfig(StrictModel):
 
     path: Path = Field(description="A local HF model directory, or a hub id such as Qwen/Qwen2.5-0.5B-Instruct.")
     revision: str | None = Field(default=None, description="Hub branch, tag or commit of a hub id (default main).")
-    provider: Literal["local", "smollm2-gguf", "tiny-random"] = "local"
+    provider: Literal["local", "smollm2-gguf", "smollm2-vl", "tiny-random"] = "local"
     tiny: TinyModelSpec | None = None
     architecture: ModelArchitecture | None = None
     model_type: str | None = Field(

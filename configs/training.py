@@ -8,6 +8,8 @@ from pydantic import Field, model_validator
 
 from rlstages.configs.base import StrictModel
 
+ModelPart = Literal["vision_tower", "projector", "language_model"]
+
 
 class OptimConfig(StrictModel):
     """AdamW and its learning-rate schedule (warm-up then constant or cosine)."""
@@ -21,6 +23,11 @@ class OptimConfig(StrictModel):
     schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
     total_steps: int | None = Field(default=None, description="Cosine horizon; None = trainer.total_steps.")
+    group_lr: dict[ModelPart, float] = Field(
+        default_factory=dict,
+        description="A vision-language model's learning rate per part (vision_tower, projector, language_model); "
+        "parts not named take `lr` (torch backend).",
+    )
 
 
 class _TrainingCommon(StrictModel):
@@ -35,6 +42,11 @@ class _TrainingCommon(StrictModel):
     max_tokens_per_micro_batch: int = Field(default=4096, ge=1)
     bf16_autocast: bool = False
     gradient_checkpointing: bool = False
+    freeze: tuple[ModelPart, ...] = Field(
+        default=(),
+        description="Parts of a vision-language model left untrained: vision_tower, projector, language_model "
+        "(torch backend).",
+    )
 
 
 class TorchTrainingConfig(_TrainingCommon):

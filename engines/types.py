@@ -17,6 +17,10 @@ A batch is a TensorDict with batch size [B] (B = prompts x n samples). Shapes, P
     returns           [B, T]    float32
     rollout_is_weights [B, T]   float32, detached pi_old / pi_rollout weights (only with algorithm.rollout_is)
     scores            [B]       float32, the reward of each sample
+    rope_position_ids [B, 3, P+T] int64, M-RoPE positions (temporal, height, width) of an image model's rows
+
+Image rows also carry `multi_modal_inputs`: per row, unpadded, a dict of tensors (`pixel_values`,
+`image_grid_thw`) as the image processor made them (`get_multi_modal`; files keep them as `__mm__.<row>.<name>`).
 
 Per-row non-tensor fields (lists of str, travel with split/cat/index): uid (group id of the prompt),
 prompt, response, ground_truth, data_source, extra_info (a JSON object as text).
@@ -36,7 +40,7 @@ from typing import cast
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
-from tensordict import NonTensorStack, TensorDict
+from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 PROMPT_IDS = "prompt_ids"
 RESPONSE_IDS = "response_ids"
@@ -52,6 +56,9 @@ ADVANTAGES = "advantages"
 RETURNS = "returns"
 SCORES = "scores"
 ROLLOUT_IS_WEIGHTS = "rollout_is_weights"
+ROPE_POSITION_IDS = "rope_position_ids"
+MULTI_MODAL_INPUTS = "multi_modal_inputs"
+_MM_PREFIX = "__mm__."
 ROW_FIELDS = ("uid", "prompt", "response", "ground_truth", "data_source", "extra_info")
 
 # The types every engine layer shares (here, at the bottom, so that no import points up the layers):
@@ -75,6 +82,7 @@ class Prompt:
 
     `messages` (chat turns `{"role", "content"}`) replace `text` for the chat template when given; `text`
     is then the last user turn. `data_source` and `extra_info` (JSON object text) reach the reward function.
+    `images`: encoded image files (PNG, JPEG, ...) for the `<image>` placeholders of the text, in order.
     """
 
     uid: str
@@ -83,6 +91,7 @@ class Prompt:
     messages: tuple[dict[str, str], ...] = ()
     data_source: str = ""
     extra_info: str = "{}"
+    images: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -124,9 +133,23 @@ def get_rows(td: TensorDict, key: str) -> list[str]:
     return list(value.tolist()) if hasattr(value, "tolist") else list(value)
 
 
+def set_multi_modal(td: TensorDict, inputs: Sequence[dict[str, torch.Tensor]]) -> None:
+    """Attach each row's unpadded image inputs ({name: tensor}, e.g. pixel_values, image_grid_thw)."""
+    if len(inputs) != td.batch_size[0]:
+        raise ValueError(f"multi_modal_inputs: {len(inputs)} rows for a batch of {td.batch_size[0]}")
+    td[MULTI_MODAL_INPUTS] = NonTensorStack(*[NonTensorData(dict(mm)) for mm in inputs])
+
+
+def get_multi_modal(td: TensorDict) -> list[dict[str, torch.Tensor]]:
+    """Each row's image inputs (empty dicts when the batch has none)."""
+    if MULTI_MODAL_INPUTS not in td.keys():
+        return [{} for _ in range(td.batch_size[0])]
+    return list(td.get(MULTI_MODAL_INPUTS).tolist())
+
+
 def row_keys(td: TensorDict) -> list[str]:
-    """Names of the per-row (non-tensor) fields present."""
-    keys = [k for k in td.keys() if not isinstance(td.get(k), torch.Tensor)]
+    """Names of the per-row string fields present."""
+    keys = [k for k in td.keys() if not isinstance(td.get(k), torch.Tensor) and k != MULTI_MODAL_INPUTS]
     return cast("list[str]", keys)  # top-level keys are str (nested tuples only with include_nested)
 
 
@@ -177,7 +200,19 @@ def save_batch(td: TensorDict, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: td.get(k).contiguous() for k in tensor_keys(td)}
+    same: dict[int, int] = {}  # rows whose image inputs are another row's (a group's n samples): stored once
+    if MULTI_MODAL_INPUTS in td.keys():
+        first: dict[tuple[int, ...], int] = {}
+        for i, mm in enumerate(get_multi_modal(td)):
+            key = tuple(id(t) for t in mm.values())
+            if key in first and mm:
+                same[i] = first[key]
+                continue
+            first[key] = i
+            tensors.update({f"{_MM_PREFIX}{i}.{name}": t.contiguous() for name, t in mm.items()})
     meta = {"rows": json.dumps({k: get_rows(td, k) for k in row_keys(td)}), "size": str(td.batch_size[0])}
+    if same:
+        meta["mm_same"] = json.dumps(same)
     tmp = path.with_suffix(path.suffix + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)
     os.replace(tmp, path)
@@ -196,7 +231,15 @@ def load_batch(path: str | Path) -> TensorDict:
         meta = f.metadata() or {}
     rows = json.loads(meta.get("rows", "{}"))
     size = int(meta.get("size", "0"))
+    mm: list[dict[str, torch.Tensor]] = [{} for _ in range(size)]
+    for key in [k for k in tensors if k.startswith(_MM_PREFIX)]:
+        row, name = key[len(_MM_PREFIX) :].split(".", 1)
+        mm[int(row)][name] = tensors.pop(key)
+    for row, source in json.loads(meta.get("mm_same", "{}")).items():
+        mm[int(row)] = mm[source]
     td = TensorDict(tensors, batch_size=[size])
     for key, values in rows.items():
         set_rows(td, key, values)
+    if any(mm):
+        set_multi_modal(td, mm)
     return td

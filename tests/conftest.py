@@ -59,6 +59,18 @@ def tiny_model_dir(session_tmp: Path) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(session_tmp: Path) -> Path:
+    """A random-init Qwen2-VL (text: hidden 64, 2 layers; vision: one block of width 32) with a char tokenizer
+    plus the vision tokens and its image processor (56x56..112x112 pixels), saved once."""
+    from rlstages.engines.models import build_tiny_model
+
+    path = session_tmp / "tiny-qwen2-vl"
+    if not (path / "config.json").is_file():
+        build_tiny_model(path, model_type="qwen2_vl")
+    return path
+
+
 TINY_MOE = {  # a tiny Qwen3-MoE: hidden 32, 2 layers, 4 routed experts (top-2), every layer MoE
     "model_type": "qwen3_moe",
     "hidden_size": 32,

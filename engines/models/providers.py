@@ -23,8 +23,9 @@ from rlstages.engines.models.registry import read_model_type
 def ensure_model(
     path: str | Path, provider: str, tiny: dict[str, Any] | None = None, revision: str | None = None
 ) -> Path:
-    """Build the model directory on first use (`tiny-random`, `smollm2-gguf`); `local` checks it (a hub id is
-    resolved through the HF cache first). Returns the directory the model loads from."""
+    """Build the model directory on first use (`tiny-random`, `smollm2-gguf`, `smollm2-vl`: SmolLM2 as the text
+    tower of a Qwen2-VL with a random vision tower, built from the `smollm2-gguf` directory beside it); `local`
+    checks it (a hub id is resolved through the HF cache first). Returns the directory the model loads from."""
     if provider == "local":
         path = resolve_model_path(path, revision)
         read_model_type(path)
@@ -33,7 +34,11 @@ def ensure_model(
     if (path / "config.json").is_file():
         read_model_type(path)
         return path
-    builders = {"tiny-random": lambda out: build_tiny_model(out, **(tiny or {})), "smollm2-gguf": _in_child}
+    builders = {
+        "tiny-random": lambda out: build_tiny_model(out, **(tiny or {})),
+        "smollm2-gguf": _in_child,
+        "smollm2-vl": lambda out: _vl_in_child(out, ensure_model(path.with_name(SMOLLM2_DIR), "smollm2-gguf")),
+    }
     if provider not in builders:
         raise ValueError(f"model.provider {provider!r} unknown; expected one of local, {', '.join(builders)}")
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
@@ -102,7 +107,13 @@ def build_tiny_model(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rlstages.engines.models.tiny_tokenizer import build_char_tokenizer
+    from rlstages.engines.models.vision import VISION_MODEL_TYPES, build_tiny_vlm
 
+    if model_type in VISION_MODEL_TYPES:  # a tiny vision tower in front (its tokenizer and image processor)
+        return build_tiny_vlm(
+            out, model_type, vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+            num_key_value_heads, max_position_embeddings, tie_word_embeddings, seed,
+        )  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     tok = build_char_tokenizer(vocab_size)
     model_type, keys = tiny_hf_config(
@@ -158,6 +169,17 @@ def _in_child(out: Path) -> Path:
     whose freed pages its heap would otherwise keep for the whole run (~0.7 GB)."""
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(build_smollm2, out).result()
+
+
+SMOLLM2_DIR = "smollm2-135m-instruct"  # the demo's text model, beside the vision-language model built from it
+
+
+def _vl_in_child(out: Path, text_dir: Path) -> Path:
+    """`vision.build_smollm2_vl` in a spawned process (as `_in_child`)."""
+    from rlstages.engines.models.vision import build_smollm2_vl
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(build_smollm2_vl, out, text_dir).result()
 
 
 def build_smollm2(out: Path) -> Path:

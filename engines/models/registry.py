@@ -1,6 +1,7 @@
 """Model registry: `model_type -> how to load`, as ROLL's model_providers, and the loaders of models and tokenizers.
 
-AutoModelForCausalLM serves every type transformers knows; a custom `PreTrainedModel` subclass is added
+AutoModelForCausalLM serves every type transformers knows (and `models.vision` the vision-language ones,
+Qwen2-VL and Qwen2.5-VL, whose classes it does not map); a custom `PreTrainedModel` subclass is added
 with `register_model`. Models load from a local directory only (no hub): a missing or malformed
 directory is a one-line error naming the path. Providers build that directory on first use: a tiny
 random model from a spec (tests), or SmolLM2-135M-Instruct dequantised from the GGUF that the PyPI
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlstages.engines.models.vision import vision_model_class
 from rlstages.engines.utils import torch_dtype
 
 
@@ -83,7 +85,7 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", model_type: str | N
     if not any(path.glob("*.safetensors")):
         raise FileNotFoundError(f"{path} has no *.safetensors weights (pickle checkpoints are not loaded)")
     entry = _REGISTRY.get(kind)
-    loader: Any = entry.model_cls if entry is not None else AutoModelForCausalLM  # a PreTrainedModel class
+    loader: Any = entry.model_cls if entry is not None else (vision_model_class(kind) or AutoModelForCausalLM)
     model = loader.from_pretrained(str(path), dtype=torch_dtype(dtype), use_safetensors=True, local_files_only=True)
     return model if device is None else model.to(device)
 
@@ -94,10 +96,13 @@ def meta_causal_lm(config: Any, model_type: str | None = None) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    entry = _REGISTRY.get(model_type or getattr(config, "model_type", ""))
+    kind = str(model_type or getattr(config, "model_type", ""))
+    entry = _REGISTRY.get(kind)
     with torch.device("meta"):
         if entry is not None:
             return entry.model_cls(config)
+        if (vision_cls := vision_model_class(kind)) is not None:
+            return vision_cls(config)
         return AutoModelForCausalLM.from_config(config)
 
 

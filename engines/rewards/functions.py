@@ -171,3 +171,13 @@ def by_data_source(prompt: str, response: str, ground_truth: str, data_source: s
         return math_verify(prompt, response, ground_truth, **{k: v for k, v in extra.items() if k == "timeout_seconds"})
     known = ", ".join(sorted(GSM8K_SOURCES | MATH_SOURCES))
     raise ValueError(f"by_data_source: no built-in reward for data_source {data_source!r} (known: {known})")
+
+
+def choice(
+    prompt: str, response: str, ground_truth: str, extra_info: dict[str, Any] | None = None, **extra: Any
+) -> float:
+    """1.0 if the response names the ground truth and no other of the row's `extra_info["choices"]` (words,
+    case-insensitive; without choices: the ground truth among the response's words)."""
+    choices = {str(c).casefold() for c in (extra_info or {}).get("choices", [])} | {ground_truth.strip().casefold()}
+    named = {w for w in re.findall(r"[^\W_]+", response.casefold()) if w in choices}
+    return 1.0 if named == {ground_truth.strip().casefold()} else 0.0

@@ -29,10 +29,11 @@ REWARD_FUNCTIONS: dict[str, str] = {
     "digit_ratio": "rlstages.engines.rewards.functions:digit_ratio",
     "gsm8k": "rlstages.engines.rewards.functions:gsm8k",
     "by_data_source": "rlstages.engines.rewards.functions:by_data_source",
+    "choice": "rlstages.engines.rewards.functions:choice",
 }
 
 # Built-ins that compare against a ground truth: data checks refuse rows without one when these are used.
-NEEDS_GROUND_TRUTH = frozenset({"last_integer", "math_verify", "exact_match", "gsm8k", "by_data_source"})
+NEEDS_GROUND_TRUTH = frozenset({"last_integer", "math_verify", "exact_match", "gsm8k", "by_data_source", "choice"})
 
 
 def _import_target(target: str, field: str) -> RewardFn:

@@ -33,18 +33,21 @@ def format_prompts(
 ) -> list[list[int]]:
     """Token ids of each prompt: the chat template with a generation prompt when asked and available
     (chat messages without a template are joined by newlines)."""
-    use_chat = apply_chat_template and getattr(tokenizer, "chat_template", None)
     out: list[list[int]] = []
     for p in prompts:
-        if use_chat:
-            messages = chat_messages(p, system_prompt)
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:
-            text = "\n".join(m["content"] for m in p.messages) if p.messages else p.text
-            ids = tokenizer(text, add_special_tokens=True)["input_ids"]
-        out.append(list(ids))
+        text, special = prompt_text(tokenizer, p, apply_chat_template, system_prompt)
+        out.append(list(tokenizer(text, add_special_tokens=special)["input_ids"]))
     return out
+
+
+def prompt_text(
+    tokenizer: Any, prompt: Prompt, apply_chat_template: bool, system_prompt: str | None
+) -> tuple[str, bool]:
+    """The text of a prompt as `format_prompts` tokenizes it, and whether the tokenizer adds its special tokens."""
+    if apply_chat_template and getattr(tokenizer, "chat_template", None):
+        messages = chat_messages(prompt, system_prompt)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False
+    return ("\n".join(m["content"] for m in prompt.messages) if prompt.messages else prompt.text), True
 
 
 def truncate_response(

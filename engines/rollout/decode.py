@@ -57,14 +57,20 @@ def decode(
     pick: Picker,
     stopped: Callable[[list[int]], bool] | None = None,
     limits: list[int] | None = None,
+    images: Any = None,
 ) -> Decoded:
     """Decode left-padded prompts [B, P] up to `max_new_tokens`; a row stops at an EOS id, at its own limit
     (`limits`, multi-turn budgets) or when `stopped` (its ids so far) says so, and leaves the batch and the KV
-    cache then."""
+    cache then. `images` (`vision_inputs.ImageBatch`): pixel values at the prefill, then M-RoPE positions
+    [3, n, 1] (the prompt's largest + 1, + 1 a step: its rope delta carried) at each decode step."""
     rows = input_ids.shape[0]
     out = Decoded([[] for _ in range(rows)], [[] for _ in range(rows)])
-    cache, logits, mask = prefill(model, input_ids, attention_mask)
-    position = mask.long().sum(-1)  # the next token's position: the row's real tokens so far
+    if images is None:
+        cache, logits, mask = prefill(model, input_ids, attention_mask)
+        position = mask.long().sum(-1)  # the next token's position: the row's real tokens so far
+    else:
+        cache, logits, mask = images.prefill(model, input_ids, attention_mask)
+        position = images.next_positions()
     rows_live = list(range(rows))  # the batch's rows, in the cache's order (host side: no device reads for it)
     for t in range(max_new_tokens):
         ids, logprobs = pick(logits)
@@ -94,7 +100,7 @@ def decode(
         step = model(
             input_ids=ids.unsqueeze(-1),
             attention_mask=mask,
-            position_ids=position.unsqueeze(-1),
+            position_ids=position.unsqueeze(-1) if images is None else position.unsqueeze(-1).expand(3, -1, -1),
             past_key_values=cache,
             use_cache=True,
         )

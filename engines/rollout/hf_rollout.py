@@ -16,13 +16,22 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from rlstages.engines import types as T
 from rlstages.engines.base import NamedTensors
 from rlstages.engines.models import eos_token_ids, load_causal_lm, load_tokenizer
 from rlstages.engines.models.moe_layout import ExpertSlots
+from rlstages.engines.models.vision import is_vision_model, module_name, suppress, vision_token_ids
 from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
-from rlstages.engines.rollout.decode import decode, picker
+from rlstages.engines.rollout.decode import Picker, decode, picker
 from rlstages.engines.rollout.multi_turn import build_runner, multi_turn_enabled
 from rlstages.engines.rollout.trajectory import build_trajectory_batch
+from rlstages.engines.rollout.vision_inputs import (
+    ImageBatch,
+    ImagePrompt,
+    encode_image_prompts,
+    load_image_processor,
+    rope_rows,
+)
 from rlstages.engines.runtime.device import free_cached, to_device, worker_device
 from rlstages.engines.types import Prompt, SamplingParams
 
@@ -42,6 +51,7 @@ class HFRolloutEngine:
         model_type: str | None = None,
         attention: str = "eager",
         multi_turn: Any = None,
+        image_pixels: tuple[int | None, int | None] = (None, None),
     ) -> None:
         self.model_path = Path(model_path)
         self.device = worker_device()
@@ -62,6 +72,8 @@ class HFRolloutEngine:
         self._shapes: dict[str, torch.Size] = {}
         self.multi_turn = multi_turn if multi_turn_enabled(multi_turn) else None
         self._expert_slots = ExpertSlots(self.model)  # on-disk MoE expert names -> slices of fused parameters
+        # a vision-language model: its image processor (data.image_min_pixels / image_max_pixels)
+        self.image_processor = load_image_processor(model_path, *image_pixels) if is_vision_model(self.model) else None
 
     @torch.no_grad()
     def generate(self, prompts: list[Prompt], sampling: SamplingParams, seed: int) -> TensorDict:
@@ -70,23 +82,38 @@ class HFRolloutEngine:
             raise RuntimeError("rollout engine woke from sleep without new weights: call update_weights first")
         if self.multi_turn is not None:
             return self._generate_multi_turn(prompts, sampling, seed)
-        prompt_ids = format_prompts(self.tokenizer, prompts, self.apply_chat_template, self.system_prompt)
+        encoded = None
+        if self.image_processor is not None:  # image tokens expanded, pixel values and M-RoPE positions per prompt
+            encoded = encode_image_prompts(
+                self.model, self.tokenizer, self.image_processor, prompts, self.apply_chat_template, self.system_prompt
+            )
+            prompt_ids = [p.ids for p in encoded]
+        else:
+            prompt_ids = format_prompts(self.tokenizer, prompts, self.apply_chat_template, self.system_prompt)
         room = int(getattr(self.model.config, "max_position_embeddings", 0) or 0) - sampling.max_new_tokens
-        if room > 0:  # data.overlong_prompts=truncate (pre-flight refused them otherwise): keep the last tokens
+        if room > 0 and encoded is None:  # data.overlong_prompts=truncate (refused otherwise): keep the last tokens
             prompt_ids = [ids[-room:] for ids in prompt_ids]
         rows = [ids for ids in prompt_ids for _ in range(sampling.n)]
+        row_images = [p for p in encoded for _ in range(sampling.n)] if encoded is not None else None
         torch.manual_seed(seed)
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
         for start in range(0, len(rows), self.batch_size):
-            ids, lps = self._generate_chunk(rows[start : start + self.batch_size], sampling)
+            chunk = row_images[start : start + self.batch_size] if row_images is not None else None
+            ids, lps = self._generate_chunk(rows[start : start + self.batch_size], sampling, chunk)
             responses.extend(ids)
             logprobs.extend(lps)
         if self.shares_device:
             free_cached(self.device)  # the KV cache is gone: its blocks go back to the GPU before the update
         texts = [self._decode(r) for r in responses]
         responses, logprobs, texts = self._apply_stop(responses, logprobs, texts, sampling.stop)
-        return build_rollout_batch(prompts, prompt_ids, responses, logprobs, texts, sampling.n, self.pad_id)
+        batch = build_rollout_batch(prompts, prompt_ids, responses, logprobs, texts, sampling.n, self.pad_id)
+        if row_images is not None:  # carried to the trainer: unpadded image inputs, positions computed once here
+            width = batch[T.PROMPT_IDS].shape[1]
+            T.set_multi_modal(batch, [p.inputs for p in row_images])
+            positions = [p.positions for p in row_images]
+            batch[T.ROPE_POSITION_IDS] = rope_rows(positions, width, batch[T.RESPONSE_IDS].shape[1])
+        return batch
 
     def _generate_multi_turn(self, prompts: list[Prompt], sampling: SamplingParams, seed: int) -> TensorDict:
         """`sampling.n` multi-turn trajectories per prompt (`rollout.multi_turn`), one row each (or one per turn
@@ -113,7 +140,7 @@ class HFRolloutEngine:
         """Token ids in, token ids out: one sample continuing each context, at most its own limit of tokens,
         cut after its first EOS (kept), with the sampled tokens' log-probs. The caller seeds torch."""
         out: list[tuple[list[int], list[float]]] = []
-        pick = picker(sampling.temperature, sampling.top_k, sampling.top_p, sampling.greedy)
+        pick = self._picker(sampling)
         for start in range(0, len(contexts), self.batch_size):
             rows, caps = contexts[start : start + self.batch_size], limits[start : start + self.batch_size]
             enc = to_device(
@@ -127,10 +154,11 @@ class HFRolloutEngine:
         return out
 
     def _generate_chunk(
-        self, rows: list[list[int]], sampling: SamplingParams
+        self, rows: list[list[int]], sampling: SamplingParams, images: list[ImagePrompt] | None = None
     ) -> tuple[list[list[int]], list[list[float]]]:
         enc = to_device(dict(self.tokenizer.pad({"input_ids": rows}, padding=True, return_tensors="pt")), self.device)
-        pick = picker(sampling.temperature, sampling.top_k, sampling.top_p, sampling.greedy)
+        pick = self._picker(sampling)
+        batch_images = ImageBatch.of(images, enc["input_ids"].shape[1], self.device) if images is not None else None
         out = decode(
             self.model,
             enc["input_ids"],
@@ -139,12 +167,21 @@ class HFRolloutEngine:
             self.eos_ids,
             pick,
             self._stop_check(sampling.stop),
+            images=batch_images,
         )
         pairs = [
             truncate_response(ids, lps, self.eos_ids, sampling.max_new_tokens)
             for ids, lps in zip(out.ids, out.logprobs, strict=True)
         ]
         return [ids for ids, _ in pairs], [lps for _, lps in pairs]
+
+    def _picker(self, sampling: SamplingParams) -> Picker:
+        """The sampler; a vision-language model's vision tokens are never sampled (`vision.vision_token_ids`)."""
+        pick = picker(sampling.temperature, sampling.top_k, sampling.top_p, sampling.greedy)
+        if self.image_processor is None:
+            return pick
+        banned = vision_token_ids(self.model.config)
+        return lambda logits: pick(suppress(logits, banned))
 
     def _stop_check(self, stop: tuple[str, ...]) -> Callable[[list[int]], bool] | None:
         """Whether a row's text so far ends in a stop string (its last few tokens decoded; `_apply_stop` then
@@ -184,6 +221,8 @@ class HFRolloutEngine:
         params = self.model.state_dict(keep_vars=True)
         for name, tensor in named_tensors:
             index: tuple = ()
+            if name not in params and self.image_processor is not None:
+                name = module_name(name)  # a VLM checkpoint's on-disk names (`visual.*`, `model.layers.*`) map too
             if name not in params:
                 slot = self._expert_slots.target(name)
                 if slot is None:
@@ -200,6 +239,8 @@ class HFRolloutEngine:
         params = self.model.state_dict(keep_vars=True)
         rest = []
         for name, tensor in named_tensors:
+            if name not in params and self.image_processor is not None:
+                name = module_name(name)
             if name not in params and self._expert_slots.target(name) is not None:
                 rest.append((name, tensor))  # one expert of a fused MoE weight: copied in by update_weights
                 continue

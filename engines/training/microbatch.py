@@ -63,6 +63,8 @@ def trim(mb: TensorDict) -> TensorDict:
         width = value.shape[1]
         if key == T.PROMPT_IDS:
             out.set(key, value[:, first:])
+        elif key == T.ROPE_POSITION_IDS:  # [B, 3, P+T]: the same columns, on the last dimension
+            out.set(key, torch.cat([value[..., first:prompt_len], value[..., prompt_len : prompt_len + resp_len]], -1))
         elif key in (T.ATTENTION_MASK, T.POSITION_IDS):
             out.set(key, torch.cat([value[:, first:prompt_len], value[:, prompt_len : prompt_len + resp_len]], 1))
         elif width == mb[T.RESPONSE_IDS].shape[1]:

@@ -18,6 +18,7 @@ from tensordict import TensorDict
 
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
+from rlstages.engines.models.vision import forward_kwargs, suppress, vision_token_ids
 from rlstages.engines.rollout.decode import left_pad, prefill
 from rlstages.engines.training.microbatch import by_length, mini_batches
 
@@ -54,14 +55,16 @@ def response_logits(model: Any, mb: TensorDict, device: torch.device) -> torch.T
     """Logits [B, T, V] at the positions that predict the response tokens, prompt and response in one pass."""
     prompt, response = mb[T.PROMPT_IDS], mb[T.RESPONSE_IDS]
     ids = torch.cat([prompt, response], dim=1).to(device)
+    images = forward_kwargs(mb, device)  # an image batch: its pixel values and M-RoPE positions [3, B, L]
     out = model(
         input_ids=ids,
         attention_mask=mb[T.ATTENTION_MASK].to(device),
-        position_ids=mb[T.POSITION_IDS].to(device),
+        position_ids=images.pop("position_ids", None) if images else mb[T.POSITION_IDS].to(device),
         logits_to_keep=response.shape[1] + 1,
         use_cache=False,
+        **images,
     )
-    return out.logits[:, :-1]
+    return suppress(out.logits[:, :-1], vision_token_ids(model.config)) if images else out.logits[:, :-1]
 
 
 class SharedPrompts:

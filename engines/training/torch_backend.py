@@ -20,8 +20,10 @@ from safetensors.torch import load_file
 from tensordict import TensorDict
 
 from rlstages.configs.training import TorchTrainingConfig, TrainingConfig
+from rlstages.engines import types as T
 from rlstages.engines.base import OnOutput, Readout
 from rlstages.engines.models import load_causal_lm, lora, moe_layout, torch_dtype
+from rlstages.engines.models.vision import param_groups
 from rlstages.engines.training import ppo_step as P
 from rlstages.engines.training import state_io
 from rlstages.engines.training.fp32_matmul import use_fp32_kernel, wants_fp32_kernel
@@ -103,7 +105,16 @@ class TorchBackend:
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if settings.trainable:
             stochastic = bool(getattr(settings.train, "bf16_stochastic_round", False))
-            self.optimizer = adamw(lora.trainable_parameters(self.model), settings.optim, stochastic)
+            params: Any = lora.trainable_parameters(self.model)
+            if settings.train.freeze or settings.optim.group_lr:  # a VLM's parts: frozen, or their own LR
+                params = param_groups(
+                    self.model,
+                    list(params),
+                    settings.train.freeze,
+                    {str(k): v for k, v in settings.optim.group_lr.items()},
+                    settings.optim.lr,
+                )
+            self.optimizer = adamw(params, settings.optim, stochastic)
             self.scheduler = lr_scheduler(self.optimizer, settings.optim, settings.optim_steps)
 
     @property
@@ -116,7 +127,8 @@ class TorchBackend:
         if train:
             assert self.optimizer is not None
             self.optimizer.zero_grad(set_to_none=True)
-        share = bool(getattr(self.settings.train, "share_prompt_forward", False)) and not readout.values and mbs
+        share = bool(getattr(self.settings.train, "share_prompt_forward", False)) and not readout.values and bool(mbs)
+        share = share and T.ROPE_POSITION_IDS not in mbs[0].keys()  # image rows are forwarded whole (docs/vlm.md)
         with lora.forward_as(self.model, readout.base):
             prompts = P.SharedPrompts(self.model, mbs, self.settings.train.bf16_autocast) if share else None
             for mb in mbs:

@@ -24,8 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from rlstages.configs import RunConfig
-from rlstages.configs.data import AdditionTaskConfig, DataConfig, DatasetsDataConfig, JsonlDataConfig
+from rlstages.configs.data import (
+    AdditionTaskConfig,
+    ColorsTaskConfig,
+    DataConfig,
+    DatasetsDataConfig,
+    JsonlDataConfig,
+)
 from rlstages.engines.types import Prompt
+from rlstages.tasks.driver.vision_data import colour_task, row_images
 
 _SUFFIX_BUILDER = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".arrow": "arrow", ".csv": "csv"}
 DATA_SUFFIXES = tuple(_SUFFIX_BUILDER)
@@ -52,10 +59,11 @@ class Row:
     data_source: str = ""
     extra_info: str = "{}"
     where: str = ""
+    images: tuple[bytes, ...] = ()
 
     def prompt(self, uid: str) -> Prompt:
         """This row as the prompt `uid` of a step."""
-        return Prompt(uid, self.text, self.ground_truth, self.messages, self.data_source, self.extra_info)
+        return Prompt(uid, self.text, self.ground_truth, self.messages, self.data_source, self.extra_info, self.images)
 
 
 @dataclass(frozen=True)
@@ -246,7 +254,8 @@ def _dataset_row(cfg: DatasetsDataConfig, record: dict[str, Any], where: str) ->
             if not isinstance(value, dict):
                 raise ValueError(f"{where}: column {cfg.extra_info_key!r}: expected a dict, got {type(value).__name__}")
             extra = value
-    return Row(text, str(answer), messages, source, json.dumps(extra, default=str, sort_keys=True), where)
+    images = row_images(_lookup(record, cfg.image_key)[1], where, cfg.image_key) if cfg.image_key else ()
+    return Row(text, str(answer), messages, source, json.dumps(extra, default=str, sort_keys=True), where, images)
 
 
 def _datasets(cfg: DatasetsDataConfig, split: str) -> tuple[list[Row], str]:
@@ -277,6 +286,8 @@ def _digest(rows: list[Row]) -> str:
     h = hashlib.sha256()
     for r in rows:
         h.update(json.dumps([r.text, r.messages, r.ground_truth, r.data_source, r.extra_info]).encode())
+        for image in r.images:
+            h.update(hashlib.sha256(image).digest())
     return h.hexdigest()[:16]
 
 
@@ -299,6 +310,11 @@ def load_split(cfg: DataConfig, split: str, model_path: str | None = None) -> Sp
     source = cfg.source
     if isinstance(source, AdditionTaskConfig):
         rows, where = _addition(source, split), f"addition task (seed {source.seed}, {split})"
+    elif isinstance(source, ColorsTaskConfig):
+        count = source.num_train if split == "train" else source.num_eval
+        made = colour_task(source.task, count, source.image_size, source.seed, split)
+        rows = [Row(text, truth, (), f"colors/{source.task}", extra, "", (png,)) for text, truth, png, extra in made]
+        where = f"colors task ({source.task}, seed {source.seed}, {split})"
     elif isinstance(source, JsonlDataConfig):
         rows = _jsonl(source, split)
         where = str(source.train_path if split == "train" else (source.eval_path or source.train_path))

@@ -33,7 +33,7 @@ from rlstages.tasks.driver.checks.config import (
     check_tool_isolation,
     check_tracking_store,
 )
-from rlstages.tasks.driver.checks.data import check_data_files, check_data_rows, check_prompt_lengths
+from rlstages.tasks.driver.checks.data import check_data_files, check_data_rows, check_images, check_prompt_lengths
 from rlstages.tasks.driver.checks.resources import check_cluster_resources
 
 __all__ = [
@@ -79,6 +79,7 @@ CHECKS: tuple[Check, ...] = (
     check_context_parallel,
     check_prompt_lengths,
     check_data_rows,
+    check_images,
     check_run_dir,
     check_backend_packages,
     check_cluster_resources,

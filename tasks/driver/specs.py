@@ -109,6 +109,8 @@ def rollout_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
     }
     if cfg.data.chat_template:
         kwargs["chat_template"] = cfg.data.chat_template
+    if cfg.data.image_min_pixels or cfg.data.image_max_pixels:  # a vision-language model's image processor
+        kwargs["image_pixels"] = (cfg.data.image_min_pixels, cfg.data.image_max_pixels)
     extra: dict[str, Any] = {}
     if entry.actor_options is not None:
         python = getattr(r, "python", None)

@@ -56,7 +56,7 @@ def jsonl_config(path: Path, **source: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Path]:
+def workspace(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, tiny_vlm_dir: Path) -> Iterator[Path]:
     """A working directory holding a finished run (MLflow FINISHED), damaged runs, bad models and data files."""
     import yaml
 
@@ -96,6 +96,7 @@ def workspace(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) ->
         fake_checkpoint(work / "other", 3, "0123456789ab")
         _bad_models(work, tiny_model_dir)
         _bad_data(work)
+        _bad_images(work, tiny_vlm_dir)
         (work / "foreign").mkdir()
         (work / "foreign" / "notes.txt").write_text("mine")
         (work / "a-file").write_text("not a directory")
@@ -157,10 +158,34 @@ def _bad_data(work: Path) -> None:
     (work / "list.yaml").write_text("- a\n- b\n")
 
 
+def _bad_images(work: Path, vlm: Path) -> None:
+    """Image rows (verl's schema, JSONL with image paths) and a tiny Qwen2-VL, with and without its processor."""
+    from PIL import Image
+
+    shutil.copytree(vlm, work / "models" / "vlm")
+    shutil.copytree(vlm, work / "models" / "vlm-noproc")
+    (work / "models" / "vlm-noproc" / "preprocessor_config.json").unlink()
+    data = work / "data"
+    Image.new("RGB", (56, 56), (255, 0, 0)).save(data / "red.png")
+    (data / "broken.png").write_bytes(b"\x89PNG not really")
+
+    def rows(name: str, prompt: str, images: list[str]) -> None:
+        row = {"prompt": prompt, "images": [{"bytes": None, "path": f"data/{i}"} for i in images]}
+        (data / name).write_text(json.dumps({**row, "reward_model": {"ground_truth": "red"}}) + "\n")
+
+    rows("img-good.jsonl", "<image>What colour is the square?", ["red.png"])
+    rows("img-broken.jsonl", "<image>What colour?", ["broken.png"])
+    rows("img-missing.jsonl", "<image>What colour?", ["nowhere.png"])
+    rows("img-count.jsonl", "<image> and <image>: what colours?", ["red.png"])
+    rows("img-many.jsonl", "<image>" * 5 + "What colours?", ["red.png"] * 5)
+
+
 B = "base.yaml"
 M = "models"
 D = "data"
 LORA = "model.lora={rank: 4, target_modules: [q_proj, %s]}"
+VLM = "model.path=models/vlm"
+IMAGES = "data.source={kind: datasets, path: data/%s.jsonl}"
 LOCAL_RAY = {"RAY_ADDRESS": ""}  # the run's Ray starts here (or is the one this test process joined)
 
 # (case id, argv, environment, text the one line must contain)
@@ -409,6 +434,26 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
         "data.source.eval_path: ../none.csv does not exist",
     ),
     ("jsonl-is-dir", ["run", B, jsonl_config(Path("data"))], {}, "data.source.train_path: data is a directory"),
+    # ... images (verl's schema): one that does not open, placeholders != images, too many, image tokens past the
+    # limit, a model without an image processor or without a vision tower, a backend that has no image path yet
+    ("image-broken", ["run", B, VLM, IMAGES % "img-broken"], {}, "image 0 does not open as an image"),
+    ("image-missing", ["run", B, VLM, IMAGES % "img-missing"], {}, "data/nowhere.png does not exist"),
+    ("image-count", ["run", B, VLM, IMAGES % "img-count"], {}, "2 <image> placeholder(s) but 1 image(s)"),
+    ("image-many", ["run", B, VLM, IMAGES % "img-many"], {}, "5 images > data.max_images_per_prompt=4"),
+    (
+        "image-tokens-cut",
+        ["run", B, VLM, IMAGES % "img-good", "data.max_prompt_length=40", "data.image_min_pixels=12544"],
+        {},
+        "(16 of them image tokens) > the limit of 40",
+    ),
+    (
+        "image-no-processor",
+        ["run", B, "model.path=models/vlm-noproc", IMAGES % "img-good"],
+        {},
+        "has no image processor",
+    ),
+    ("image-text-model", ["run", B, IMAGES % "img-good"], {}, "is a qwen2 model, not a vision-language one"),
+    ("image-backend", ["run", B, VLM, IMAGES % "img-good", "actor.backend=deepspeed"], {}, "does not train on images"),
     # ... a config path that is a directory, output files that cannot be written, an unknown time zone
     ("config-is-dir", ["run", "foreign"], {}, "foreign: is a directory, expected a YAML file"),
     ("show-config-is-dir", ["config", "show", "models"], {}, "models: is a directory, expected a YAML file"),

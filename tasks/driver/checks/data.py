@@ -136,3 +136,11 @@ def check_data_rows(cfg: RunConfig) -> None:
     from rlstages.tasks.driver.data import check_data
 
     check_data(cfg)
+
+
+def check_images(cfg: RunConfig) -> None:
+    """Image rows: each opens, placeholders match, within the image and length limits, a VLM with its processor."""
+    from rlstages.tasks.driver.data import load_rows
+    from rlstages.tasks.driver.vision_data import check_image_rows
+
+    check_image_rows(cfg, [r for split in ("train", "eval") for r in load_rows(cfg.data, split)])

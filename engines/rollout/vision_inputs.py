@@ -1,0 +1,149 @@
+"""Image prompts to model inputs: each `<image>` placeholder of a prompt's text becomes the model's vision tokens
+(`<|vision_start|>`, one `<|image_pad|>` per merged patch, `<|vision_end|>`), its image goes through the model
+directory's image processor (min/max pixels from `data.image_min_pixels` / `image_max_pixels`), and the
+prompt's M-RoPE positions come from the model's own `get_rope_index`, once per prompt.
+
+The result per prompt is unpadded: its token ids, its `pixel_values` / `image_grid_thw`, and its positions
+[3, P]; `rope_rows` lays them out for the batch ([B, 3, P+T]: the response continues every channel by one).
+
+Why not `AutoProcessor`: transformers 5's Qwen2-VL processor needs a video processor, which needs torchvision
+(not installed here); the image processor and the tokenizer are its two halves, the expansion rule is its own.
+
+Non-goal: videos.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlstages.engines.models.vision import IMAGE_PAD, IMAGE_PLACEHOLDER, VISION_END, VISION_START
+from rlstages.engines.rollout.batching import prompt_text
+from rlstages.engines.types import Prompt
+
+
+@dataclass
+class ImagePrompt:
+    """One prompt ready for the model: token ids with the image tokens expanded, its image inputs, positions."""
+
+    ids: list[int]
+    inputs: dict[str, torch.Tensor]  # pixel_values [patches, C*t*p*p], image_grid_thw [images, 3]
+    positions: torch.Tensor  # [3, P] M-RoPE positions
+
+
+def load_image_processor(path: str | Path, min_pixels: int | None = None, max_pixels: int | None = None) -> Any:
+    """The image processor saved beside a model (`preprocessor_config.json`), with the configured pixel bounds."""
+    from transformers import AutoImageProcessor
+
+    kwargs = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
+    return AutoImageProcessor.from_pretrained(str(path), local_files_only=True, **kwargs)
+
+
+def open_image(data: bytes) -> Any:
+    """An encoded image file (PNG, JPEG, ...) as an RGB PIL image."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        return img.convert("RGB")
+
+
+def image_inputs(processor: Any, images: Sequence[bytes]) -> dict[str, torch.Tensor]:
+    """`pixel_values` and `image_grid_thw` of a prompt's images ({} for none)."""
+    if not images:
+        return {}
+    out = processor(images=[open_image(b) for b in images], return_tensors="pt")
+    return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"].long()}
+
+
+def image_token_counts(grid_thw: torch.Tensor, merge_size: int) -> list[int]:
+    """Vision tokens each image takes in the text: its patches / merge_size²."""
+    return [int(g.prod()) // merge_size**2 for g in grid_thw]
+
+
+def expand_images(text: str, counts: Sequence[int]) -> str:
+    """Each `<image>` placeholder replaced by its image's vision tokens (the caller checked the counts agree)."""
+    parts = text.split(IMAGE_PLACEHOLDER)
+    out = [parts[0]]
+    for n, rest in zip(counts, parts[1:], strict=True):
+        out.append(VISION_START + IMAGE_PAD * n + VISION_END + rest)
+    return "".join(out)
+
+
+def encode_image_prompts(
+    model: Any,
+    tokenizer: Any,
+    processor: Any,
+    prompts: Sequence[Prompt],
+    apply_chat_template: bool,
+    system_prompt: str | None,
+) -> list[ImagePrompt]:
+    """Each prompt's expanded token ids, image inputs and M-RoPE positions (the model's `get_rope_index`)."""
+    config = model.config
+    merge = config.vision_config.spatial_merge_size
+    image_id = config.image_token_id
+    out = []
+    for p in prompts:
+        inputs = image_inputs(processor, p.images)
+        text, special = prompt_text(tokenizer, p, apply_chat_template, system_prompt)
+        counts = image_token_counts(inputs["image_grid_thw"], merge) if inputs else []
+        ids = list(tokenizer(expand_images(text, counts), add_special_tokens=special)["input_ids"])
+        out.append(ImagePrompt(ids, inputs, rope_positions(model, ids, inputs, image_id)))
+    return out
+
+
+def rope_positions(model: Any, ids: list[int], inputs: dict[str, torch.Tensor], image_id: int) -> torch.Tensor:
+    """M-RoPE positions [3, P] of one unpadded prompt (plain 0..P-1 on every channel without images)."""
+    tokens = torch.tensor([ids])
+    if not inputs:
+        return torch.arange(len(ids)).expand(3, -1).clone()
+    inner = model.model if hasattr(model.model, "get_rope_index") else model
+    positions, _ = inner.get_rope_index(
+        tokens, mm_token_type_ids=(tokens == image_id).int(), image_grid_thw=inputs["image_grid_thw"]
+    )
+    return positions[:, 0].cpu()
+
+
+def rope_rows(positions: Sequence[torch.Tensor], prompt_width: int, response_width: int) -> torch.Tensor:
+    """M-RoPE positions [B, 3, P+T] of a rollout batch: each prompt's left-padded (zeros on padding) to
+    `prompt_width`, the response continuing from its largest position + 1 on all three channels."""
+    out = torch.zeros(len(positions), 3, prompt_width + response_width, dtype=torch.long)
+    steps = torch.arange(1, response_width + 1)
+    for i, pos in enumerate(positions):
+        out[i, :, prompt_width - pos.shape[1] : prompt_width] = pos
+        out[i, :, prompt_width:] = int(pos.max()) + steps if pos.numel() else steps - 1
+    return out
+
+
+@dataclass
+class ImageBatch:
+    """The image side of a left-padded batch for `decode.decode`: pixel values and grids concatenated in row
+    order (the model fills the image tokens in that order) and the M-RoPE positions [3, B, P]."""
+
+    inputs: dict[str, torch.Tensor]
+    positions: torch.Tensor
+
+    @classmethod
+    def of(cls, prompts: Sequence[ImagePrompt], width: int, device: torch.device) -> ImageBatch:
+        """The batch of these prompts, left-padded to `width` tokens."""
+        rows = rope_rows([p.positions for p in prompts], width, 0).permute(1, 0, 2)
+        with_images = [p.inputs for p in prompts if p.inputs]
+        inputs = {k: torch.cat([x[k] for x in with_images]).to(device) for k in (with_images[0] if with_images else {})}
+        return cls(inputs, rows.to(device))
+
+    def prefill(self, model: Any, input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[Any, Any, Any]:
+        """KV cache, next-token logits [B, V] and mask: every row whole, images at their tokens. No prompt is
+        shared between rows here: two prompts of the same text may hold different images."""
+        step = model(
+            input_ids=input_ids, attention_mask=mask, position_ids=self.positions, use_cache=True, logits_to_keep=1,
+            **self.inputs,
+        )  # fmt: skip
+        return step.past_key_values, step.logits[:, -1], mask
+
+    def next_positions(self) -> torch.Tensor:
+        """Each row's next M-RoPE position (its largest + 1: text after the prompt moves all channels alike)."""
+        return self.positions.amax(dim=(0, 2)) + 1

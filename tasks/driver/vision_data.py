@@ -1,0 +1,198 @@
+"""Images in prompt rows (verl's and ROLL's schema): the `images` column read into encoded image bytes, and the
+pre-flight's image checks, each a one-line error naming the row.
+
+A cell of `images` is a list whose items are bytes, a file path, or a `{bytes, path}` dict as `datasets`
+stores an `Image` feature. Refused before anything starts: an image that does not open, a count of `<image>`
+placeholders that differs from the images given, more images than `data.max_images_per_prompt`, a prompt whose
+tokens with its image tokens exceed the length limit (image tokens are never cut), a model without an image
+processor or that is not a vision-language model, a backend that does not run images yet.
+
+Non-goal: turning images into tensors (`engines.rollout.vision_inputs`).
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+from rlstages.configs import RunConfig
+from rlstages.engines.models.vision import IMAGE_PLACEHOLDER, VISION_MODEL_TYPES
+
+
+def row_images(value: Any, where: str, key: str, base: Path | None = None) -> tuple[bytes, ...]:
+    """The encoded images of one `images` cell (None: no images); a path is read relative to the working
+    directory, else to the data file's directory `base`. A wrong item is a one-line ValueError."""
+    if value is None:
+        return ()
+    if not isinstance(value, list | tuple):
+        value = [value]
+    out = []
+    for i, item in enumerate(value):
+        if isinstance(item, dict):
+            item = item.get("bytes") or item.get("path")
+        if isinstance(item, bytes | bytearray):
+            out.append(bytes(item))
+        elif isinstance(item, str) and item:
+            out.append(_read_path(item, f"{where}: column {key!r}: image {i}", base))
+        else:
+            raise ValueError(
+                f"{where}: column {key!r}: image {i} is {type(item).__name__}; expected bytes, a file path or "
+                "{bytes, path}"
+            )
+    return tuple(out)
+
+
+def _read_path(path: str, where: str, base: Path | None) -> bytes:
+    for candidate in (Path(path), *((base / path,) if base is not None else ())):
+        if candidate.is_file():
+            return candidate.read_bytes()
+    raise ValueError(f"{where}: {path} does not exist (expected an image file)")
+
+
+COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (235, 210, 40)}
+COLOUR_PROMPT = "<image>What colour is the square? Answer with one word: red, green, blue or yellow."
+COUNT_PROMPT = "<image>How many squares are in the picture? Answer with one number: 1, 2, 3 or 4."
+
+
+def colour_task(task: str, count: int, size: int, seed: int, split: str) -> list[tuple[str, str, bytes, str]]:
+    """`count` seeded synthetic image prompts (text, answer, PNG bytes, extra_info JSON): one square of a random
+    colour, size, place and shade on grey (`colour`), or 1-4 squares of one colour in distinct cells (`count`)."""
+    import json
+    import random
+
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(f"{seed}:{split}:{task}")
+    names = list(COLOURS)
+    out = []
+    for _ in range(count):
+        name = rng.choice(names)
+        shade = tuple(max(0, min(255, c + rng.randint(-25, 25))) for c in COLOURS[name])
+        img = Image.new("RGB", (size, size), tuple([rng.randint(110, 150)] * 3))
+        draw = ImageDraw.Draw(img)
+        if task == "colour":
+            side = rng.randint(size // 3, size * 3 // 4)
+            x, y = rng.randint(0, size - side), rng.randint(0, size - side)
+            draw.rectangle((x, y, x + side - 1, y + side - 1), fill=shade)
+            answer, text, choices = name, COLOUR_PROMPT, names
+        else:
+            n = rng.randint(1, 4)
+            cell = size // 2
+            for k in rng.sample(range(4), n):
+                side = rng.randint(cell // 2, cell - 4)
+                x0, y0 = (
+                    (k % 2) * cell + rng.randint(1, cell - side - 1),
+                    (k // 2) * cell + rng.randint(1, cell - side - 1),
+                )
+                draw.rectangle((x0, y0, x0 + side - 1, y0 + side - 1), fill=shade)
+            answer, text, choices = str(n), COUNT_PROMPT, ["1", "2", "3", "4"]
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        out.append((text, answer, buf.getvalue(), json.dumps({"choices": choices})))
+    return out
+
+
+def placeholders(text: str, messages: tuple[dict[str, str], ...]) -> int:
+    """`<image>` placeholders in a prompt (in every chat message when it has messages)."""
+    return sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages) if messages else text.count(IMAGE_PLACEHOLDER)
+
+
+def check_image_rows(cfg: RunConfig, rows: list[Any]) -> None:
+    """The pre-flight's image checks of the rows (`tasks.driver.data.Row`) of both splits; a no-op without images."""
+    image_rows = [r for r in rows if r.images or placeholders(r.text, r.messages)]
+    if not image_rows:
+        return
+    _check_backends(cfg)
+    for r in image_rows:
+        where = r.where or "data"
+        found = placeholders(r.text, r.messages)
+        if found != len(r.images):
+            raise ValueError(f"{where}: {found} {IMAGE_PLACEHOLDER} placeholder(s) but {len(r.images)} image(s)")
+        if len(r.images) > cfg.data.max_images_per_prompt:
+            raise ValueError(
+                f"{where}: {len(r.images)} images > data.max_images_per_prompt={cfg.data.max_images_per_prompt}"
+            )
+        for i, data in enumerate(r.images):
+            _check_opens(data, f"{where}: image {i}")
+    processor = _model_processor(cfg)
+    if processor is not None:
+        _check_lengths(cfg, image_rows, processor)
+
+
+def _check_backends(cfg: RunConfig) -> None:
+    if cfg.rollout.backend != "hf":
+        raise ValueError(
+            f"rollout.backend: {cfg.rollout.backend} does not run image prompts yet (hf does; docs/vlm.md)"
+        )
+    if cfg.actor.backend != "torch":
+        raise ValueError(f"actor.backend: {cfg.actor.backend} does not train on images yet (torch does; docs/vlm.md)")
+    if getattr(getattr(cfg.rollout, "multi_turn", None), "enabled", False):
+        raise ValueError("rollout.multi_turn.enabled: multi-turn rollouts with images are not built yet (docs/vlm.md)")
+    if cfg.critic is not None:
+        raise ValueError("critic: a value model of a vision-language model is not built yet (docs/vlm.md)")
+
+
+def _check_opens(data: bytes, where: str) -> None:
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            img.verify()
+    except Exception as exc:  # noqa: BLE001 - PIL raises many kinds; all are "does not open"
+        raise ValueError(f"{where} does not open as an image ({type(exc).__name__}: {exc})") from None
+
+
+def _model_processor(cfg: RunConfig) -> Any:
+    """The model directory's image processor; None while a provider has not built the model yet. A model that
+    is not a vision-language model, or has no image processor, is refused."""
+    import json
+
+    from rlstages.engines.rollout.vision_inputs import load_image_processor
+
+    path = cfg.model.path
+    config = path / "config.json"
+    if not config.is_file():
+        if cfg.model.provider == "local":
+            raise ValueError(f"model.path: {path} has no config.json (expected a vision-language model directory)")
+        return None
+    kind = json.loads(config.read_text()).get("model_type")
+    if kind not in VISION_MODEL_TYPES:
+        raise ValueError(
+            f"model.path: {path} is a {kind} model, not a vision-language one ({', '.join(VISION_MODEL_TYPES)}), "
+            "and the data has images"
+        )
+    if not (path / "preprocessor_config.json").is_file():
+        raise ValueError(f"model.path: {path} has no image processor (preprocessor_config.json), which images need")
+    return load_image_processor(path, cfg.data.image_min_pixels, cfg.data.image_max_pixels)
+
+
+def _check_lengths(cfg: RunConfig, rows: list[Any], processor: Any) -> None:
+    """Text tokens + image tokens of each image prompt within data.max_prompt_length and the model's context
+    minus rollout.max_new_tokens: image tokens are never truncated, so a longer prompt is refused."""
+    from transformers import AutoConfig
+
+    from rlstages.engines.models import load_tokenizer
+    from rlstages.engines.rollout.batching import prompt_text
+    from rlstages.engines.rollout.vision_inputs import expand_images, image_inputs, image_token_counts
+
+    model = AutoConfig.from_pretrained(str(cfg.model.path), local_files_only=True)
+    context = getattr(model.get_text_config(), "max_position_embeddings", None)
+    limits = [n for n in (cfg.data.max_prompt_length, context and context - cfg.rollout.max_new_tokens) if n]
+    if not limits:
+        return
+    limit = min(limits)
+    tokenizer = load_tokenizer(cfg.model.path)
+    if cfg.data.chat_template:
+        tokenizer.chat_template = cfg.data.chat_template
+    merge = model.vision_config.spatial_merge_size
+    for row in rows:
+        counts = image_token_counts(image_inputs(processor, row.images)["image_grid_thw"], merge)
+        text, special = prompt_text(tokenizer, row.prompt("len"), cfg.data.apply_chat_template, cfg.data.system_prompt)
+        total = len(tokenizer(expand_images(text, counts), add_special_tokens=special)["input_ids"])
+        if total > limit:
+            raise ValueError(
+                f"{row.where or 'data'}: prompt of {total} tokens ({sum(counts)} of them image tokens) > the limit "
+                f"of {limit} (data.max_prompt_length, or the context minus rollout.max_new_tokens); image tokens are "
+                "never cut: shorten the text or lower data.image_max_pixels"
+            )
