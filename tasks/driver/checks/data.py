@@ -34,7 +34,7 @@ def check_data_files(cfg: RunConfig) -> None:
 
 def _check_dataset_path(path: str, field: str) -> None:
     """A local data path must name something; anything else is a hub dataset name (read in `check_data_rows`)."""
-    from rlstages.tasks.driver.data import DATA_SUFFIXES, is_glob, looks_local
+    from rlstages.tasks.driver.data_files import DATA_SUFFIXES, is_glob, looks_local
 
     expected = f"expected a data file ({', '.join(DATA_SUFFIXES)}), a glob of them or a save_to_disk directory"
     if is_glob(path):
