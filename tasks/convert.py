@@ -66,7 +66,7 @@ def template_fingerprint(model_type: str) -> str:
     t = get_template(model_type)
     text = json.dumps(
         [t.config_hf_to_mcore, t.constant_mcore_config, [repr(op) + str(op.when) for op in t.weight_ops],
-         t.hf_layer_prefix, t.hf_invalid_keys, t.mcore_model_cls, t.tp_rules],
+         t.hf_layer_prefix, t.hf_invalid_keys, t.mcore_model_cls, t.tp_rules, t.hf_name_prefixes],
         sort_keys=True, default=str,
     )  # fmt: skip
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -15,6 +15,7 @@ Non-goal: knowing any HF name.
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import re
 from collections.abc import Mapping, Sequence
@@ -131,7 +132,11 @@ def to_local_name(name: str) -> str:
 
 
 def tp_kind(name: str, rules: Mapping[str, str] | None = None) -> str:
-    """TP class of a Megatron tensor name: column, row, vocab or replicated (template rules first)."""
+    """TP class of a Megatron tensor name: column, row, vocab or replicated (template rules first; a rule with
+    `*` is a glob over the whole name, the others are name suffixes)."""
+    for pattern, kind in (rules or {}).items():
+        if "*" in pattern and fnmatch.fnmatchcase(name, pattern):
+            return kind
     name = re.sub(r"(\.experts\.linear_fc[12]\.(?:weight|bias))\d+$", r"\1", name)  # TE grouped GEMM
     for table in (rules or {}, _DEFAULT_TP_RULES):
         for suffix, kind in table.items():

@@ -173,6 +173,10 @@ class HfToMcore(_Stream):
 
     src, dst = "hf", "mcore"
 
+    def add(self, name: str, tensor: torch.Tensor) -> Sequence[tuple[str, Converted]]:
+        """Take one HF tensor (either naming of a template with `hf_name_prefixes`); return what it completes."""
+        return super().add(self.spec.template.hf_name(name), tensor)
+
     def _skip(self, layer: int | None, key: str, op: WeightOp | None) -> bool:
         if key in self.spec.template.hf_invalid_keys:
             return True

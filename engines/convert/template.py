@@ -33,6 +33,15 @@ class Template:
     tp_rules: Mapping[str, str] = field(default_factory=dict)
     module: str | None = None  # where register_template was called; imported again by worker processes
     derive_mcore_config: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
+    hf_name_prefixes: Mapping[str, str] = field(default_factory=dict)  # another HF naming -> the ops' naming
+
+    def hf_name(self, name: str) -> str:
+        """An HF tensor name in the naming the ops are written for: the first `hf_name_prefixes` prefix it starts
+        with is replaced (e.g. a VLM's in-memory `model.language_model.` -> on-disk `model.`)."""
+        for other, own in self.hf_name_prefixes.items():
+            if name.startswith(other):
+                return own + name[len(other) :]
+        return name
 
     def mcore_config(self, hf_config: Mapping[str, Any]) -> dict[str, Any]:
         """Flat Megatron config from an HF config dict: mapped fields, derived fields, then the constants (which
@@ -85,14 +94,19 @@ def register_template(
     mcore_model_cls: str | None = None,
     tp_rules: Mapping[str, str] | None = None,
     derive_mcore_config: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
+    hf_name_prefixes: Mapping[str, str] | None = None,
     replace: bool = False,
 ) -> Template:
     """Register the template of `hf_model_type` (config.json's `model_type`) and return it.
 
     `mcore_model_cls` ("module:Class") names a GPTModel subclass for custom architectures; `tp_rules` maps
-    Megatron name suffixes to "column", "row", "replicated" or "vocab" where the defaults do not know them;
-    `derive_mcore_config(hf_config) -> {field: value}` computes the Megatron fields that are not a plain
-    rename of one HF key (e.g. MoE routing flags, the dense/MoE layer pattern).
+    Megatron name suffixes to "column", "row", "replicated" or "vocab" where the defaults do not know them (a key
+    with `*` is a glob over the whole name: `{"vision_model.*": "replicated"}` keeps a custom part whole on every
+    TP rank); `derive_mcore_config(hf_config) -> {field: value}` computes the Megatron fields that are not a plain
+    rename of one HF key (e.g. MoE routing flags, the dense/MoE layer pattern); `hf_name_prefixes` maps another
+    HF naming of the same tensors onto the one the ops use (prefix -> prefix, e.g. a VLM's in-memory names).
+    Placement: a tensor outside `decoder.layers.*`, the final norm and the output layer lives on the first
+    pipeline stage only (the embedding, and a custom part such as a vision tower).
     """
     if not hf_model_type:
         raise ValueError("register_template: hf_model_type must be config.json's non-empty model_type")
@@ -119,6 +133,7 @@ def register_template(
         tp_rules=dict(tp_rules or {}),
         module=sys._getframe(1).f_globals.get("__name__"),
         derive_mcore_config=derive_mcore_config,
+        hf_name_prefixes=dict(hf_name_prefixes or {}),
     )
     _TEMPLATES[hf_model_type] = template
     return template

@@ -1,5 +1,6 @@
 """Built-in templates: llama, qwen2 (QKV bias), qwen3 (q/k norm), mistral; the Mixture-of-Experts ones
-(qwen3_moe, mixtral, deepseek_v3) are in `moe_templates`, loaded with these; both are made of `decoder`'s pieces.
+(qwen3_moe, mixtral, deepseek_v3) are in `moe_templates` and the vision-language ones (qwen2_vl, qwen2_5_vl) in
+`vlm_templates`, loaded with these; all are made of `decoder`'s pieces.
 
 Megatron names are the local layer spec's; `rlstages.engines.convert.names` maps them to the Transformer Engine
 spec's fused-norm names when a conversion asks for `transformer_impl="transformer_engine"`.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import importlib
 
 import rlstages.engines.convert.moe_templates  # noqa: F401  (registers the MoE built-ins)
+import rlstages.engines.convert.vlm_templates  # noqa: F401  (registers qwen2_vl, qwen2_5_vl)
 from rlstages.engines.convert.decoder import (  # noqa: F401  (DECODER_CONFIG, decoder_ops: docs/new-model.md)
     DECODER_CONFIG,
     DECODER_CONSTANTS,
