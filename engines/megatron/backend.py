@@ -39,6 +39,7 @@ import logging
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ from rlstages.engines.megatron import moe as MOE
 from rlstages.engines.megatron import optim as MO
 from rlstages.engines.megatron import parallel as MP
 from rlstages.engines.models import torch_dtype
+from rlstages.engines.models.vision import suppress, vision_token_ids
 from rlstages.engines.registry import has_module
 from rlstages.engines.training import state_io
 from rlstages.engines.training.optim import lr_lambda
@@ -123,6 +125,7 @@ class MegatronBackend:
                 f"model_type={settings.model_type!r} but the checkpoint is {self.spec.template.hf_model_type!r}"
             )
         self.converted_path = Path(converted) if converted is not None else None
+        self.vision_ids = vision_token_ids(SimpleNamespace(**self.spec.hf_config))  # [] for a text model
         self.rank, self.tp_rank = torch.distributed.get_rank(), ps.get_tensor_model_parallel_rank()
         self.dp = ps.get_data_parallel_world_size(with_context_parallel=True)
         self.dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
@@ -202,6 +205,8 @@ class MegatronBackend:
         if readout.values:
             return (output[:, start : start + width, 0].float(),)
         logits = output[:, start : start + width, : self.spec.hf_vocab_size].float() / readout.temperature
+        if T.ROPE_POSITION_IDS in mb.keys():  # an image batch: vision tokens out of the distribution, as the rollout
+            logits = suppress(logits, self.vision_ids)
         logp = A.logprobs_from_logits(logits, mb[T.RESPONSE_IDS])
         with torch.set_grad_enabled(readout.entropy_grad and torch.is_grad_enabled()):
             entropy = A.entropy_from_logits(logits)

@@ -141,7 +141,8 @@ def build_gpt_model(
     vp_stage: int | None = None,
     config_overrides: dict[str, Any] | None = None,
 ) -> Any:
-    """The GPTModel (or the template's registered subclass) of this rank's pipeline stage / chunk.
+    """The GPTModel (or the template's registered subclass) of this rank's pipeline stage / chunk. A subclass with a
+    `spec_kwargs(spec) -> dict` classmethod gets those keyword arguments too (e.g. the HF config for a vision tower).
 
     Call after `init_model_parallel(..., tp=spec.tp, pp=spec.pp, vpp=spec.vpp)`.
     """
@@ -156,13 +157,16 @@ def build_gpt_model(
 
     if moe_model.is_moe_or_mla(spec):
         return moe_model.build_moe_gpt_model(spec, config, model_class(spec), pre, post, stage)
-    return model_class(spec)(
+    cls = model_class(spec)
+    extra = cls.spec_kwargs(spec) if hasattr(cls, "spec_kwargs") else {}  # a subclass's own arguments
+    return cls(
         config=config,
         transformer_layer_spec=layer_spec(spec),
         pre_process=pre,
         post_process=post,
         vp_stage=stage,
         **spec.gpt_model_kwargs(),
+        **extra,
     )
 
 

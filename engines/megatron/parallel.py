@@ -24,6 +24,7 @@ from rlstages.engines import types as T
 from rlstages.engines.convert import ConversionSpec, load_rank_chunk, materialize, rank_mcore_to_hf, read_hf_config
 from rlstages.engines.convert.sharding import chunk_prefix
 from rlstages.engines.megatron import cuda_shim, gpt
+from rlstages.engines.models.vision import forward_kwargs
 from rlstages.engines.registry import has_module
 from rlstages.engines.runtime.device import worker_device
 from rlstages.engines.utils import free_port
@@ -209,7 +210,8 @@ def run_schedule(models: list[Any], mbs: list[TensorDict], loss_fn: ForwardFn, f
     """megatron-core's forward(-backward) schedule over the micro-batches (1F1B / interleaved when PP > 1).
 
     `loss_fn(mb, output)` runs on the last pipeline stage with the model's output ([B, S, V] gathered logits,
-    or [B, S, 1] values) and returns (loss, token count); the loss is used as is (no averaging).
+    or [B, S, 1] values) and returns (loss, token count); the loss is used as is (no averaging). An image
+    micro-batch also passes its pixel values, image grids and M-RoPE positions (`vlm_model.QwenVLModel`).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -223,7 +225,9 @@ def run_schedule(models: list[Any], mbs: list[TensorDict], loss_fn: ForwardFn, f
             out = _cp_forward(model, mb, multiple)
         else:
             ids, pos, mask = model_inputs(mb, multiple)
-            out = model(input_ids=ids, position_ids=pos, attention_mask=mask, runtime_gather_output=True)
+            images = forward_kwargs(mb, ids.device)  # an image batch: pixel values, grids, M-RoPE positions [3, B, S]
+            pos = images.pop("position_ids", pos)
+            out = model(input_ids=ids, position_ids=pos, attention_mask=mask, runtime_gather_output=True, **images)
 
         def loss(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
             value, tokens = loss_fn(mb, output)

@@ -229,14 +229,22 @@ def parity_worker(rank: int, world_size: int, port: int, cases: list[dict[str, A
         gpt.destroy_model_parallel()
 
 
-def _pipeline_forward(spec: ConversionSpec, chunks: dict[int, Any], ids: torch.Tensor, pp_rank: int) -> Any:
+def _pipeline_forward(
+    spec: ConversionSpec,
+    chunks: dict[int, Any],
+    ids: torch.Tensor,
+    pp_rank: int,
+    positions: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    **extra: torch.Tensor,
+) -> Any:
     from megatron.core import parallel_state as ps
 
     from rlstages.engines.megatron.gpt import causal_mask
 
     batch, seq = ids.shape
-    positions = torch.arange(seq).expand(batch, seq)
-    mask = causal_mask(seq, batch)
+    positions = torch.arange(seq).expand(batch, seq) if positions is None else positions
+    mask = causal_mask(seq, batch) if mask is None else mask
     order = spec.layer_map.chunks()
     hidden = None
     out = None
@@ -249,7 +257,7 @@ def _pipeline_forward(spec: ConversionSpec, chunks: dict[int, Any], ids: torch.T
                 hidden = torch.empty(seq, batch, spec.mcore["hidden_size"])
                 torch.distributed.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
                 model.set_input_tensor(hidden)
-            out = model(input_ids=ids, position_ids=positions, attention_mask=mask)
+            out = model(input_ids=ids, position_ids=positions, attention_mask=mask, **extra)
             if c < len(order) - 1:
                 torch.distributed.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
     if not ps.is_pipeline_last_stage() or out is None:
@@ -258,3 +266,76 @@ def _pipeline_forward(spec: ConversionSpec, chunks: dict[int, Any], ids: torch.T
     torch.distributed.all_gather(shards, out.contiguous(), group=ps.get_tensor_model_parallel_group())
     logits = torch.cat(shards, dim=-1)[..., : spec.hf_vocab_size]
     return logits.tolist() if ps.get_tensor_model_parallel_rank() == 0 else None
+
+
+IMAGE_INPUTS = ("input_ids", "position_ids", "valid", "pixel_values", "image_grid_thw")
+
+
+def image_logits_many(
+    cases: Sequence[tuple[str | Path, str]],
+    inputs: str | Path,
+    layouts: Sequence[tuple[int, int]],
+    timeout: float = 600.0,
+) -> list[list[torch.Tensor]]:
+    """Full-vocab logits [B, S, V] of a vision-language model's image batch on Megatron-Core, per (tp, pp) layout
+    (all in one world of max(tp x pp) ranks, the groups rebuilt between layouts) and per case.
+
+    A case is `(mcore_dir, "ranks")` (converted for that layout) or `(dist_ckpt_dir, "dist_ckpt")` (a megatron-core
+    dist checkpoint whose "model" entry is resharded to the layout; the model's spec from `mcore_dir` of the first
+    case). `inputs` is a safetensors file holding `IMAGE_INPUTS`: the token ids [B, S], M-RoPE positions [3, B, S],
+    the valid-token mask [B, S] (left padding), and the batch's pixel values and image grids concatenated in row
+    order; cases of a layout are given per layout: `cases[i]` is a list when the layouts differ.
+    """
+    world = max(tp * pp for tp, pp in layouts)
+    jobs = [[(str(path), source) for path, source in layout_cases] for layout_cases in cases]  # type: ignore[misc]
+    results = run_world(
+        "rlstages.engines.megatron.parity:image_logits_worker",
+        world,
+        {"cases": jobs, "inputs": str(inputs), "layouts": [list(x) for x in layouts]},
+        timeout=timeout,
+    )
+    # each layout's logits come from its own last stage's TP rank 0: the first rank that has them
+    return [
+        [torch.tensor(next(r[i][c] for r in results if r[i][c] is not None)) for c in range(len(layout))]
+        for i, layout in enumerate(jobs)
+    ]
+
+
+def image_logits_worker(
+    rank: int, world_size: int, port: int, cases: list[list[list[str]]], inputs: str, layouts: list[list[int]]
+) -> Any:
+    """One rank of `image_logits_many`: per layout, build, load and run each case; the logits from the last stage."""
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import load_file
+
+    from rlstages.engines.megatron import gpt
+    from rlstages.engines.megatron.dist_ckpt import sharded_state_dict
+
+    batch = load_file(inputs)
+    ids, valid = batch["input_ids"], batch["valid"].bool()
+    mask = gpt.causal_mask(ids.shape[1], ids.shape[0]) | ~valid[:, None, None, :]
+    images = {"pixel_values": batch["pixel_values"], "image_grid_thw": batch["image_grid_thw"]}
+    out: list[list[Any]] = []
+    try:
+        for (tp, pp), layout_cases in zip(layouts, cases, strict=True):
+            if ps.model_parallel_is_initialized():
+                ps.destroy_model_parallel()  # the same world, the next layout's groups
+            gpt.init_model_parallel(rank, world_size, port, tp, pp)
+            tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+            first = ConversionSpec.load(layout_cases[0][0])
+            logits = []
+            for path, source in layout_cases:
+                spec = (first if source == "dist_ckpt" else ConversionSpec.load(path)).with_layout(tp, pp)
+                model = gpt.build_gpt_model(spec).eval()
+                if source == "dist_ckpt":
+                    from megatron.core import dist_checkpointing
+
+                    state = dist_checkpointing.load({"model": sharded_state_dict([model])}, path)["model"]
+                    model.load_state_dict(state, strict=True)
+                else:
+                    model.load_state_dict(load_rank_chunk(Path(path), spec, tp_rank, pp_rank, 0), strict=True)
+                logits.append(_pipeline_forward(spec, {0: model}, ids, pp_rank, batch["position_ids"], mask, **images))
+            out.append(logits)
+        return out
+    finally:
+        gpt.destroy_model_parallel()

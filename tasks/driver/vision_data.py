@@ -120,13 +120,39 @@ def check_image_rows(cfg: RunConfig, rows: list[Any]) -> None:
         _check_lengths(cfg, image_rows, processor)
 
 
+IMAGE_TRAINERS = ("torch", "megatron")  # actor backends with an image path
+
+
+def _check_megatron(cfg: RunConfig) -> None:
+    """What the Megatron-Core image path (`engines.megatron.vlm_model`) does not run yet."""
+    actor = cfg.actor
+    if getattr(actor, "sequence_parallel", False):
+        raise ValueError(
+            "actor.sequence_parallel: the megatron backend does not split an image batch's sequence yet; turn it off "
+            "(docs/vlm.md)"
+        )
+    if getattr(actor, "context_parallel_size", 1) > 1:
+        raise ValueError(
+            f"actor.context_parallel_size={actor.context_parallel_size}: the megatron backend does not split an image "
+            "batch's sequence yet; use 1 (docs/vlm.md)"
+        )
+    if actor.freeze or actor.optim.group_lr:
+        field = "actor.freeze" if actor.freeze else "actor.optim.group_lr"
+        raise ValueError(f"{field}: per-part freezing and learning rates run on the torch backend only (docs/vlm.md)")
+
+
 def _check_backends(cfg: RunConfig) -> None:
     if cfg.rollout.backend != "hf":
         raise ValueError(
             f"rollout.backend: {cfg.rollout.backend} does not run image prompts yet (hf does; docs/vlm.md)"
         )
-    if cfg.actor.backend != "torch":
-        raise ValueError(f"actor.backend: {cfg.actor.backend} does not train on images yet (torch does; docs/vlm.md)")
+    if cfg.actor.backend not in IMAGE_TRAINERS:
+        raise ValueError(
+            f"actor.backend: {cfg.actor.backend} does not train on images yet ({', '.join(IMAGE_TRAINERS)} do; "
+            "docs/vlm.md)"
+        )
+    if cfg.actor.backend == "megatron":
+        _check_megatron(cfg)
     if getattr(getattr(cfg.rollout, "multi_turn", None), "enabled", False):
         raise ValueError("rollout.multi_turn.enabled: multi-turn rollouts with images are not built yet (docs/vlm.md)")
     if cfg.critic is not None:

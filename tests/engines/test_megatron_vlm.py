@@ -1,0 +1,174 @@
+"""Qwen2-VL / Qwen2.5-VL on the Megatron-Core backend (`engines/megatron/vlm_model.py`: the vision tower on the first
+pipeline stage, image embeddings written into the image-token rows, megatron-core's M-RoPE) against HF on the same
+weights and image batch (tiny random models: text hidden 64, 2 layers; one vision block of width 32).
+
+In this process at TP=1: trainer log-probs equal the torch backend's, the conversion is exact, one GRPO step gives the
+same metrics and moved weights (vision tower and projector included), and a megatron-core dist checkpoint (model +
+optimizer) loads back and continues bit for bit. One 2-rank gloo world then runs HF-converted Qwen2-VL and
+Qwen2.5-VL at TP=2 and at PP=2, and that dist checkpoint (saved at TP=1) resharded to each: logits on image prompts
+equal HF's.
+
+Run: .venv/bin/python -m pytest tests/engines/test_megatron_vlm.py -q
+Hardware: CPU only (megatron-core local spec, gloo, the cuda_shim); one 2-process world; ~40 s on 2 cores.
+Skipped without megatron-core.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+
+from rlstages.configs.training import MegatronTrainingConfig, OptimConfig, TorchTrainingConfig
+from rlstages.engines import algorithms as A
+from rlstages.engines import types as T
+from rlstages.engines.models import load_causal_lm
+from rlstages.engines.models.vision import forward_kwargs, module_name
+from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
+from rlstages.engines.training.core import PPOTrainer, without_perf
+from rlstages.engines.training.settings import TrainerSettings
+from rlstages.engines.types import Prompt, SamplingParams
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
+
+LR = 1e-4
+STEP_ATOL = 5e-2 * LR  # as tests/engines/test_megatron_trainer.py: a wrong-signed gradient moves an element by 2 lr
+
+
+def png(colour: tuple[int, int, int], size: tuple[int, int]) -> bytes:
+    img = Image.new("RGB", size, (128, 128, 128))
+    img.paste(colour, (8, 8, size[0] - 8, size[1] - 8))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+PROMPTS = [  # 4 and 12 + 4 image tokens, rows of different lengths (left padding)
+    Prompt("u0", "<image>What colour?", "red", images=(png((255, 0, 0), (56, 56)),)),
+    Prompt("u1", "Look: <image> and <image>. Which?", "blue", images=(png((0, 0, 255), (112, 84)), png((0, 255, 0), (56, 56)))),
+]  # fmt: skip
+
+
+def settings(path: Path, backend: str) -> TrainerSettings:
+    config = MegatronTrainingConfig if backend == "megatron" else TorchTrainingConfig
+    train = config(optim=OptimConfig(lr=LR, total_steps=10), micro_batch_size=2)  # 2 micro-batches of image rows
+    return TrainerSettings(str(path), train=train)  # type: ignore[arg-type]
+
+
+def weights(engine: PPOTrainer) -> dict[str, torch.Tensor]:
+    """HF tensors in the in-memory naming (megatron exports the checkpoint's names, `visual.*`, `model.layers.*`)."""
+    return {module_name(k): v.detach().clone() for k, v in engine.named_weights()}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert sorted(a) == sorted(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def masked_max(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    return float(((a - b).abs() * mask).max())
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_vlm_dir: Path):
+    rollout = HFRolloutEngine(tiny_vlm_dir, dtype="float32", apply_chat_template=False, batch_size=8)
+    b = rollout.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=6), seed=0)
+    # transformers gives the pad id's embedding row no gradient (padding_idx), megatron's embedding has one
+    assert not (b[T.RESPONSE_IDS][b[T.RESPONSE_MASK].bool()] == rollout.pad_id).any()
+    token = A.outcome_to_token_rewards(torch.tensor([1.0, 0.0, 0.0, 1.0]), b[T.RESPONSE_MASK])
+    b[T.ADVANTAGES], b[T.RETURNS] = A.compute_advantages("grpo", token, b[T.RESPONSE_MASK], T.get_rows(b, "uid"))
+    return b
+
+
+@pytest.fixture(scope="module")
+def megatron_step(tiny_vlm_dir: Path, batch, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The torch backend's and the megatron backend's (TP=1, converted in memory) log-probs, weights and one GRPO
+    step; the megatron engine's dist checkpoint and HF export after it; a second engine loaded from the checkpoint."""
+    root = tmp_path_factory.mktemp("mvlm")
+    ref = PPOTrainer(settings(tiny_vlm_dir, "torch"))
+    out = {"ref_logprobs": ref.logprobs(batch), "ref_before": weights(ref)}
+    out["ref_metrics"], out["ref_after"] = ref.train_step(batch), weights(ref)
+    engine = PPOTrainer(settings(tiny_vlm_dir, "megatron"))
+    out["logprobs"], out["before"] = engine.logprobs(batch), weights(engine)
+    out["metrics"], out["after"] = engine.train_step(batch), weights(engine)
+    engine.save(root / "ckpt")
+    engine.save_pretrained(root / "hf", tokenizer_from=tiny_vlm_dir)
+    out["next"], out["next_weights"] = engine.train_step(batch), weights(engine)
+    restored = PPOTrainer(settings(tiny_vlm_dir, "megatron"))
+    restored.load(root / "ckpt")
+    out["restored_after"] = weights(restored)
+    out["restored_next"], out["restored_next_weights"] = restored.train_step(batch), weights(restored)
+    out["ckpt"], out["hf"] = root / "ckpt" / "mcore", root / "hf"
+    return out
+
+
+def test_grpo_step_equals_the_torch_backend(megatron_step: dict, batch) -> None:
+    run, mask = megatron_step, batch[T.RESPONSE_MASK]
+    assert masked_max(run["logprobs"]["logprobs"], run["ref_logprobs"]["logprobs"], mask) <= 1e-5
+    assert masked_max(run["logprobs"]["entropy"], run["ref_logprobs"]["entropy"], mask) <= 1e-5
+    assert max_diff(run["before"], run["ref_before"]) == 0.0  # exact conversion, vision tower included
+    metrics, ref = run["metrics"], run["ref_metrics"]
+    assert metrics["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    assert metrics["pg_loss"] == pytest.approx(ref["pg_loss"], abs=1e-6)
+    assert metrics["entropy"] == pytest.approx(ref["entropy"], rel=1e-6)
+    assert metrics["logprob_diff"] < 1e-5
+    assert max_diff(run["after"], run["ref_after"]) <= STEP_ATOL
+    for part in ("model.visual.blocks.0.attn.qkv.weight", "model.visual.merger.mlp.2.weight"):  # tower, projector
+        assert not torch.equal(run["after"][part], run["before"][part]), part
+
+
+def test_dist_checkpoint_loads_back_and_continues_bitwise(megatron_step: dict) -> None:
+    run = megatron_step
+    assert (run["ckpt"] / "metadata.json").is_file()
+    assert max_diff(run["restored_after"], run["after"]) == 0.0
+    assert without_perf(run["restored_next"]) == without_perf(run["next"])
+    assert max_diff(run["restored_next_weights"], run["next_weights"]) == 0.0
+
+
+def hf_logits(path: Path, inputs: dict[str, torch.Tensor], images: bool = True) -> torch.Tensor:
+    model = load_causal_lm(path, "float32").eval()
+    extra = {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]} if images else {}
+    with torch.no_grad():
+        return model(
+            input_ids=inputs["input_ids"], attention_mask=inputs["valid"], position_ids=inputs["position_ids"], **extra
+        ).logits
+
+
+def test_image_logits_equal_hf_at_tp2_and_pp2(tiny_vlm_dir: Path, batch, megatron_step: dict, tmp_path: Path) -> None:
+    from rlstages.engines.convert import convert_hf_to_mcore
+    from rlstages.engines.models import build_tiny_model
+    from rlstages.engines.megatron.parity import image_logits_many
+
+    qwen25 = build_tiny_model(tmp_path / "qwen2_5_vl", model_type="qwen2_5_vl")  # same tokenizer and processor
+    images = forward_kwargs(batch, torch.device("cpu"))
+    inputs = {
+        "input_ids": torch.cat([batch[T.PROMPT_IDS], batch[T.RESPONSE_IDS]], dim=1),
+        "position_ids": images["position_ids"].contiguous(),
+        "valid": batch[T.ATTENTION_MASK].long(),
+        "pixel_values": images["pixel_values"],
+        "image_grid_thw": images["image_grid_thw"],
+    }
+    save_file(inputs, tmp_path / "inputs.safetensors")
+    layouts = [(2, 1), (1, 2)]
+    cases = [
+        [
+            (convert_hf_to_mcore(tiny_vlm_dir, tmp_path / f"vl-{tp}-{pp}", tp=tp, pp=pp), "ranks"),
+            (convert_hf_to_mcore(qwen25, tmp_path / f"vl25-{tp}-{pp}", tp=tp, pp=pp), "ranks"),
+            (megatron_step["ckpt"], "dist_ckpt"),  # saved at TP=1 after a step, resharded
+        ]
+        for tp, pp in layouts
+    ]
+    got = image_logits_many(cases, tmp_path / "inputs.safetensors", layouts)
+    refs = [hf_logits(tiny_vlm_dir, inputs), hf_logits(qwen25, inputs), hf_logits(megatron_step["hf"], inputs)]
+    valid = inputs["valid"].bool()
+    for layout, logits in zip(layouts, got, strict=True):
+        for case, (mine, ref) in enumerate(zip(logits, refs, strict=True)):
+            diff = float((mine[..., : ref.shape[-1]][valid] - ref[valid]).abs().max())
+            assert diff <= 1e-5, (layout, case, diff)
+    without_images = hf_logits(tiny_vlm_dir, inputs, images=False)  # the images change the logits: they are used
+    assert float((got[0][0][..., : without_images.shape[-1]][valid] - without_images[valid]).abs().max()) > 1e-3
