@@ -48,10 +48,11 @@ def png(colour: tuple[int, int, int], size: tuple[int, int]) -> bytes:
     return buf.getvalue()
 
 
+TWO_IMAGES = (png((0, 0, 255), (112, 84)), png((0, 255, 0), (56, 56)))
 PROMPTS = [  # 4 and 12 + 4 image tokens, rows of different lengths (left padding)
     Prompt("u0", "<image>What colour?", "red", images=(png((255, 0, 0), (56, 56)),)),
-    Prompt("u1", "Look: <image> and <image>. Which?", "blue", images=(png((0, 0, 255), (112, 84)), png((0, 255, 0), (56, 56)))),
-]  # fmt: skip
+    Prompt("u1", "Look: <image> and <image>. Which?", "blue", images=TWO_IMAGES),
+]
 
 
 def settings(path: Path, backend: str) -> TrainerSettings:
@@ -141,8 +142,8 @@ def hf_logits(path: Path, inputs: dict[str, torch.Tensor], images: bool = True) 
 
 def test_image_logits_equal_hf_at_tp2_and_pp2(tiny_vlm_dir: Path, batch, megatron_step: dict, tmp_path: Path) -> None:
     from rlstages.engines.convert import convert_hf_to_mcore
-    from rlstages.engines.models import build_tiny_model
     from rlstages.engines.megatron.parity import image_logits_many
+    from rlstages.engines.models import build_tiny_model
 
     qwen25 = build_tiny_model(tmp_path / "qwen2_5_vl", model_type="qwen2_5_vl")  # same tokenizer and processor
     images = forward_kwargs(batch, torch.device("cpu"))
