@@ -4,11 +4,13 @@ GRPO steps with Prefect and MLflow (the engines in the driver). The image column
 
 from __future__ import annotations
 
+import importlib.util
 import io
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
@@ -16,7 +18,7 @@ from safetensors.torch import load_file
 from rlstages.configs.data import DatasetsDataConfig
 from rlstages.flows.train import rl_post_train
 from rlstages.tasks.driver.vision_data import row_images
-from tests.flows.flow_support import IN_DRIVER, mlflow_run, run_dir, tiny_cfg
+from tests.flows.flow_support import IN_DRIVER, final_weights, mlflow_run, run_dir, tiny_cfg
 
 COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "yellow": (255, 255, 0)}
 
@@ -61,3 +63,30 @@ def test_verl_image_parquet_trains_a_tiny_qwen2_vl(tmp_path: Path, tiny_vlm_dir:
     after = load_file(str(run_dir(cfg) / "final" / "model.safetensors"))
     moved = [k for k in before if k.startswith("visual.") and not torch.equal(before[k], after[k])]
     assert moved, "the vision tower trained"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
+def test_tiny_qwen2_5_vl_trains_on_megatron(tmp_path: Path, prefect_harness) -> None:
+    """`model.tiny.model_type: qwen2_5_vl` built by the tiny-random provider, converted (the qwen2_5_vl template) and
+    trained by the Megatron-Core backend (`vlm_model.QwenVLModel`) for 2 GRPO steps; the vision tower moves."""
+    names = list(COLOURS)
+    rows = [
+        {"prompt": "<image>What colour is the square?", "images": [{"bytes": png(names[i % 4]), "path": None}],
+         "reward_model": {"ground_truth": names[i % 4]}, "data_source": "colors"}
+        for i in range(8)
+    ]  # fmt: skip
+    data = tmp_path / "colors.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    model = tmp_path / "tiny-qwen2_5_vl"
+    cfg = tiny_cfg(
+        tmp_path, model, "mvlm", IN_DRIVER, "model.provider=tiny-random", "model.tiny.model_type=qwen2_5_vl",
+        f"data.source={{kind: datasets, path: {data}}}", "data.prompts_per_step=2", "data.eval_prompts=4",
+        "reward.functions=[{name: digit_ratio}]", "actor.backend=megatron", "actor.micro_batch_size=4",
+    )  # fmt: skip
+    rl_post_train(cfg)
+    client, run = mlflow_run(cfg)
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")] == [1, 2]
+    assert max(m.value for m in client.get_metric_history(run.info.run_id, "rollout/logprob_diff")) < 1e-4
+    before, after = load_file(str(model / "model.safetensors")), final_weights(cfg)
+    assert any(k.startswith("visual.") and not torch.equal(before[k], after[k]) for k in before), "the tower trained"
