@@ -203,6 +203,13 @@ def model_inputs(mb: TensorDict, multiple: int = 1) -> tuple[torch.Tensor, torch
     return ids, pos, mask
 
 
+def pad_positions(positions: torch.Tensor, length: int) -> torch.Tensor:
+    """Positions [..., S] right-padded to `length` with their last value (the padding that `model_inputs` adds for
+    sequence parallelism: masked tokens, their positions unused)."""
+    extra = length - positions.shape[-1]
+    return torch.cat([positions, positions[..., -1:].expand(*positions.shape[:-1], extra)], -1) if extra else positions
+
+
 ForwardFn = Callable[[TensorDict, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -226,7 +233,7 @@ def run_schedule(models: list[Any], mbs: list[TensorDict], loss_fn: ForwardFn, f
         else:
             ids, pos, mask = model_inputs(mb, multiple)
             images = forward_kwargs(mb, ids.device)  # an image batch: pixel values, grids, M-RoPE positions [3, B, S]
-            pos = images.pop("position_ids", pos)
+            pos = pad_positions(images.pop("position_ids"), ids.shape[1]) if images else pos
             out = model(input_ids=ids, position_ids=pos, attention_mask=mask, runtime_gather_output=True, **images)
 
         def loss(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:

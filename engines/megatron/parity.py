@@ -269,64 +269,75 @@ def _pipeline_forward(
 
 
 IMAGE_INPUTS = ("input_ids", "position_ids", "valid", "pixel_values", "image_grid_thw")
+ImageLayout = tuple[int, int, bool]  # (tp, pp, sequence_parallel)
 
 
 def image_logits_many(
-    cases: Sequence[tuple[str | Path, str]],
+    cases: Sequence[Sequence[tuple[str | Path, str]]],
     inputs: str | Path,
-    layouts: Sequence[tuple[int, int]],
+    layouts: Sequence[ImageLayout],
     timeout: float = 600.0,
-) -> list[list[torch.Tensor]]:
-    """Full-vocab logits [B, S, V] of a vision-language model's image batch on Megatron-Core, per (tp, pp) layout
-    (all in one world of max(tp x pp) ranks, the groups rebuilt between layouts) and per case.
+) -> list[list[dict[str, torch.Tensor]]]:
+    """A vision-language model's image batch through Megatron-Core, per layout (all in one world of max(tp x pp)
+    ranks, the groups rebuilt between layouts) and per case: its full-vocab logits [B, S, V] and, where pp == 1 and
+    the case is a rank-file one, the vision tower's flattened gradient of a fixed random linear function of the
+    logits (summed over TP where sequence parallelism split it, as `finalize_model_grads` does).
 
-    A case is `(mcore_dir, "ranks")` (converted for that layout) or `(dist_ckpt_dir, "dist_ckpt")` (a megatron-core
-    dist checkpoint whose "model" entry is resharded to the layout; the model's spec from `mcore_dir` of the first
-    case). `inputs` is a safetensors file holding `IMAGE_INPUTS`: the token ids [B, S], M-RoPE positions [3, B, S],
-    the valid-token mask [B, S] (left padding), and the batch's pixel values and image grids concatenated in row
-    order; cases of a layout are given per layout: `cases[i]` is a list when the layouts differ.
+    `cases[i]` are layout i's cases: `(mcore_dir, "ranks")` (converted for that layout) or `(dist_ckpt_dir,
+    "dist_ckpt")` (a megatron-core dist checkpoint whose "model" entry is resharded to the layout; the spec from the
+    layout's first case). `inputs` is a safetensors file holding `IMAGE_INPUTS`: token ids [B, S], M-RoPE positions
+    [3, B, S], the valid-token mask [B, S] (left padding), and the batch's pixel values and image grids concatenated
+    in row order. Returns `{"logits": ..., "vision_grad": ...}` per case (the gradient only where computed).
     """
-    world = max(tp * pp for tp, pp in layouts)
-    jobs = [[(str(path), source) for path, source in layout_cases] for layout_cases in cases]  # type: ignore[misc]
+    world = max(tp * pp for tp, pp, _ in layouts)
+    jobs = [[(str(path), source) for path, source in layout_cases] for layout_cases in cases]
     results = run_world(
         "rlstages.engines.megatron.parity:image_logits_worker",
         world,
         {"cases": jobs, "inputs": str(inputs), "layouts": [list(x) for x in layouts]},
         timeout=timeout,
     )
-    # each layout's logits come from its own last stage's TP rank 0: the first rank that has them
+    # each layout's outputs come from its own last stage's TP rank 0: the first rank that has them
     return [
-        [torch.tensor(next(r[i][c] for r in results if r[i][c] is not None)) for c in range(len(layout))]
+        [
+            {k: torch.tensor(v) for k, v in next(r[i][c] for r in results if r[i][c] is not None).items()}
+            for c in range(len(layout))
+        ]
         for i, layout in enumerate(jobs)
     ]
 
 
 def image_logits_worker(
-    rank: int, world_size: int, port: int, cases: list[list[list[str]]], inputs: str, layouts: list[list[int]]
+    rank: int, world_size: int, port: int, cases: list[list[list[str]]], inputs: str, layouts: list[list[Any]]
 ) -> Any:
-    """One rank of `image_logits_many`: per layout, build, load and run each case; the logits from the last stage."""
+    """One rank of `image_logits_many`: per layout, build, load and run each case; outputs from the last stage."""
     from megatron.core import parallel_state as ps
     from safetensors.torch import load_file
 
     from rlstages.engines.megatron import gpt
     from rlstages.engines.megatron.dist_ckpt import sharded_state_dict
+    from rlstages.engines.megatron.parallel import pad_positions
 
     batch = load_file(inputs)
-    ids, valid = batch["input_ids"], batch["valid"].bool()
-    mask = gpt.causal_mask(ids.shape[1], ids.shape[0]) | ~valid[:, None, None, :]
     images = {"pixel_values": batch["pixel_values"], "image_grid_thw": batch["image_grid_thw"]}
     out: list[list[Any]] = []
     try:
-        for (tp, pp), layout_cases in zip(layouts, cases, strict=True):
+        for (tp, pp, sp), layout_cases in zip(layouts, cases, strict=True):
             if ps.model_parallel_is_initialized():
                 ps.destroy_model_parallel()  # the same world, the next layout's groups
             gpt.init_model_parallel(rank, world_size, port, tp, pp)
             tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+            length = batch["input_ids"].shape[1]
+            padded = length + (-length % tp if sp else 0)  # sequence parallelism splits the sequence over TP
+            ids = torch.nn.functional.pad(batch["input_ids"], (0, padded - length))
+            valid = torch.nn.functional.pad(batch["valid"].bool(), (0, padded - length))
+            positions = pad_positions(batch["position_ids"], padded)
+            mask = gpt.causal_mask(padded, ids.shape[0]) | ~valid[:, None, None, :]
             first = ConversionSpec.load(layout_cases[0][0])
-            logits = []
+            results: list[Any] = []
             for path, source in layout_cases:
                 spec = (first if source == "dist_ckpt" else ConversionSpec.load(path)).with_layout(tp, pp)
-                model = gpt.build_gpt_model(spec).eval()
+                model = gpt.build_gpt_model(spec, config_overrides={"sequence_parallel": bool(sp)}).eval()
                 if source == "dist_ckpt":
                     from megatron.core import dist_checkpointing
 
@@ -334,8 +345,46 @@ def image_logits_worker(
                     model.load_state_dict(state, strict=True)
                 else:
                     model.load_state_dict(load_rank_chunk(Path(path), spec, tp_rank, pp_rank, 0), strict=True)
-                logits.append(_pipeline_forward(spec, {0: model}, ids, pp_rank, batch["position_ids"], mask, **images))
-            out.append(logits)
+                logits = _pipeline_forward(spec, {0: model}, ids, pp_rank, positions, mask, **images)
+                result = None if logits is None else {"logits": [row[:length] for row in logits]}
+                if pp == 1 and source == "ranks":
+                    grad = _vision_grad(model, ids, positions, mask, images, valid, tp_rank, tp, length)
+                    result = None if result is None else {**result, "vision_grad": grad}
+                results.append(result)
+            out.append(results)
         return out
     finally:
         gpt.destroy_model_parallel()
+
+
+def logit_weights(batch: int, length: int, vocab: int) -> torch.Tensor:
+    """The fixed random weights [B, S, V] of the linear function of the logits whose vision-tower gradient
+    `image_logits_many` reports (seed 0; an HF reference takes its first hf-vocab columns)."""
+    return torch.randn(batch, length, vocab, generator=torch.Generator().manual_seed(0))
+
+
+def _vision_grad(
+    model: Any,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    images: dict[str, torch.Tensor],
+    valid: torch.Tensor,
+    tp_rank: int,
+    tp: int,
+    length: int,
+) -> list[float]:
+    """The vision tower's gradient of sum(logits * W) over the valid tokens of the first `length` positions
+    (`logit_weights` over the padded vocabulary; each TP rank takes its vocab shard's term), summed over TP for
+    sequence-parallel parameters."""
+    from megatron.core import parallel_state as ps
+
+    output = model(input_ids=ids, position_ids=positions, attention_mask=mask, **images)  # [B, S, V / tp]
+    weights = logit_weights(ids.shape[0], length, output.shape[2] * tp)
+    weights = torch.nn.functional.pad(weights, (0, 0, 0, output.shape[1] - length)).chunk(tp, dim=-1)[tp_rank]
+    (output * weights * valid[..., None]).sum().backward()
+    params = list(model.vision_model.parameters())
+    for param in params:
+        if getattr(param, "sequence_parallel", False):
+            torch.distributed.all_reduce(param.grad, group=ps.get_tensor_model_parallel_group())
+    return torch.cat([param.grad.flatten() for param in params]).tolist()

@@ -6,11 +6,13 @@ The vision tower and its merger (projector) are transformers' own modules (`Qwen
 the first pipeline stage (`pre_process`) builds one, whole on every TP rank (the templates' placement rule): each TP
 rank runs it on the same pixels and gets the same image embeddings. They replace the decoder input's rows at the
 image-token positions, in row order (pixel values and grids are the micro-batch's rows' concatenated, the order
-transformers fills image tokens in); later stages receive hidden states as usual. M-RoPE is megatron-core's own
-(`position_embedding_type: mrope`, `mrope_section`): `position_ids` are the [3, B, S] positions the batch carries.
-Sequence and context parallelism are not handled (the decoder input would be this rank's slice of the sequence):
-refused here and in the pre-flight. megatron-core is imported when the class is first used (`QwenVLModel` is built
-lazily on attribute access).
+transformers fills image tokens in); later stages receive hidden states as usual. Under sequence parallelism the
+decoder input is this TP rank's slice of the sequence: only the image tokens inside it are filled, and the vision
+tower's parameters are tagged `sequence_parallel` so megatron-core's `finalize_model_grads` sums their gradients
+(each rank's part) over the TP group. M-RoPE is megatron-core's own (`position_embedding_type: mrope`,
+`mrope_section`): `position_ids` are the [3, B, S] positions the batch carries. Context parallelism (Transformer
+Engine only) is refused. megatron-core is imported when the class is first used (`QwenVLModel` is built lazily on
+attribute access).
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ import torch
 
 from rlstages.engines.convert.spec import ConversionSpec
 
-NO_SEQUENCE_SPLIT = (
-    "megatron backend with a vision-language model: sequence_parallel and context_parallel_size > 1 are not "
-    "supported (image embeddings are written into the full sequence of each rank); turn them off"
+NO_CONTEXT_PARALLEL = (
+    "megatron backend with a vision-language model: context_parallel_size > 1 is not supported (the image tokens of "
+    "a context-parallel rank's two sequence chunks are not filled); use 1"
 )
 
 
@@ -45,10 +47,16 @@ def vision_tower(hf_config: Mapping[str, Any], dtype: torch.dtype) -> torch.nn.M
 
 
 def fill_image_tokens(
-    embeddings: torch.Tensor, input_ids: torch.Tensor, image_embeds: torch.Tensor, image_token_id: int
+    embeddings: torch.Tensor,
+    input_ids: torch.Tensor,
+    image_embeds: torch.Tensor,
+    image_token_id: int,
+    start: int = 0,
 ) -> torch.Tensor:
-    """The decoder input [S, B, H] with its image-token positions replaced by `image_embeds` [N, H], filled in row
-    order (row 0's image tokens first, as transformers' `masked_scatter` on [B, S, H]); out of place."""
+    """The decoder input `embeddings` [s, B, H] (sequence positions start..start+s of `input_ids` [B, S]: this rank's
+    slice under sequence parallelism) with its image-token rows replaced by their rows of `image_embeds` [N, H], the
+    embeddings of all N image tokens of the micro-batch in row order (row 0's first, as transformers'
+    `masked_scatter` on [B, S, H]); out of place."""
     mask = input_ids == image_token_id  # [B, S]
     found = int(mask.sum())
     if found != image_embeds.shape[0]:
@@ -56,8 +64,12 @@ def fill_image_tokens(
             f"image tokens and image features do not match: {found} image tokens in the micro-batch, "
             f"{image_embeds.shape[0]} image embeddings from its pixel values"
         )
-    rows = embeddings.transpose(0, 1)  # [B, S, H]
-    rows = rows.masked_scatter(mask[..., None].to(rows.device), image_embeds.to(rows.dtype))
+    index = mask.flatten().cumsum(0).view_as(mask) - 1  # each image token's row in image_embeds
+    end = start + embeddings.shape[0]
+    local = mask[:, start:end]
+    rows = embeddings.transpose(0, 1)  # [B, s, H]
+    picked = image_embeds[index[:, start:end][local]].to(rows.dtype)
+    rows = rows.masked_scatter(local[..., None].to(rows.device), picked)
     return rows.transpose(0, 1).contiguous()
 
 
@@ -71,11 +83,13 @@ def _model_class() -> type:
 
         def __init__(self, *args: Any, hf_config: Mapping[str, Any], **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            if self.config.sequence_parallel or self.config.context_parallel_size > 1:
-                raise NotImplementedError(NO_SEQUENCE_SPLIT)
+            if self.config.context_parallel_size > 1:
+                raise NotImplementedError(NO_CONTEXT_PARALLEL)
             self.image_token_id = int(hf_config["image_token_id"])
             if self.pre_process:
                 self.vision_model = vision_tower(hf_config, self.config.params_dtype)
+                for param in self.vision_model.parameters():  # each TP rank's gradient is its slice's part: summed
+                    param.sequence_parallel = self.config.sequence_parallel
 
         @classmethod
         def spec_kwargs(cls, spec: ConversionSpec) -> dict[str, Any]:
@@ -103,9 +117,10 @@ def _model_class() -> type:
             if position_ids.dim() == 2:
                 position_ids = position_ids[None].expand(3, *position_ids.shape)
             if self.pre_process and decoder_input is None and pixel_values is not None:
-                embeddings = self.embedding(input_ids=input_ids, position_ids=None)
+                embeddings = self.embedding(input_ids=input_ids, position_ids=None)  # this rank's slice under SP
+                start = self.pg_collection.tp.rank() * embeddings.shape[0] if self.config.sequence_parallel else 0
                 image = self.image_embeddings(pixel_values, image_grid_thw)
-                decoder_input = fill_image_tokens(embeddings, input_ids, image, self.image_token_id)
+                decoder_input = fill_image_tokens(embeddings, input_ids, image, self.image_token_id, start)
             return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
 
     QwenVLModel.__module__ = __name__

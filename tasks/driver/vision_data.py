@@ -126,15 +126,10 @@ IMAGE_TRAINERS = ("torch", "megatron")  # actor backends with an image path
 def _check_megatron(cfg: RunConfig) -> None:
     """What the Megatron-Core image path (`engines.megatron.vlm_model`) does not run yet."""
     actor = cfg.actor
-    if getattr(actor, "sequence_parallel", False):
-        raise ValueError(
-            "actor.sequence_parallel: the megatron backend does not split an image batch's sequence yet; turn it off "
-            "(docs/vlm.md)"
-        )
     if getattr(actor, "context_parallel_size", 1) > 1:
         raise ValueError(
             f"actor.context_parallel_size={actor.context_parallel_size}: the megatron backend does not split an image "
-            "batch's sequence yet; use 1 (docs/vlm.md)"
+            "batch's sequence over context-parallel ranks yet; use 1 (docs/vlm.md)"
         )
     if actor.freeze or actor.optim.group_lr:
         field = "actor.freeze" if actor.freeze else "actor.optim.group_lr"

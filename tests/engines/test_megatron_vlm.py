@@ -131,16 +131,26 @@ def test_dist_checkpoint_loads_back_and_continues_bitwise(megatron_step: dict) -
     assert max_diff(run["restored_next_weights"], run["next_weights"]) == 0.0
 
 
-def hf_logits(path: Path, inputs: dict[str, torch.Tensor], images: bool = True) -> torch.Tensor:
+def hf_forward(path: Path, inputs: dict[str, torch.Tensor], images: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The HF model's logits, and its vision tower's flattened gradient of sum(logits * W) over the valid tokens (W
+    = `parity.logit_weights`, as the megatron worker takes it)."""
+    from rlstages.engines.megatron.parity import logit_weights
+
     model = load_causal_lm(path, "float32").eval()
     extra = {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]} if images else {}
-    with torch.no_grad():
-        return model(
-            input_ids=inputs["input_ids"], attention_mask=inputs["valid"], position_ids=inputs["position_ids"], **extra
-        ).logits
+    logits = model(
+        input_ids=inputs["input_ids"], attention_mask=inputs["valid"], position_ids=inputs["position_ids"], **extra
+    ).logits
+    weights = logit_weights(*logits.shape[:2], model.config.text_config.vocab_size)[..., : logits.shape[-1]]
+    if images:
+        (logits * weights * inputs["valid"][..., None]).sum().backward()
+        grad = torch.cat([p.grad.flatten() for p in model.model.visual.parameters()])
+    return logits.detach(), grad if images else torch.zeros(0)
 
 
-def test_image_logits_equal_hf_at_tp2_and_pp2(tiny_vlm_dir: Path, batch, megatron_step: dict, tmp_path: Path) -> None:
+def test_image_logits_equal_hf_at_tp2_pp2_and_sequence_parallel(
+    tiny_vlm_dir: Path, batch, megatron_step: dict, tmp_path: Path
+) -> None:
     from rlstages.engines.convert import convert_hf_to_mcore
     from rlstages.engines.megatron.parity import image_logits_many
     from rlstages.engines.models import build_tiny_model
@@ -154,22 +164,27 @@ def test_image_logits_equal_hf_at_tp2_and_pp2(tiny_vlm_dir: Path, batch, megatro
         "pixel_values": images["pixel_values"],
         "image_grid_thw": images["image_grid_thw"],
     }
+    assert inputs["input_ids"].shape[1] % 2  # an odd length: sequence parallelism pads it for its 2 slices
     save_file(inputs, tmp_path / "inputs.safetensors")
-    layouts = [(2, 1), (1, 2)]
+    layouts = [(2, 1, False), (1, 2, False), (2, 1, True)]  # TP2, PP2, TP2 with sequence parallelism
     cases = [
         [
-            (convert_hf_to_mcore(tiny_vlm_dir, tmp_path / f"vl-{tp}-{pp}", tp=tp, pp=pp), "ranks"),
-            (convert_hf_to_mcore(qwen25, tmp_path / f"vl25-{tp}-{pp}", tp=tp, pp=pp), "ranks"),
+            (convert_hf_to_mcore(tiny_vlm_dir, tmp_path / f"vl-{tp}-{pp}", tp=tp, pp=pp, overwrite=True), "ranks"),
+            (convert_hf_to_mcore(qwen25, tmp_path / f"vl25-{tp}-{pp}", tp=tp, pp=pp, overwrite=True), "ranks"),
             (megatron_step["ckpt"], "dist_ckpt"),  # saved at TP=1 after a step, resharded
         ]
-        for tp, pp in layouts
+        for tp, pp, _ in layouts
     ]
     got = image_logits_many(cases, tmp_path / "inputs.safetensors", layouts)
-    refs = [hf_logits(tiny_vlm_dir, inputs), hf_logits(qwen25, inputs), hf_logits(megatron_step["hf"], inputs)]
+    refs = [hf_forward(tiny_vlm_dir, inputs), hf_forward(qwen25, inputs), hf_forward(megatron_step["hf"], inputs)]
     valid = inputs["valid"].bool()
-    for layout, logits in zip(layouts, got, strict=True):
-        for case, (mine, ref) in enumerate(zip(logits, refs, strict=True)):
-            diff = float((mine[..., : ref.shape[-1]][valid] - ref[valid]).abs().max())
+    for layout, outputs in zip(layouts, got, strict=True):
+        for case, (mine, (ref, ref_grad)) in enumerate(zip(outputs, refs, strict=True)):
+            diff = float((mine["logits"][..., : ref.shape[-1]][valid] - ref[valid]).abs().max())
             assert diff <= 1e-5, (layout, case, diff)
-    without_images = hf_logits(tiny_vlm_dir, inputs, images=False)  # the images change the logits: they are used
-    assert float((got[0][0][..., : without_images.shape[-1]][valid] - without_images[valid]).abs().max()) > 1e-3
+            if "vision_grad" in mine:  # TP layouts, rank-file cases: the vision tower's gradient is HF's
+                assert float((mine["vision_grad"] - ref_grad).abs().max()) <= 1e-5 * float(ref_grad.abs().max())
+    assert all("vision_grad" in got[i][c] for i in (0, 2) for c in (0, 1))
+    without_images, _ = hf_forward(tiny_vlm_dir, inputs, images=False)  # the images change the logits: they are used
+    mine = got[0][0]["logits"][..., : without_images.shape[-1]]
+    assert float((mine[valid] - without_images[valid]).abs().max()) > 1e-3

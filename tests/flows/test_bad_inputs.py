@@ -455,13 +455,6 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     ("image-text-model", ["run", B, IMAGES % "img-good"], {}, "is a qwen2 model, not a vision-language one"),
     ("image-backend", ["run", B, VLM, IMAGES % "img-good", "actor.backend=deepspeed"], {}, "does not train on images"),
     (
-        "image-megatron-sequence-parallel",
-        ["run", B, VLM, IMAGES % "img-good", "actor.backend=megatron", "actor.num_workers=2"]
-        + ["actor.tensor_model_parallel_size=2", "actor.sequence_parallel=true"],
-        {},
-        "actor.sequence_parallel: the megatron backend does not split an image batch's sequence yet",
-    ),
-    (
         "image-megatron-freeze",
         ["run", B, VLM, IMAGES % "img-good", "actor.backend=megatron", "actor.freeze=[vision_tower]"],
         {},
