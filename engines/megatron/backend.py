@@ -145,6 +145,10 @@ class MegatronBackend:
                 "megatron offload %s: no-ops without CUDA (weights/grads/states already in host memory)", self.offload
             )
         self.optimizer: Any = None
+        if settings.trainable and options.freeze:  # a vision-language model's parts left untrained
+            from rlstages.engines.megatron.vlm_model import freeze
+
+            freeze(self.chunks, options.freeze)
         if not settings.trainable:
             for chunk in self.chunks:
                 chunk.requires_grad_(False).eval()

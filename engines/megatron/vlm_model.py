@@ -18,12 +18,13 @@ attribute access).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from rlstages.engines.convert.spec import ConversionSpec
+from rlstages.engines.convert.vlm_templates import VISION_PREFIX
 
 NO_CONTEXT_PARALLEL = (
     "megatron backend with a vision-language model: context_parallel_size > 1 is not supported (the image tokens of "
@@ -71,6 +72,27 @@ def fill_image_tokens(
     picked = image_embeds[index[:, start:end][local]].to(rows.dtype)
     rows = rows.masked_scatter(local[..., None].to(rows.device), picked)
     return rows.transpose(0, 1).contiguous()
+
+
+def component(name: str) -> str:
+    """The part a Megatron parameter belongs to (`vision.component`'s on Megatron names): `vision_model.merger.*` is
+    the projector, the rest of `vision_model.*` the vision tower, everything else the language model."""
+    name = name.removeprefix("module.")
+    if name.startswith(VISION_PREFIX + "merger."):
+        return "projector"
+    return "vision_tower" if name.startswith(VISION_PREFIX) else "language_model"
+
+
+def freeze(chunks: list[Any], parts: Sequence[str]) -> int:
+    """Stop the gradient of the named parts' parameters (before megatron's DDP and optimizer are built, which then
+    leave them out); returns how many tensors were frozen."""
+    frozen = 0
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if component(name) in parts:
+                param.requires_grad_(False)
+                frozen += 1
+    return frozen
 
 
 @functools.cache

@@ -55,9 +55,9 @@ PROMPTS = [  # 4 and 12 + 4 image tokens, rows of different lengths (left paddin
 ]
 
 
-def settings(path: Path, backend: str) -> TrainerSettings:
+def settings(path: Path, backend: str, **options) -> TrainerSettings:
     config = MegatronTrainingConfig if backend == "megatron" else TorchTrainingConfig
-    train = config(optim=OptimConfig(lr=LR, total_steps=10), micro_batch_size=2)  # 2 micro-batches of image rows
+    train = config(optim=OptimConfig(lr=LR, total_steps=10), micro_batch_size=2, **options)  # 2 micro-batches
     return TrainerSettings(str(path), train=train)  # type: ignore[arg-type]
 
 
@@ -129,6 +129,19 @@ def test_dist_checkpoint_loads_back_and_continues_bitwise(megatron_step: dict) -
     assert max_diff(run["restored_after"], run["after"]) == 0.0
     assert without_perf(run["restored_next"]) == without_perf(run["next"])
     assert max_diff(run["restored_next_weights"], run["next_weights"]) == 0.0
+
+
+def test_freezing_the_vision_tower_equals_the_torch_backend(tiny_vlm_dir: Path, batch) -> None:
+    ref = PPOTrainer(settings(tiny_vlm_dir, "torch", freeze=("vision_tower",)))
+    engine = PPOTrainer(settings(tiny_vlm_dir, "megatron", freeze=("vision_tower",)))
+    before = weights(engine)
+    ref_metrics, metrics = ref.train_step(batch), engine.train_step(batch)
+    after = weights(engine)
+    assert metrics["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-5)  # over the trained parts only
+    assert max_diff(after, weights(ref)) <= STEP_ATOL
+    tower = [k for k in after if k.startswith("model.visual.") and ".merger." not in k]
+    assert tower and all(torch.equal(after[k], before[k]) for k in tower)
+    assert not torch.equal(after["model.visual.merger.mlp.2.weight"], before["model.visual.merger.mlp.2.weight"])
 
 
 def hf_forward(path: Path, inputs: dict[str, torch.Tensor], images: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

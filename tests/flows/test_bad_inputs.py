@@ -455,10 +455,10 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     ("image-text-model", ["run", B, IMAGES % "img-good"], {}, "is a qwen2 model, not a vision-language one"),
     ("image-backend", ["run", B, VLM, IMAGES % "img-good", "actor.backend=deepspeed"], {}, "does not train on images"),
     (
-        "image-megatron-freeze",
-        ["run", B, VLM, IMAGES % "img-good", "actor.backend=megatron", "actor.freeze=[vision_tower]"],
+        "image-megatron-group-lr",
+        ["run", B, VLM, IMAGES % "img-good", "actor.backend=megatron", "actor.optim.group_lr={projector: 0.01}"],
         {},
-        "actor.freeze: per-part freezing and learning rates run on the torch backend only",
+        "actor.optim.group_lr: per-part learning rates run on the torch backend only",
     ),
     # ... a config path that is a directory, output files that cannot be written, an unknown time zone
     ("config-is-dir", ["run", "foreign"], {}, "foreign: is a directory, expected a YAML file"),
