@@ -45,7 +45,7 @@ class _TrainingCommon(StrictModel):
     freeze: tuple[ModelPart, ...] = Field(
         default=(),
         description="Parts of a vision-language model left untrained: vision_tower, projector, language_model "
-        "(torch backend).",
+        "(torch and megatron backends).",
     )
 
 
