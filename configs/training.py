@@ -26,7 +26,7 @@ class OptimConfig(StrictModel):
     group_lr: dict[ModelPart, float] = Field(
         default_factory=dict,
         description="A vision-language model's learning rate per part (vision_tower, projector, language_model); "
-        "parts not named take `lr` (torch backend).",
+        "parts not named take `lr` (torch and megatron backends).",
     )
 
 

@@ -145,10 +145,10 @@ class MegatronBackend:
                 "megatron offload %s: no-ops without CUDA (weights/grads/states already in host memory)", self.offload
             )
         self.optimizer: Any = None
-        if settings.trainable and options.freeze:  # a vision-language model's parts left untrained
-            from rlstages.engines.megatron.vlm_model import freeze
+        if settings.trainable and self.vision_ids:  # a vision-language model: its parts frozen or at their own LR
+            from rlstages.engines.megatron.vlm_model import split_parts
 
-            freeze(self.chunks, options.freeze)
+            split_parts(self.chunks, options.freeze)
         if not settings.trainable:
             for chunk in self.chunks:
                 chunk.requires_grad_(False).eval()

@@ -31,13 +31,18 @@ OPTIM_METADATA = {
 }
 
 
+PART_ATTR = "rlstages_part_{}"  # a parameter attribute naming its part of a vision-language model (`vlm_model.tag`)
+
+
 def build_optimizer(
     models: list[Any], optim: OptimConfig, dtype: torch.dtype, distributed: bool, offload: bool, fraction: float
 ) -> Any:
     """`get_megatron_optimizer` (Adam, decoupled weight decay on every parameter as the torch backend) over
     DDP-wrapped chunks; `offload` -> megatron's CPU optimizer offload of `fraction` of the states (the caller
-    asks it on a GPU worker only)."""
+    asks it on a GPU worker only). `optim.group_lr` gives the parameters tagged with a part (`PART_ATTR`) their
+    own param group, its `max_lr` that part's rate (`optimizer_step` scales each group by max_lr / lr)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer.optimizer_config import ParamKey
 
     config = OptimizerConfig(
         optimizer="adam",
@@ -53,8 +58,9 @@ def build_optimizer(
         optimizer_cpu_offload=offload,
         optimizer_offload_fraction=fraction if offload else 0.0,
     )
-    with cuda_shim.cuda_as_cpu():  # config_overrides={}: no weight-decay exemptions for biases / norms
-        return get_megatron_optimizer(config, models, config_overrides={})
+    overrides = {ParamKey(attr=PART_ATTR.format(part)): {"max_lr": lr} for part, lr in optim.group_lr.items()}
+    with cuda_shim.cuda_as_cpu():  # no weight-decay exemptions for biases / norms (not the default overrides)
+        return get_megatron_optimizer(config, models, config_overrides=overrides)
 
 
 def optimizer_step(optimizer: Any, optim: OptimConfig, lr: float) -> float:
@@ -62,8 +68,8 @@ def optimizer_step(optimizer: Any, optim: OptimConfig, lr: float) -> float:
     backend's rule); returns the pre-clip norm. Gradients must be reduced already."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    for group in optimizer.param_groups:  # a part's group (`optim.group_lr`): its own rate, on the same schedule
+        group["lr"] = lr * group.get("max_lr", optim.lr) / optim.lr
     with cuda_shim.cuda_as_cpu():
         if optimizer.prepare_grads():  # loss-scale overflow (never without fp16)
             return float("nan")

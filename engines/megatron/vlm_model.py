@@ -83,16 +83,18 @@ def component(name: str) -> str:
     return "vision_tower" if name.startswith(VISION_PREFIX) else "language_model"
 
 
-def freeze(chunks: list[Any], parts: Sequence[str]) -> int:
-    """Stop the gradient of the named parts' parameters (before megatron's DDP and optimizer are built, which then
-    leave them out); returns how many tensors were frozen."""
-    frozen = 0
+def split_parts(chunks: list[Any], freeze: Sequence[str]) -> None:
+    """Before megatron's DDP and optimizer are built: tag every parameter with its part (`optim.PART_ATTR`, which
+    `optim.build_optimizer` groups by for per-part learning rates) and stop the gradient of the parts in `freeze`
+    (DDP and the optimizer then leave them out)."""
+    from rlstages.engines.megatron.optim import PART_ATTR
+
     for chunk in chunks:
         for name, param in chunk.named_parameters():
-            if component(name) in parts:
+            part = component(name)
+            setattr(param, PART_ATTR.format(part), True)
+            if part in freeze:
                 param.requires_grad_(False)
-                frozen += 1
-    return frozen
 
 
 @functools.cache

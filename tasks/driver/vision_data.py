@@ -131,8 +131,6 @@ def _check_megatron(cfg: RunConfig) -> None:
             f"actor.context_parallel_size={actor.context_parallel_size}: the megatron backend does not split an image "
             "batch's sequence over context-parallel ranks yet; use 1 (docs/vlm.md)"
         )
-    if actor.optim.group_lr:
-        raise ValueError("actor.optim.group_lr: per-part learning rates run on the torch backend only (docs/vlm.md)")
 
 
 def _check_backends(cfg: RunConfig) -> None:

@@ -55,9 +55,10 @@ PROMPTS = [  # 4 and 12 + 4 image tokens, rows of different lengths (left paddin
 ]
 
 
-def settings(path: Path, backend: str, **options) -> TrainerSettings:
+def settings(path: Path, backend: str, group_lr: dict | None = None, **options) -> TrainerSettings:
     config = MegatronTrainingConfig if backend == "megatron" else TorchTrainingConfig
-    train = config(optim=OptimConfig(lr=LR, total_steps=10), micro_batch_size=2, **options)  # 2 micro-batches
+    optim = OptimConfig(lr=LR, total_steps=10, group_lr=group_lr or {})
+    train = config(optim=optim, micro_batch_size=2, **options)  # 2 micro-batches of image rows
     return TrainerSettings(str(path), train=train)  # type: ignore[arg-type]
 
 
@@ -131,17 +132,21 @@ def test_dist_checkpoint_loads_back_and_continues_bitwise(megatron_step: dict) -
     assert max_diff(run["restored_next_weights"], run["next_weights"]) == 0.0
 
 
-def test_freezing_the_vision_tower_equals_the_torch_backend(tiny_vlm_dir: Path, batch) -> None:
-    ref = PPOTrainer(settings(tiny_vlm_dir, "torch", freeze=("vision_tower",)))
-    engine = PPOTrainer(settings(tiny_vlm_dir, "megatron", freeze=("vision_tower",)))
+def test_freezing_and_a_projector_learning_rate_equal_the_torch_backend(tiny_vlm_dir: Path, batch) -> None:
+    parts = {"freeze": ("vision_tower",), "group_lr": {"projector": 2 * LR}}
+    ref = PPOTrainer(settings(tiny_vlm_dir, "torch", **parts))
+    engine = PPOTrainer(settings(tiny_vlm_dir, "megatron", **parts))
     before = weights(engine)
     ref_metrics, metrics = ref.train_step(batch), engine.train_step(batch)
-    after = weights(engine)
+    after, ref_after = weights(engine), weights(ref)
     assert metrics["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-5)  # over the trained parts only
-    assert max_diff(after, weights(ref)) <= STEP_ATOL
-    tower = [k for k in after if k.startswith("model.visual.") and ".merger." not in k]
-    assert tower and all(torch.equal(after[k], before[k]) for k in tower)
-    assert not torch.equal(after["model.visual.merger.mlp.2.weight"], before["model.visual.merger.mlp.2.weight"])
+    projector = [k for k in after if k.startswith("model.visual.merger.")]
+    tower = [k for k in after if k.startswith("model.visual.") and k not in projector]
+    assert tower and all(torch.equal(after[k], before[k]) for k in tower)  # frozen
+    assert max_diff({k: after[k] for k in projector}, {k: ref_after[k] for k in projector}) <= 2 * STEP_ATOL
+    assert max(float((after[k] - before[k]).abs().max()) for k in projector) > 1.5 * LR  # Adam's step: ~ its lr
+    rest = [k for k in after if k not in projector]
+    assert max_diff({k: after[k] for k in rest}, {k: ref_after[k] for k in rest}) <= STEP_ATOL
 
 
 def hf_forward(path: Path, inputs: dict[str, torch.Tensor], images: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
