@@ -26,6 +26,11 @@ expert gradients reduced by megatron's DDP over the expert-data-parallel group, 
 Uneven pipeline stages (`num_layers_in_first/last_pipeline_stage`) go to megatron-core's TransformerConfig and to
 the converter's layer map alike (`ConversionSpec.first_stage_layers`), so each stage loads the layers it builds.
 
+Vision-language models (the `qwen2_vl` / `qwen2_5_vl` templates, `megatron.vlm_model.QwenVLModel`): an image
+micro-batch passes its pixel values, image grids and M-RoPE positions to every chunk (`parallel.run_schedule`), the
+log-probs take the vision tokens out of the distribution as the torch backend does, and `freeze` / `optim.group_lr`
+act on the parts (`vlm_model.split_parts`, `optim.build_optimizer`).
+
 Sequence parallelism runs with torch norms too (`cuda_shim.apply_torch_norm_sp_shim`); an MoE model under TP > 1
 always runs with it (megatron-core trains MoE layers under TP only so). Non-goals: float16 and bf16_autocast (use
 dtype bfloat16); without CUDA also activation recompute.
