@@ -219,8 +219,8 @@ class VLLMRolloutEngine:
         for i, out in enumerate(outputs):
             if encoded is not None and list(out.prompt_token_ids or []) != prompt_ids[i]:
                 raise RuntimeError(
-                    f"vLLM expanded prompt {prompts[i].uid}'s image tokens to {len(out.prompt_token_ids or [])} "
-                    f"tokens, the image processor to {len(prompt_ids[i])}: their image sizes differ"
+                    f"prompt {prompts[i].uid}: vLLM's model saw {len(out.prompt_token_ids or [])} tokens, the batch "
+                    f"holds {len(prompt_ids[i])}: vLLM's image processor sized an image differently"
                 )
             for sample in sorted(out.outputs, key=lambda c: c.index):
                 ids = list(sample.token_ids)

@@ -159,7 +159,10 @@ def test_image_rollout_logprobs_and_vision_tower_sync(engine, vlm_dir: Path) -> 
     width = ref[T.PROMPT_IDS].shape[1]
     assert torch.equal(batch[T.PROMPT_IDS], ref[T.PROMPT_IDS])
     for ours, theirs in zip(T.get_multi_modal(batch), T.get_multi_modal(ref), strict=True):
-        assert all(torch.equal(ours[k], theirs[k]) for k in ("pixel_values", "image_grid_thw"))
+        assert torch.equal(ours["image_grid_thw"], theirs["image_grid_thw"])
+        # .venv-vllm's image processor may be transformers' torchvision one (vLLM's needs torchvision), this venv's
+        # the PIL one: the images are whole patches (no resize), so only float rounding may differ
+        assert torch.allclose(ours["pixel_values"], theirs["pixel_values"], atol=1e-5)
     assert torch.equal(batch[T.ROPE_POSITION_IDS][..., :width], ref[T.ROPE_POSITION_IDS][..., :width])
     assert batch[T.ROPE_POSITION_IDS].shape == (6, 3, width + batch[T.RESPONSE_IDS].shape[1])
 
