@@ -1,15 +1,17 @@
 """Qwen2-VL / Qwen2.5-VL on the Megatron-Core backend (`engines/megatron/vlm_model.py`: the vision tower on the first
-pipeline stage, image embeddings written into the image-token rows, megatron-core's M-RoPE) against HF on the same
-weights and image batch (tiny random models: text hidden 64, 2 layers; one vision block of width 32).
+pipeline stage, image embeddings written into the image-token rows, megatron-core's M-RoPE) against HF and the torch
+backend on the same weights and image batch (tiny random models: text hidden 64, 2 layers; one vision block of
+width 32).
 
 In this process at TP=1: trainer log-probs equal the torch backend's, the conversion is exact, one GRPO step gives the
-same metrics and moved weights (vision tower and projector included), and a megatron-core dist checkpoint (model +
-optimizer) loads back and continues bit for bit. One 2-rank gloo world then runs HF-converted Qwen2-VL and
-Qwen2.5-VL at TP=2 and at PP=2, and that dist checkpoint (saved at TP=1) resharded to each: logits on image prompts
-equal HF's.
+same metrics and moved weights (vision tower and projector included), freezing and a per-part learning rate act as
+on torch, and a megatron-core dist checkpoint (model + optimizer) loads back and continues bit for bit. Two 2-rank
+gloo worlds: (1) HF-converted Qwen2-VL and Qwen2.5-VL at TP=2, at PP=2 and at TP=2 with sequence parallelism, and
+that dist checkpoint (saved at TP=1) resharded to each: logits on image prompts equal HF's, and the vision tower's
+gradient too; (2) the trainer itself at TP=2 with sequence parallelism and at PP=2: the torch backend's GRPO step.
 
 Run: .venv/bin/python -m pytest tests/engines/test_megatron_vlm.py -q
-Hardware: CPU only (megatron-core local spec, gloo, the cuda_shim); one 2-process world; ~40 s on 2 cores.
+Hardware: CPU only (megatron-core local spec, gloo, the cuda_shim); two 2-process worlds; ~35 s on 2 cores.
 Skipped without megatron-core.
 """
 
@@ -206,3 +208,32 @@ def test_image_logits_equal_hf_at_tp2_pp2_and_sequence_parallel(
     without_images, _ = hf_forward(tiny_vlm_dir, inputs, images=False)  # the images change the logits: they are used
     mine = got[0][0]["logits"][..., : without_images.shape[-1]]
     assert float((mine[valid] - without_images[valid]).abs().max()) > 1e-3
+
+
+def test_grpo_step_at_tp2_with_sequence_parallelism_and_at_pp2(
+    tiny_vlm_dir: Path, batch, megatron_step: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer itself in one 2-process gloo world: TP=2 with sequence parallelism (each rank fills its slice's
+    image tokens, the vision tower's gradients summed over TP) and PP=2 (1F1B over two image micro-batches) take
+    the torch backend's GRPO step."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from rlstages.engines.megatron.gloo_world import run_world
+
+    T.save_batch(batch, tmp_path / "batch.safetensors")
+    here = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+    layouts = [
+        {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+        {"pipeline_model_parallel_size": 2},
+    ]
+    kwargs = {"model": str(tiny_vlm_dir), "batch": str(tmp_path / "batch.safetensors"), "out": str(tmp_path)}
+    by_rank = run_world("megatron_vlm_worker:train_step_worker", 2, {**kwargs, "lr": LR, "layouts": layouts})
+    ref, ref_after = megatron_step["ref_metrics"], megatron_step["ref_after"]
+    for i, layout in enumerate(layouts):
+        metrics = by_rank[-1][i]  # rank 1: the last pipeline stage at PP=2 (where the loss is), a TP rank at TP=2
+        assert metrics["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), layout
+        assert metrics["pg_loss"] == pytest.approx(ref["pg_loss"], abs=1e-6), layout
+        assert max_diff(load_file(tmp_path / f"{i}.safetensors"), ref_after) <= STEP_ATOL, layout
