@@ -171,10 +171,13 @@ def _hf_logits(
         model = (loader or _default_loader)(Path(hf_path))
     else:  # rebuild the HF model from the converted checkpoint itself (export path)
         from rlstages.engines.convert.mcore_to_hf import mcore_to_hf
+        from rlstages.engines.models.vision import module_name, vision_model_class
 
         config = AutoConfig.from_pretrained(mcore_dir / HF_FILES_DIR)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        missing, unexpected = model.load_state_dict(dict(mcore_to_hf(mcore_dir, spec)), strict=False)
+        vision_cls = vision_model_class(config.model_type)  # a VLM: its class; the export's on-disk names mapped
+        model = vision_cls(config) if vision_cls else AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        weights = {module_name(k) if vision_cls else k: v for k, v in mcore_to_hf(mcore_dir, spec)}
+        missing, unexpected = model.load_state_dict(weights, strict=False)
         if unexpected or [m for m in missing if "lm_head" not in m]:
             raise ValueError(f"exported weights do not fit the HF model: missing {missing}, unexpected {unexpected}")
         model.tie_weights()
