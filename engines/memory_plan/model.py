@@ -38,7 +38,10 @@ class ModelDims:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelDims:
-        """From an HF config.json's keys."""
+        """From an HF config.json's keys (a vision-language model's `text_config`: its language model; the vision
+        tower, a few percent of the weights, is not counted)."""
+        if isinstance(cfg.get("text_config"), dict):
+            cfg = {**cfg, **cfg["text_config"], "model_type": cfg.get("model_type")}
         hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
         layers = cfg["num_hidden_layers"]
         experts = cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0
@@ -65,7 +68,7 @@ class ModelDims:
             head_dim=cfg.get("head_dim") or hidden // heads,
             vocab=cfg["vocab_size"],
             tied=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+            qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") in ("qwen2", "qwen2_vl", "qwen2_5_vl"))),
             experts=experts,
             top_k=cfg.get("num_experts_per_tok", 0) if experts else 0,
             expert_width=width if experts else 0,

@@ -135,3 +135,26 @@ def test_plan_command_prints_each_stage_and_exits_3_when_it_does_not_fit() -> No
         app, ["config", "show", "--schema-only", str(ROOT / "configs" / "qwen2_7b_grpo_megatron.yaml")]
     )
     assert shown.exit_code == 0 and "#   gpu_peak_gib:" in shown.output
+
+
+def test_a_vision_language_models_sizes_come_from_its_text_config(tiny_vlm_dir: Path) -> None:
+    """transformers >= 5 keeps a Qwen2-VL's language sizes under `text_config` (`config show` read them at the top
+    level and failed); the plan counts the language model, not the small vision tower."""
+    from transformers import AutoModelForImageTextToText
+
+    from rlstages.engines.memory_plan.model import ModelDims
+
+    hf = json.loads((tiny_vlm_dir / "config.json").read_text())
+    dims = ModelDims.from_hf(hf)
+    assert (dims.model_type, dims.hidden, dims.layers, dims.heads, dims.kv_heads, dims.vocab) == (
+        "qwen2_vl",
+        64,
+        2,
+        4,
+        2,
+        512,
+    )
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir)
+    text = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("model.visual."))
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"model.path={tiny_vlm_dir}"])
+    assert plan(cfg, hf).fullest.params == text
