@@ -282,6 +282,8 @@ def _model_sizes(cfg: RunConfig) -> dict[str, int] | None:
             return None  # the pre-flight's model check names the file and what is wrong with it
         if not isinstance(raw, dict):
             return None
+        if isinstance(raw.get("text_config"), dict):  # a vision-language model: its language model's sizes
+            raw = {**raw, **raw["text_config"]}
         keys = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")
         if all(k in raw for k in keys[:2]):
             raw.setdefault("num_key_value_heads", raw["num_attention_heads"])

@@ -454,6 +454,13 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     ),
     ("image-text-model", ["run", B, IMAGES % "img-good"], {}, "is a qwen2 model, not a vision-language one"),
     ("image-backend", ["run", B, VLM, IMAGES % "img-good", "actor.backend=deepspeed"], {}, "does not train on images"),
+    (
+        "image-megatron-tp-over-heads",
+        ["run", B, VLM, IMAGES % "img-good", "actor.backend=megatron", "actor.num_workers=8"]
+        + ["actor.tensor_model_parallel_size=8"],
+        {},
+        "actor.tensor_model_parallel_size=8 must divide the model's attention heads (4)",
+    ),
     # ... a config path that is a directory, output files that cannot be written, an unknown time zone
     ("config-is-dir", ["run", "foreign"], {}, "foreign: is a directory, expected a YAML file"),
     ("show-config-is-dir", ["config", "show", "models"], {}, "models: is a directory, expected a YAML file"),
