@@ -69,7 +69,8 @@ def optimizer_step(optimizer: Any, optim: OptimConfig, lr: float) -> float:
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
     for group in optimizer.param_groups:  # a part's group (`optim.group_lr`): its own rate, on the same schedule
-        group["lr"] = lr * group.get("max_lr", optim.lr) / optim.lr
+        scale = group.get("max_lr", optim.lr) / optim.lr
+        group["lr"] = lr if scale == 1.0 else lr * scale
     with cuda_shim.cuda_as_cpu():
         if optimizer.prepare_grads():  # loss-scale overflow (never without fp16)
             return float("nan")
