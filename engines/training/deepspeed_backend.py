@@ -34,7 +34,7 @@ from rlstages.engines.runtime.device import dist_backend
 from rlstages.engines.training import state_io
 from rlstages.engines.training.optim import adamw, adamw_kwargs, lr_scheduler
 from rlstages.engines.training.settings import TrainerSettings
-from rlstages.engines.training.torch_backend import build_model, hf_forward, prepare_model
+from rlstages.engines.training.torch_backend import build_model, hf_forward, optimizer_params, prepare_model
 from rlstages.engines.utils import free_port
 
 CKPT_DIR = "deepspeed"  # DeepSpeed's own checkpoint, relative to the `save` directory
@@ -250,12 +250,14 @@ class DeepSpeedBackend:
 def _optimizer(model: Any, settings: TrainerSettings, offload: bool) -> torch.optim.Optimizer:
     """Torch AdamW (identical to the torch backend; fused, on CUDA too, so DeepSpeed's FusedAdam and its JIT
     build are not needed), or DeepSpeed's CPU AdamW (a one-off JIT build) when the optimizer states live on
-    the CPU, which DeepSpeed requires for offload."""
+    the CPU, which DeepSpeed requires for offload. A vision-language model's parts as the torch backend groups
+    them (`actor.freeze`, `optim.group_lr`)."""
+    params = optimizer_params(model, model.parameters(), settings)
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(model.parameters(), adamw_mode=True, **adamw_kwargs(settings.optim))
-    return adamw(model.parameters(), settings.optim)
+        return DeepSpeedCPUAdam(params, adamw_mode=True, **adamw_kwargs(settings.optim))
+    return adamw(params, settings.optim)
 
 
 def _grad_norm(model: Any) -> float:

@@ -18,7 +18,14 @@ from tensordict import TensorDict
 
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
-from rlstages.engines.models.vision import forward_kwargs, suppress, vision_token_ids
+from rlstages.engines.models.vision import (
+    dummy_vision_pass,
+    forward_kwargs,
+    has_images,
+    suppress,
+    unwrap,
+    vision_token_ids,
+)
 from rlstages.engines.rollout.decode import left_pad, prefill
 from rlstages.engines.training.microbatch import by_length, mini_batches
 
@@ -41,10 +48,12 @@ def causal_lm_forward(
     prompts: SharedPrompts | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs [B, T] of `response_ids` (logits / temperature) and entropy (graph only if `entropy_grad`);
-    with `prompts` (the step's prompts, forwarded once) only the response tokens go through the model here."""
+    with `prompts` (the step's prompts, forwarded once) only the response tokens go through the model here. A
+    vision-language model's micro-batch without images runs a zero-weighted dummy pass through its vision tower
+    (`vision.dummy_vision_pass`: sharded ranks stay in step)."""
     device = _device(model)
     labels = mb[T.RESPONSE_IDS].to(device)
-    with autocast(bf16, device.type):
+    with autocast(bf16, device.type), dummy_vision_pass(model, needed=not has_images(mb)):
         logits = prompts.response_logits(model, mb) if prompts is not None else response_logits(model, mb, device)
     # one chunked pass (row chunks: no full-size fp32 copy of the logits) for both, sharing each chunk's logsumexp;
     # the entropy is a metric outside the graph unless an entropy bonus needs its gradient
@@ -64,7 +73,8 @@ def response_logits(model: Any, mb: TensorDict, device: torch.device) -> torch.T
         use_cache=False,
         **images,
     )
-    return suppress(out.logits[:, :-1], vision_token_ids(model.config)) if images else out.logits[:, :-1]
+    # a vision-language model's vision tokens are out of the distribution, as in the rollout (text rows too)
+    return suppress(out.logits[:, :-1], vision_token_ids(unwrap(model).config))
 
 
 class SharedPrompts:
@@ -110,7 +120,8 @@ class SharedPrompts:
             use_cache=True,
             logits_to_keep=response.shape[1],
         )
-        return torch.cat([last[rows].unsqueeze(1), tail.logits[:, :-1]], dim=1)
+        logits = torch.cat([last[rows].unsqueeze(1), tail.logits[:, :-1]], dim=1)
+        return suppress(logits, vision_token_ids(unwrap(model).config))  # a text batch of a vision-language model
 
     def backward(self) -> None:
         """Take the gradients the micro-batches left on the prompt caches and logits through their forward."""

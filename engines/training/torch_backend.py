@@ -56,6 +56,15 @@ def prepare_model(model: Any, settings: TrainerSettings) -> None:
     model.train()
 
 
+def optimizer_params(model: Any, params: Any, settings: TrainerSettings) -> Any:
+    """What the optimizer steps: `params`, or by part (a vision-language model's `actor.freeze` parts left out
+    and frozen, `optim.group_lr` per part) when either is set; shared by the torch and DeepSpeed backends."""
+    if not (settings.train.freeze or settings.optim.group_lr):
+        return params
+    group_lr = {str(k): v for k, v in settings.optim.group_lr.items()}
+    return param_groups(model, list(params), settings.train.freeze, group_lr, settings.optim.lr)
+
+
 def hf_forward(
     model: Any, mb: TensorDict, readout: Readout, train: TrainingConfig, prompts: P.SharedPrompts | None = None
 ) -> tuple[torch.Tensor, ...]:
@@ -105,15 +114,7 @@ class TorchBackend:
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if settings.trainable:
             stochastic = bool(getattr(settings.train, "bf16_stochastic_round", False))
-            params: Any = lora.trainable_parameters(self.model)
-            if settings.train.freeze or settings.optim.group_lr:  # a VLM's parts: frozen, or their own LR
-                params = param_groups(
-                    self.model,
-                    list(params),
-                    settings.train.freeze,
-                    {str(k): v for k, v in settings.optim.group_lr.items()},
-                    settings.optim.lr,
-                )
+            params = optimizer_params(self.model, lora.trainable_parameters(self.model), settings)
             self.optimizer = adamw(params, settings.optim, stochastic)
             self.scheduler = lr_scheduler(self.optimizer, settings.optim, settings.optim_steps)
 

@@ -125,8 +125,10 @@ def _check_backends(cfg: RunConfig) -> None:
         raise ValueError(
             f"rollout.backend: {cfg.rollout.backend} does not run image prompts yet (hf does; docs/vlm.md)"
         )
-    if cfg.actor.backend != "torch":
-        raise ValueError(f"actor.backend: {cfg.actor.backend} does not train on images yet (torch does; docs/vlm.md)")
+    if cfg.actor.backend not in ("torch", "deepspeed"):
+        raise ValueError(
+            f"actor.backend: {cfg.actor.backend} does not train on images yet (torch and deepspeed do; docs/vlm.md)"
+        )
     if getattr(getattr(cfg.rollout, "multi_turn", None), "enabled", False):
         raise ValueError("rollout.multi_turn.enabled: multi-turn rollouts with images are not built yet (docs/vlm.md)")
     if cfg.critic is not None:

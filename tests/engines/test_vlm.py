@@ -16,9 +16,17 @@ from rlstages.configs.training import OptimConfig, TorchTrainingConfig
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
 from rlstages.engines.models import load_causal_lm
-from rlstages.engines.models.vision import component, module_name, vision_token_ids
+from rlstages.engines.models.vision import (
+    component,
+    dummy_vision_pass,
+    has_images,
+    module_name,
+    vision_token_ids,
+    zero_image_output,
+)
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
 from rlstages.engines.rollout.vision_inputs import encode_image_prompts
+from rlstages.engines.training import ppo_step as P
 from rlstages.engines.training.core import PPOTrainer
 from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
@@ -125,6 +133,32 @@ def test_freeze_and_per_part_learning_rates(tiny_vlm_dir: Path, batch) -> None:
     assert lrs == {"projector": 0.5, "language_model": 1e-2}
 
 
+def test_text_only_micro_batch_runs_a_zero_dummy_vision_pass(tiny_vlm_dir: Path, rollout: HFRolloutEngine) -> None:
+    """A micro-batch without images (text prompts of a vision-language model) puts the vision tower and projector
+    in the graph with weight 0 (`dummy_vision_pass`, what keeps ZeRO-3 / FSDP ranks in step): the same logits, the
+    same language-model gradients, and zero (not missing) gradients on every vision parameter."""
+    text = rollout.generate([Prompt("t0", "2+2=", "4"), Prompt("t1", "Say hi.", "hi")], SamplingParams(n=2), seed=0)
+    assert not has_images(text)
+    model = load_causal_lm(tiny_vlm_dir)
+    runs = []
+    for needed in (False, True):
+        model.zero_grad(set_to_none=True)
+        with dummy_vision_pass(model, needed):
+            logits = P.response_logits(model, text, torch.device("cpu"))
+        (logits.log_softmax(-1)[..., 0] * text[T.RESPONSE_MASK]).sum().backward()
+        runs.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (plain, plain_grads), (dummy, dummy_grads) = runs
+    assert torch.equal(plain, dummy)
+    vision = [n for n in plain_grads if component(n) != "language_model"]
+    assert vision and all(plain_grads[n] is None for n in vision)
+    assert all(dummy_grads[n] is not None and not dummy_grads[n].any() for n in vision)
+    assert all(torch.equal(plain_grads[n], dummy_grads[n]) for n in plain_grads if n not in vision)
+    model.zero_grad(set_to_none=True)  # the trainer's forward runs the dummy pass itself
+    logp, _ = P.causal_lm_forward(model, text, 1.0, False)
+    (logp * text[T.RESPONSE_MASK]).sum().backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if n in vision)
+
+
 def test_on_disk_names_map_onto_the_model(tiny_vlm_dir: Path, rollout: HFRolloutEngine) -> None:
     disk = load_file(str(tiny_vlm_dir / "model.safetensors"))
     assert any(k.startswith("visual.") for k in disk) and any(k.startswith("model.layers.") for k in disk)
@@ -184,6 +218,9 @@ def test_qwen2_5_vl_rollout_and_trainer_agree(tmp_path: Path) -> None:
     )[0, ids.shape[1] :].tolist()  # fmt: skip
     n = int(greedy[T.RESPONSE_MASK][1].sum())
     assert greedy[T.RESPONSE_IDS][1, :n].tolist() == ref[:n]
+    assert (
+        float(zero_image_output(engine.model.model.visual).detach()) == 0.0
+    )  # its window attention takes the dummy image
     sampled = engine.generate(PROMPTS[:2], SamplingParams(n=2, max_new_tokens=5), seed=0)
     out = trainer(path).logprobs(sampled)
     assert ((out["logprobs"] - sampled[T.ROLLOUT_LOGPROBS]).abs() * sampled[T.RESPONSE_MASK]).max() < 1e-4

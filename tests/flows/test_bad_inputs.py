@@ -453,7 +453,22 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
         "has no image processor",
     ),
     ("image-text-model", ["run", B, IMAGES % "img-good"], {}, "is a qwen2 model, not a vision-language one"),
-    ("image-backend", ["run", B, VLM, IMAGES % "img-good", "actor.backend=deepspeed"], {}, "does not train on images"),
+    ("image-backend", ["run", B, VLM, IMAGES % "img-good", "actor.backend=megatron"], {}, "does not train on images"),
+    (
+        "image-multi-turn",
+        [
+            "run",
+            B,
+            VLM,
+            IMAGES % "img-good",
+            "rollout.multi_turn={enabled: true, environment: {tools: [{name: calculator}]}, "
+            "template_not_prefix_preserving: new_row}",
+            "data.apply_chat_template=true",
+            "data.chat_template='{% for m in messages %}{{ m.content }}{% endfor %}'",
+        ],
+        {},
+        "rollout.multi_turn.enabled: multi-turn rollouts with images are not built yet",
+    ),
     # ... a config path that is a directory, output files that cannot be written, an unknown time zone
     ("config-is-dir", ["run", "foreign"], {}, "foreign: is a directory, expected a YAML file"),
     ("show-config-is-dir", ["config", "show", "models"], {}, "models: is a directory, expected a YAML file"),
