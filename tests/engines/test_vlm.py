@@ -5,6 +5,7 @@ agree, one GRPO step moves the weights, freezing and per-part learning rates), o
 from __future__ import annotations
 
 import io
+import pickle
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,22 @@ def test_batch_carries_image_inputs_and_positions(batch) -> None:
     # image tokens take 2-D positions (height and width differ), the response continues every channel by one
     assert bool((rope[2, 1, :width] != rope[2, 2, :width]).any())
     assert torch.equal(rope[:, 0, width + 1 :] - rope[:, 0, width:-1], torch.ones(6, rope.shape[2] - width - 1).long())
+
+
+def test_pixel_values_travel_between_actors_without_copies(ray_session, batch) -> None:
+    """Through Ray's object store (what an actor's return value and a large argument become): each prompt group's
+    image inputs are one object read back as read-only views of the store's shared memory, not pickled copies."""
+    sent = T.get_multi_modal(batch)
+    assert sent[0] is sent[1] and sent[2] is sent[3] and sent[0] is not sent[2]  # one object per prompt group
+    ref = ray_session.put(batch)
+    back, twice = (T.get_multi_modal(ray_session.get(ref)) for _ in range(2))
+    assert back[0] is back[1] and back[2] is back[3] and back[0] is not back[2]
+    pixels = back[2]["pixel_values"]
+    assert pixels.shape == (64, 1176) and back[2].shared  # read-only buffers of the object store
+    assert twice[2]["pixel_values"].data_ptr() == pixels.data_ptr()  # two reads, one memory: no copy
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(sent, back, strict=True) for k in a)
+    again = T.get_multi_modal(pickle.loads(pickle.dumps(batch)))  # plain pickle: in-band bytes, own memory
+    assert not again[2].shared and torch.equal(again[2]["pixel_values"], pixels)
 
 
 def test_logprobs_agree_through_a_batch_file(tiny_vlm_dir: Path, batch, tmp_path: Path) -> None:
