@@ -92,6 +92,34 @@ def test_greedy_tokens_equal_generate(rollout: HFRolloutEngine) -> None:
     assert int((out[T.PROMPT_IDS][1] == model.config.image_token_id).sum()) == 12 + 4  # every image token kept
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_image_prompts_share_their_prefill(rollout: HFRolloutEngine, temperature: float) -> None:
+    """The n samples of an image prompt share its prefill, keyed by its tokens and its images (prompts 0 and 2 have
+    the same tokens, different images: two prefills): the same tokens (greedy, and sampled from one seed) and
+    log-probs as prefilling every row whole."""
+    from rlstages.engines.rollout.decode import decode
+    from rlstages.engines.rollout.vision_inputs import ImageBatch
+
+    model = rollout.model
+    prompts = encode_image_prompts(model, rollout.tokenizer, rollout.image_processor, PROMPTS, False, None)
+    assert prompts[0].ids == prompts[2].ids
+    rows = [p for p in prompts for _ in range(3)]
+    enc = rollout.tokenizer.pad({"input_ids": [p.ids for p in rows]}, padding=True, return_tensors="pt")
+    pick = rollout._picker(SamplingParams(temperature=temperature))
+    outs = []
+    for share in (True, False):
+        images = ImageBatch.of(rows, enc["input_ids"].shape[1], torch.device("cpu"), share)
+        patches = images.inputs["pixel_values"].shape[0]
+        assert patches == sum(p.inputs["pixel_values"].shape[0] for p in (prompts if share else rows))
+        torch.manual_seed(0)
+        outs.append(decode(model, enc["input_ids"], enc["attention_mask"], 8, rollout.eos_ids, pick, images=images))
+    shared, whole = outs
+    assert shared.ids == whole.ids
+    for a, b in zip(shared.logprobs, whole.logprobs, strict=True):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    assert shared.logprobs[0] != shared.logprobs[6]  # same tokens, other image: not shared
+
+
 def test_batch_carries_image_inputs_and_positions(batch) -> None:
     mm = T.get_multi_modal(batch)
     assert [tuple(m["image_grid_thw"].shape) for m in mm] == [(1, 3)] * 2 + [(2, 3)] * 2 + [(1, 3)] * 2
