@@ -161,12 +161,17 @@ def forward_kwargs(batch: Any, device: torch.device) -> dict[str, Any]:
     if T.ROPE_POSITION_IDS not in batch.keys():
         return {}
     out: dict[str, Any] = {"position_ids": batch[T.ROPE_POSITION_IDS].permute(1, 0, 2).to(device)}
-    inputs = T.get_multi_modal(batch)
-    pixels = [mm["pixel_values"] for mm in inputs if "pixel_values" in mm]
-    if pixels:
-        out["pixel_values"] = torch.cat(pixels).to(device)
-        out["image_grid_thw"] = torch.cat([mm["image_grid_thw"] for mm in inputs if "pixel_values" in mm]).to(device)
+    out.update(concat_images(T.get_multi_modal(batch), device))
     return out
+
+
+def concat_images(inputs: Sequence[Mapping[str, torch.Tensor]], device: torch.device) -> dict[str, torch.Tensor]:
+    """Rows' pixel values and grids concatenated in row order (the order the model fills image tokens in); {}
+    when no row has an image."""
+    rows = [mm for mm in inputs if "pixel_values" in mm]
+    if not rows:
+        return {}
+    return {k: torch.cat([mm[k] for mm in rows]).to(device) for k in ("pixel_values", "image_grid_thw")}
 
 
 def build_tiny_vlm(

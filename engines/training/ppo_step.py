@@ -19,6 +19,7 @@ from tensordict import TensorDict
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
 from rlstages.engines.models.vision import (
+    concat_images,
     dummy_vision_pass,
     forward_kwargs,
     has_images,
@@ -27,6 +28,7 @@ from rlstages.engines.models.vision import (
     vision_token_ids,
 )
 from rlstages.engines.rollout.decode import left_pad, prefill
+from rlstages.engines.rollout.vision_inputs import image_digest
 from rlstages.engines.training.microbatch import by_length, mini_batches
 
 SUMMED = {"pg_loss", "entropy", "kl_loss", "vf_loss"}  # partial sums under the global normaliser
@@ -83,19 +85,32 @@ class SharedPrompts:
     response tokens on top of its rows' KV caches. Under grad, the caches and last logits enter each micro-batch
     as leaves; their gradients add up over the micro-batches and `backward` takes them through the prompts'
     forward once, so the accumulated gradient is the one of forwarding every row whole. The demo's step: 8
-    prompts of ~47 tokens once (27 of them shared) instead of ~40% of 64 rows' prompts per micro-batch."""
+    prompts of ~47 tokens once (27 of them shared) instead of ~40% of 64 rows' prompts per micro-batch.
+    An image batch (M-RoPE positions): a prompt is its tokens and its images (`_prompt_keys`), forwarded whole
+    with its pixel values and positions (no common prefix between prompts), the responses at their positions."""
 
     def __init__(self, model: Any, mbs: list[TensorDict], bf16: bool) -> None:
         device = _device(model)
-        self.index: dict[tuple[int, ...], int] = {}
+        self.images = T.ROPE_POSITION_IDS in mbs[0].keys()
+        self.index: dict[Any, int] = {}
         self._rows: dict[int, torch.Tensor] = {}  # each micro-batch's rows' prompt indices, read once here
+        firsts: list[tuple[TensorDict, int]] = []  # each distinct prompt's first (micro-batch, row)
         for mb in mbs:
-            rows = [self.index.setdefault(tokens, len(self.index)) for tokens in _prompt_tokens(mb)]
+            rows = []
+            for r, key in enumerate(_prompt_keys(mb, self.images)):
+                if key not in self.index:
+                    self.index[key] = len(self.index)
+                    firsts.append((mb, r))
+                rows.append(self.index[key])
             self._rows[id(mb)] = torch.tensor(rows, device=device)
-        ids, mask = left_pad([torch.tensor(t, dtype=torch.long) for t in self.index], torch.long)
+        tokens = [key[0] if self.images else key for key in self.index]
+        ids, mask = left_pad([torch.tensor(t, dtype=torch.long) for t in tokens], torch.long)
         ids, mask = ids.to(device), mask.to(device)
         with autocast(bf16, device.type):
-            cache, logits, self.mask = prefill(model, ids, mask)
+            if self.images:
+                cache, logits, self.mask = _image_prefill(model, ids, mask, firsts)
+            else:
+                cache, logits, self.mask = prefill(model, ids, mask)
         self.config = model.config
         self._outputs = [t for layer in cache.layers for t in (layer.keys, layer.values)] + [logits]
         self._leaves = [t.detach().requires_grad_(t.requires_grad) for t in self._outputs]
@@ -107,15 +122,19 @@ class SharedPrompts:
         device = _device(model)
         rows = self._rows.get(id(mb))
         if rows is None:  # a micro-batch not given at construction
-            rows = torch.tensor([self.index[t] for t in _prompt_tokens(mb)], device=device)
+            rows = torch.tensor([self.index[k] for k in _prompt_keys(mb, self.images)], device=device)
         *kv, last = self._leaves
         cache = DynamicCache([(kv[i][rows], kv[i + 1][rows]) for i in range(0, len(kv), 2)], config=self.config)
         response = mb[T.RESPONSE_IDS].to(device)
         width = mb[T.PROMPT_IDS].shape[1]
+        if self.images:  # M-RoPE [3, B, T]: the responses' positions do not depend on the prompts' padding
+            positions = mb[T.ROPE_POSITION_IDS][:, :, width:].permute(1, 0, 2).to(device)
+        else:
+            positions = mb[T.POSITION_IDS][:, width:].to(device)
         tail = model(
             input_ids=response,
             attention_mask=torch.cat([self.mask[rows], mb[T.ATTENTION_MASK][:, width:].to(device)], dim=1),
-            position_ids=mb[T.POSITION_IDS][:, width:].to(device),
+            position_ids=positions,
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=response.shape[1],
@@ -134,6 +153,38 @@ class SharedPrompts:
             torch.autograd.backward(outs, grads)
         self._outputs, self._leaves = [], []
         self._rows = {}
+
+
+def _prompt_keys(mb: TensorDict, images: bool) -> list[Any]:
+    """What makes each row's prompt the same as another's: its real tokens, and in an image batch its images
+    (a digest: two prompts of the same text may hold different images; a group's rows hold one object)."""
+    tokens = _prompt_tokens(mb)
+    if not images:
+        return list(tokens)
+    digests: dict[int, bytes] = {}
+    rows = T.get_multi_modal(mb)
+    return [(t, digests.setdefault(id(mm), image_digest(mm))) for t, mm in zip(tokens, rows, strict=True)]
+
+
+def _image_prefill(
+    model: Any, ids: torch.Tensor, mask: torch.Tensor, firsts: list[tuple[TensorDict, int]]
+) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """KV cache, last logits and mask of distinct image prompts (left-padded `ids`): each whole, its pixel values
+    at its image tokens, its M-RoPE positions taken from the row (`firsts`: micro-batch, row) it was found in."""
+    width = ids.shape[1]
+    positions = torch.zeros(len(firsts), 3, width, dtype=torch.long)
+    inputs = []
+    for i, (mb, r) in enumerate(firsts):
+        prompt_len = mb[T.PROMPT_IDS].shape[1]
+        real = mb[T.ATTENTION_MASK][r, :prompt_len].bool()
+        pos = mb[T.ROPE_POSITION_IDS][r, :, :prompt_len][:, real]
+        positions[i, :, width - pos.shape[1] :] = pos
+        inputs.append(T.get_multi_modal(mb)[r])
+    step = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions.permute(1, 0, 2).to(ids.device), use_cache=True,
+        logits_to_keep=1, **concat_images(inputs, ids.device),
+    )  # fmt: skip
+    return step.past_key_values, step.logits[:, -1], mask
 
 
 def _prompt_tokens(mb: TensorDict) -> list[tuple[int, ...]]:

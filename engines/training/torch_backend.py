@@ -20,7 +20,6 @@ from safetensors.torch import load_file
 from tensordict import TensorDict
 
 from rlstages.configs.training import TorchTrainingConfig, TrainingConfig
-from rlstages.engines import types as T
 from rlstages.engines.base import OnOutput, Readout
 from rlstages.engines.models import load_causal_lm, lora, moe_layout, torch_dtype
 from rlstages.engines.models.vision import param_groups
@@ -129,7 +128,6 @@ class TorchBackend:
             assert self.optimizer is not None
             self.optimizer.zero_grad(set_to_none=True)
         share = bool(getattr(self.settings.train, "share_prompt_forward", False)) and not readout.values and bool(mbs)
-        share = share and T.ROPE_POSITION_IDS not in mbs[0].keys()  # image rows are forwarded whole (docs/vlm.md)
         with lora.forward_as(self.model, readout.base):
             prompts = P.SharedPrompts(self.model, mbs, self.settings.train.bf16_autocast) if share else None
             for mb in mbs:

@@ -158,6 +158,27 @@ def test_logprobs_agree_through_a_batch_file(tiny_vlm_dir: Path, batch, tmp_path
     assert diff.max() < 1e-4
 
 
+def test_shared_prompt_forward_on_image_batches(tiny_vlm_dir: Path, batch) -> None:
+    """`actor.share_prompt_forward` on an image batch: each prompt (its tokens and images) forwarded once for its
+    rows, the same log-probs and the same update (Adam's first moments, the vision tower's included) as
+    forwarding every row whole."""
+    shared = trainer(tiny_vlm_dir, share_prompt_forward=True)  # 3 micro-batches of 2 rows
+    plain = trainer(tiny_vlm_dir)
+    with torch.no_grad():
+        assert len(P.SharedPrompts(plain.backend.model, [batch], False).index) == 3  # prompts 0, 2: other images
+    mask = batch[T.RESPONSE_MASK]
+    lp_shared, lp_plain = shared.logprobs(batch), plain.logprobs(batch)
+    assert ((lp_shared["logprobs"] - lp_plain["logprobs"]).abs() * mask).max() < 1e-5
+    m_shared, m_plain = shared.train_step(batch), plain.train_step(batch)
+    assert m_shared["grad_norm"] == pytest.approx(m_plain["grad_norm"], rel=1e-4)
+    opt_shared, opt_plain = shared.backend.optimizer, plain.backend.optimizer
+    named = dict(plain.backend.model.named_parameters())
+    for name, p_shared in shared.backend.model.named_parameters():
+        grad_shared = opt_shared.state[p_shared]["exp_avg"]  # (1 - beta1) x the accumulated gradient
+        assert torch.allclose(grad_shared, opt_plain.state[named[name]]["exp_avg"], atol=1e-7, rtol=1e-4), name
+        assert grad_shared.any() or component(name) == "language_model", name  # the vision parts' gradients
+
+
 def test_grpo_step_trains_the_vision_tower(tiny_vlm_dir: Path, batch) -> None:
     engine = trainer(tiny_vlm_dir)
     before = {k: v.clone() for k, v in engine.named_weights()}
