@@ -22,7 +22,7 @@ class RolloutBackend:
 
     engine: str  # "module:Class" implementing `base.RolloutEngine`
     options: tuple[str, ...] = ()  # fields of the backend's `configs.rollout` section, passed under their names
-    run_args: tuple[str, ...] = ()  # run-level arguments it also takes: "seed", "model_type"
+    run_args: tuple[str, ...] = ()  # run-level arguments it also takes: "seed", "model_type", "max_images_per_prompt"
     actor_options: str | None = None  # "module:function" (interpreter | None) -> extra Ray actor options
 
 
@@ -53,13 +53,13 @@ ROLLOUT_BACKENDS: dict[str, RolloutBackend] = {
             "cpu_kvcache_space_gb",
             "multi_turn",
         ),
-        ("seed",),
+        ("seed", "max_images_per_prompt"),
         actor_options="rlstages.engines.rollout.vllm_rollout:vllm_actor_options",
     ),
     "sglang": RolloutBackend(
         "rlstages.engines.rollout.sglang_rollout:SGLangRolloutEngine",
         ("tp_size", "mem_fraction_static", "enable_memory_saver"),
-        ("seed",),
+        ("seed", "max_images_per_prompt"),
     ),
 }
 ROLLOUT_ENGINES: dict[str, str] = {name: b.engine for name, b in ROLLOUT_BACKENDS.items()}

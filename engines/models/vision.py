@@ -6,7 +6,9 @@ transformers' own `Qwen2VLForConditionalGeneration` / `Qwen2_5_VLForConditionalG
 checkpoint on disk names the vision tower `visual.*` and the text tower `model.layers.*`; in memory they are
 `model.visual.*` and `model.language_model.*`: `module_name` maps the first onto the second.
 
-Non-goals: images to tensors (`rollout.vision_inputs`), Megatron / vLLM / SGLang (docs/vlm.md: left for later).
+`checkpoint_name` maps the second back onto the first (the names vLLM and SGLang load).
+
+Non-goals: images to tensors (`rollout.vision_inputs`), Megatron (docs/vlm.md: left for later).
 """
 
 from __future__ import annotations
@@ -57,6 +59,15 @@ def module_name(name: str) -> str:
     for disk, memory in _DISK_TO_MEMORY:
         if name.startswith(disk):
             return memory + name[len(disk) :]
+    return name
+
+
+def checkpoint_name(name: str) -> str:
+    """The on-disk name of an in-memory one (`model.visual.x` -> `visual.x`, `model.language_model.layers.x` ->
+    `model.layers.x`): what inference engines load at start-up (vLLM, SGLang); others are returned as they are."""
+    for disk, memory in _DISK_TO_MEMORY:
+        if name.startswith(memory):
+            return disk + name[len(memory) :]
     return name
 
 

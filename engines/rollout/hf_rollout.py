@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from rlstages.engines import types as T
 from rlstages.engines.base import NamedTensors
 from rlstages.engines.models import eos_token_ids, load_causal_lm, load_tokenizer
 from rlstages.engines.models.moe_layout import ExpertSlots
@@ -28,9 +27,9 @@ from rlstages.engines.rollout.trajectory import build_trajectory_batch
 from rlstages.engines.rollout.vision_inputs import (
     ImageBatch,
     ImagePrompt,
+    add_image_fields,
     encode_image_prompts,
     load_image_processor,
-    rope_rows,
 )
 from rlstages.engines.runtime.device import free_cached, to_device, worker_device
 from rlstages.engines.types import Prompt, SamplingParams
@@ -109,10 +108,7 @@ class HFRolloutEngine:
         responses, logprobs, texts = self._apply_stop(responses, logprobs, texts, sampling.stop)
         batch = build_rollout_batch(prompts, prompt_ids, responses, logprobs, texts, sampling.n, self.pad_id)
         if row_images is not None:  # carried to the trainer: unpadded image inputs, positions computed once here
-            width = batch[T.PROMPT_IDS].shape[1]
-            T.set_multi_modal(batch, [p.inputs for p in row_images])
-            positions = [p.positions for p in row_images]
-            batch[T.ROPE_POSITION_IDS] = rope_rows(positions, width, batch[T.RESPONSE_IDS].shape[1])
+            add_image_fields(batch, row_images)
         return batch
 
     def _generate_multi_turn(self, prompts: list[Prompt], sampling: SamplingParams, seed: int) -> TensorDict:

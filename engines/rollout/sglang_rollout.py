@@ -15,6 +15,15 @@ as slime does), and split placement's collective sync (`BucketReceiver`): SGLang
 join the trainer's broadcast group (`init_weights_update_group`), the trainer sends each bucket's names, dtypes
 and shapes to this actor through Ray and broadcasts the bucket as one flat tensor, which SGLang receives with
 `update_weights_from_distributed(..., load_format="flattened_bucket")` (`rlstages.engines.sync.collective`).
+
+Image prompts (Qwen2-VL / Qwen2.5-VL; written against SGLang's API, never run: no CPU build): each prompt is
+encoded as the HF rollout does it (`rollout.vision_inputs.encode_image_prompts`; the model's class on the meta
+device for `get_rope_index`), and sent as `input_ids` (image tokens expanded) with `image_data` holding one
+`{"format": "processor_output", "pixel_values", "image_grid_thw"}` dict per request: SGLang takes token ids with
+preprocessed images as they are (no re-tokenisation, no resize), so its model sees our ids and pixels. The engine
+runs with `limit_mm_data_per_request` (images: `data.max_images_per_prompt`); vision tokens get a -100 logit
+bias; the batch carries the HF rollout's `multi_modal_inputs` and `rope_position_ids`. Weights go to SGLang under
+their on-disk names (`visual.*`, `model.layers.*`: `vision.checkpoint_name`), the names its Qwen2-VL loads.
 """
 
 from __future__ import annotations
@@ -25,7 +34,15 @@ import torch
 from tensordict import TensorDict
 
 from rlstages.engines.base import NamedTensors
+from rlstages.engines.models.vision import VISION_MODEL_TYPES, checkpoint_name, vision_token_ids
 from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
+from rlstages.engines.rollout.vision_inputs import (
+    ImagePrompt,
+    add_image_fields,
+    encode_image_prompts,
+    load_image_processor,
+    rope_model,
+)
 from rlstages.engines.sync.buckets import DEFAULT_BUCKET_BYTES, tensor_buckets
 from rlstages.engines.types import Prompt, SamplingParams
 from rlstages.engines.utils import torch_dtype
@@ -50,9 +67,11 @@ class SGLangRolloutEngine:
         system_prompt: str | None = None,
         chat_template: str | None = None,
         seed: int = 0,
+        image_pixels: tuple[int | None, int | None] = (None, None),
+        max_images_per_prompt: int = 4,
     ) -> None:
         import sglang
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         self.apply_chat_template = apply_chat_template
         self.system_prompt = system_prompt
@@ -68,8 +87,20 @@ class SGLangRolloutEngine:
         self.pad_id = int(pad) if pad is not None else min(self.eos_ids, default=0)
         self.tp_size = tp_size
         self.dtype = torch_dtype(dtype)
+        # a vision-language model: prompts encoded here as the HF rollout encodes them (module doc)
+        self.image_model: Any = None
+        self.image_processor: Any = None
+        self.vision_ids: list[int] = []
+        max_images = None
+        if AutoConfig.from_pretrained(model_path).model_type in VISION_MODEL_TYPES:
+            self.image_model = rope_model(model_path)
+            self.image_processor = load_image_processor(model_path, *image_pixels)
+            self.vision_ids = vision_token_ids(self.image_model.config)
+            max_images = max_images_per_prompt
         self.engine = sglang.Engine(
-            **engine_kwargs(model_path, dtype, tp_size, mem_fraction_static, enable_memory_saver, max_model_len, seed)
+            **engine_kwargs(
+                model_path, dtype, tp_size, mem_fraction_static, enable_memory_saver, max_model_len, seed, max_images
+            )
         )
         self._released: set[str] = set()
 
@@ -80,11 +111,20 @@ class SGLangRolloutEngine:
         when the engine runs with `enable_deterministic_inference`, otherwise samples vary run to run.
         """
         self.wake()
-        prompt_ids = format_prompts(self.tokenizer, prompts, self.apply_chat_template, self.system_prompt)
+        encoded: list[ImagePrompt] | None = None
+        if self.image_model is not None:  # image tokens expanded, pixel values and M-RoPE positions per prompt
+            chat = (self.apply_chat_template, self.system_prompt)
+            encoded = encode_image_prompts(self.image_model, self.tokenizer, self.image_processor, prompts, *chat)
+            prompt_ids = [e.ids for e in encoded]
+        else:
+            prompt_ids = format_prompts(self.tokenizer, prompts, self.apply_chat_template, self.system_prompt)
         n = sampling.n
         rows = [prompt_ids[i // n] for i in range(len(prompts) * n)]
-        params = [request_params(sampling, (seed * 1_000_003 + r) % 2**63) for r in range(len(rows))]
-        outputs = self.engine.generate(input_ids=rows, sampling_params=params, return_logprob=True)
+        params = [request_params(sampling, (seed * 1_000_003 + r) % 2**63, self.vision_ids) for r in range(len(rows))]
+        extra: dict[str, Any] = {}
+        if encoded is not None and any(e.inputs for e in encoded):
+            extra["image_data"] = [image_data(encoded[i // n]) for i in range(len(rows))]
+        outputs = self.engine.generate(input_ids=rows, sampling_params=params, return_logprob=True, **extra)
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
         for out in outputs:
@@ -97,14 +137,18 @@ class SGLangRolloutEngine:
             logprobs.append(lps)
         # one sequence per call decodes to a str (the stub's `str | list[str]` covers batched input)
         texts = cast("list[str]", [self.tokenizer.decode(r, skip_special_tokens=True) for r in responses])
-        return build_rollout_batch(prompts, prompt_ids, responses, logprobs, texts, n, self.pad_id)
+        batch = build_rollout_batch(prompts, prompt_ids, responses, logprobs, texts, n, self.pad_id)
+        if encoded is not None:  # the trainer recomputes log-probs from these, as for the HF rollout
+            add_image_fields(batch, [e for e in encoded for _ in range(n)])
+        return batch
 
     def update_weights(self, named_tensors: NamedTensors) -> None:
         """Load HF-named tensors in place, bucket by bucket, then flush the radix (prefix) cache."""
         if WEIGHTS in self._released:
             self.engine.resume_memory_occupation(tags=[WEIGHTS])
             self._released.discard(WEIGHTS)
-        stream = ((name, _cast(t, self.dtype)) for name, t in named_tensors)
+        rename = checkpoint_name if self.image_model is not None else str  # a VLM: the names SGLang loads
+        stream = ((rename(name), _cast(t, self.dtype)) for name, t in named_tensors)
         _check(self.engine.begin_weight_update(), "begin_weight_update")
         try:
             for bucket in tensor_buckets(stream, self.bucket_bytes):
@@ -146,6 +190,8 @@ class SGLangRolloutEngine:
 
     def receive_weight_bucket(self, name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> int:
         """Receive one flat bucket the source broadcasts on group `name` and load it; returns its tensor count."""
+        if self.image_model is not None:  # a VLM: the on-disk names SGLang's model loads
+            names = [checkpoint_name(n) for n in names]
         result = self.engine.update_weights_from_distributed(
             names=names,
             dtypes=dtypes,
@@ -210,9 +256,11 @@ def engine_kwargs(
     enable_memory_saver: bool,
     max_model_len: int,
     seed: int,
+    max_images: int | None = None,
 ) -> dict[str, Any]:
-    """Keyword arguments of `sglang.Engine` (fields of SGLang's `ServerArgs`)."""
-    return {
+    """Keyword arguments of `sglang.Engine` (fields of SGLang's `ServerArgs`); `max_images` (a vision-language
+    model's `data.max_images_per_prompt`) limits the images of a request."""
+    out = {
         "model_path": model_path,
         "dtype": dtype,
         "tp_size": tp_size,
@@ -223,11 +271,15 @@ def engine_kwargs(
         "random_seed": seed,
         "log_level": "error",
     }
+    if max_images is not None:
+        out["limit_mm_data_per_request"] = {"image": max_images}
+    return out
 
 
-def request_params(sampling: SamplingParams, seed: int) -> dict[str, Any]:
-    """One request's `sampling_params` dict for `sglang.Engine.generate` (one sample per request)."""
-    return {
+def request_params(sampling: SamplingParams, seed: int, banned: list[int] | tuple[int, ...] = ()) -> dict[str, Any]:
+    """One request's `sampling_params` dict for `sglang.Engine.generate` (one sample per request); `banned` token
+    ids (a VLM's vision tokens) get a -100 logit bias."""
+    out: dict[str, Any] = {
         "n": 1,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
@@ -236,6 +288,17 @@ def request_params(sampling: SamplingParams, seed: int) -> dict[str, Any]:
         "stop": list(sampling.stop) or None,
         "sampling_seed": seed,
     }
+    if banned:
+        out["logit_bias"] = {str(t): -100.0 for t in banned}
+    return out
+
+
+def image_data(prompt: ImagePrompt) -> list[dict[str, Any]] | None:
+    """One request's `image_data` for `sglang.Engine.generate`: its images already processed (a `processor_output`
+    dict of `pixel_values` and `image_grid_thw`, all the request's images in order), None without images."""
+    if not prompt.inputs:
+        return None
+    return [{"format": "processor_output", **prompt.inputs}]
 
 
 def _check(result: Any, what: str) -> None:

@@ -6,6 +6,11 @@ prompt's M-RoPE positions come from the model's own `get_rope_index`, once per p
 The result per prompt is unpadded: its token ids, its `pixel_values` / `image_grid_thw`, and its positions
 [3, P]; `rope_rows` lays them out for the batch ([B, 3, P+T]: the response continues every channel by one).
 
+Other engines: vLLM and SGLang run the model in their own processes, so `rope_model` gives them the model's class
+on the meta device (its config and `get_rope_index`, no weights) for the same `encode_image_prompts`;
+`collapse_image_pads` turns the expanded ids into vLLM's prompt form (one `<|image_pad|>` per image, which its
+processor expands again); `add_image_fields` puts the per-row image inputs and positions into any rollout batch.
+
 Why not `AutoProcessor`: transformers 5's Qwen2-VL processor needs a video processor, which needs torchvision
 (not installed here); the image processor and the tokenizer are its two halves, the expansion rule is its own.
 
@@ -107,6 +112,39 @@ def rope_positions(model: Any, ids: list[int], inputs: dict[str, torch.Tensor], 
         tokens, mm_token_type_ids=(tokens == image_id).int(), image_grid_thw=inputs["image_grid_thw"]
     )
     return positions[:, 0].cpu()
+
+
+def rope_model(path: str | Path) -> Any:
+    """A vision-language model's class built from its directory's config on the meta device: what
+    `encode_image_prompts` reads (the config and `get_rope_index`) without weights, for engines that run the
+    model in another process (vLLM, SGLang)."""
+    from transformers import AutoConfig
+
+    from rlstages.engines.models.vision import vision_model_class
+
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    model_cls = vision_model_class(config.model_type)
+    if model_cls is None:
+        raise ValueError(f"{path}: a {config.model_type} model is not a vision-language model")
+    with torch.device("meta"):
+        return model_cls(config)
+
+
+def collapse_image_pads(ids: Sequence[int], image_id: int) -> list[int]:
+    """Each image's run of `<|image_pad|>` tokens as one: the prompt form vLLM's Qwen2-VL processor takes (it
+    replaces every image pad of a token prompt by that image's pads, so an expanded prompt would grow again).
+    Two images never touch: `<|vision_end|><|vision_start|>` stand between their runs."""
+    return [t for i, t in enumerate(ids) if t != image_id or i == 0 or ids[i - 1] != image_id]
+
+
+def add_image_fields(batch: Any, rows: Sequence[ImagePrompt]) -> None:
+    """A rollout batch's image side, one entry per row: the unpadded image inputs (`multi_modal_inputs`) and the
+    M-RoPE positions [B, 3, P+T] (`rope_position_ids`), as the trainer reads them."""
+    from rlstages.engines import types as T
+
+    width = batch[T.PROMPT_IDS].shape[1]
+    T.set_multi_modal(batch, [p.inputs for p in rows])
+    batch[T.ROPE_POSITION_IDS] = rope_rows([p.positions for p in rows], width, batch[T.RESPONSE_IDS].shape[1])
 
 
 def rope_rows(positions: Sequence[torch.Tensor], prompt_width: int, response_width: int) -> torch.Tensor:

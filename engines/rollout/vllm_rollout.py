@@ -23,6 +23,18 @@ verl's order so the KV cache is not allocated beside a second copy of the weight
 wakes the weights alone (`wake_up(tags=["weights"])`), pushes, resets the prefix cache (cached blocks were computed
 by the old weights) and frees its buckets; `generate` then wakes the KV cache. Level 2 discards the weights, so
 the next sync must send all of them (the hybrid engine and collective sync do).
+
+Image prompts (Qwen2-VL / Qwen2.5-VL): each prompt is encoded as the HF rollout does it
+(`rollout.vision_inputs.encode_image_prompts`, the model's class on the meta device for `get_rope_index`) and sent
+as a `TokensPrompt` with one `<|image_pad|>` per image and `multi_modal_data={"image": [PIL images]}`: vLLM's
+Qwen2-VL processor replaces each image pad of a token prompt by that image's pads, so the ids its model sees are
+our expanded ids (checked on every output). The engine runs with `limit_mm_per_prompt` (images:
+`data.max_images_per_prompt`, no videos) and the image processor's pixel bounds (`mm_processor_kwargs`); vision
+tokens get a -100 logit bias (never sampled, as in the HF rollout and the trainer). The batch carries the same
+per-row `multi_modal_inputs` and M-RoPE `rope_position_ids` as the HF rollout's. Weight names: `update_weights`
+sends a VLM's tensors under their on-disk names (`visual.*`, `model.layers.*`, what vLLM loads at start-up);
+vLLM's Qwen2-VL `load_weights` also maps the in-memory ones (`model.visual.*`, `model.language_model.*`) that
+split placement's collective sync broadcasts.
 """
 
 from __future__ import annotations
@@ -38,9 +50,19 @@ import torch
 from tensordict import TensorDict
 
 from rlstages.engines.base import NamedTensors
+from rlstages.engines.models.vision import VISION_MODEL_TYPES, checkpoint_name, vision_token_ids
 from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
 from rlstages.engines.rollout.multi_turn import build_runner, multi_turn_enabled
 from rlstages.engines.rollout.trajectory import build_trajectory_batch
+from rlstages.engines.rollout.vision_inputs import (
+    ImagePrompt,
+    add_image_fields,
+    collapse_image_pads,
+    encode_image_prompts,
+    load_image_processor,
+    open_image,
+    rope_model,
+)
 from rlstages.engines.runtime.device import worker_device
 from rlstages.engines.sync.buckets import DEFAULT_BUCKET_BYTES, tensor_buckets
 from rlstages.engines.sync.registry import build_engine_push, engine_push
@@ -106,8 +128,10 @@ class VLLMRolloutEngine:
         seed: int = 0,
         cpu_kvcache_space_gb: int = 1,
         multi_turn: Any = None,
+        image_pixels: tuple[int | None, int | None] = (None, None),
+        max_images_per_prompt: int = 4,
     ) -> None:
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -134,6 +158,15 @@ class VLLMRolloutEngine:
         kwargs: dict[str, Any] = {}
         if self.on_cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             kwargs["kv_cache_memory_bytes"] = cpu_kvcache_space_gb * 2**30
+        # a vision-language model: prompts encoded here as the HF rollout encodes them (module doc)
+        self.image_model: Any = None
+        self.image_processor: Any = None
+        self.vision_ids: list[int] = []
+        if AutoConfig.from_pretrained(model_path).model_type in VISION_MODEL_TYPES:
+            self.image_model = rope_model(model_path)
+            self.image_processor = load_image_processor(model_path, *image_pixels)
+            self.vision_ids = vision_token_ids(self.image_model.config)
+            kwargs.update(image_engine_kwargs(max_images_per_prompt, image_pixels))
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -158,12 +191,12 @@ class VLLMRolloutEngine:
     def generate(self, prompts: list[Prompt], sampling: SamplingParams, seed: int) -> TensorDict:
         """Sample `sampling.n` responses per prompt (rows prompt-major); same seed, same samples."""
         from vllm import SamplingParams as VSamplingParams
-        from vllm.inputs import TokensPrompt
 
         self.wake()
         if self.multi_turn is not None:
             return self._generate_multi_turn(prompts, sampling, seed)
-        prompt_ids = format_prompts(self.tokenizer, prompts, self.apply_chat_template, self.system_prompt)
+        prompt_ids, requests, encoded = self._requests(prompts)
+        bias = dict.fromkeys(self.vision_ids, -100.0) or None  # vision tokens are never sampled
         params = [
             VSamplingParams(
                 n=sampling.n,
@@ -176,13 +209,19 @@ class VLLMRolloutEngine:
                 # vLLM gives the k-th sample of a request seed + k: prompts get disjoint seed ranges.
                 seed=(seed * 1_000_003 + i * sampling.n) % 2**63,
                 detokenize=bool(sampling.stop),  # stop strings are matched on text
+                logit_bias=bias,
             )
             for i in range(len(prompts))
         ]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], params, use_tqdm=False)
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
-        for out in outputs:
+        for i, out in enumerate(outputs):
+            if encoded is not None and list(out.prompt_token_ids or []) != prompt_ids[i]:
+                raise RuntimeError(
+                    f"prompt {prompts[i].uid}: vLLM's model saw {len(out.prompt_token_ids or [])} tokens, the batch "
+                    f"holds {len(prompt_ids[i])}: vLLM's image processor sized an image differently"
+                )
             for sample in sorted(out.outputs, key=lambda c: c.index):
                 ids = list(sample.token_ids)
                 lps = [float(sample.logprobs[t][tok].logprob) for t, tok in enumerate(ids)]
@@ -191,7 +230,24 @@ class VLLMRolloutEngine:
                 logprobs.append(lps)
         # one sequence per call decodes to a str (the stub's `str | list[str]` covers batched input)
         texts = cast("list[str]", [self.tokenizer.decode(r, skip_special_tokens=True) for r in responses])
-        return build_rollout_batch(prompts, prompt_ids, responses, logprobs, texts, sampling.n, self.pad_id)
+        batch = build_rollout_batch(prompts, prompt_ids, responses, logprobs, texts, sampling.n, self.pad_id)
+        if encoded is not None:  # the trainer recomputes log-probs from these, as for the HF rollout
+            add_image_fields(batch, [p for p in encoded for _ in range(sampling.n)])
+        return batch
+
+    def _requests(self, prompts: list[Prompt]) -> tuple[list[list[int]], list[Any], list[ImagePrompt] | None]:
+        """Each prompt's token ids (image tokens expanded), its vLLM `TokensPrompt`, and for a vision-language model
+        its encoding (image inputs and M-RoPE positions, `encode_image_prompts` as in the HF rollout)."""
+        from vllm.inputs import TokensPrompt
+
+        if self.image_model is None:
+            ids = format_prompts(self.tokenizer, prompts, self.apply_chat_template, self.system_prompt)
+            return ids, [TokensPrompt(prompt_token_ids=i) for i in ids], None
+        chat = (self.apply_chat_template, self.system_prompt)
+        encoded = encode_image_prompts(self.image_model, self.tokenizer, self.image_processor, prompts, *chat)
+        image_id = int(self.image_model.config.image_token_id)
+        requests = [TokensPrompt(**image_request(p, e.ids, image_id)) for p, e in zip(prompts, encoded, strict=True)]
+        return [e.ids for e in encoded], requests, encoded
 
     def _generate_multi_turn(self, prompts: list[Prompt], sampling: SamplingParams, seed: int) -> TensorDict:
         """`sampling.n` multi-turn trajectories per prompt (`rollout.multi_turn`), turns fed as token ids."""
@@ -251,7 +307,9 @@ class VLLMRolloutEngine:
             pusher = self._pushers.get(self.transport)
             if pusher is None or pusher.dtype != self.dtype:
                 pusher = self._pushers[self.transport] = build_engine_push(self.transport, self.dtype, self.device)
-            stream = fused.complete((name, t.detach()) for name, t in named_tensors)  # the push casts
+            # a VLM's tensors under their on-disk names (`visual.*`, `model.layers.*`), as vLLM loads the checkpoint
+            rename = checkpoint_name if self.image_model is not None else str
+            stream = fused.complete((rename(name), t.detach()) for name, t in named_tensors)  # the push casts
             pusher.push(tensor_buckets(stream, self.bucket_bytes, self.dtype), self._send)
         finally:
             self.llm.collective_rpc("rls_finish_weight_update")
@@ -330,6 +388,25 @@ class VLLMRolloutEngine:
             core.shutdown()
         for pusher in self._pushers.values():
             pusher.release()  # the workers are gone: nothing to tell them
+
+
+def image_engine_kwargs(max_images: int, pixels: tuple[int | None, int | None]) -> dict[str, Any]:
+    """`vllm.LLM` arguments of a vision-language model: at most `max_images` images and no video per prompt, and
+    the image processor's pixel bounds (`data.image_min_pixels` / `image_max_pixels`) when set."""
+    out: dict[str, Any] = {"limit_mm_per_prompt": {"image": max_images, "video": 0}}
+    bounds = {k: v for k, v in zip(("min_pixels", "max_pixels"), pixels, strict=True) if v is not None}
+    if bounds:
+        out["mm_processor_kwargs"] = bounds
+    return out
+
+
+def image_request(prompt: Prompt, ids: list[int], image_id: int) -> dict[str, Any]:
+    """One prompt as a vLLM `TokensPrompt` (a typed dict): its ids with one image pad per image (vLLM expands each
+    to the image's pads again) and its images as RGB PIL images; a prompt without images is its ids alone."""
+    if not prompt.images:
+        return {"prompt_token_ids": ids}
+    images = [open_image(b) for b in prompt.images]
+    return {"prompt_token_ids": collapse_image_pads(ids, image_id), "multi_modal_data": {"image": images}}
 
 
 def _eos_ids(tokenizer: Any, model_path: str) -> set[int]:

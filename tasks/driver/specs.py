@@ -98,7 +98,11 @@ def rollout_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
     r = cfg.rollout
     engine = engine_path(ROLLOUT_ENGINES, r.backend)
     entry = ROLLOUT_BACKENDS[r.backend]
-    run_values = {"seed": cfg.trainer.seed, "model_type": cfg.model.model_type}
+    run_values = {
+        "seed": cfg.trainer.seed,
+        "model_type": cfg.model.model_type,
+        "max_images_per_prompt": cfg.data.max_images_per_prompt,  # vLLM's limit_mm_per_prompt
+    }
     kwargs: dict[str, Any] = {
         "model_path": model_dir(cfg),
         "dtype": r.dtype,

@@ -19,6 +19,8 @@ from typing import Any
 from rlstages.configs import RunConfig
 from rlstages.engines.models.vision import IMAGE_PLACEHOLDER, VISION_MODEL_TYPES
 
+IMAGE_ROLLOUT_BACKENDS = ("hf", "vllm", "sglang")  # rollout backends with an image path (sglang: written, not run)
+
 
 def row_images(value: Any, where: str, key: str, base: Path | None = None) -> tuple[bytes, ...]:
     """The encoded images of one `images` cell (None: no images); a path is read relative to the working
@@ -121,9 +123,10 @@ def check_image_rows(cfg: RunConfig, rows: list[Any]) -> None:
 
 
 def _check_backends(cfg: RunConfig) -> None:
-    if cfg.rollout.backend != "hf":
+    if cfg.rollout.backend not in IMAGE_ROLLOUT_BACKENDS:
         raise ValueError(
-            f"rollout.backend: {cfg.rollout.backend} does not run image prompts yet (hf does; docs/vlm.md)"
+            f"rollout.backend: {cfg.rollout.backend} does not run image prompts "
+            f"({', '.join(IMAGE_ROLLOUT_BACKENDS)} do; docs/vlm.md)"
         )
     if cfg.actor.backend not in ("torch", "deepspeed"):
         raise ValueError(

@@ -49,13 +49,13 @@ def params(fn: Any) -> set[str]:
 
 
 def test_engine_kwargs_are_server_args(sglang_api) -> None:
-    ours = set(engine_kwargs("m", "bfloat16", 1, 0.5, True, 1024, 0))
+    ours = set(engine_kwargs("m", "bfloat16", 1, 0.5, True, 1024, 0, max_images=2))  # with a VLM's image limit
     assert ours <= field_names(sglang_api["ServerArgs"]), ours - field_names(sglang_api["ServerArgs"])
 
 
 def test_method_keywords_match(sglang_api) -> None:
     engine = sglang_api["Engine"]
-    assert {"input_ids", "sampling_params", "return_logprob"} <= params(engine.generate)
+    assert {"input_ids", "sampling_params", "return_logprob", "image_data"} <= params(engine.generate)
     assert {"named_tensors", "flush_cache"} <= params(engine.update_weights_from_tensor)
     assert "tags" in params(engine.release_memory_occupation)
     assert "tags" in params(engine.resume_memory_occupation)
@@ -84,7 +84,7 @@ def test_flattened_bucket_api_matches(sglang_api) -> None:
 
 
 def test_sampling_keys_are_sglang_sampling_params(sglang_api) -> None:
-    keys = set(request_params(SamplingParams(n=4, stop=("\n",)), 1))
+    keys = set(request_params(SamplingParams(n=4, stop=("\n",)), 1, [7]))  # with a VLM's vision-token bias
     assert keys <= field_names(sglang_api["Sampling"]), keys - field_names(sglang_api["Sampling"])
 
 

@@ -105,8 +105,25 @@ def log_dataset(cfg: RunConfig, run_id: str, record: dict[str, dict[str, Any]]) 
         rows += [Metric(f"data/{split}_rows", float(info["rows"]), now, 0)]
         rows += [Metric(f"data/{split}_dropped_prompts", float(info["dropped"]), now, 0)]
     c = client(cfg)
-    c.log_inputs(run_id, datasets=inputs)
+    log_inputs_once_stored(c, run_id, inputs)
     c.log_batch(run_id, metrics=rows)
+
+
+def log_inputs_once_stored(c: Any, run_id: str, inputs: list[Any], tries: int = 3) -> None:
+    """`log_inputs`, retried when another run stored the same dataset between MLflow's look-up and its insert
+    (its SQL store checks, then inserts: two runs logging one dataset at once get a UNIQUE-constraint error)."""
+    for attempt in range(tries):
+        try:
+            c.log_inputs(run_id, datasets=inputs)
+            return
+        except Exception as e:  # MlflowException (SQL store) or RestException (server) wrapping the IntegrityError
+            if attempt == tries - 1 or not _is_duplicate_insert(e):
+                raise
+
+
+def _is_duplicate_insert(e: Exception) -> bool:
+    text = str(e).lower()
+    return "unique constraint" in text or "duplicate key" in text or "duplicate entry" in text
 
 
 def _dataset_source(where: str) -> Any:
