@@ -225,6 +225,16 @@ def test_text_only_micro_batch_runs_a_zero_dummy_vision_pass(tiny_vlm_dir: Path,
     assert all(p.grad is not None for n, p in model.named_parameters() if n in vision)
 
 
+def test_preflight_lets_deepspeed_train_on_images() -> None:
+    from rlstages.configs.loader import load_config
+    from rlstages.tasks.driver.vision_data import _check_backends
+
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+    _check_backends(load_config(tiny, ["actor.backend=deepspeed", "actor.zero_stage=3"]))  # no refusal
+    with pytest.raises(ValueError, match="actor.backend: megatron does not train on images"):
+        _check_backends(load_config(tiny, ["actor.backend=megatron"]))
+
+
 def test_on_disk_names_map_onto_the_model(tiny_vlm_dir: Path, rollout: HFRolloutEngine) -> None:
     disk = load_file(str(tiny_vlm_dir / "model.safetensors"))
     assert any(k.startswith("visual.") for k in disk) and any(k.startswith("model.layers.") for k in disk)
