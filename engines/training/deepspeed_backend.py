@@ -12,6 +12,11 @@ already normalised by the mini-batch's counts, so `backward` does not divide by 
 ZeRO-3 all-gathers in every forward and ZeRO-2 reduces in every backward, so with several ranks the ranks
 with fewer micro-batches repeat their last one with a zero loss (`_pad`).
 
+Image batches of a vision-language model train as in the torch backend (the same forward: pixel values per
+micro-batch, M-RoPE positions); a micro-batch without images runs a zero-weighted dummy pass through the vision
+tower (`models.vision.dummy_vision_pass`), so under ZeRO-3 every rank gathers and reduces the vision tower's
+parameters in the same order whatever its rows (docs/vlm.md).
+
 Non-goals: pipeline/tensor parallelism (Megatron backend); DeepSpeed's own bf16 weights for
 `bf16_autocast` (that stays torch.autocast, as in the torch backend; `dtype: bfloat16` selects DeepSpeed bf16).
 """

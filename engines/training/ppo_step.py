@@ -174,12 +174,15 @@ def _image_prefill(
     width = ids.shape[1]
     positions = torch.zeros(len(firsts), 3, width, dtype=torch.long)
     inputs = []
+    rows_of: dict[int, list[dict[str, torch.Tensor]]] = {}  # each micro-batch's image inputs, read once
     for i, (mb, r) in enumerate(firsts):
         prompt_len = mb[T.PROMPT_IDS].shape[1]
         real = mb[T.ATTENTION_MASK][r, :prompt_len].bool()
         pos = mb[T.ROPE_POSITION_IDS][r, :, :prompt_len][:, real]
         positions[i, :, width - pos.shape[1] :] = pos
-        inputs.append(T.get_multi_modal(mb)[r])
+        if id(mb) not in rows_of:
+            rows_of[id(mb)] = T.get_multi_modal(mb)
+        inputs.append(rows_of[id(mb)][r])
     step = model(
         input_ids=ids, attention_mask=mask, position_ids=positions.permute(1, 0, 2).to(ids.device), use_cache=True,
         logits_to_keep=1, **concat_images(inputs, ids.device),
