@@ -1,10 +1,15 @@
-"""HF rollout engine vs raw `model.generate` on the same prompts and sampling (goal: throughput ratio >= 0.95).
+"""HF rollout engine vs raw `model.generate` on the same prompts and sampling (goal: throughput ratio >= 0.95),
+and image prompts' shared prefill against prefilling every row (informative).
 
 The engine does more than generate (chat formatting, per-token log-probs, the batch contract); this
 measures what that costs. `python -m bench.bench_rollout`
 """
 
 from __future__ import annotations
+
+import io
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -55,5 +60,48 @@ def main(batch: int = 32, new_tokens: int = 48) -> None:
     )
 
 
+def image_prefix_sharing(prompts: int = 8, n: int = 8, new_tokens: int = 16) -> None:
+    """The decode loop on `prompts` image prompts (16 image tokens each) x `n` samples: each prompt's prefill
+    shared by its rows (the engine's) vs every row prefilled whole; ratio = whole / shared (> 1: sharing wins)."""
+    from PIL import Image
+
+    from rlstages.engines.models.vision import build_tiny_vlm
+    from rlstages.engines.rollout.decode import decode, picker
+    from rlstages.engines.rollout.vision_inputs import ImageBatch, encode_image_prompts
+
+    torch.set_num_threads(1)
+    path = Path(tempfile.gettempdir()) / "rlstages-bench-vlm-256x4"
+    if not (path / "config.json").is_file():
+        build_tiny_vlm(path, hidden_size=256, intermediate_size=768, num_hidden_layers=4, vision_width=128)
+    engine = HFRolloutEngine(path, dtype="float32", apply_chat_template=False)
+
+    def png(i: int) -> bytes:
+        buf = io.BytesIO()
+        Image.new("RGB", (112, 112), (40 * i % 256, 90, 160)).save(buf, format="PNG")
+        return buf.getvalue()
+
+    items = [
+        Prompt(f"p{i}", "<image>What colour is the square? Answer in one word.", "red", images=(png(i),))
+        for i in range(prompts)
+    ]
+    encoded = encode_image_prompts(engine.model, engine.tokenizer, engine.image_processor, items, False, None)
+    rows = [p for p in encoded for _ in range(n)]
+    enc = engine.tokenizer.pad({"input_ids": [p.ids for p in rows]}, padding=True, return_tensors="pt")
+    pick = picker(1.0, 0, 1.0, False)
+
+    def run(share: bool) -> None:
+        images = ImageBatch.of(rows, enc["input_ids"].shape[1], torch.device("cpu"), share)
+        torch.manual_seed(0)
+        decode(engine.model, enc["input_ids"], enc["attention_mask"], new_tokens, set(), pick, images=images)
+
+    shared_s, whole_s = best_of(lambda: run(True), 2), best_of(lambda: run(False), 2)
+    report(
+        "Image prompts: shared prefill vs every row's (ratio = whole/shared)",
+        [(f"{prompts} prompts x {n} samples x {new_tokens} tokens", shared_s, whole_s, "informative")],
+    )
+    record("rollout_image_prefix_sharing", whole_s / shared_s, None, f"{prompts}x{n} rows, {new_tokens} tokens")
+
+
 if __name__ == "__main__":
     main()
+    image_prefix_sharing()

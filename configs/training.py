@@ -26,7 +26,7 @@ class OptimConfig(StrictModel):
     group_lr: dict[ModelPart, float] = Field(
         default_factory=dict,
         description="A vision-language model's learning rate per part (vision_tower, projector, language_model); "
-        "parts not named take `lr` (torch and megatron backends).",
+        "parts not named take `lr` (torch, deepspeed and megatron backends).",
     )
 
 
@@ -45,7 +45,7 @@ class _TrainingCommon(StrictModel):
     freeze: tuple[ModelPart, ...] = Field(
         default=(),
         description="Parts of a vision-language model left untrained: vision_tower, projector, language_model "
-        "(torch and megatron backends).",
+        "(torch, deepspeed and megatron backends).",
     )
 
 

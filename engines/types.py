@@ -21,6 +21,8 @@ A batch is a TensorDict with batch size [B] (B = prompts x n samples). Shapes, P
 
 Image rows also carry `multi_modal_inputs`: per row, unpadded, a dict of tensors (`pixel_values`,
 `image_grid_thw`) as the image processor made them (`get_multi_modal`; files keep them as `__mm__.<row>.<name>`).
+Between Ray actors they travel without pickled copies (`MultiModalRow`): one object per prompt group, its tensors
+as pickle-5 buffers that Ray reads back from its object store as read-only shared memory.
 
 Per-row non-tensor fields (lists of str, travel with split/cat/index): uid (group id of the prompt),
 prompt, response, ground_truth, data_source, extra_info (a JSON object as text).
@@ -133,11 +135,44 @@ def get_rows(td: TensorDict, key: str) -> list[str]:
     return list(value.tolist()) if hasattr(value, "tolist") else list(value)
 
 
+class MultiModalRow(dict):
+    """One row's image inputs ({name: tensor}). Pickled as numpy arrays: Ray (pickle protocol 5) keeps them out of
+    band, so an actor reads them back as read-only views of its object store's shared memory (no copy, never
+    written: the model concatenates them); the rows of a prompt group hold one object, pickled once. Plain pickle
+    (in-band bytes) reads back writable tensors. Tensors numpy cannot hold (bfloat16) pickle as tensors.
+    `shared`: read back as views of read-only (shared) memory."""
+
+    shared = False
+
+    def __reduce__(self) -> tuple[object, tuple[dict[str, object]]]:
+        return _multi_modal_row, ({k: _as_numpy(v) for k, v in self.items()},)
+
+
+def _as_numpy(t: torch.Tensor) -> object:
+    try:
+        return t.detach().cpu().numpy()
+    except TypeError:  # a dtype numpy lacks
+        return t
+
+
+def _multi_modal_row(arrays: dict[str, object]) -> MultiModalRow:
+    import warnings
+
+    with warnings.catch_warnings():  # read-only object-store memory: torch warns that it is not writable
+        warnings.simplefilter("ignore", UserWarning)
+        row = MultiModalRow({k: torch.from_numpy(a) if isinstance(a, np.ndarray) else a for k, a in arrays.items()})
+    row.shared = any(isinstance(a, np.ndarray) and not a.flags.writeable for a in arrays.values())
+    return row
+
+
 def set_multi_modal(td: TensorDict, inputs: Sequence[dict[str, torch.Tensor]]) -> None:
-    """Attach each row's unpadded image inputs ({name: tensor}, e.g. pixel_values, image_grid_thw)."""
+    """Attach each row's unpadded image inputs ({name: tensor}, e.g. pixel_values, image_grid_thw); rows given the
+    same dict (a prompt group's n samples) share one `MultiModalRow`."""
     if len(inputs) != td.batch_size[0]:
         raise ValueError(f"multi_modal_inputs: {len(inputs)} rows for a batch of {td.batch_size[0]}")
-    td[MULTI_MODAL_INPUTS] = NonTensorStack(*[NonTensorData(dict(mm)) for mm in inputs])
+    rows: dict[int, MultiModalRow] = {}
+    shared = [rows.setdefault(id(mm), mm if isinstance(mm, MultiModalRow) else MultiModalRow(mm)) for mm in inputs]
+    td[MULTI_MODAL_INPUTS] = NonTensorStack(*[NonTensorData(mm) for mm in shared])
 
 
 def get_multi_modal(td: TensorDict) -> list[dict[str, torch.Tensor]]:

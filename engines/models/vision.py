@@ -13,7 +13,8 @@ Non-goals: images to tensors (`rollout.vision_inputs`), Megatron (docs/vlm.md: l
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,59 @@ def suppress(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
     return logits.index_fill(-1, torch.tensor(ids, device=logits.device), -1e9)
 
 
+def unwrap(model: Any) -> Any:
+    """The transformers model inside a training wrapper (DeepSpeed's engine, a PEFT model), else `model`."""
+    inner = getattr(model, "module", None)  # DeepSpeedEngine (its own `config` is the DeepSpeed JSON)
+    model = inner if isinstance(inner, torch.nn.Module) else model
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def has_images(batch: Any) -> bool:
+    """True when some row of a batch carries pixel values."""
+    from rlstages.engines import types as T
+
+    return any("pixel_values" in mm for mm in T.get_multi_modal(batch))
+
+
+def zero_image_output(visual: Any) -> torch.Tensor:
+    """0 x the vision tower's and projector's output on a tiny blank image (one merged patch): a scalar zero whose
+    graph holds every vision parameter."""
+    cfg = visual.config
+    merge = cfg.spatial_merge_size
+    param = next(visual.parameters())
+    pixels = torch.zeros(
+        merge * merge, cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2, dtype=param.dtype,
+        device=param.device,
+    )  # fmt: skip
+    grid = torch.tensor([[1, merge, merge]], device=param.device)
+    out = visual(pixels, grid_thw=grid)
+    return getattr(out, "pooler_output", out).sum() * 0.0
+
+
+@contextlib.contextmanager
+def dummy_vision_pass(model: Any, needed: bool = True) -> Iterator[None]:
+    """While alive, a forward of a vision-language model (`needed`: its batch has no image) runs
+    `zero_image_output` right after the token embedding, where an image batch runs its vision tower, and adds it
+    to the embeddings: the loss is unchanged and the vision parameters get zero gradients, so every rank gathers
+    (ZeRO-3) and reduces (ZeRO / FSDP) the same parameters in the same order, whatever its images; a rank with a
+    text-only micro-batch would otherwise skip the vision tower's collectives and the ranks hang. A no-op for
+    text models."""
+    inner = getattr(unwrap(model), "model", None)
+    visual = getattr(inner, "visual", None)
+    if not needed or visual is None:
+        yield
+        return
+
+    def add(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
+        return output + zero_image_output(visual).to(output.dtype)
+
+    handle = inner.get_input_embeddings().register_forward_hook(add)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def forward_kwargs(batch: Any, device: torch.device) -> dict[str, Any]:
     """The image inputs of a training micro-batch for the model's forward: pixel values and grids concatenated in
     row order, and the M-RoPE position ids [3, B, L] (the batch's [B, 3, L]); {} for a batch without images."""
@@ -118,12 +172,17 @@ def forward_kwargs(batch: Any, device: torch.device) -> dict[str, Any]:
     if T.ROPE_POSITION_IDS not in batch.keys():
         return {}
     out: dict[str, Any] = {"position_ids": batch[T.ROPE_POSITION_IDS].permute(1, 0, 2).to(device)}
-    inputs = T.get_multi_modal(batch)
-    pixels = [mm["pixel_values"] for mm in inputs if "pixel_values" in mm]
-    if pixels:
-        out["pixel_values"] = torch.cat(pixels).to(device)
-        out["image_grid_thw"] = torch.cat([mm["image_grid_thw"] for mm in inputs if "pixel_values" in mm]).to(device)
+    out.update(concat_images(T.get_multi_modal(batch), device))
     return out
+
+
+def concat_images(inputs: Sequence[Mapping[str, torch.Tensor]], device: torch.device) -> dict[str, torch.Tensor]:
+    """Rows' pixel values and grids concatenated in row order (the order the model fills image tokens in); {}
+    when no row has an image."""
+    rows = [mm for mm in inputs if "pixel_values" in mm]
+    if not rows:
+        return {}
+    return {k: torch.cat([mm[k] for mm in rows]).to(device) for k in ("pixel_values", "image_grid_thw")}
 
 
 def build_tiny_vlm(
@@ -138,11 +197,12 @@ def build_tiny_vlm(
     max_position_embeddings: int = 512,
     tie_word_embeddings: bool = False,
     seed: int = 0,
+    vision_width: int = 32,
     **_: Any,
 ) -> Path:
-    """A random-init Qwen2-VL / Qwen2.5-VL (text tower as given, a one-block vision tower of width 32 with patch
-    14 and merge 2), the character tokenizer plus the three vision tokens, and its image processor (images
-    resized into 56x56..112x112 pixels: 4 to 16 image tokens each), built offline into `out`."""
+    """A random-init Qwen2-VL / Qwen2.5-VL (text tower as given, a one-block vision tower of width `vision_width`
+    with patch 14 and merge 2), the character tokenizer plus the three vision tokens, and its image processor
+    (images resized into 56x56..112x112 pixels: 4 to 16 image tokens each), built offline into `out`."""
     from transformers import AutoConfig
 
     from rlstages.engines.models.tiny_tokenizer import build_char_tokenizer
@@ -164,9 +224,10 @@ def build_tiny_vlm(
     vision: dict[str, Any] = {"depth": 1, "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2}
     vision.update(temporal_patch_size=2, in_channels=3)
     if model_type == "qwen2_vl":
-        vision.update(embed_dim=32, hidden_size=hidden_size, mlp_ratio=2)
+        vision.update(embed_dim=vision_width, hidden_size=hidden_size, mlp_ratio=2)
     else:
-        vision.update(hidden_size=32, out_hidden_size=hidden_size, intermediate_size=64, fullatt_block_indexes=[0])
+        vision.update(hidden_size=vision_width, out_hidden_size=hidden_size, intermediate_size=2 * vision_width)
+        vision.update(fullatt_block_indexes=[0])
         vision.update(window_size=56)
     cfg = AutoConfig.for_model(
         model_type, text_config=text, vision_config=vision, vision_start_token_id=start, image_token_id=pad,

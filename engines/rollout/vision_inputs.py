@@ -19,6 +19,7 @@ Non-goal: videos.
 
 from __future__ import annotations
 
+import hashlib
 import io
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -157,30 +158,71 @@ def rope_rows(positions: Sequence[torch.Tensor], prompt_width: int, response_wid
     return out
 
 
+def image_digest(inputs: dict[str, torch.Tensor]) -> bytes:
+    """A digest of a prompt's image tensors: with its tokens, what makes two prompts the same (two prompts of the
+    same text may hold different images)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(inputs):
+        t = inputs[name].detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.digest()
+
+
+def distinct_prompts(keys: Sequence[Any]) -> tuple[list[int], torch.Tensor]:
+    """The first row of each distinct key, and each row's index among them (its prompt)."""
+    index: dict[Any, int] = {}
+    first: list[int] = []
+    inverse = []
+    for row, key in enumerate(keys):
+        if key not in index:
+            index[key] = len(first)
+            first.append(row)
+        inverse.append(index[key])
+    return first, torch.tensor(inverse, dtype=torch.long)
+
+
 @dataclass
 class ImageBatch:
-    """The image side of a left-padded batch for `decode.decode`: pixel values and grids concatenated in row
-    order (the model fills the image tokens in that order) and the M-RoPE positions [3, B, P]."""
+    """The image side of a left-padded batch for `decode.decode`: the M-RoPE positions [3, B, P] of every row, and
+    the pixel values and grids of each distinct prompt (its tokens and images: a group's n samples are one)
+    concatenated in order (the model fills the image tokens in that order); `first` is each distinct prompt's
+    first row, `inverse` each row's distinct prompt."""
 
     inputs: dict[str, torch.Tensor]
     positions: torch.Tensor
+    first: torch.Tensor
+    inverse: torch.Tensor
 
     @classmethod
-    def of(cls, prompts: Sequence[ImagePrompt], width: int, device: torch.device) -> ImageBatch:
-        """The batch of these prompts, left-padded to `width` tokens."""
+    def of(cls, prompts: Sequence[ImagePrompt], width: int, device: torch.device, share: bool = True) -> ImageBatch:
+        """The batch of these prompts, left-padded to `width` tokens; `share`: rows of the same prompt and images
+        are prefilled once (else every row)."""
         rows = rope_rows([p.positions for p in prompts], width, 0).permute(1, 0, 2)
-        with_images = [p.inputs for p in prompts if p.inputs]
+        digests: dict[int, bytes] = {}  # a group's rows hold one ImagePrompt: hashed once
+        keys = (
+            [(tuple(p.ids), digests.setdefault(id(p), image_digest(p.inputs))) for p in prompts]
+            if share
+            else list(range(len(prompts)))
+        )
+        first, inverse = distinct_prompts(keys)
+        with_images = [prompts[r].inputs for r in first if prompts[r].inputs]
         inputs = {k: torch.cat([x[k] for x in with_images]).to(device) for k in (with_images[0] if with_images else {})}
-        return cls(inputs, rows.to(device))
+        return cls(inputs, rows.to(device), torch.tensor(first, device=device), inverse.to(device))
 
     def prefill(self, model: Any, input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[Any, Any, Any]:
-        """KV cache, next-token logits [B, V] and mask: every row whole, images at their tokens. No prompt is
-        shared between rows here: two prompts of the same text may hold different images."""
+        """KV cache, next-token logits [B, V] and mask: each distinct prompt once, whole (its images at their
+        tokens), then each row takes its prompt's cache and logits."""
+        first = self.first
         step = model(
-            input_ids=input_ids, attention_mask=mask, position_ids=self.positions, use_cache=True, logits_to_keep=1,
-            **self.inputs,
+            input_ids=input_ids[first], attention_mask=mask[first], position_ids=self.positions[:, first],
+            use_cache=True, logits_to_keep=1, **self.inputs,
         )  # fmt: skip
-        return step.past_key_values, step.logits[:, -1], mask
+        cache, logits = step.past_key_values, step.logits[:, -1]
+        if len(first) < input_ids.shape[0]:
+            cache.batch_select_indices(self.inverse)
+            logits = logits[self.inverse]
+        return cache, logits, mask
 
     def next_positions(self) -> torch.Tensor:
         """Each row's next M-RoPE position (its largest + 1: text after the prompt moves all channels alike)."""

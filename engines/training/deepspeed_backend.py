@@ -12,6 +12,11 @@ already normalised by the mini-batch's counts, so `backward` does not divide by 
 ZeRO-3 all-gathers in every forward and ZeRO-2 reduces in every backward, so with several ranks the ranks
 with fewer micro-batches repeat their last one with a zero loss (`_pad`).
 
+Image batches of a vision-language model train as in the torch backend (the same forward: pixel values per
+micro-batch, M-RoPE positions); a micro-batch without images runs a zero-weighted dummy pass through the vision
+tower (`models.vision.dummy_vision_pass`), so under ZeRO-3 every rank gathers and reduces the vision tower's
+parameters in the same order whatever its rows (docs/vlm.md).
+
 Non-goals: pipeline/tensor parallelism (Megatron backend); DeepSpeed's own bf16 weights for
 `bf16_autocast` (that stays torch.autocast, as in the torch backend; `dtype: bfloat16` selects DeepSpeed bf16).
 """
@@ -34,7 +39,7 @@ from rlstages.engines.runtime.device import dist_backend
 from rlstages.engines.training import state_io
 from rlstages.engines.training.optim import adamw, adamw_kwargs, lr_scheduler
 from rlstages.engines.training.settings import TrainerSettings
-from rlstages.engines.training.torch_backend import build_model, hf_forward, prepare_model
+from rlstages.engines.training.torch_backend import build_model, hf_forward, optimizer_params, prepare_model
 from rlstages.engines.utils import free_port
 
 CKPT_DIR = "deepspeed"  # DeepSpeed's own checkpoint, relative to the `save` directory
@@ -250,12 +255,14 @@ class DeepSpeedBackend:
 def _optimizer(model: Any, settings: TrainerSettings, offload: bool) -> torch.optim.Optimizer:
     """Torch AdamW (identical to the torch backend; fused, on CUDA too, so DeepSpeed's FusedAdam and its JIT
     build are not needed), or DeepSpeed's CPU AdamW (a one-off JIT build) when the optimizer states live on
-    the CPU, which DeepSpeed requires for offload."""
+    the CPU, which DeepSpeed requires for offload. A vision-language model's parts as the torch backend groups
+    them (`actor.freeze`, `optim.group_lr`)."""
+    params = optimizer_params(model, model.parameters(), settings)
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(model.parameters(), adamw_mode=True, **adamw_kwargs(settings.optim))
-    return adamw(model.parameters(), settings.optim)
+        return DeepSpeedCPUAdam(params, adamw_mode=True, **adamw_kwargs(settings.optim))
+    return adamw(params, settings.optim)
 
 
 def _grad_norm(model: Any) -> float:

@@ -18,8 +18,17 @@ from tensordict import TensorDict
 
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
-from rlstages.engines.models.vision import forward_kwargs, suppress, vision_token_ids
+from rlstages.engines.models.vision import (
+    concat_images,
+    dummy_vision_pass,
+    forward_kwargs,
+    has_images,
+    suppress,
+    unwrap,
+    vision_token_ids,
+)
 from rlstages.engines.rollout.decode import left_pad, prefill
+from rlstages.engines.rollout.vision_inputs import image_digest
 from rlstages.engines.training.microbatch import by_length, mini_batches
 
 SUMMED = {"pg_loss", "entropy", "kl_loss", "vf_loss"}  # partial sums under the global normaliser
@@ -41,10 +50,12 @@ def causal_lm_forward(
     prompts: SharedPrompts | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs [B, T] of `response_ids` (logits / temperature) and entropy (graph only if `entropy_grad`);
-    with `prompts` (the step's prompts, forwarded once) only the response tokens go through the model here."""
+    with `prompts` (the step's prompts, forwarded once) only the response tokens go through the model here. A
+    vision-language model's micro-batch without images runs a zero-weighted dummy pass through its vision tower
+    (`vision.dummy_vision_pass`: sharded ranks stay in step)."""
     device = _device(model)
     labels = mb[T.RESPONSE_IDS].to(device)
-    with autocast(bf16, device.type):
+    with autocast(bf16, device.type), dummy_vision_pass(model, needed=not has_images(mb)):
         logits = prompts.response_logits(model, mb) if prompts is not None else response_logits(model, mb, device)
     # one chunked pass (row chunks: no full-size fp32 copy of the logits) for both, sharing each chunk's logsumexp;
     # the entropy is a metric outside the graph unless an entropy bonus needs its gradient
@@ -64,7 +75,8 @@ def response_logits(model: Any, mb: TensorDict, device: torch.device) -> torch.T
         use_cache=False,
         **images,
     )
-    return suppress(out.logits[:, :-1], vision_token_ids(model.config)) if images else out.logits[:, :-1]
+    # a vision-language model's vision tokens are out of the distribution, as in the rollout (text rows too)
+    return suppress(out.logits[:, :-1], vision_token_ids(unwrap(model).config))
 
 
 class SharedPrompts:
@@ -73,19 +85,32 @@ class SharedPrompts:
     response tokens on top of its rows' KV caches. Under grad, the caches and last logits enter each micro-batch
     as leaves; their gradients add up over the micro-batches and `backward` takes them through the prompts'
     forward once, so the accumulated gradient is the one of forwarding every row whole. The demo's step: 8
-    prompts of ~47 tokens once (27 of them shared) instead of ~40% of 64 rows' prompts per micro-batch."""
+    prompts of ~47 tokens once (27 of them shared) instead of ~40% of 64 rows' prompts per micro-batch.
+    An image batch (M-RoPE positions): a prompt is its tokens and its images (`_prompt_keys`), forwarded whole
+    with its pixel values and positions (no common prefix between prompts), the responses at their positions."""
 
     def __init__(self, model: Any, mbs: list[TensorDict], bf16: bool) -> None:
         device = _device(model)
-        self.index: dict[tuple[int, ...], int] = {}
+        self.images = T.ROPE_POSITION_IDS in mbs[0].keys()
+        self.index: dict[Any, int] = {}
         self._rows: dict[int, torch.Tensor] = {}  # each micro-batch's rows' prompt indices, read once here
+        firsts: list[tuple[TensorDict, int]] = []  # each distinct prompt's first (micro-batch, row)
         for mb in mbs:
-            rows = [self.index.setdefault(tokens, len(self.index)) for tokens in _prompt_tokens(mb)]
+            rows = []
+            for r, key in enumerate(_prompt_keys(mb, self.images)):
+                if key not in self.index:
+                    self.index[key] = len(self.index)
+                    firsts.append((mb, r))
+                rows.append(self.index[key])
             self._rows[id(mb)] = torch.tensor(rows, device=device)
-        ids, mask = left_pad([torch.tensor(t, dtype=torch.long) for t in self.index], torch.long)
+        tokens = [key[0] if self.images else key for key in self.index]
+        ids, mask = left_pad([torch.tensor(t, dtype=torch.long) for t in tokens], torch.long)
         ids, mask = ids.to(device), mask.to(device)
         with autocast(bf16, device.type):
-            cache, logits, self.mask = prefill(model, ids, mask)
+            if self.images:
+                cache, logits, self.mask = _image_prefill(model, ids, mask, firsts)
+            else:
+                cache, logits, self.mask = prefill(model, ids, mask)
         self.config = model.config
         self._outputs = [t for layer in cache.layers for t in (layer.keys, layer.values)] + [logits]
         self._leaves = [t.detach().requires_grad_(t.requires_grad) for t in self._outputs]
@@ -97,20 +122,25 @@ class SharedPrompts:
         device = _device(model)
         rows = self._rows.get(id(mb))
         if rows is None:  # a micro-batch not given at construction
-            rows = torch.tensor([self.index[t] for t in _prompt_tokens(mb)], device=device)
+            rows = torch.tensor([self.index[k] for k in _prompt_keys(mb, self.images)], device=device)
         *kv, last = self._leaves
         cache = DynamicCache([(kv[i][rows], kv[i + 1][rows]) for i in range(0, len(kv), 2)], config=self.config)
         response = mb[T.RESPONSE_IDS].to(device)
         width = mb[T.PROMPT_IDS].shape[1]
+        if self.images:  # M-RoPE [3, B, T]: the responses' positions do not depend on the prompts' padding
+            positions = mb[T.ROPE_POSITION_IDS][:, :, width:].permute(1, 0, 2).to(device)
+        else:
+            positions = mb[T.POSITION_IDS][:, width:].to(device)
         tail = model(
             input_ids=response,
             attention_mask=torch.cat([self.mask[rows], mb[T.ATTENTION_MASK][:, width:].to(device)], dim=1),
-            position_ids=mb[T.POSITION_IDS][:, width:].to(device),
+            position_ids=positions,
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=response.shape[1],
         )
-        return torch.cat([last[rows].unsqueeze(1), tail.logits[:, :-1]], dim=1)
+        logits = torch.cat([last[rows].unsqueeze(1), tail.logits[:, :-1]], dim=1)
+        return suppress(logits, vision_token_ids(unwrap(model).config))  # a text batch of a vision-language model
 
     def backward(self) -> None:
         """Take the gradients the micro-batches left on the prompt caches and logits through their forward."""
@@ -123,6 +153,41 @@ class SharedPrompts:
             torch.autograd.backward(outs, grads)
         self._outputs, self._leaves = [], []
         self._rows = {}
+
+
+def _prompt_keys(mb: TensorDict, images: bool) -> list[Any]:
+    """What makes each row's prompt the same as another's: its real tokens, and in an image batch its images
+    (a digest: two prompts of the same text may hold different images; a group's rows hold one object)."""
+    tokens = _prompt_tokens(mb)
+    if not images:
+        return list(tokens)
+    digests: dict[int, bytes] = {}
+    rows = T.get_multi_modal(mb)
+    return [(t, digests.setdefault(id(mm), image_digest(mm))) for t, mm in zip(tokens, rows, strict=True)]
+
+
+def _image_prefill(
+    model: Any, ids: torch.Tensor, mask: torch.Tensor, firsts: list[tuple[TensorDict, int]]
+) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """KV cache, last logits and mask of distinct image prompts (left-padded `ids`): each whole, its pixel values
+    at its image tokens, its M-RoPE positions taken from the row (`firsts`: micro-batch, row) it was found in."""
+    width = ids.shape[1]
+    positions = torch.zeros(len(firsts), 3, width, dtype=torch.long)
+    inputs = []
+    rows_of: dict[int, list[dict[str, torch.Tensor]]] = {}  # each micro-batch's image inputs, read once
+    for i, (mb, r) in enumerate(firsts):
+        prompt_len = mb[T.PROMPT_IDS].shape[1]
+        real = mb[T.ATTENTION_MASK][r, :prompt_len].bool()
+        pos = mb[T.ROPE_POSITION_IDS][r, :, :prompt_len][:, real]
+        positions[i, :, width - pos.shape[1] :] = pos
+        if id(mb) not in rows_of:
+            rows_of[id(mb)] = T.get_multi_modal(mb)
+        inputs.append(rows_of[id(mb)][r])
+    step = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions.permute(1, 0, 2).to(ids.device), use_cache=True,
+        logits_to_keep=1, **concat_images(inputs, ids.device),
+    )  # fmt: skip
+    return step.past_key_values, step.logits[:, -1], mask
 
 
 def _prompt_tokens(mb: TensorDict) -> list[tuple[int, ...]]:

@@ -20,7 +20,6 @@ from safetensors.torch import load_file
 from tensordict import TensorDict
 
 from rlstages.configs.training import TorchTrainingConfig, TrainingConfig
-from rlstages.engines import types as T
 from rlstages.engines.base import OnOutput, Readout
 from rlstages.engines.models import load_causal_lm, lora, moe_layout, torch_dtype
 from rlstages.engines.models.vision import param_groups
@@ -54,6 +53,15 @@ def prepare_model(model: Any, settings: TrainerSettings) -> None:
     if settings.train.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model.train()
+
+
+def optimizer_params(model: Any, params: Any, settings: TrainerSettings) -> Any:
+    """What the optimizer steps: `params`, or by part (a vision-language model's `actor.freeze` parts left out
+    and frozen, `optim.group_lr` per part) when either is set; shared by the torch and DeepSpeed backends."""
+    if not (settings.train.freeze or settings.optim.group_lr):
+        return params
+    group_lr = {str(k): v for k, v in settings.optim.group_lr.items()}
+    return param_groups(model, list(params), settings.train.freeze, group_lr, settings.optim.lr)
 
 
 def hf_forward(
@@ -105,15 +113,7 @@ class TorchBackend:
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if settings.trainable:
             stochastic = bool(getattr(settings.train, "bf16_stochastic_round", False))
-            params: Any = lora.trainable_parameters(self.model)
-            if settings.train.freeze or settings.optim.group_lr:  # a VLM's parts: frozen, or their own LR
-                params = param_groups(
-                    self.model,
-                    list(params),
-                    settings.train.freeze,
-                    {str(k): v for k, v in settings.optim.group_lr.items()},
-                    settings.optim.lr,
-                )
+            params = optimizer_params(self.model, lora.trainable_parameters(self.model), settings)
             self.optimizer = adamw(params, settings.optim, stochastic)
             self.scheduler = lr_scheduler(self.optimizer, settings.optim, settings.optim_steps)
 
@@ -128,7 +128,6 @@ class TorchBackend:
             assert self.optimizer is not None
             self.optimizer.zero_grad(set_to_none=True)
         share = bool(getattr(self.settings.train, "share_prompt_forward", False)) and not readout.values and bool(mbs)
-        share = share and T.ROPE_POSITION_IDS not in mbs[0].keys()  # image rows are forwarded whole (docs/vlm.md)
         with lora.forward_as(self.model, readout.base):
             prompts = P.SharedPrompts(self.model, mbs, self.settings.train.bf16_autocast) if share else None
             for mb in mbs:

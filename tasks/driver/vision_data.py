@@ -122,7 +122,7 @@ def check_image_rows(cfg: RunConfig, rows: list[Any]) -> None:
         _check_lengths(cfg, image_rows, processor)
 
 
-IMAGE_TRAINERS = ("torch", "megatron")  # actor backends with an image path
+IMAGE_TRAINERS = ("torch", "deepspeed", "megatron")  # actor backends with an image path
 
 
 def _check_megatron(cfg: RunConfig) -> None:

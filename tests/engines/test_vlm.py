@@ -5,6 +5,7 @@ agree, one GRPO step moves the weights, freezing and per-part learning rates), o
 from __future__ import annotations
 
 import io
+import pickle
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,17 @@ from rlstages.configs.training import OptimConfig, TorchTrainingConfig
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
 from rlstages.engines.models import load_causal_lm
-from rlstages.engines.models.vision import component, module_name, vision_token_ids
+from rlstages.engines.models.vision import (
+    component,
+    dummy_vision_pass,
+    has_images,
+    module_name,
+    vision_token_ids,
+    zero_image_output,
+)
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
 from rlstages.engines.rollout.vision_inputs import encode_image_prompts
+from rlstages.engines.training import ppo_step as P
 from rlstages.engines.training.core import PPOTrainer
 from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
@@ -83,6 +92,34 @@ def test_greedy_tokens_equal_generate(rollout: HFRolloutEngine) -> None:
     assert int((out[T.PROMPT_IDS][1] == model.config.image_token_id).sum()) == 12 + 4  # every image token kept
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_image_prompts_share_their_prefill(rollout: HFRolloutEngine, temperature: float) -> None:
+    """The n samples of an image prompt share its prefill, keyed by its tokens and its images (prompts 0 and 2 have
+    the same tokens, different images: two prefills): the same tokens (greedy, and sampled from one seed) and
+    log-probs as prefilling every row whole."""
+    from rlstages.engines.rollout.decode import decode
+    from rlstages.engines.rollout.vision_inputs import ImageBatch
+
+    model = rollout.model
+    prompts = encode_image_prompts(model, rollout.tokenizer, rollout.image_processor, PROMPTS, False, None)
+    assert prompts[0].ids == prompts[2].ids
+    rows = [p for p in prompts for _ in range(3)]
+    enc = rollout.tokenizer.pad({"input_ids": [p.ids for p in rows]}, padding=True, return_tensors="pt")
+    pick = rollout._picker(SamplingParams(temperature=temperature))
+    outs = []
+    for share in (True, False):
+        images = ImageBatch.of(rows, enc["input_ids"].shape[1], torch.device("cpu"), share)
+        patches = images.inputs["pixel_values"].shape[0]
+        assert patches == sum(p.inputs["pixel_values"].shape[0] for p in (prompts if share else rows))
+        torch.manual_seed(0)
+        outs.append(decode(model, enc["input_ids"], enc["attention_mask"], 8, rollout.eos_ids, pick, images=images))
+    shared, whole = outs
+    assert shared.ids == whole.ids
+    for a, b in zip(shared.logprobs, whole.logprobs, strict=True):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    assert shared.logprobs[0] != shared.logprobs[6]  # same tokens, other image: not shared
+
+
 def test_batch_carries_image_inputs_and_positions(batch) -> None:
     mm = T.get_multi_modal(batch)
     assert [tuple(m["image_grid_thw"].shape) for m in mm] == [(1, 3)] * 2 + [(2, 3)] * 2 + [(1, 3)] * 2
@@ -94,6 +131,22 @@ def test_batch_carries_image_inputs_and_positions(batch) -> None:
     assert torch.equal(rope[:, 0, width + 1 :] - rope[:, 0, width:-1], torch.ones(6, rope.shape[2] - width - 1).long())
 
 
+def test_pixel_values_travel_between_actors_without_copies(ray_session, batch) -> None:
+    """Through Ray's object store (what an actor's return value and a large argument become): each prompt group's
+    image inputs are one object read back as read-only views of the store's shared memory, not pickled copies."""
+    sent = T.get_multi_modal(batch)
+    assert sent[0] is sent[1] and sent[2] is sent[3] and sent[0] is not sent[2]  # one object per prompt group
+    ref = ray_session.put(batch)
+    back, twice = (T.get_multi_modal(ray_session.get(ref)) for _ in range(2))
+    assert back[0] is back[1] and back[2] is back[3] and back[0] is not back[2]
+    pixels = back[2]["pixel_values"]
+    assert pixels.shape == (64, 1176) and back[2].shared  # read-only buffers of the object store
+    assert twice[2]["pixel_values"].data_ptr() == pixels.data_ptr()  # two reads, one memory: no copy
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(sent, back, strict=True) for k in a)
+    again = T.get_multi_modal(pickle.loads(pickle.dumps(batch)))  # plain pickle: in-band bytes, own memory
+    assert not again[2].shared and torch.equal(again[2]["pixel_values"], pixels)
+
+
 def test_logprobs_agree_through_a_batch_file(tiny_vlm_dir: Path, batch, tmp_path: Path) -> None:
     loaded = T.load_batch(T.save_batch(batch, tmp_path / "b.safetensors"))
     assert all(
@@ -103,6 +156,27 @@ def test_logprobs_agree_through_a_batch_file(tiny_vlm_dir: Path, batch, tmp_path
     out = trainer(tiny_vlm_dir, dynamic_batching=True, max_tokens_per_micro_batch=64).logprobs(loaded)
     diff = (out["logprobs"] - batch[T.ROLLOUT_LOGPROBS]).abs() * batch[T.RESPONSE_MASK]
     assert diff.max() < 1e-4
+
+
+def test_shared_prompt_forward_on_image_batches(tiny_vlm_dir: Path, batch) -> None:
+    """`actor.share_prompt_forward` on an image batch: each prompt (its tokens and images) forwarded once for its
+    rows, the same log-probs and the same update (Adam's first moments, the vision tower's included) as
+    forwarding every row whole."""
+    shared = trainer(tiny_vlm_dir, share_prompt_forward=True)  # 3 micro-batches of 2 rows
+    plain = trainer(tiny_vlm_dir)
+    with torch.no_grad():
+        assert len(P.SharedPrompts(plain.backend.model, [batch], False).index) == 3  # prompts 0, 2: other images
+    mask = batch[T.RESPONSE_MASK]
+    lp_shared, lp_plain = shared.logprobs(batch), plain.logprobs(batch)
+    assert ((lp_shared["logprobs"] - lp_plain["logprobs"]).abs() * mask).max() < 1e-5
+    m_shared, m_plain = shared.train_step(batch), plain.train_step(batch)
+    assert m_shared["grad_norm"] == pytest.approx(m_plain["grad_norm"], rel=1e-4)
+    opt_shared, opt_plain = shared.backend.optimizer, plain.backend.optimizer
+    named = dict(plain.backend.model.named_parameters())
+    for name, p_shared in shared.backend.model.named_parameters():
+        grad_shared = opt_shared.state[p_shared]["exp_avg"]  # (1 - beta1) x the accumulated gradient
+        assert torch.allclose(grad_shared, opt_plain.state[named[name]]["exp_avg"], atol=1e-7, rtol=1e-4), name
+        assert grad_shared.any() or component(name) == "language_model", name  # the vision parts' gradients
 
 
 def test_grpo_step_trains_the_vision_tower(tiny_vlm_dir: Path, batch) -> None:
@@ -123,6 +197,44 @@ def test_freeze_and_per_part_learning_rates(tiny_vlm_dir: Path, batch) -> None:
     assert moved == {"projector", "language_model"}
     lrs = {g["name"]: g["lr"] for g in engine.backend.optimizer.param_groups}
     assert lrs == {"projector": 0.5, "language_model": 1e-2}
+
+
+def test_text_only_micro_batch_runs_a_zero_dummy_vision_pass(tiny_vlm_dir: Path, rollout: HFRolloutEngine) -> None:
+    """A micro-batch without images (text prompts of a vision-language model) puts the vision tower and projector
+    in the graph with weight 0 (`dummy_vision_pass`, what keeps ZeRO-3 / FSDP ranks in step): the same logits, the
+    same language-model gradients, and zero (not missing) gradients on every vision parameter."""
+    text = rollout.generate([Prompt("t0", "2+2=", "4"), Prompt("t1", "Say hi.", "hi")], SamplingParams(n=2), seed=0)
+    assert not has_images(text)
+    model = load_causal_lm(tiny_vlm_dir)
+    runs = []
+    for needed in (False, True):
+        model.zero_grad(set_to_none=True)
+        with dummy_vision_pass(model, needed):
+            logits = P.response_logits(model, text, torch.device("cpu"))
+        (logits.log_softmax(-1)[..., 0] * text[T.RESPONSE_MASK]).sum().backward()
+        runs.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (plain, plain_grads), (dummy, dummy_grads) = runs
+    assert torch.equal(plain, dummy)
+    vision = [n for n in plain_grads if component(n) != "language_model"]
+    assert vision and all(plain_grads[n] is None for n in vision)
+    assert all(dummy_grads[n] is not None and not dummy_grads[n].any() for n in vision)
+    assert all(torch.equal(plain_grads[n], dummy_grads[n]) for n in plain_grads if n not in vision)
+    model.zero_grad(set_to_none=True)  # the trainer's forward runs the dummy pass itself
+    logp, _ = P.causal_lm_forward(model, text, 1.0, False)
+    (logp * text[T.RESPONSE_MASK]).sum().backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if n in vision)
+
+
+def test_preflight_lets_deepspeed_and_megatron_train_on_images() -> None:
+    from rlstages.configs.loader import load_config
+    from rlstages.tasks.driver.vision_data import _check_backends
+
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+    _check_backends(load_config(tiny, ["actor.backend=deepspeed", "actor.zero_stage=3"]))  # no refusal
+    _check_backends(load_config(tiny, ["actor.backend=megatron"]))
+    cp = ["actor.backend=megatron", "actor.num_workers=2", "actor.context_parallel_size=2"]
+    with pytest.raises(ValueError, match="actor.context_parallel_size=2: the megatron backend does not split"):
+        _check_backends(load_config(tiny, cp))
 
 
 def test_on_disk_names_map_onto_the_model(tiny_vlm_dir: Path, rollout: HFRolloutEngine) -> None:
@@ -184,6 +296,9 @@ def test_qwen2_5_vl_rollout_and_trainer_agree(tmp_path: Path) -> None:
     )[0, ids.shape[1] :].tolist()  # fmt: skip
     n = int(greedy[T.RESPONSE_MASK][1].sum())
     assert greedy[T.RESPONSE_IDS][1, :n].tolist() == ref[:n]
+    assert (
+        float(zero_image_output(engine.model.model.visual).detach()) == 0.0
+    )  # its window attention takes the dummy image
     sampled = engine.generate(PROMPTS[:2], SamplingParams(n=2, max_new_tokens=5), seed=0)
     out = trainer(path).logprobs(sampled)
     assert ((out["logprobs"] - sampled[T.ROLLOUT_LOGPROBS]).abs() * sampled[T.RESPONSE_MASK]).max() < 1e-4

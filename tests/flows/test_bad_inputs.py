@@ -453,13 +453,27 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
         "has no image processor",
     ),
     ("image-text-model", ["run", B, IMAGES % "img-good"], {}, "is a qwen2 model, not a vision-language one"),
-    ("image-backend", ["run", B, VLM, IMAGES % "img-good", "actor.backend=deepspeed"], {}, "does not train on images"),
     (
         "image-megatron-tp-over-heads",
         ["run", B, VLM, IMAGES % "img-good", "actor.backend=megatron", "actor.num_workers=8"]
         + ["actor.tensor_model_parallel_size=8"],
         {},
         "actor.tensor_model_parallel_size=8 must divide the model's attention heads (4)",
+    ),
+    (
+        "image-multi-turn",
+        [
+            "run",
+            B,
+            VLM,
+            IMAGES % "img-good",
+            "rollout.multi_turn={enabled: true, environment: {tools: [{name: calculator}]}, "
+            "template_not_prefix_preserving: new_row}",
+            "data.apply_chat_template=true",
+            "data.chat_template='{% for m in messages %}{{ m.content }}{% endfor %}'",
+        ],
+        {},
+        "rollout.multi_turn.enabled: multi-turn rollouts with images are not built yet",
     ),
     # ... a config path that is a directory, output files that cannot be written, an unknown time zone
     ("config-is-dir", ["run", "foreign"], {}, "foreign: is a directory, expected a YAML file"),
