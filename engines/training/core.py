@@ -12,6 +12,7 @@ Non-goals: anything backend-specific (sharding, pipelines, offload, checkpoint f
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -39,6 +40,9 @@ PERF = "perf/"  # train_step's measured metrics (throughput, MFU, memory): they 
 def without_perf(metrics: dict[str, float]) -> dict[str, float]:
     """A train step's metrics without the measured `perf/*` ones: what a repeated (resumed) step reproduces."""
     return {k: v for k, v in metrics.items() if not k.startswith(PERF)}
+
+
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
 
 class PPOTrainer:
@@ -175,11 +179,15 @@ class PPOTrainer:
         yield from bucketize(stream, bucket_bytes, dtype)
 
     def save_pretrained(self, path: Path, tokenizer_from: Path | None = None) -> None:
-        """An HF directory (config, safetensors, tokenizer) of the current weights, for export; call on every rank."""
+        """An HF directory (config, safetensors, tokenizer, and a vision-language model's image processor) of the
+        current weights, for export; call on every rank."""
         if self.backend.save_hf(Path(path)) and tokenizer_from is not None:
             from rlstages.engines.models import load_tokenizer
 
             load_tokenizer(tokenizer_from).save_pretrained(str(path))
+            for name in PROCESSOR_FILES:  # the image processor travels with the weights that were trained with it
+                if (Path(tokenizer_from) / name).is_file():
+                    shutil.copyfile(Path(tokenizer_from) / name, Path(path) / name)
 
     def save(self, path: Path) -> None:
         """Model, optimizer, scheduler and RNG states in the backend's format, so `load` continues bitwise."""

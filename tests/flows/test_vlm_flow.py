@@ -63,6 +63,7 @@ def test_verl_image_parquet_trains_a_tiny_qwen2_vl(tmp_path: Path, tiny_vlm_dir:
     after = load_file(str(run_dir(cfg) / "final" / "model.safetensors"))
     moved = [k for k in before if k.startswith("visual.") and not torch.equal(before[k], after[k])]
     assert moved, "the vision tower trained"
+    assert (run_dir(cfg) / "final" / "preprocessor_config.json").is_file(), "the export has its image processor"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
