@@ -36,6 +36,7 @@ from rlstages.engines.training.core import PPOTrainer
 from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
 from rlstages.engines.workers.actor_group import ActorGroup, GroupSpec
+from tests.engines.compare import masked_max, max_diff
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
 
@@ -67,15 +68,6 @@ def setup_module() -> None:
 def snapshot(named) -> dict[str, torch.Tensor]:
     """HF tensors by name (both backends yield MoE experts in the on-disk layout, one tensor per expert)."""
     return {k: v.detach().clone() for k, v in named}
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert sorted(a) == sorted(b)
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
-def masked_max(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
-    return float(((a - b).abs() * mask).max())
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ from rlstages.engines.training.core import PPOTrainer, without_perf
 from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
 from rlstages.engines.workers.actor_group import ActorGroup, GroupSpec
+from tests.engines.compare import masked_max, max_diff
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
 
@@ -107,15 +108,6 @@ def torch_ref(tiny_model_dir: Path, batch) -> dict:
 
 def snapshot(named) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in named}
-
-
-def masked_max(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
-    return float(((a - b).abs() * mask).max())
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert sorted(a) == sorted(b)
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
 def megatron(path: Path, converted_path: Path | None, **kw) -> PPOTrainer:

@@ -18,12 +18,10 @@ Skipped without megatron-core.
 from __future__ import annotations
 
 import importlib.util
-import io
 from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
 from safetensors.torch import save_file
 
 from rlstages.configs.training import MegatronTrainingConfig, OptimConfig, TorchTrainingConfig
@@ -35,19 +33,13 @@ from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
 from rlstages.engines.training.core import PPOTrainer, without_perf
 from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
+from tests.engines.compare import masked_max, max_diff
+from tests.engines.test_vlm import png
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
 
 LR = 1e-4
 STEP_ATOL = 5e-2 * LR  # as tests/engines/test_megatron_trainer.py: a wrong-signed gradient moves an element by 2 lr
-
-
-def png(colour: tuple[int, int, int], size: tuple[int, int]) -> bytes:
-    img = Image.new("RGB", size, (128, 128, 128))
-    img.paste(colour, (8, 8, size[0] - 8, size[1] - 8))
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
 
 
 TWO_IMAGES = (png((0, 0, 255), (112, 84)), png((0, 255, 0), (56, 56)))
@@ -67,15 +59,6 @@ def settings(path: Path, backend: str, group_lr: dict | None = None, **options) 
 def weights(engine: PPOTrainer) -> dict[str, torch.Tensor]:
     """HF tensors in the in-memory naming (megatron exports the checkpoint's names, `visual.*`, `model.layers.*`)."""
     return {module_name(k): v.detach().clone() for k, v in engine.named_weights()}
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert sorted(a) == sorted(b)
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
-def masked_max(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
-    return float(((a - b).abs() * mask).max())
 
 
 @pytest.fixture(scope="module")
