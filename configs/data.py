@@ -32,8 +32,8 @@ class AdditionTaskConfig(StrictModel):
 
 
 class ColorsTaskConfig(StrictModel):
-    """Seeded synthetic image prompts drawn with PIL (docs/vlm.md): `colour` asks "What colour is the square?
-    Answer with one word: red, green, blue or yellow." of a square of that colour (size, place and shade drawn at
+    """Seeded synthetic image prompts drawn with PIL (docs/vlm.md): `colour` asks "Name the colour of this square:
+    <image>" (red, green, blue or yellow) of a square of that colour (size, place and shade drawn at
     random) on a grey `image_size` canvas; `count` asks how many squares (1-4) it holds. For a vision-language model."""
 
     kind: Literal["colors"] = "colors"

@@ -53,7 +53,9 @@ def _read_path(path: str, where: str, base: Path | None) -> bytes:
 
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (235, 210, 40)}
-COLOUR_PROMPT = "<image>What colour is the square? Answer with one word: red, green, blue or yellow."
+# the image last, nearest the answer; the choices go in the run's system prompt (configs/vlm_colors.yaml): at the
+# image vectors' start (zero) SmolLM2-135M then names a colour 2 times in 3, every colour among them (docs/vlm.md)
+COLOUR_PROMPT = "Name the colour of this square: <image>"
 COUNT_PROMPT = "<image>How many squares are in the picture? Answer with one number: 1, 2, 3 or 4."
 
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from rlstages.configs.data import DatasetsDataConfig
 from rlstages.flows.train import rl_post_train
 from rlstages.tasks.driver.vision_data import row_images
-from tests.flows.flow_support import IN_DRIVER, final_weights, mlflow_run, run_dir, tiny_cfg
+from tests.flows.flow_support import IN_DRIVER, ROOT, final_weights, mlflow_run, overrides, run_dir, tiny_cfg
 
 COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "yellow": (255, 255, 0)}
 
@@ -91,3 +91,25 @@ def test_tiny_qwen2_5_vl_trains_on_megatron(tmp_path: Path, prefect_harness) -> 
     assert max(m.value for m in client.get_metric_history(run.info.run_id, "rollout/logprob_diff")) < 1e-4
     before, after = load_file(str(model / "model.safetensors")), final_weights(cfg)
     assert any(k.startswith("visual.") and not torch.equal(before[k], after[k]) for k in before), "the tower trained"
+
+
+def test_the_demo_config_passes_the_preflight(tmp_path: Path, tiny_vlm_dir: Path) -> None:
+    """configs/vlm_colors.yaml validates and passes the pre-flight (its colour prompts, one image each, within the
+    length limit through its chat template) on a Qwen2-VL directory; nothing is created. Its prompt ends in
+    "Answer:", so the one token it samples is the answer (docs/vlm.md: the demo)."""
+    from rlstages.configs.loader import load_config
+    from rlstages.engines.models import load_tokenizer
+    from rlstages.engines.rollout.batching import prompt_text
+    from rlstages.tasks.driver.data import load_split
+    from rlstages.tasks.driver.preflight import preflight
+
+    cfg = load_config(ROOT / "configs" / "vlm_colors.yaml", overrides(tmp_path, tiny_vlm_dir, "demo"))
+    assert cfg.actor.freeze == ("language_model",) and cfg.rollout.max_new_tokens == 1
+    assert preflight(cfg) == []
+    assert not (tmp_path / "runs").exists()
+    row = load_split(cfg.data, "eval").rows[0]
+    assert len(row.images) == 1 and row.text.endswith("<image>") and row.ground_truth in COLOURS
+    tokenizer = load_tokenizer(tiny_vlm_dir)
+    tokenizer.chat_template = cfg.data.chat_template
+    text, _ = prompt_text(tokenizer, row.prompt("x"), True, cfg.data.system_prompt)
+    assert text.startswith("<|im_start|>system\n" + str(cfg.data.system_prompt)) and text.endswith("assistant\nAnswer:")
