@@ -273,7 +273,7 @@ def smollm2_vl(text_dir: Path, seed: int = 0) -> tuple[Any, Any]:
     text tower of a Qwen2-VL (zero q/k/v biases, tied embeddings, M-RoPE sections 8/12/12 of its 64-dim heads:
     on text the same logits as SmolLM2), the three vision tokens added (zero embeddings), and a small vision
     tower (2 blocks of width 128, patch 14, merge 2) and projector initialised at random (the projector's output
-    layer at zero), to be trained by RL."""
+    layer: weight zero, bias the mean token embedding), to be trained by RL."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     text = AutoModelForCausalLM.from_pretrained(str(text_dir), dtype=torch.float32, local_files_only=True)
@@ -312,9 +312,13 @@ def smollm2_vl(text_dir: Path, seed: int = 0) -> tuple[Any, Any]:
                 ("q_proj.bias", "k_proj.bias", "v_proj.bias")
             ):
                 p.zero_()
-        last = model.model.visual.merger.mlp[-1]  # the projector's output layer starts at zero: image tokens are
-        last.weight.zero_()  # blank to SmolLM2 at first (it answers as without an image: in words, at chance),
-        last.bias.zero_()  # not random vectors far from its embeddings (which made it babble)
+        # The projector's output starts as one typical vector for every image: weight zero, bias SmolLM2's mean
+        # token embedding. Not random vectors far from its embeddings (SmolLM2 babbled), and not zero: the first
+        # RMSNorm divides by the vector's own size, so near zero only its direction counts and the gradient grows
+        # as 1/size (a step of norm 0.03 flipped the answers; docs/vlm.md, the demo).
+        last = model.model.visual.merger.mlp[-1]
+        last.weight.zero_()
+        last.bias.copy_(embed.mean(0))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     left = [
         k

@@ -267,6 +267,9 @@ def test_smollm2_as_the_text_tower_keeps_its_text_logits() -> None:
     assert got.shape[-1] == want.shape[-1] + 3  # the three vision tokens
     assert torch.allclose(got[..., : want.shape[-1]], want, atol=1e-4, rtol=1e-4)
     assert vlm.model.visual.blocks[0].attn.qkv.weight.requires_grad  # the vision tower: random, trained by RL
+    out = vlm.model.visual.merger.mlp[-1]  # every image starts as SmolLM2's mean token embedding, not as zero
+    mean = vlm.get_input_embeddings().weight[: want.shape[-1]].mean(0)
+    assert not out.weight.any() and torch.allclose(out.bias, mean) and float(mean.norm()) > 1.0
 
 
 def test_choice_reward_names_one_choice() -> None:
