@@ -40,15 +40,25 @@ printf 'torch==%s\n' "$TORCH_VERSION" >"$CONSTRAINTS"
 # 3. The PyPI torchvision/torchaudio/torchcodec do not match the local torch (`torchvision::nms does not exist`
 #    on `import vllm`); vLLM runs text models without them.
 "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec || true
+# 3b. Vision-language models (VLLM_VISION=1): vLLM 0.32's Qwen2-VL module imports transformers' torchvision-backed
+#    image processor. The +cpu torchvision is only on PyTorch's index; PyPI has torch 2.13.0 as a CUDA build (the
+#    same release, it runs on the CPU; `===` takes it rather than the local +cpu wheel) with its torchvision
+#    0.28.0: ~2.8 GB more in the venv. docs/vlm.md.
+if [ "${VLLM_VISION:-0}" = 1 ]; then
+  "${PIP[@]}" install -q "torch===$TORCH_VERSION" "torchvision==0.28.0"
+fi
 # 4. Our packages (engines, configs) without their dependencies (prefect, mlflow stay out of this venv).
 "${PIP[@]}" install -q --no-deps -e "$ROOT"
 
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as m
+import os
 
 import ray
 import torch
 import vllm  # noqa: F401  (fails here if the torchvision issue is back)
+if os.environ.get("VLLM_VISION") == "1":
+    import vllm.model_executor.models.qwen2_vl  # noqa: F401  (the image processor's torchvision)
 
 import rlstages.engines.rollout.vllm_rollout  # noqa: F401
 

