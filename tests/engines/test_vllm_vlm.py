@@ -35,12 +35,11 @@ from rlstages.engines.models.vision import forward_kwargs, suppress, vision_toke
 from rlstages.engines.rollout.vision_inputs import encode_image_prompts, load_image_processor, rope_model
 from rlstages.engines.rollout.vllm_rollout import (
     DEFAULT_VLLM_VENV,
-    VLLMRolloutEngine,
     image_request,
-    vllm_actor_options,
 )
 from rlstages.engines.types import SamplingParams
 from tests.engines.test_vlm import PROMPTS
+from tests.engines.vllm_support import call, vllm_actor
 
 VLLM_PYTHON = DEFAULT_VLLM_VENV / "bin" / "python"
 pytestmark = [
@@ -105,25 +104,9 @@ def engine(vlm_dir: Path, request: pytest.FixtureRequest):
         why = "vLLM's Qwen2-VL needs torchvision in .venv-vllm (VLLM_VISION=1 bash scripts/vllm_env.sh)"
         pytest.skip(f"{why}: {error}")
     ray = request.getfixturevalue("ray_session")  # the session's one local Ray (tests/conftest.py)
-    actor = (
-        ray.remote(VLLMRolloutEngine)
-        .options(**vllm_actor_options(), num_cpus=0)
-        .remote(str(vlm_dir), dtype="float32", max_model_len=256, seed=0, apply_chat_template=False,
-                max_images_per_prompt=2)
-    )  # fmt: skip
-    try:
+    kwargs = {"dtype": "float32", "max_model_len": 256, "seed": 0, "apply_chat_template": False}
+    with vllm_actor(ray, vlm_dir, **kwargs, max_images_per_prompt=2) as actor:
         yield actor
-    finally:
-        try:
-            ray.get(actor.shutdown.remote(), timeout=60)
-        finally:
-            ray.kill(actor)
-
-
-def call(actor, method: str, *args):
-    import ray
-
-    return ray.get(getattr(actor, method).remote(*args), timeout=600)
 
 
 def hf_logprobs(model, batch, temperature: float = 1.0) -> torch.Tensor:
