@@ -57,12 +57,11 @@ from rlstages.engines.rollout.trajectory import build_trajectory_batch
 from rlstages.engines.rollout.vision_inputs import (
     ImagePrompt,
     add_image_fields,
-    collapse_image_pads,
     encode_image_prompts,
     load_image_processor,
-    open_image,
     rope_model,
 )
+from rlstages.engines.rollout.vllm_images import image_engine_kwargs, image_request
 from rlstages.engines.runtime.device import worker_device
 from rlstages.engines.sync.buckets import DEFAULT_BUCKET_BYTES, tensor_buckets
 from rlstages.engines.sync.registry import build_engine_push, engine_push
@@ -390,25 +389,6 @@ class VLLMRolloutEngine:
             core.shutdown()
         for pusher in self._pushers.values():
             pusher.release()  # the workers are gone: nothing to tell them
-
-
-def image_engine_kwargs(max_images: int, pixels: tuple[int | None, int | None]) -> dict[str, Any]:
-    """`vllm.LLM` arguments of a vision-language model: at most `max_images` images and no video per prompt, and
-    the image processor's pixel bounds (`data.image_min_pixels` / `image_max_pixels`) when set."""
-    out: dict[str, Any] = {"limit_mm_per_prompt": {"image": max_images, "video": 0}}
-    bounds = {k: v for k, v in zip(("min_pixels", "max_pixels"), pixels, strict=True) if v is not None}
-    if bounds:
-        out["mm_processor_kwargs"] = bounds
-    return out
-
-
-def image_request(prompt: Prompt, ids: list[int], image_id: int) -> dict[str, Any]:
-    """One prompt as a vLLM `TokensPrompt` (a typed dict): its ids with one image pad per image (vLLM expands each
-    to the image's pads again) and its images as RGB PIL images; a prompt without images is its ids alone."""
-    if not prompt.images:
-        return {"prompt_token_ids": ids}
-    images = [open_image(b) for b in prompt.images]
-    return {"prompt_token_ids": collapse_image_pads(ids, image_id), "multi_modal_data": {"image": images}}
 
 
 def _eos_ids(tokenizer: Any, model_path: str) -> set[int]:

@@ -33,10 +33,8 @@ from rlstages.engines import types as T
 from rlstages.engines.models import load_tokenizer
 from rlstages.engines.models.vision import forward_kwargs, suppress, vision_token_ids
 from rlstages.engines.rollout.vision_inputs import encode_image_prompts, load_image_processor, rope_model
-from rlstages.engines.rollout.vllm_rollout import (
-    DEFAULT_VLLM_VENV,
-    image_request,
-)
+from rlstages.engines.rollout.vllm_images import image_request
+from rlstages.engines.rollout.vllm_rollout import DEFAULT_VLLM_VENV
 from rlstages.engines.types import SamplingParams
 from tests.engines.test_vlm import PROMPTS
 from tests.engines.vllm_support import call, vllm_actor

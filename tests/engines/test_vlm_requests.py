@@ -22,7 +22,7 @@ from rlstages.engines.rollout.vision_inputs import (
     load_image_processor,
     rope_model,
 )
-from rlstages.engines.rollout.vllm_rollout import image_engine_kwargs, image_request
+from rlstages.engines.rollout.vllm_images import image_engine_kwargs, image_request
 from rlstages.engines.types import Prompt, SamplingParams
 from tests.engines.test_vlm import PROMPTS
 

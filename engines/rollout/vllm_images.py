@@ -1,0 +1,28 @@
+"""vLLM's side of an image prompt: the engine arguments of a vision-language model and each prompt's
+`TokensPrompt` (one image pad per image, which vLLM's Qwen2-VL processor expands again; the images as PIL)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlstages.engines.rollout.vision_inputs import collapse_image_pads, open_image
+from rlstages.engines.types import Prompt
+
+
+def image_engine_kwargs(max_images: int, pixels: tuple[int | None, int | None]) -> dict[str, Any]:
+    """`vllm.LLM` arguments of a vision-language model: at most `max_images` images and no video per prompt, and
+    the image processor's pixel bounds (`data.image_min_pixels` / `image_max_pixels`) when set."""
+    out: dict[str, Any] = {"limit_mm_per_prompt": {"image": max_images, "video": 0}}
+    bounds = {k: v for k, v in zip(("min_pixels", "max_pixels"), pixels, strict=True) if v is not None}
+    if bounds:
+        out["mm_processor_kwargs"] = bounds
+    return out
+
+
+def image_request(prompt: Prompt, ids: list[int], image_id: int) -> dict[str, Any]:
+    """One prompt as a vLLM `TokensPrompt` (a typed dict): its ids with one image pad per image (vLLM expands each
+    to the image's pads again) and its images as RGB PIL images; a prompt without images is its ids alone."""
+    if not prompt.images:
+        return {"prompt_token_ids": ids}
+    images = [open_image(b) for b in prompt.images]
+    return {"prompt_token_ids": collapse_image_pads(ids, image_id), "multi_modal_data": {"image": images}}
