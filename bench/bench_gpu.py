@@ -5,7 +5,8 @@
   plain transformers' forward + backward + fused AdamW step on the same shape: plain time / our time, i.e.
   our MFU over theirs (goal >= 1.0). The detail gives both MFUs where the device's peak is known
   (`engines.training.flops`). Also the same with the log-prob pass's eager chunks (`fused_logits.ENABLED` off),
-  and with BENCH_GPU_PROFILE=DIR the step's top GPU kernels as a table there.
+  with transformers' own RMSNorm / SwiGLU / rotary kernels (`fused_layers.ENABLED` off), and with
+  BENCH_GPU_PROFILE=DIR the step's top GPU kernels as a table there.
 - `gpu_rollout_vs_generate`: the HF rollout engine's generated tokens/s over raw `model.generate`'s on the
   demo's shape (SmolLM2-135M-shaped random bf16 model, sdpa, 64 rows x 48 new tokens, T=0.7; goal >= 0.95).
 - `gpu_demo_step_vs_cpu`: one demo step (generate 64 x 48, then the update) on the GPU over the same step on
@@ -26,6 +27,7 @@ import torch
 
 from bench.common import MODEL_SHAPES, best_of, record, shape_fields
 from rlstages.engines.algorithms import fused_logits
+from rlstages.engines.models import fused_layers
 
 ROWS, PROMPT, RESPONSE, MICRO = 16, 512, 512, 4
 
@@ -105,24 +107,31 @@ def update_vs_transformers() -> None:
     plain = plain_update(path, batch)
     torch.cuda.empty_cache()
     engine = trainer(path, MICRO)
-    ours = best_of(lambda: engine.train_step(batch))  # the log-prob pass compiled (`fused_logits`; warm-up compiles)
-    fused_logits.ENABLED = False
-    try:
-        eager = best_of(lambda: engine.train_step(batch))
-    finally:
-        fused_logits.ENABLED = True
+    ours = best_of(lambda: engine.train_step(batch))  # log-prob pass and decoder element-wise work compiled
+    eager = without(fused_logits, lambda: best_of(lambda: engine.train_step(batch)))
+    unfused = without(fused_layers, lambda: best_of(lambda: engine.train_step(batch)))
     profile_tables(engine, batch)
     name = torch.cuda.get_device_name(0)
     flops = F.step_flops(MODEL_SHAPES["qwen2-1.5b"], [PROMPT + RESPONSE] * ROWS)
-    mfu = [F.mfu(flops, t, name, True) for t in (ours, plain, eager)]
-    detail = f"{name}: ours {ours:.3f} s, transformers {plain:.3f} s"
-    if mfu[0] is not None:
-        detail += f"; MFU {mfu[0]:.3f} vs {mfu[1]:.3f}"
-    record("gpu_update_vs_transformers", plain / ours, ">= 1.0", detail)
-    detail = f"{name}: eager chunks {eager:.3f} s, transformers {plain:.3f} s"
-    if mfu[2] is not None:
-        detail += f"; MFU {mfu[2]:.3f}"
-    record("gpu_update_vs_transformers_eager_logits", plain / eager, None, detail)
+    plain_mfu = F.mfu(flops, plain, name, True)
+
+    def detail(label: str, t: float) -> str:
+        m = F.mfu(flops, t, name, True)
+        mfus = f"; MFU {m:.3f} vs {plain_mfu:.3f}" if m is not None and plain_mfu is not None else ""
+        return f"{name}: {label} {t:.3f} s, transformers {plain:.3f} s{mfus}"
+
+    record("gpu_update_vs_transformers", plain / ours, ">= 1.0", detail("ours", ours))
+    record("gpu_update_vs_transformers_eager_logits", plain / eager, None, detail("eager log-prob chunks", eager))
+    record("gpu_update_vs_transformers_unfused_layers", plain / unfused, None, detail("transformers' norms", unfused))
+
+
+def without(module: Any, timed: Any) -> float:
+    """`timed()` with `module.ENABLED` (a compiled path: `fused_logits`, `fused_layers`) off, then on again."""
+    module.ENABLED = False
+    try:
+        return timed()
+    finally:
+        module.ENABLED = True
 
 
 def profile_tables(engine: Any, batch: Any) -> None:

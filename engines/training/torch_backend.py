@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ from rlstages.engines.training import state_io
 from rlstages.engines.training.fp32_matmul import use_fp32_kernel, wants_fp32_kernel
 from rlstages.engines.training.optim import adamw, lr_scheduler
 from rlstages.engines.training.settings import Role, TrainerSettings
+
+log = logging.getLogger(__name__)
 
 
 def build_model(model_path: str | Path, role: Role, dtype: str, model_type: str | None) -> Any:
@@ -83,6 +86,16 @@ def attention_impl(requested: str, device: torch.device, dtype: torch.dtype) -> 
     return "flash_attention_2" if requested == "sdpa" and fast else requested
 
 
+def fuse_on_device(model: Any, device: torch.device) -> None:
+    """Route the model's decoder element-wise work to compiled kernels where its device compiles them (a GPU;
+    `fused_layers`), logging what was routed."""
+    from rlstages.engines.models import fused_layers
+
+    if device.type in fused_layers.DEVICES:
+        counts = fused_layers.fuse_elementwise(model)
+        log.info("fused element-wise kernels for training: %s", counts)
+
+
 class TorchBackend:
     """A model and its optimizer in one process, on the worker's device (`runtime.device.worker_device`: its
     GPU, else the CPU), with the optimizer states beside the parameters; implements
@@ -100,6 +113,8 @@ class TorchBackend:
             dtype = next(self.model.parameters()).dtype
             self.model.set_attn_implementation(attention_impl(settings.train.attention, self.device, dtype))
         prepare_model(self.model, settings)
+        if settings.trainable and getattr(settings.train, "fuse_elementwise", False):
+            fuse_on_device(self.model, self.device)
         self.fp32_matmul = isinstance(settings.train, TorchTrainingConfig) and wants_fp32_kernel(
             settings.train.fp32_matmul,
             settings.dtype == "bfloat16" or settings.train.bf16_autocast,

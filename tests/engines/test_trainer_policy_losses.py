@@ -98,3 +98,32 @@ def test_the_gpu_fused_log_prob_pass_trains_as_the_eager_chunks(monkeypatch, tin
     for a, b in zip(fused, eager, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert max((a - b).abs().max().item() for a, b in zip(eager, start, strict=True)) > 1e-4
+
+
+def test_the_gpu_fused_decoder_kernels_train_as_transformers(monkeypatch, tiny_model_dir: Path, batch) -> None:
+    """Two GRPO steps with the decoder's RMSNorm, SwiGLU and rotary embedding routed to the compiled functions
+    (what a GPU's trainer does, `fused_elementwise`; traced here with aot_eager) leave the weights transformers'
+    own kernels leave, and the trainer did route and compile them."""
+    from rlstages.engines.models import fused_layers as FL
+
+    def train(fuse: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        options = TorchTrainingConfig(optim=OptimConfig(lr=1e-2, total_steps=10), micro_batch_size=8)
+        options = options.model_copy(update={"fuse_elementwise": fuse})
+        engine = PPOTrainer(TrainerSettings(str(tiny_model_dir), train=options, loss=A.PolicyLossParams()))
+        start = [p.detach().clone() for p in engine.backend.model.parameters()]
+        for _ in range(2):
+            engine.train_step(batch)
+        return start, [p.detach().clone() for p in engine.backend.model.parameters()]
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(FL, "DEVICES", ("cpu",))
+    monkeypatch.setattr(FL, "BACKEND", "aot_eager")
+    monkeypatch.setattr(FL, "_COMPILED", {})
+    monkeypatch.setattr(FL, "_FAILED", [])
+    start, fused = train(True)
+    assert sorted(FL._COMPILED) == ["rms_norm", "rotary", "swiglu"] and not FL._FAILED
+    monkeypatch.setattr(FL, "ENABLED", False)  # the rotary function stays routed in this process: turn it off
+    _, eager = train(False)
+    for a, b in zip(fused, eager, strict=True):  # Adam's first steps scale tiny gradient differences up to ~1e-5
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+    assert max((a - b).abs().max().item() for a, b in zip(eager, start, strict=True)) > 1e-2

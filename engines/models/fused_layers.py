@@ -1,0 +1,204 @@
+"""The decoder layers' element-wise work (RMSNorm, SwiGLU, rotary embedding) through `torch.compile` while training.
+
+Issue 41's profile of the GRPO update on a Qwen2-1.5B shape (H200) put half of the kernels' time outside the GEMMs:
+transformers' float32 RMSNorm (upcast, square, mean, rsqrt, two products, the cast back: PowBackward,
+MulBackward, `copy_`), SwiGLU and the rotary embedding (slices, a `cat`, four products and two sums per call),
+each a memory-bound kernel of its own, forward and backward. Compiled, each of the three is one or two fused
+kernels. The fused functions below are the same math as transformers' Llama/Qwen-family modules, and
+`fuse_elementwise` routes a model's modules to them only where a module's code is that math (its source,
+compared with transformers' Llama reference), so any other family keeps its own code.
+
+Only tensors on `DEVICES` with autograd recording take the compiled path: the trainer's forward and backward on a
+GPU. Generation, the no-grad log-prob passes and the CPU keep transformers' code (compiling costs seconds per
+shape there, and decode steps are too small to gain). A function that does not compile falls back to that code,
+with a warning.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import logging
+import sys
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+ENABLED = True  # bench/bench_gpu.py turns it off to time transformers' own element-wise kernels
+DEVICES: tuple[str, ...] = ("cuda",)  # tests add "cpu"
+BACKEND = "inductor"  # tests trace with "aot_eager"
+_COMPILED: dict[str, Callable[..., Any]] = {}
+_FAILED: list[str] = []
+_ORIGINAL = "_rlstages_original"  # the attribute a routed forward / rotary function keeps its original under
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Llama/Qwen RMSNorm: normalise in float32 by the root mean square of the last dim, cast back, scale."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """SwiGLU's gate: silu(gate) * up."""
+    return torch.nn.functional.silu(gate) * up
+
+
+def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1) -> tuple[Tensor, Tensor]:
+    """The rotary embedding of queries and keys (rotate-half layout), as transformers' `apply_rotary_pos_emb`."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+
+    def rotate_half(x: Tensor) -> Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def active(t: Tensor) -> bool:
+    """Whether a call on `t` takes the compiled path: on, on one of `DEVICES`, and autograd recording (training)."""
+    return ENABLED and torch.is_grad_enabled() and t.device.type in DEVICES
+
+
+def run(name: str, *args: Any) -> Any:
+    """The compiled function `name` of this module applied to `args` (compiled once, shapes dynamic), or None
+    (the caller runs transformers' code) where its compilation failed."""
+    if name in _FAILED:
+        return None
+    if name not in _COMPILED:
+        _COMPILED[name] = torch.compile(globals()[name], backend=BACKEND, dynamic=True, fullgraph=True)
+    try:
+        return _COMPILED[name](*args)
+    except Exception as exc:  # noqa: BLE001 - no Triton / compiler here: transformers' code computes the same
+        _FAILED.append(name)
+        log.warning("fused %s did not compile (%s); using transformers' kernels", name, exc)
+        return None
+
+
+def _body(fn: Callable[..., Any]) -> str:
+    """A function's code without its docstring, decorators and name: what two copies of the same math share."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    node = tree.body[0]
+    assert isinstance(node, ast.FunctionDef)
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+        body = body[1:]
+    return "\n".join(ast.dump(stmt) for stmt in body)
+
+
+def _reference() -> dict[str, str]:
+    """The code of transformers' Llama RMSNorm and MLP forwards and its rotary functions (the math above)."""
+    from transformers.models.llama import modeling_llama as m
+
+    return {
+        "norm": _body(m.LlamaRMSNorm.forward),
+        "mlp": _body(m.LlamaMLP.forward),
+        "rotary": _body(m.apply_rotary_pos_emb),
+        "rotate_half": _body(m.rotate_half),
+    }
+
+
+def _same_code(fn: Any, ref: str) -> bool:
+    """Whether `fn` is a Python function whose code is `ref` (False for builtins and code that has no source)."""
+    try:
+        return _body(fn) == ref
+    except (OSError, TypeError, SyntaxError):
+        return False
+
+
+def _norm_forward(module: Any) -> Callable[[Tensor], Tensor]:
+    original = module.forward
+
+    def forward(hidden_states: Tensor) -> Tensor:
+        if active(hidden_states):
+            out = run("rms_norm", hidden_states, module.weight, module.variance_epsilon)
+            if out is not None:
+                return out
+        return original(hidden_states)
+
+    setattr(forward, _ORIGINAL, original)
+    return forward
+
+
+def _mlp_forward(module: Any) -> Callable[[Tensor], Tensor]:
+    original = module.forward
+
+    def forward(x: Tensor) -> Tensor:
+        if active(x):
+            gated = run("swiglu", module.gate_proj(x), module.up_proj(x))
+            if gated is not None:
+                return module.down_proj(gated)
+        return original(x)
+
+    setattr(forward, _ORIGINAL, original)
+    return forward
+
+
+def _rotary_function(original: Callable[..., Any]) -> Callable[..., Any]:
+    def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1) -> Any:
+        if active(q):
+            out = run("rotary", q, k, cos, sin, unsqueeze_dim)
+            if out is not None:
+                return out
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    setattr(apply_rotary_pos_emb, _ORIGINAL, original)
+    return apply_rotary_pos_emb
+
+
+def _is_silu(act: Any) -> bool:
+    from transformers.activations import SiLUActivation
+
+    return isinstance(act, SiLUActivation | torch.nn.SiLU)
+
+
+def _route_module(module: Any, ref: dict[str, str]) -> str | None:
+    """Route one module's forward to its fused function where its code is the reference's; which one, or None."""
+    if hasattr(module.forward, _ORIGINAL):  # routed before
+        return "rms_norm" if hasattr(module, "variance_epsilon") else "swiglu"
+    forward = type(module).forward
+    if hasattr(module, "variance_epsilon") and _same_code(forward, ref["norm"]):
+        module.forward = _norm_forward(module)
+        return "rms_norm"
+    if hasattr(module, "gate_proj") and _is_silu(getattr(module, "act_fn", None)) and _same_code(forward, ref["mlp"]):
+        module.forward = _mlp_forward(module)
+        return "swiglu"
+    return None
+
+
+def _route_rotary(modeling: Any, ref: dict[str, str]) -> bool:
+    """Route a modeling module's `apply_rotary_pos_emb` (what its attention calls by name) to the fused function
+    where its code and its `rotate_half`'s are the reference's; whether it is routed."""
+    fn = getattr(modeling, "apply_rotary_pos_emb", None)
+    if fn is None or hasattr(fn, _ORIGINAL):
+        return fn is not None
+    if not (_same_code(fn, ref["rotary"]) and _same_code(getattr(modeling, "rotate_half", None), ref["rotate_half"])):
+        return False
+    modeling.apply_rotary_pos_emb = _rotary_function(fn)
+    return True
+
+
+def fuse_elementwise(model: torch.nn.Module) -> dict[str, int]:
+    """Route `model`'s RMSNorm and SwiGLU MLP modules, and its attention's rotary function, to the compiled
+    functions where their code is the Llama reference's; returns how many modules of each were routed.
+    Idempotent."""
+    ref = _reference()
+    counts = {"rms_norm": 0, "swiglu": 0, "rotary": 0}
+    attention: dict[str, int] = {}
+    for module in model.modules():
+        kind = _route_module(module, ref)
+        if kind is not None:
+            counts[kind] += 1
+        if hasattr(module, "q_proj"):
+            name = type(module).__module__
+            attention[name] = attention.get(name, 0) + 1
+    for name, n in attention.items():
+        if _route_rotary(sys.modules[name], ref):
+            counts["rotary"] += n
+    return counts
