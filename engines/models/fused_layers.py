@@ -81,6 +81,32 @@ def run(name: str, *args: Any) -> Any:
         return None
 
 
+def probe(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """Compile each function once, forward and backward, on small inputs of `device` and `dtype`, so that a
+    compiler failing only in the backward (which `run` cannot catch: it raises in `loss.backward()`) marks the
+    function failed before training; returns the functions that work. Shapes stay dynamic after this."""
+    g = {"device": device, "dtype": dtype}
+    x, w = torch.randn(2, 3, 8, **g), torch.ones(8, **g)
+    q, k, cos, sin = (
+        torch.randn(2, 4, 3, 8, **g),
+        torch.randn(2, 2, 3, 8, **g),
+        torch.randn(2, 3, 8, **g),
+        torch.randn(2, 3, 8, **g),
+    )
+    cases = {"rms_norm": (x, w, 1e-6), "swiglu": (x, x.clone()), "rotary": (q, k, cos, sin, 1)}
+    for name, args in cases.items():
+        leaves = [a.clone().requires_grad_(True) if isinstance(a, Tensor) else a for a in args]
+        out = run(name, *leaves)
+        if out is None:
+            continue
+        try:
+            sum(o.float().sum() for o in (out if isinstance(out, tuple) else (out,))).backward()
+        except Exception as exc:  # noqa: BLE001 - the backward did not compile: transformers' code for this one
+            _FAILED.append(name)
+            log.warning("fused %s did not compile its backward (%s); using transformers' kernels", name, exc)
+    return [name for name in cases if name not in _FAILED]
+
+
 def _body(fn: Callable[..., Any]) -> str:
     """A function's code without its docstring, decorators and name: what two copies of the same math share."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))

@@ -117,3 +117,31 @@ def test_a_function_that_does_not_compile_falls_back_to_transformers(
     got = model(input_ids=ids).logits
     torch.testing.assert_close(got, want)
     assert sorted(FL._FAILED) == ["rms_norm", "rotary", "swiglu"]
+
+
+def test_a_backward_that_does_not_compile_is_found_before_training(fused_on_cpu, monkeypatch, tiny_model_dir) -> None:
+    """A compiler whose backward fails (it would raise inside `loss.backward()`, past `run`'s fallback): the probe
+    the trainer runs first marks each function failed, and the routed model then trains as transformers."""
+    from torch._dynamo.backends.common import aot_autograd
+    from transformers import AutoModelForCausalLM
+
+    def no_backward(gm, example_inputs):
+        raise RuntimeError("no backward compiler here")
+
+    monkeypatch.setattr(FL, "BACKEND", aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=no_backward))
+    assert FL.probe(torch.device("cpu"), torch.float32) == []
+    assert sorted(FL._FAILED) == ["rms_norm", "rotary", "swiglu"]
+    ids = torch.randint(3, 40, (2, 6), generator=torch.Generator().manual_seed(0))
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    plain(input_ids=ids).logits.sum().backward()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    FL.fuse_elementwise(model)
+    model(input_ids=ids).logits.sum().backward()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_the_probe_compiles_what_works(fused_on_cpu, monkeypatch) -> None:
+    """With a working compiler the probe keeps all three functions."""
+    monkeypatch.setattr(FL, "BACKEND", "aot_eager")
+    assert FL.probe(torch.device("cpu"), torch.bfloat16) == ["rms_norm", "swiglu", "rotary"] and not FL._FAILED
