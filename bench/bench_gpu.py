@@ -4,8 +4,8 @@
   fused AdamW) on a random-init Qwen2-1.5B-shaped model, 16 rows x 1024 tokens in micro-batches of 4, over
   plain transformers' forward + backward + fused AdamW step on the same shape: plain time / our time, i.e.
   our MFU over theirs (goal >= 1.0). The detail gives both MFUs where the device's peak is known
-  (`engines.training.flops`). Also the same with the log-prob pass's eager chunks (`fused_logits.ENABLED` off),
-  with transformers' own RMSNorm / SwiGLU / rotary kernels (`fused_layers.ENABLED` off), and with
+  (`engines.training.flops`). Also the same with the log-prob pass's eager chunks (`fused_logits.KERNELS` off),
+  with transformers' own RMSNorm / SwiGLU / rotary kernels (`fused_layers.KERNELS` off), and with
   BENCH_GPU_PROFILE=DIR the step's top GPU kernels as a table there.
 - `gpu_rollout_vs_generate`: the HF rollout engine's generated tokens/s over raw `model.generate`'s on the
   demo's shape (SmolLM2-135M-shaped random bf16 model, sdpa, 64 rows x 48 new tokens, T=0.7; goal >= 0.95).
@@ -108,8 +108,8 @@ def update_vs_transformers() -> None:
     torch.cuda.empty_cache()
     engine = trainer(path, MICRO)
     ours = best_of(lambda: engine.train_step(batch))  # log-prob pass and decoder element-wise work compiled
-    eager = without(fused_logits, lambda: best_of(lambda: engine.train_step(batch)))
-    unfused = without(fused_layers, lambda: best_of(lambda: engine.train_step(batch)))
+    eager = without(fused_logits.KERNELS, lambda: best_of(lambda: engine.train_step(batch)))
+    unfused = without(fused_layers.KERNELS, lambda: best_of(lambda: engine.train_step(batch)))
     profile_tables(engine, batch)
     name = torch.cuda.get_device_name(0)
     flops = F.step_flops(MODEL_SHAPES["qwen2-1.5b"], [PROMPT + RESPONSE] * ROWS)
@@ -125,13 +125,13 @@ def update_vs_transformers() -> None:
     record("gpu_update_vs_transformers_unfused_layers", plain / unfused, None, detail("transformers' norms", unfused))
 
 
-def without(module: Any, timed: Any) -> float:
-    """`timed()` with `module.ENABLED` (a compiled path: `fused_logits`, `fused_layers`) off, then on again."""
-    module.ENABLED = False
+def without(kernels: Any, timed: Any) -> float:
+    """`timed()` with a set of compiled functions (`fused_logits.KERNELS`, `fused_layers.KERNELS`) off, then on."""
+    kernels.enabled = False
     try:
         return timed()
     finally:
-        module.ENABLED = True
+        kernels.enabled = True
 
 
 def profile_tables(engine: Any, batch: Any) -> None:

@@ -228,7 +228,14 @@ def test_imports_by_name_are_seen(tmp_path: Path) -> None:
 # per-process plumbing (runtime/) and the weight transports (sync/) below the engines, the composition of engines
 # into workers (workers/: actor groups, the hybrid engine, offload) above them.
 ENGINE_LAYERS: tuple[tuple[str, ...], ...] = (
-    ("", "types", "utils", "imports", "model_files"),  # the package, batch schema and shared types, helpers, importer
+    (
+        "",
+        "types",
+        "utils",
+        "imports",
+        "model_files",
+        "compiled",
+    ),  # the package, batch schema, helpers, importer, compiled sets
     ("base", "algorithms", "memory_plan"),  # the engine protocols; pure loss / advantage math; the memory plan
     ("models", "convert", "registry"),  # model loading, HF <-> Megatron tensor mapping, the backends' name table
     ("runtime",),  # per-process plumbing: device, heap, payload, rendezvous, profiling

@@ -6,23 +6,16 @@ update 0.91x plain transformers' on a Qwen2-1.5B shape (issue 41). Compiled, the
 in two reductions and writes only per-token values, and the backward is one pointwise kernel from the bf16
 logits to the bf16 gradient: no float32 copy of a chunk is ever written. The functions are the same math as
 `logits._ChunkedLogprobsEntropy` (tests/engines/test_chunked_logits.py checks them against it on the CPU);
-only CUDA tensors take the compiled path, and a compiler failure falls back to the eager chunks with a warning.
+only CUDA tensors take the compiled path (`KERNELS`, an `engines.compiled.CompiledFunctions`), and a compiler
+failure falls back to the eager chunks with a warning.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
-from typing import Any
-
 import torch
 from torch import Tensor
 
-log = logging.getLogger(__name__)
-
-ENABLED = True  # the compiled path on CUDA (bench/bench_gpu.py turns it off to time the eager chunks)
-_COMPILED: dict[str, Callable[..., Any]] = {}
-_FAILED: list[str] = []
+from rlstages.engines.compiled import CompiledFunctions
 
 
 def chunk_forward(logits: Tensor, labels: Tensor, inv_t: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -56,24 +49,8 @@ def chunk_backward_logp(logits: Tensor, labels: Tensor, lse: Tensor, grad_logp: 
     return (torch.where(onehot, g, 0.0) - p * g).to(logits.dtype)
 
 
-def compiled(name: str) -> Callable[..., Any] | None:
-    """The compiled function `name` of this module (compiled once, shapes dynamic), or None where the path is off
-    or its compilation failed before."""
-    if not ENABLED or name in _FAILED:
-        return None
-    if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(globals()[name], dynamic=True, fullgraph=True)
-    return _COMPILED[name]
-
-
-def run(name: str, *args: Any) -> Any:
-    """`compiled(name)(*args)`, or None (the caller computes eagerly) when it is off or fails to compile here."""
-    fn = compiled(name)
-    if fn is None:
-        return None
-    try:
-        return fn(*args)
-    except Exception as exc:  # noqa: BLE001 - no Triton / compiler here: the eager chunks compute the same values
-        _FAILED.append(name)
-        log.warning("fused log-prob kernel %s did not compile (%s); using the eager chunks", name, exc)
-        return None
+# the compiled path on CUDA (bench/bench_gpu.py turns `KERNELS.enabled` off to time the eager chunks)
+KERNELS = CompiledFunctions(
+    {"chunk_forward": chunk_forward, "chunk_backward": chunk_backward, "chunk_backward_logp": chunk_backward_logp},
+    "fused log-prob kernel",
+)

@@ -222,7 +222,7 @@ def chunked_logprobs_entropy(
 def _use_fused(logits: Tensor) -> bool:
     """Whether the log-prob + entropy pass runs through the compiled kernels: on a GPU, where Triton fuses them
     (on the CPU the eager chunks are as fast and compiling costs seconds per shape)."""
-    return logits.is_cuda and F.ENABLED
+    return F.KERNELS.takes(logits)
 
 
 def _fused_forward(logits: Tensor, labels: Tensor, inv_t: float, out: Tensor, lse: Tensor, entropy: Tensor) -> bool:
@@ -231,7 +231,7 @@ def _fused_forward(logits: Tensor, labels: Tensor, inv_t: float, out: Tensor, ls
     step = _row_chunks(logits)
     for s in range(0, logits.shape[0], step):
         rows = slice(s, s + step)
-        got = F.run("chunk_forward", logits[rows], labels[rows], inv_t)
+        got = F.KERNELS.run("chunk_forward", logits[rows], labels[rows], inv_t)
         if got is None:
             return False
         out[rows], lse[rows], entropy[rows] = got
@@ -254,10 +254,10 @@ def _fused_backward(
         rows = slice(s, s + step)
         if grad_entropy is None:
             assert grad_logp is not None
-            got = F.run("chunk_backward_logp", logits[rows], labels[rows], lse[rows], grad_logp[rows], inv_t)
+            got = F.KERNELS.run("chunk_backward_logp", logits[rows], labels[rows], lse[rows], grad_logp[rows], inv_t)
         else:
             g = grad_logp[rows] if grad_logp is not None else torch.zeros_like(grad_entropy[rows])
-            got = F.run(
+            got = F.KERNELS.run(
                 "chunk_backward", logits[rows], labels[rows], lse[rows], entropy[rows], g, grad_entropy[rows], inv_t
             )
         if got is None:

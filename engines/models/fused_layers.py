@@ -8,10 +8,10 @@ kernels. The fused functions below are the same math as transformers' Llama/Qwen
 `fuse_elementwise` routes a model's modules to them only where a module's code is that math (its source,
 compared with transformers' Llama reference), so any other family keeps its own code.
 
-Only tensors on `DEVICES` with autograd recording take the compiled path: the trainer's forward and backward on a
-GPU. Generation, the no-grad log-prob passes and the CPU keep transformers' code (compiling costs seconds per
-shape there, and decode steps are too small to gain). A function that does not compile falls back to that code,
-with a warning.
+Only tensors on `KERNELS.devices` with autograd recording take the compiled path: the trainer's forward and
+backward on a GPU. Generation, the no-grad log-prob passes and the CPU keep transformers' code (compiling costs
+seconds per shape there, and decode steps are too small to gain). A function that does not compile falls back to
+that code, with a warning.
 """
 
 from __future__ import annotations
@@ -27,13 +27,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlstages.engines.compiled import CompiledFunctions
+
 log = logging.getLogger(__name__)
 
-ENABLED = True  # bench/bench_gpu.py turns it off to time transformers' own element-wise kernels
-DEVICES: tuple[str, ...] = ("cuda",)  # tests add "cpu"
-BACKEND = "inductor"  # tests trace with "aot_eager"
-_COMPILED: dict[str, Callable[..., Any]] = {}
-_FAILED: list[str] = []
 _ORIGINAL = "_rlstages_original"  # the attribute a routed forward / rotary function keeps its original under
 
 
@@ -61,24 +58,18 @@ def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+# bench/bench_gpu.py turns `KERNELS.enabled` off to time transformers' own kernels; tests add "cpu" to its devices
+KERNELS = CompiledFunctions({"rms_norm": rms_norm, "swiglu": swiglu, "rotary": rotary}, "fused decoder kernel")
+
+
 def active(t: Tensor) -> bool:
-    """Whether a call on `t` takes the compiled path: on, on one of `DEVICES`, and autograd recording (training)."""
-    return ENABLED and torch.is_grad_enabled() and t.device.type in DEVICES
+    """Whether a call on `t` takes the compiled path: `KERNELS` takes `t` and autograd is recording (training)."""
+    return torch.is_grad_enabled() and KERNELS.takes(t)
 
 
 def run(name: str, *args: Any) -> Any:
-    """The compiled function `name` of this module applied to `args` (compiled once, shapes dynamic), or None
-    (the caller runs transformers' code) where its compilation failed."""
-    if name in _FAILED:
-        return None
-    if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(globals()[name], backend=BACKEND, dynamic=True, fullgraph=True)
-    try:
-        return _COMPILED[name](*args)
-    except Exception as exc:  # noqa: BLE001 - no Triton / compiler here: transformers' code computes the same
-        _FAILED.append(name)
-        log.warning("fused %s did not compile (%s); using transformers' kernels", name, exc)
-        return None
+    """`KERNELS.run`: the compiled function `name` on `args`, or None (the caller runs transformers' code)."""
+    return KERNELS.run(name, *args)
 
 
 def probe(device: torch.device, dtype: torch.dtype) -> list[str]:
@@ -102,9 +93,8 @@ def probe(device: torch.device, dtype: torch.dtype) -> list[str]:
         try:
             sum(o.float().sum() for o in (out if isinstance(out, tuple) else (out,))).backward()
         except Exception as exc:  # noqa: BLE001 - the backward did not compile: transformers' code for this one
-            _FAILED.append(name)
-            log.warning("fused %s did not compile its backward (%s); using transformers' kernels", name, exc)
-    return [name for name in cases if name not in _FAILED]
+            KERNELS.mark_failed(name, exc)
+    return [name for name in cases if name not in KERNELS.failed]
 
 
 def _body(fn: Callable[..., Any]) -> str:

@@ -91,7 +91,7 @@ def fuse_on_device(model: Any, device: torch.device) -> None:
     `fused_layers`), logging what was routed."""
     from rlstages.engines.models import fused_layers
 
-    if device.type in fused_layers.DEVICES and fused_layers.ENABLED:
+    if device.type in fused_layers.KERNELS.devices and fused_layers.KERNELS.enabled:
         counts = fused_layers.fuse_elementwise(model)
         working = fused_layers.probe(device, next(model.parameters()).dtype) if any(counts.values()) else []
         log.info("fused element-wise kernels for training: %s (compiled: %s)", counts, working)

@@ -150,10 +150,9 @@ def test_the_compiled_gpu_kernels_compute_the_eager_chunks_values(monkeypatch, d
 
     monkeypatch.setattr(L, "CHUNK_BYTES", 2 * 6 * 40 * 4)  # two rows a chunk: the loop and a short last chunk
     torch._dynamo.reset()  # a fresh compile cache: earlier tests' traces do not count toward the recompile limit
-    monkeypatch.setattr(F, "_COMPILED", {})
-    monkeypatch.setattr(F, "_FAILED", [])
-    for name in ("chunk_forward", "chunk_backward", "chunk_backward_logp"):
-        F._COMPILED[name] = torch.compile(getattr(F, name), backend="aot_eager", dynamic=True, fullgraph=True)
+    monkeypatch.setattr(F.KERNELS, "compiled", {})
+    monkeypatch.setattr(F.KERNELS, "failed", set())
+    monkeypatch.setattr(F.KERNELS, "backend", "aot_eager")
     g = torch.Generator().manual_seed(5)
     logits = (torch.randn(5, 6, 40, generator=g) * 3).to(dtype)
     labels = torch.randint(0, 40, (5, 6), generator=g)

@@ -17,9 +17,10 @@ from rlstages.engines.models import fused_layers as FL
 def fused_on_cpu(monkeypatch):
     """The compiled path on the CPU with a fresh compile cache."""
     torch._dynamo.reset()
-    monkeypatch.setattr(FL, "DEVICES", ("cpu",))
-    monkeypatch.setattr(FL, "_COMPILED", {})
-    monkeypatch.setattr(FL, "_FAILED", [])
+    monkeypatch.setattr(FL.KERNELS, "devices", ("cpu",))
+    monkeypatch.setattr(FL.KERNELS, "compiled", {})
+    monkeypatch.setattr(FL.KERNELS, "failed", set())
+    monkeypatch.setattr(FL.KERNELS, "over_limit", set())
     return FL
 
 
@@ -66,7 +67,7 @@ def test_the_compiled_functions_give_transformers_values_and_gradients(fused_on_
         for a, b in zip(got_grads, want_grads, strict=True):
             torch.testing.assert_close(a, b, **tol)
             assert b.abs().max() > 1e-3
-    assert sorted(FL._COMPILED) == ["rms_norm", "rotary", "swiglu"] and not FL._FAILED
+    assert sorted(FL.KERNELS.compiled) == ["rms_norm", "rotary", "swiglu"] and not FL.KERNELS.failed
 
 
 def test_llama_and_qwen_code_is_routed_and_other_code_is_not(fused_on_cpu, tiny_model_dir: Path) -> None:
@@ -93,9 +94,9 @@ def test_generation_and_no_grad_passes_keep_transformers_code(fused_on_cpu, tiny
     with torch.no_grad():
         model.generate(ids, max_new_tokens=3, do_sample=False)
         model(input_ids=ids)
-    assert FL._COMPILED == {}
+    assert FL.KERNELS.compiled == {}
     model(input_ids=ids).logits.sum().backward()
-    assert sorted(FL._COMPILED) == ["rms_norm", "rotary", "swiglu"]
+    assert sorted(FL.KERNELS.compiled) == ["rms_norm", "rotary", "swiglu"]
 
 
 def test_a_function_that_does_not_compile_falls_back_to_transformers(
@@ -108,7 +109,7 @@ def test_a_function_that_does_not_compile_falls_back_to_transformers(
     def broken(gm, example_inputs):
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(FL, "BACKEND", broken)
+    monkeypatch.setattr(FL.KERNELS, "backend", broken)
     ids = torch.randint(3, 40, (2, 6), generator=torch.Generator().manual_seed(0))
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     want = plain(input_ids=ids).logits
@@ -116,7 +117,7 @@ def test_a_function_that_does_not_compile_falls_back_to_transformers(
     FL.fuse_elementwise(model)
     got = model(input_ids=ids).logits
     torch.testing.assert_close(got, want)
-    assert sorted(FL._FAILED) == ["rms_norm", "rotary", "swiglu"]
+    assert sorted(FL.KERNELS.failed) == ["rms_norm", "rotary", "swiglu"]
 
 
 def test_a_backward_that_does_not_compile_is_found_before_training(fused_on_cpu, monkeypatch, tiny_model_dir) -> None:
@@ -128,9 +129,9 @@ def test_a_backward_that_does_not_compile_is_found_before_training(fused_on_cpu,
     def no_backward(gm, example_inputs):
         raise RuntimeError("no backward compiler here")
 
-    monkeypatch.setattr(FL, "BACKEND", aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=no_backward))
+    monkeypatch.setattr(FL.KERNELS, "backend", aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=no_backward))
     assert FL.probe(torch.device("cpu"), torch.float32) == []
-    assert sorted(FL._FAILED) == ["rms_norm", "rotary", "swiglu"]
+    assert sorted(FL.KERNELS.failed) == ["rms_norm", "rotary", "swiglu"]
     ids = torch.randint(3, 40, (2, 6), generator=torch.Generator().manual_seed(0))
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     plain(input_ids=ids).logits.sum().backward()
@@ -143,5 +144,5 @@ def test_a_backward_that_does_not_compile_is_found_before_training(fused_on_cpu,
 
 def test_the_probe_compiles_what_works(fused_on_cpu, monkeypatch) -> None:
     """With a working compiler the probe keeps all three functions."""
-    monkeypatch.setattr(FL, "BACKEND", "aot_eager")
-    assert FL.probe(torch.device("cpu"), torch.bfloat16) == ["rms_norm", "swiglu", "rotary"] and not FL._FAILED
+    monkeypatch.setattr(FL.KERNELS, "backend", "aot_eager")
+    assert FL.probe(torch.device("cpu"), torch.bfloat16) == ["rms_norm", "swiglu", "rotary"] and not FL.KERNELS.failed

@@ -88,13 +88,12 @@ def test_the_gpu_fused_log_prob_pass_trains_as_the_eager_chunks(monkeypatch, tin
         return start, [p.detach().clone() for p in engine.backend.model.parameters()]
 
     torch._dynamo.reset()  # a fresh compile cache: earlier tests' traces do not count toward the recompile limit
-    monkeypatch.setattr(F, "_COMPILED", {})
-    monkeypatch.setattr(F, "_FAILED", [])
-    for name in ("chunk_forward", "chunk_backward", "chunk_backward_logp"):
-        F._COMPILED[name] = torch.compile(getattr(F, name), backend="aot_eager", dynamic=True, fullgraph=True)
+    monkeypatch.setattr(F.KERNELS, "compiled", {})
+    monkeypatch.setattr(F.KERNELS, "failed", set())
+    monkeypatch.setattr(F.KERNELS, "backend", "aot_eager")
     start, fused = train(True)
     _, eager = train(False)
-    assert not F._FAILED
+    assert not F.KERNELS.failed
     for a, b in zip(fused, eager, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert max((a - b).abs().max().item() for a, b in zip(eager, start, strict=True)) > 1e-4
@@ -116,13 +115,13 @@ def test_the_gpu_fused_decoder_kernels_train_as_transformers(monkeypatch, tiny_m
         return start, [p.detach().clone() for p in engine.backend.model.parameters()]
 
     torch._dynamo.reset()
-    monkeypatch.setattr(FL, "DEVICES", ("cpu",))
-    monkeypatch.setattr(FL, "BACKEND", "aot_eager")
-    monkeypatch.setattr(FL, "_COMPILED", {})
-    monkeypatch.setattr(FL, "_FAILED", [])
+    monkeypatch.setattr(FL.KERNELS, "devices", ("cpu",))
+    monkeypatch.setattr(FL.KERNELS, "backend", "aot_eager")
+    monkeypatch.setattr(FL.KERNELS, "compiled", {})
+    monkeypatch.setattr(FL.KERNELS, "failed", set())
     start, fused = train(True)
-    assert sorted(FL._COMPILED) == ["rms_norm", "rotary", "swiglu"] and not FL._FAILED
-    monkeypatch.setattr(FL, "ENABLED", False)  # the rotary function stays routed in this process: turn it off
+    assert sorted(FL.KERNELS.compiled) == ["rms_norm", "rotary", "swiglu"] and not FL.KERNELS.failed
+    monkeypatch.setattr(FL.KERNELS, "enabled", False)  # the rotary function stays routed in this process: turn it off
     _, eager = train(False)
     for a, b in zip(fused, eager, strict=True):  # Adam's first steps scale tiny gradient differences up to ~1e-5
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)

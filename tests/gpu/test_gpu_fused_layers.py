@@ -36,7 +36,7 @@ def test_the_routed_model_trains_as_transformers_on_cuda(tmp_path: Path) -> None
     want, want_grads = forward_backward()
     assert FL.fuse_elementwise(model) == {"rms_norm": 5, "swiglu": 2, "rotary": 2}
     got, got_grads = forward_backward()
-    assert sorted(FL._COMPILED) == ["rms_norm", "rotary", "swiglu"] and not FL._FAILED, FL._FAILED
+    assert sorted(FL.KERNELS.compiled) == ["rms_norm", "rotary", "swiglu"] and not FL.KERNELS.failed, FL.KERNELS.failed
     torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
     for a, b in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2 * b.abs().max().item() + 1e-4)

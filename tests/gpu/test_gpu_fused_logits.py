@@ -25,7 +25,7 @@ def test_compiled_pass_equals_the_eager_chunks_on_cuda(entropy_grad: bool) -> No
     w_lp, w_ent = torch.randn(3, 100, device="cuda", generator=g), torch.randn(3, 100, device="cuda", generator=g)
     results = []
     for enabled in (True, False):
-        F.ENABLED = enabled
+        F.KERNELS.enabled = enabled
         try:
             x = logits.clone().requires_grad_(True)
             lp, ent = L.chunked_logprobs_entropy(x, labels, 0.7, entropy_grad)
@@ -33,8 +33,8 @@ def test_compiled_pass_equals_the_eager_chunks_on_cuda(entropy_grad: bool) -> No
             loss.backward()
             results.append((lp.detach(), ent.detach(), x.grad))
         finally:
-            F.ENABLED = True
-    assert not F._FAILED, F._FAILED  # the compiled kernels ran: no fall-back to the eager chunks
+            F.KERNELS.enabled = True
+    assert not F.KERNELS.failed, F.KERNELS.failed  # the compiled kernels ran: no fall-back to the eager chunks
     (lp, ent, grad), (lp0, ent0, grad0) = results
     torch.testing.assert_close(lp, lp0, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(ent, ent0, rtol=1e-4, atol=1e-4)
