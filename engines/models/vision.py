@@ -272,16 +272,17 @@ def build_smollm2_vl(out: Path, text_dir: Path, seed: int = 0) -> Path:
 def smollm2_vl(text_dir: Path, seed: int = 0) -> tuple[Any, Any]:
     """The demo's vision-language model and tokenizer: SmolLM2-135M-Instruct (the HF directory `text_dir`) as the
     text tower of a Qwen2-VL (zero q/k/v biases, tied embeddings, M-RoPE sections 8/12/12 of its 64-dim heads:
-    on text the same logits as SmolLM2), the three vision tokens added (zero embeddings), and a small vision
-    tower (2 blocks of width 128, patch 14, merge 2) and projector initialised at random (the projector's output
-    layer: weight zero, bias the mean token embedding), to be trained by RL."""
+    on text the same logits as SmolLM2), the four vision tokens added (zero embeddings; the video pad only because
+    vLLM's Qwen2-VL processor looks it up), and a small vision tower (2 blocks of width 128, patch 14, merge 2) and
+    projector initialised at random (the projector's output layer: weight zero, bias the mean token embedding), to
+    be trained by RL."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     text = AutoModelForCausalLM.from_pretrained(str(text_dir), dtype=torch.float32, local_files_only=True)
     tok = AutoTokenizer.from_pretrained(str(text_dir), local_files_only=True)
-    tok.add_special_tokens({"additional_special_tokens": [VISION_START, IMAGE_PAD, VISION_END]})
+    tok.add_special_tokens({"additional_special_tokens": [VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD]})
     vocab = tok.get_vocab()
-    start, pad, end = (vocab[t] for t in (VISION_START, IMAGE_PAD, VISION_END))
+    start, pad, end, video = (vocab[t] for t in (VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD))
     src = text.config
     head_dim = src.hidden_size // src.num_attention_heads
     half = head_dim // 2
@@ -299,7 +300,7 @@ def smollm2_vl(text_dir: Path, seed: int = 0) -> tuple[Any, Any]:
     vision.update(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
     cfg = AutoConfig.for_model(
         "qwen2_vl", text_config=text_config, vision_config=vision, vision_start_token_id=start, image_token_id=pad,
-        vision_end_token_id=end, video_token_id=pad, tie_word_embeddings=True,
+        vision_end_token_id=end, video_token_id=video, tie_word_embeddings=True,
     )  # fmt: skip
     model = _random_model(cfg, seed)
     weights = {module_name(k): v for k, v in text.state_dict().items() if k != "lm_head.weight"}

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rlstages.configs import RunConfig
-from rlstages.engines.models.vision import IMAGE_PLACEHOLDER, VISION_MODEL_TYPES
+from rlstages.engines.models.vision import IMAGE_PLACEHOLDER, VIDEO_PAD, VISION_MODEL_TYPES
 
 IMAGE_ROLLOUT_BACKENDS = ("hf", "vllm", "sglang")  # rollout backends with an image path (sglang: written, not run)
 
@@ -121,6 +121,8 @@ def check_image_rows(cfg: RunConfig, rows: list[Any]) -> None:
             _check_opens(data, f"{where}: image {i}")
     processor = _model_processor(cfg)
     if processor is not None:
+        if cfg.rollout.backend == "vllm":
+            _check_vllm_tokens(cfg.model.path)
         _check_lengths(cfg, image_rows, processor)
 
 
@@ -188,6 +190,19 @@ def _model_processor(cfg: RunConfig) -> Any:
     if not (path / "preprocessor_config.json").is_file():
         raise ValueError(f"model.path: {path} has no image processor (preprocessor_config.json), which images need")
     return load_image_processor(path, cfg.data.image_min_pixels, cfg.data.image_max_pixels)
+
+
+def _check_vllm_tokens(path: Path) -> None:
+    """The model's tokenizer has the video pad token, which vLLM's Qwen2-VL processor looks up even with no video
+    (a model without it fails in the engine's start-up): refused here, naming the token."""
+    from rlstages.engines.models import load_tokenizer
+
+    if VIDEO_PAD not in load_tokenizer(path).get_vocab():
+        raise ValueError(
+            f"model.path: {path}'s tokenizer has no {VIDEO_PAD} token, which vLLM's Qwen2-VL processor needs "
+            "(rollout.backend: vllm); use rollout.backend: hf, or a tokenizer with it (a smollm2-vl model built "
+            "before 2026-11-27: delete its directory and it is built again with it)"
+        )
 
 
 def _check_lengths(cfg: RunConfig, rows: list[Any], processor: Any) -> None:

@@ -264,7 +264,8 @@ def test_smollm2_as_the_text_tower_keeps_its_text_logits() -> None:
     with torch.no_grad():
         want = text(input_ids=ids).logits
         got = vlm(input_ids=ids).logits
-    assert got.shape[-1] == want.shape[-1] + 3  # the three vision tokens
+    assert got.shape[-1] == want.shape[-1] + 4  # the four vision tokens (the video pad: vLLM's processor needs it)
+    assert vlm.config.video_token_id == tok.convert_tokens_to_ids("<|video_pad|>") != vlm.config.image_token_id
     assert torch.allclose(got[..., : want.shape[-1]], want, atol=1e-4, rtol=1e-4)
     assert vlm.model.visual.blocks[0].attn.qkv.weight.requires_grad  # the vision tower: random, trained by RL
     out = vlm.model.visual.merger.mlp[-1]  # every image starts as SmolLM2's mean token embedding, not as zero

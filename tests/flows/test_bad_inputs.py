@@ -165,6 +165,7 @@ def _bad_images(work: Path, vlm: Path) -> None:
     shutil.copytree(vlm, work / "models" / "vlm")
     shutil.copytree(vlm, work / "models" / "vlm-noproc")
     (work / "models" / "vlm-noproc" / "preprocessor_config.json").unlink()
+    _without_video_pad(vlm, work / "models" / "vlm-novideo")
     data = work / "data"
     Image.new("RGB", (56, 56), (255, 0, 0)).save(data / "red.png")
     (data / "broken.png").write_bytes(b"\x89PNG not really")
@@ -178,6 +179,22 @@ def _bad_images(work: Path, vlm: Path) -> None:
     rows("img-missing.jsonl", "<image>What colour?", ["nowhere.png"])
     rows("img-count.jsonl", "<image> and <image>: what colours?", ["red.png"])
     rows("img-many.jsonl", "<image>" * 5 + "What colours?", ["red.png"] * 5)
+
+
+def _without_video_pad(vlm: Path, out: Path) -> None:
+    """A copy of the tiny Qwen2-VL whose tokenizer lacks `<|video_pad|>` (as smollm2-vl models built before
+    2026-11-27): the token taken out of the tokenizer's added tokens and special-token list."""
+    shutil.copytree(vlm, out)
+    tokenizer = json.loads((out / "tokenizer.json").read_text())
+    tokenizer["added_tokens"] = [t for t in tokenizer["added_tokens"] if t["content"] != "<|video_pad|>"]
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    for key in ("extra_special_tokens", "additional_special_tokens"):
+        if isinstance(config.get(key), list):
+            config[key] = [t for t in config[key] if t != "<|video_pad|>"]
+    decoder = config.get("added_tokens_decoder", {})
+    config["added_tokens_decoder"] = {k: v for k, v in decoder.items() if v.get("content") != "<|video_pad|>"}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 B = "base.yaml"
@@ -453,6 +470,12 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
         "has no image processor",
     ),
     ("image-text-model", ["run", B, IMAGES % "img-good"], {}, "is a qwen2 model, not a vision-language one"),
+    (
+        "image-vllm-no-video-pad",
+        ["run", B, "model.path=models/vlm-novideo", IMAGES % "img-good", "rollout.backend=vllm"],
+        {},
+        "tokenizer has no <|video_pad|> token, which vLLM's Qwen2-VL processor needs",
+    ),
     (
         "image-megatron-tp-over-heads",
         ["run", B, VLM, IMAGES % "img-good", "actor.backend=megatron", "actor.num_workers=8"]
