@@ -15,6 +15,7 @@ from rlstages.engines.models.registry import (
     read_model_type,
     register_model,
     registered_models,
+    saved_generation_config,
 )
 from rlstages.engines.utils import torch_dtype
 
@@ -33,6 +34,7 @@ __all__ = [
     "import_plugins",
     "load_causal_lm",
     "load_tokenizer",
+    "saved_generation_config",
     "meta_causal_lm",
     "planned_config",
     "read_model_type",

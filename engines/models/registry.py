@@ -117,13 +117,25 @@ def load_tokenizer(path: str | Path) -> Any:
     return tok
 
 
-def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
-    """Every id that ends a response: the tokenizer's EOS and the generation config's."""
+def eos_token_ids(tokenizer: Any, generation_config: Any = None) -> set[int]:
+    """Every id that ends a response: the tokenizer's EOS and the generation config's (a model's
+    `generation_config`, or `saved_generation_config` of its directory)."""
     ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), tokenizer):
+    for source in (generation_config, tokenizer):
         eos = getattr(source, "eos_token_id", None)
         if isinstance(eos, int):
             ids.add(eos)
         elif isinstance(eos, list | tuple):
             ids.update(int(e) for e in eos)
     return ids
+
+
+def saved_generation_config(model_path: str | Path) -> Any:
+    """The generation config saved in a model directory (`generation_config.json`), or None where it has none;
+    for engines that read the directory without loading the model in this process (vLLM)."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(str(model_path))
+    except OSError:
+        return None

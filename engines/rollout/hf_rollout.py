@@ -62,7 +62,7 @@ class HFRolloutEngine:
         self.batch_size = batch_size
         self.apply_chat_template = apply_chat_template
         self.system_prompt = system_prompt
-        self.eos_ids = eos_token_ids(self.model, self.tokenizer)
+        self.eos_ids = eos_token_ids(self.tokenizer, self.model.generation_config)
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.needs_weights = False
         # KV cache blocks back to the GPU after generating, for another process on it (the hybrid engine turns it

@@ -42,7 +42,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -50,6 +49,7 @@ import torch
 from tensordict import TensorDict
 
 from rlstages.engines.base import NamedTensors
+from rlstages.engines.models import eos_token_ids, saved_generation_config
 from rlstages.engines.models.vision import VISION_MODEL_TYPES, checkpoint_name, vision_token_ids
 from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
 from rlstages.engines.rollout.multi_turn import build_runner, multi_turn_enabled
@@ -61,6 +61,7 @@ from rlstages.engines.rollout.vision_inputs import (
     load_image_processor,
     rope_model,
 )
+from rlstages.engines.rollout.vllm_fused_parts import FusedParts
 from rlstages.engines.rollout.vllm_images import image_engine_kwargs, image_request
 from rlstages.engines.runtime.device import worker_device
 from rlstages.engines.sync.buckets import DEFAULT_BUCKET_BYTES, tensor_buckets
@@ -148,7 +149,7 @@ class VLLMRolloutEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         if chat_template:  # the configured template replaces the tokenizer's own
             self.tokenizer.chat_template = chat_template
-        self.eos_ids = _eos_ids(self.tokenizer, model_path)
+        self.eos_ids = eos_token_ids(self.tokenizer, saved_generation_config(model_path))
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else min(self.eos_ids, default=0)
         # Sleep mode is a CUDA/ROCm/XPU feature: vLLM raises if it is asked for on CPU.
@@ -300,7 +301,7 @@ class VLLMRolloutEngine:
         if "weights" in self._asleep_tags:
             self.llm.wake_up(tags=["weights"])  # level 2 discarded them: the caller sends the full set
             self._asleep_tags.discard("weights")
-        fused = _FusedParts(self.packed_modules)
+        fused = FusedParts(self.packed_modules)
         self.llm.collective_rpc("rls_begin_weight_update")
         try:
             pusher = self._pushers.get(self.transport)
@@ -389,51 +390,3 @@ class VLLMRolloutEngine:
             core.shutdown()
         for pusher in self._pushers.values():
             pusher.release()  # the workers are gone: nothing to tell them
-
-
-def _eos_ids(tokenizer: Any, model_path: str) -> set[int]:
-    """EOS ids from the tokenizer and the model's generation config (what vLLM stops on)."""
-    from transformers import GenerationConfig
-
-    ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
-    try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-    except OSError:
-        eos = None
-    if eos is not None:
-        ids.update(int(e) for e in (eos if isinstance(eos, list) else [eos]))
-    return ids
-
-
-class _FusedParts:
-    """Holds back the parts of a fused vLLM layer (`packed_modules_mapping`) until all have arrived.
-
-    Layerwise reload re-allocates a layer once it is touched, so a layer fed only some of its parts would
-    keep garbage in the others. HF checkpoints list those parts next to each other, so little is held.
-    """
-
-    def __init__(self, packed_modules: dict[str, list[str]]) -> None:
-        self.part_of = {p: (f, parts) for f, parts in packed_modules.items() if len(parts) > 1 for p in parts}
-        self.pending: dict[str, dict[str, torch.Tensor]] = {}
-        self.expected: dict[str, list[str]] = {}
-
-    def complete(self, stream: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
-        """Pass tensors through, releasing a fused layer's parts only once the layer is complete."""
-        for name, tensor in stream:
-            comps = name.split(".")
-            hit = next((i for i, c in enumerate(comps) if c in self.part_of), None)
-            if hit is None:
-                yield name, tensor
-                continue
-            fused, parts = self.part_of[comps[hit]]
-            key = ".".join([*comps[:hit], fused, *comps[hit + 1 :]])
-            self.expected[key] = [".".join([*comps[:hit], p, *comps[hit + 1 :]]) for p in parts]
-            group = self.pending.setdefault(key, {})
-            group[name] = tensor
-            if all(n in group for n in self.expected[key]):
-                del self.pending[key]
-                yield from ((n, group[n]) for n in self.expected[key])
-
-    def incomplete(self) -> dict[str, list[str]]:
-        """Fused layer -> the part names still missing."""
-        return {k: [n for n in self.expected[k] if n not in g] for k, g in self.pending.items()}
