@@ -76,14 +76,12 @@ def probe(device: torch.device, dtype: torch.dtype) -> list[str]:
     """Compile each function once, forward and backward, on small inputs of `device` and `dtype`, so that a
     compiler failing only in the backward (which `run` cannot catch: it raises in `loss.backward()`) marks the
     function failed before training; returns the functions that work. Shapes stay dynamic after this."""
-    g = {"device": device, "dtype": dtype}
-    x, w = torch.randn(2, 3, 8, **g), torch.ones(8, **g)
-    q, k, cos, sin = (
-        torch.randn(2, 4, 3, 8, **g),
-        torch.randn(2, 2, 3, 8, **g),
-        torch.randn(2, 3, 8, **g),
-        torch.randn(2, 3, 8, **g),
-    )
+
+    def rand(*shape: int) -> Tensor:
+        return torch.randn(*shape, device=device, dtype=dtype)
+
+    x, w = rand(2, 3, 8), torch.ones(8, device=device, dtype=dtype)
+    q, k, cos, sin = rand(2, 4, 3, 8), rand(2, 2, 3, 8), rand(2, 3, 8), rand(2, 3, 8)
     cases = {"rms_norm": (x, w, 1e-6), "swiglu": (x, x.clone()), "rotary": (q, k, cos, sin, 1)}
     for name, args in cases.items():
         leaves = [a.clone().requires_grad_(True) if isinstance(a, Tensor) else a for a in args]
