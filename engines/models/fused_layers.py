@@ -21,6 +21,7 @@ import inspect
 import logging
 import sys
 import textwrap
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +32,7 @@ from rlstages.engines.compiled import CompiledFunctions
 
 log = logging.getLogger(__name__)
 
-_ORIGINAL = "_rlstages_original"  # the attribute a routed forward / rotary function keeps its original under
+_ORIGINAL = "_rlstages_original"  # the attribute the routed rotary function keeps transformers' one under
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -126,32 +127,23 @@ def _same_code(fn: Any, ref: str) -> bool:
         return False
 
 
-def _norm_forward(module: Any) -> Callable[[Tensor], Tensor]:
-    original = module.forward
-
-    def forward(hidden_states: Tensor) -> Tensor:
-        if active(hidden_states):
-            out = run("rms_norm", hidden_states, module.weight, module.variance_epsilon)
-            if out is not None:
-                return out
-        return original(hidden_states)
-
-    setattr(forward, _ORIGINAL, original)
-    return forward
+def fused_norm_forward(self: Any, hidden_states: Tensor) -> Tensor:
+    """A routed RMSNorm's forward (bound to the module, so a deep copy binds to the copy): the compiled
+    `rms_norm` while training on `KERNELS.devices`, else its class's own forward."""
+    if active(hidden_states):
+        out = run("rms_norm", hidden_states, self.weight, self.variance_epsilon)
+        if out is not None:
+            return out
+    return type(self).forward(self, hidden_states)
 
 
-def _mlp_forward(module: Any) -> Callable[[Tensor], Tensor]:
-    original = module.forward
-
-    def forward(x: Tensor) -> Tensor:
-        if active(x):
-            gated = run("swiglu", module.gate_proj(x), module.up_proj(x))
-            if gated is not None:
-                return module.down_proj(gated)
-        return original(x)
-
-    setattr(forward, _ORIGINAL, original)
-    return forward
+def fused_mlp_forward(self: Any, x: Tensor) -> Tensor:
+    """A routed SwiGLU MLP's forward: the projections as before, the gate through the compiled `swiglu`."""
+    if active(x):
+        gated = run("swiglu", self.gate_proj(x), self.up_proj(x))
+        if gated is not None:
+            return self.down_proj(gated)
+    return type(self).forward(self, x)
 
 
 def _rotary_function(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -174,14 +166,15 @@ def _is_silu(act: Any) -> bool:
 
 def _route_module(module: Any, ref: dict[str, str]) -> str | None:
     """Route one module's forward to its fused function where its code is the reference's; which one, or None."""
-    if hasattr(module.forward, _ORIGINAL):  # routed before
-        return "rms_norm" if hasattr(module, "variance_epsilon") else "swiglu"
+    routed = getattr(module.forward, "__func__", None)
+    if routed is fused_norm_forward or routed is fused_mlp_forward:  # routed before
+        return "rms_norm" if routed is fused_norm_forward else "swiglu"
     forward = type(module).forward
     if hasattr(module, "variance_epsilon") and _same_code(forward, ref["norm"]):
-        module.forward = _norm_forward(module)
+        module.forward = types.MethodType(fused_norm_forward, module)
         return "rms_norm"
     if hasattr(module, "gate_proj") and _is_silu(getattr(module, "act_fn", None)) and _same_code(forward, ref["mlp"]):
-        module.forward = _mlp_forward(module)
+        module.forward = types.MethodType(fused_mlp_forward, module)
         return "swiglu"
     return None
 

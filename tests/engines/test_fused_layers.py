@@ -5,6 +5,7 @@ passes keep transformers' code, and a function that does not compile falls back 
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -72,13 +73,18 @@ def test_the_compiled_functions_give_transformers_values_and_gradients(fused_on_
 
 def test_llama_and_qwen_code_is_routed_and_other_code_is_not(fused_on_cpu, tiny_model_dir: Path) -> None:
     """The tiny Qwen2's 5 norms, 2 MLPs and 2 attentions are routed (twice: the same counts, nothing wrapped
-    twice); a norm of other math (Gemma's 1 + weight) is not."""
+    twice; a deep copy's modules run their own weights); a norm of other math (Gemma's 1 + weight) is not."""
     from transformers import AutoModelForCausalLM
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert FL.fuse_elementwise(model) == {"rms_norm": 5, "swiglu": 2, "rotary": 2}
     assert FL.fuse_elementwise(model) == {"rms_norm": 5, "swiglu": 2, "rotary": 2}
+    twin = copy.deepcopy(model)  # a routed forward is bound to its module: a copy's is bound to the copy
+    assert (
+        twin.model.norm.forward.__self__ is twin.model.norm
+        and twin.model.layers[0].mlp.forward.__self__ is not model.model.layers[0].mlp
+    )
     gemma = torch.nn.Sequential(GemmaRMSNorm(8))
     assert FL.fuse_elementwise(gemma) == {"rms_norm": 0, "swiglu": 0, "rotary": 0}
 
