@@ -58,11 +58,12 @@ def open_image(data: bytes) -> Any:
         return img.convert("RGB")
 
 
-def image_inputs(processor: Any, images: Sequence[bytes]) -> dict[str, torch.Tensor]:
-    """`pixel_values` and `image_grid_thw` of a prompt's images ({} for none)."""
+def image_inputs(processor: Any, images: Sequence[Any]) -> dict[str, torch.Tensor]:
+    """`pixel_values` and `image_grid_thw` of a prompt's images, encoded files or PIL images already opened
+    ({} for none)."""
     if not images:
         return {}
-    out = processor(images=[open_image(b) for b in images], return_tensors="pt")
+    out = processor(images=[open_image(b) if isinstance(b, bytes) else b for b in images], return_tensors="pt")
     return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"].long()}
 
 
@@ -87,14 +88,16 @@ def encode_image_prompts(
     prompts: Sequence[Prompt],
     apply_chat_template: bool,
     system_prompt: str | None,
+    opened: Sequence[Sequence[Any]] | None = None,
 ) -> list[ImagePrompt]:
-    """Each prompt's expanded token ids, image inputs and M-RoPE positions (the model's `get_rope_index`)."""
+    """Each prompt's expanded token ids, image inputs and M-RoPE positions (the model's `get_rope_index`);
+    `opened`: each prompt's images as PIL images where the caller opened them already (vLLM sends them too)."""
     config = model.config
     merge = config.vision_config.spatial_merge_size
     image_id = config.image_token_id
     out = []
-    for p in prompts:
-        inputs = image_inputs(processor, p.images)
+    for i, p in enumerate(prompts):
+        inputs = image_inputs(processor, p.images if opened is None else opened[i])
         text, special = prompt_text(tokenizer, p, apply_chat_template, system_prompt)
         counts = image_token_counts(inputs["image_grid_thw"], merge) if inputs else []
         ids = list(tokenizer(expand_images(text, counts), add_special_tokens=special)["input_ids"])

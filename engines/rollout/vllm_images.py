@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from rlstages.engines.rollout.vision_inputs import collapse_image_pads, open_image
@@ -19,10 +20,16 @@ def image_engine_kwargs(max_images: int, pixels: tuple[int | None, int | None]) 
     return out
 
 
-def image_request(prompt: Prompt, ids: list[int], image_id: int) -> dict[str, Any]:
+def open_prompt_images(prompts: Sequence[Prompt]) -> list[list[Any]]:
+    """Each prompt's images as RGB PIL images, opened once for both the image processor and vLLM."""
+    return [[open_image(b) for b in p.images] for p in prompts]
+
+
+def image_request(prompt: Prompt, ids: list[int], image_id: int, images: list[Any] | None = None) -> dict[str, Any]:
     """One prompt as a vLLM `TokensPrompt` (a typed dict): its ids with one image pad per image (vLLM expands each
-    to the image's pads again) and its images as RGB PIL images; a prompt without images is its ids alone."""
+    to the image's pads again) and its images as RGB PIL images (`images`, where the caller opened them); a prompt
+    without images is its ids alone."""
     if not prompt.images:
         return {"prompt_token_ids": ids}
-    images = [open_image(b) for b in prompt.images]
+    images = images if images is not None else [open_image(b) for b in prompt.images]
     return {"prompt_token_ids": collapse_image_pads(ids, image_id), "multi_modal_data": {"image": images}}

@@ -62,7 +62,7 @@ from rlstages.engines.rollout.vision_inputs import (
     rope_model,
 )
 from rlstages.engines.rollout.vllm_fused_parts import FusedParts
-from rlstages.engines.rollout.vllm_images import image_engine_kwargs, image_request
+from rlstages.engines.rollout.vllm_images import image_engine_kwargs, image_request, open_prompt_images
 from rlstages.engines.runtime.device import worker_device
 from rlstages.engines.sync.buckets import DEFAULT_BUCKET_BYTES, tensor_buckets
 from rlstages.engines.sync.registry import build_engine_push, engine_push
@@ -244,9 +244,13 @@ class VLLMRolloutEngine:
             ids = format_prompts(self.tokenizer, prompts, self.apply_chat_template, self.system_prompt)
             return ids, [TokensPrompt(prompt_token_ids=i) for i in ids], None
         chat = (self.apply_chat_template, self.system_prompt)
-        encoded = encode_image_prompts(self.image_model, self.tokenizer, self.image_processor, prompts, *chat)
+        opened = open_prompt_images(prompts)
+        encoded = encode_image_prompts(self.image_model, self.tokenizer, self.image_processor, prompts, *chat, opened)
         image_id = int(self.image_model.config.image_token_id)
-        requests = [TokensPrompt(**image_request(p, e.ids, image_id)) for p, e in zip(prompts, encoded, strict=True)]
+        requests = [
+            TokensPrompt(**image_request(p, e.ids, image_id, images))
+            for p, e, images in zip(prompts, encoded, opened, strict=True)
+        ]
         return [e.ids for e in encoded], requests, encoded
 
     def _generate_multi_turn(self, prompts: list[Prompt], sampling: SamplingParams, seed: int) -> TensorDict:

@@ -67,6 +67,22 @@ def test_vllm_token_prompt_holds_one_pad_per_image(encoded) -> None:
     assert collapse_image_pads([pad, pad, end, start, pad], pad) == [pad, end, start, pad]
 
 
+def test_images_opened_once_serve_the_processor_and_vllm(tiny_vlm_dir: Path, encoded) -> None:
+    """The vLLM path opens each prompt's images once: encoding from them gives the same ids, pixels and positions
+    as from the files, and the request carries those very images."""
+    from rlstages.engines.rollout.vllm_images import open_prompt_images
+
+    model, want = encoded
+    tok, proc = load_tokenizer(tiny_vlm_dir), load_image_processor(tiny_vlm_dir)
+    opened = open_prompt_images([*PROMPTS, TEXT])
+    got = encode_image_prompts(model, tok, proc, [*PROMPTS, TEXT], False, None, opened)
+    for g, w in zip(got, want, strict=True):
+        assert g.ids == w.ids and torch.equal(g.positions, w.positions)
+        assert all(torch.equal(g.inputs[k], w.inputs[k]) for k in w.inputs)
+    request = image_request(PROMPTS[0], got[0].ids, model.config.image_token_id, opened[0])
+    assert request["multi_modal_data"]["image"] is opened[0] and len(opened[-1]) == 0
+
+
 def test_vllm_engine_arguments() -> None:
     assert image_engine_kwargs(3, (None, None)) == {"limit_mm_per_prompt": {"image": 3, "video": 0}}
     assert image_engine_kwargs(1, (3136, None))["mm_processor_kwargs"] == {"min_pixels": 3136}
