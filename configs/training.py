@@ -49,7 +49,18 @@ class _TrainingCommon(StrictModel):
     )
 
 
-class TorchTrainingConfig(_TrainingCommon):
+class _HFModelTraining(_TrainingCommon):
+    """Options of the backends that train the transformers model itself (torch, deepspeed)."""
+
+    fuse_elementwise: bool = Field(
+        default=True,
+        description="On a GPU: the trained model's RMSNorm, SwiGLU and rotary embedding (Llama/Qwen-family code) "
+        "run through torch.compile'd kernels in the update's forward and backward (engines/models/fused_layers.py); "
+        "generation and the CPU keep transformers' kernels. false: transformers' kernels everywhere.",
+    )
+
+
+class TorchTrainingConfig(_HFModelTraining):
     """Plain torch (one process, or DDP over gloo/NCCL): the embedded default."""
 
     backend: Literal["torch"] = "torch"
@@ -71,12 +82,6 @@ class TorchTrainingConfig(_TrainingCommon):
         "without AMX, 4x slower on others; auto = timed once at start-up (a 512 x 1024 GEMM each way), the fp32 "
         "kernel where it is 1.25x faster or more, never with AMX.",
     )
-    fuse_elementwise: bool = Field(
-        default=True,
-        description="On a GPU: the trained model's RMSNorm, SwiGLU and rotary embedding (Llama/Qwen-family code) "
-        "run through torch.compile'd kernels in the update's forward and backward (engines/models/fused_layers.py); "
-        "generation and the CPU keep transformers' kernels. false: transformers' kernels everywhere.",
-    )
     bf16_stochastic_round: bool = Field(
         default=False,
         description="With model.dtype bfloat16: torchao's AdamW (fp32 math, bf16 moments) rounds each updated "
@@ -94,7 +99,7 @@ class TorchTrainingConfig(_TrainingCommon):
         return self
 
 
-class DeepSpeedTrainingConfig(_TrainingCommon):
+class DeepSpeedTrainingConfig(_HFModelTraining):
     """DeepSpeed ZeRO 1/2/3 with optional optimizer and parameter offload to CPU."""
 
     backend: Literal["deepspeed"] = "deepspeed"

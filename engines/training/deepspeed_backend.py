@@ -39,7 +39,13 @@ from rlstages.engines.runtime.device import dist_backend
 from rlstages.engines.training import state_io
 from rlstages.engines.training.optim import adamw, adamw_kwargs, lr_scheduler
 from rlstages.engines.training.settings import TrainerSettings
-from rlstages.engines.training.torch_backend import build_model, hf_forward, optimizer_params, prepare_model
+from rlstages.engines.training.torch_backend import (
+    build_model,
+    fuse_on_device,
+    hf_forward,
+    optimizer_params,
+    prepare_model,
+)
 from rlstages.engines.utils import free_port
 
 CKPT_DIR = "deepspeed"  # DeepSpeed's own checkpoint, relative to the `save` directory
@@ -127,6 +133,8 @@ class DeepSpeedBackend:
         with _zero3_construction(self.config) if self.zero_stage == 3 else contextlib.nullcontext():
             model = build_model(settings.model_path, settings.role, settings.dtype, settings.model_type)
         prepare_model(model, settings)
+        if settings.trainable and options.fuse_elementwise:
+            fuse_on_device(model, self.device)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if settings.trainable:

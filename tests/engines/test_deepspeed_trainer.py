@@ -179,6 +179,27 @@ def test_grpo_step_matches_torch_backend(model_for, batch, torch_step, case: str
     assert all(torch.allclose(weights[k], ref_weights[k], atol=1e-4, rtol=0) for k in ref_weights)
 
 
+def test_zero3_step_through_the_fused_decoder_kernels_matches_torch(model_for, batch, torch_step, monkeypatch) -> None:
+    """ZeRO-3 with the decoder's RMSNorm, SwiGLU and rotary routed to the compiled functions (what a GPU's
+    DeepSpeed trainer runs, `fused_layers`; traced here with aot_eager, parameters gathered by ZeRO's hooks
+    before each routed forward) takes the torch backend's eager step: same gradient, same weights."""
+    from rlstages.engines.models import fused_layers as FL
+
+    path = model_for(3)
+    ref_metrics, ref_weights, _ = torch_step(path)  # transformers' kernels: taken before the CPU is routed below
+    torch._dynamo.reset()
+    monkeypatch.setattr(FL.KERNELS, "devices", ("cpu",))
+    monkeypatch.setattr(FL.KERNELS, "backend", "aot_eager")
+    monkeypatch.setattr(FL.KERNELS, "compiled", {})
+    monkeypatch.setattr(FL.KERNELS, "failed", set())
+    engine = ds(path, zero_stage=3)
+    metrics = engine.train_step(batch)
+    assert sorted(FL.KERNELS.compiled) == ["rms_norm", "rotary", "swiglu"] and not FL.KERNELS.failed
+    assert metrics["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-5)
+    weights = dict(engine.named_weights())
+    assert all(torch.allclose(weights[k], ref_weights[k], atol=1e-4, rtol=0) for k in ref_weights)
+
+
 def test_scheduler_steps_once_per_optimizer_step(tiny_model_dir: Path, batch) -> None:
     engine = ds(tiny_model_dir, zero_stage=2, num_mini_batches=2, ppo_epochs=2)
     reference = torch_engine(tiny_model_dir, num_mini_batches=2, ppo_epochs=2)
