@@ -114,7 +114,7 @@ def _reference() -> dict[str, str]:
     return {
         "norm": _body(m.LlamaRMSNorm.forward),
         "mlp": _body(m.LlamaMLP.forward),
-        "rotary": _body(m.apply_rotary_pos_emb),
+        "rotary": _body(getattr(m.apply_rotary_pos_emb, _ORIGINAL, m.apply_rotary_pos_emb)),  # Llama's own, if routed
         "rotate_half": _body(m.rotate_half),
     }
 

@@ -22,6 +22,12 @@ def fused_on_cpu(monkeypatch):
     monkeypatch.setattr(FL.KERNELS, "compiled", {})
     monkeypatch.setattr(FL.KERNELS, "failed", set())
     monkeypatch.setattr(FL.KERNELS, "over_limit", set())
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen2 import modeling_qwen2
+
+    for modeling in (modeling_llama, modeling_qwen2):  # unrouted for this test, whatever routed them before
+        fn = modeling.apply_rotary_pos_emb
+        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", getattr(fn, FL._ORIGINAL, fn))
     return FL
 
 
@@ -87,6 +93,19 @@ def test_llama_and_qwen_code_is_routed_and_other_code_is_not(fused_on_cpu, tiny_
     )
     gemma = torch.nn.Sequential(GemmaRMSNorm(8))
     assert FL.fuse_elementwise(gemma) == {"rms_norm": 0, "swiglu": 0, "rotary": 0}
+
+
+def test_a_routed_llama_leaves_the_reference_intact(fused_on_cpu, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Routing a Llama replaces modeling_llama's rotary function, the reference the others are compared with: a
+    Qwen2 routed after it still has its rotary routed (the reference is Llama's original code)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlstages.engines.models import build_tiny_model
+
+    llama = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "llama", model_type="llama"))
+    assert FL.fuse_elementwise(llama) == {"rms_norm": 5, "swiglu": 2, "rotary": 2}
+    qwen2 = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert FL.fuse_elementwise(qwen2) == {"rms_norm": 5, "swiglu": 2, "rotary": 2}
 
 
 def test_generation_and_no_grad_passes_keep_transformers_code(fused_on_cpu, tiny_model_dir: Path) -> None:
