@@ -179,6 +179,15 @@ def _route_module(module: Any, ref: dict[str, str]) -> str | None:
     return None
 
 
+def _calls_rotary(forward: Any) -> bool:
+    """Whether an attention's forward calls its module's `apply_rotary_pos_emb` (Qwen2-VL's text attention calls
+    the multimodal variant instead, which stays transformers')."""
+    try:
+        return "apply_rotary_pos_emb(" in inspect.getsource(forward)
+    except (OSError, TypeError):
+        return False
+
+
 def _route_rotary(modeling: Any, ref: dict[str, str]) -> bool:
     """Route a modeling module's `apply_rotary_pos_emb` (what its attention calls by name) to the fused function
     where its code and its `rotate_half`'s are the reference's; whether it is routed."""
@@ -202,7 +211,7 @@ def fuse_elementwise(model: torch.nn.Module) -> dict[str, int]:
         kind = _route_module(module, ref)
         if kind is not None:
             counts[kind] += 1
-        if hasattr(module, "q_proj"):
+        if hasattr(module, "q_proj") and _calls_rotary(type(module).forward):
             name = type(module).__module__
             attention[name] = attention.get(name, 0) + 1
     for name, n in attention.items():
