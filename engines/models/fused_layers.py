@@ -68,14 +68,9 @@ def active(t: Tensor) -> bool:
     return torch.is_grad_enabled() and KERNELS.takes(t)
 
 
-def run(name: str, *args: Any) -> Any:
-    """`KERNELS.run`: the compiled function `name` on `args`, or None (the caller runs transformers' code)."""
-    return KERNELS.run(name, *args)
-
-
 def probe(device: torch.device, dtype: torch.dtype) -> list[str]:
     """Compile each function once, forward and backward, on small inputs of `device` and `dtype`, so that a
-    compiler failing only in the backward (which `run` cannot catch: it raises in `loss.backward()`) marks the
+    compiler failing only in the backward (which `KERNELS.run` cannot catch: it raises in `loss.backward()`) marks the
     function failed before training; returns the functions that work. Shapes stay dynamic after this."""
 
     def rand(*shape: int) -> Tensor:
@@ -86,7 +81,7 @@ def probe(device: torch.device, dtype: torch.dtype) -> list[str]:
     cases = {"rms_norm": (x, w, 1e-6), "swiglu": (x, x.clone()), "rotary": (q, k, cos, sin, 1)}
     for name, args in cases.items():
         leaves = [a.clone().requires_grad_(True) if isinstance(a, Tensor) else a for a in args]
-        out = run(name, *leaves)
+        out = KERNELS.run(name, *leaves)
         if out is None:
             continue
         try:
@@ -131,7 +126,7 @@ def fused_norm_forward(self: Any, hidden_states: Tensor) -> Tensor:
     """A routed RMSNorm's forward (bound to the module, so a deep copy binds to the copy): the compiled
     `rms_norm` while training on `KERNELS.devices`, else its class's own forward."""
     if active(hidden_states):
-        out = run("rms_norm", hidden_states, self.weight, self.variance_epsilon)
+        out = KERNELS.run("rms_norm", hidden_states, self.weight, self.variance_epsilon)
         if out is not None:
             return out
     return type(self).forward(self, hidden_states)
@@ -140,7 +135,7 @@ def fused_norm_forward(self: Any, hidden_states: Tensor) -> Tensor:
 def fused_mlp_forward(self: Any, x: Tensor) -> Tensor:
     """A routed SwiGLU MLP's forward: the projections as before, the gate through the compiled `swiglu`."""
     if active(x):
-        gated = run("swiglu", self.gate_proj(x), self.up_proj(x))
+        gated = KERNELS.run("swiglu", self.gate_proj(x), self.up_proj(x))
         if gated is not None:
             return self.down_proj(gated)
     return type(self).forward(self, x)
@@ -149,7 +144,7 @@ def fused_mlp_forward(self: Any, x: Tensor) -> Tensor:
 def _rotary_function(original: Callable[..., Any]) -> Callable[..., Any]:
     def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1) -> Any:
         if active(q):
-            out = run("rotary", q, k, cos, sin, unsqueeze_dim)
+            out = KERNELS.run("rotary", q, k, cos, sin, unsqueeze_dim)
             if out is not None:
                 return out
         return original(q, k, cos, sin, unsqueeze_dim)
@@ -180,8 +175,8 @@ def _route_module(module: Any, ref: dict[str, str]) -> str | None:
 
 
 def _calls_rotary(forward: Any) -> bool:
-    """Whether an attention's forward calls its module's `apply_rotary_pos_emb` (Qwen2-VL's text attention calls
-    the multimodal variant instead, which stays transformers')."""
+    """Whether an attention's forward calls its module's `apply_rotary_pos_emb` by name (what routing replaces);
+    an attention that rotates its queries some other way keeps its own code and is not counted."""
     try:
         return "apply_rotary_pos_emb(" in inspect.getsource(forward)
     except (OSError, TypeError):
