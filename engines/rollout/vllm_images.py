@@ -25,11 +25,9 @@ def open_prompt_images(prompts: Sequence[Prompt]) -> list[list[Any]]:
     return [[open_image(b) for b in p.images] for p in prompts]
 
 
-def image_request(prompt: Prompt, ids: list[int], image_id: int, images: list[Any] | None = None) -> dict[str, Any]:
+def image_request(prompt: Prompt, ids: list[int], image_id: int, images: list[Any]) -> dict[str, Any]:
     """One prompt as a vLLM `TokensPrompt` (a typed dict): its ids with one image pad per image (vLLM expands each
-    to the image's pads again) and its images as RGB PIL images (`images`, where the caller opened them); a prompt
-    without images is its ids alone."""
+    to the image's pads again) and its `images` (`open_prompt_images`); a prompt without images is its ids alone."""
     if not prompt.images:
         return {"prompt_token_ids": ids}
-    images = images if images is not None else [open_image(b) for b in prompt.images]
     return {"prompt_token_ids": collapse_image_pads(ids, image_id), "multi_modal_data": {"image": images}}

@@ -33,7 +33,7 @@ from rlstages.engines import types as T
 from rlstages.engines.models import load_tokenizer
 from rlstages.engines.models.vision import forward_kwargs, suppress, vision_token_ids
 from rlstages.engines.rollout.vision_inputs import encode_image_prompts, load_image_processor, rope_model
-from rlstages.engines.rollout.vllm_images import image_request
+from rlstages.engines.rollout.vllm_images import image_request, open_prompt_images
 from rlstages.engines.rollout.vllm_rollout import DEFAULT_VLLM_VENV
 from rlstages.engines.types import SamplingParams
 from tests.engines.test_vlm import PROMPTS
@@ -65,7 +65,10 @@ def test_vllm_expands_the_token_prompts_to_the_batch_ids(tiny_vlm_dir: Path) -> 
     encoded = encode_image_prompts(model, tok, proc, PROMPTS, False, None)
     pad = int(model.config.image_token_id)
     counts = [[int(g.prod()) // 4 for g in e.inputs["image_grid_thw"]] for e in encoded]  # merge 2: 4 patches a token
-    sent = [image_request(p, e.ids, pad)["prompt_token_ids"] for p, e in zip(PROMPTS, encoded, strict=True)]
+    opened = open_prompt_images(PROMPTS)
+    sent = [
+        image_request(p, e.ids, pad, i)["prompt_token_ids"] for p, e, i in zip(PROMPTS, encoded, opened, strict=True)
+    ]
     requests = [*zip(sent, counts, strict=True), *zip([e.ids for e in encoded], counts, strict=True)]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the vLLM venv runs alone
     done = subprocess.run(

@@ -22,7 +22,7 @@ from rlstages.engines.rollout.vision_inputs import (
     load_image_processor,
     rope_model,
 )
-from rlstages.engines.rollout.vllm_images import image_engine_kwargs, image_request
+from rlstages.engines.rollout.vllm_images import image_engine_kwargs, image_request, open_prompt_images
 from rlstages.engines.types import Prompt, SamplingParams
 from tests.engines.test_vlm import PROMPTS
 
@@ -51,8 +51,8 @@ def test_meta_model_encodes_like_the_hf_rollout(tiny_vlm_dir: Path, encoded) -> 
 def test_vllm_token_prompt_holds_one_pad_per_image(encoded) -> None:
     model, prompts = encoded
     pad, start, end = model.config.image_token_id, model.config.vision_start_token_id, model.config.vision_end_token_id
-    for p, e in zip([*PROMPTS, TEXT], prompts, strict=True):
-        request = image_request(p, e.ids, pad)
+    for p, e, opened in zip([*PROMPTS, TEXT], prompts, open_prompt_images([*PROMPTS, TEXT]), strict=True):
+        request = image_request(p, e.ids, pad, opened)
         ids = request["prompt_token_ids"]
         if not p.images:
             assert request == {"prompt_token_ids": e.ids}  # a text prompt goes as it is
@@ -70,8 +70,6 @@ def test_vllm_token_prompt_holds_one_pad_per_image(encoded) -> None:
 def test_images_opened_once_serve_the_processor_and_vllm(tiny_vlm_dir: Path, encoded) -> None:
     """The vLLM path opens each prompt's images once: encoding from them gives the same ids, pixels and positions
     as from the files, and the request carries those very images."""
-    from rlstages.engines.rollout.vllm_images import open_prompt_images
-
     model, want = encoded
     tok, proc = load_tokenizer(tiny_vlm_dir), load_image_processor(tiny_vlm_dir)
     opened = open_prompt_images([*PROMPTS, TEXT])
