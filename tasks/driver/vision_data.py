@@ -121,9 +121,12 @@ def check_image_rows(cfg: RunConfig, rows: list[Any]) -> None:
             _check_opens(data, f"{where}: image {i}")
     processor = _model_processor(cfg)
     if processor is not None:
+        from rlstages.engines.models import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.model.path)
         if cfg.rollout.backend == "vllm":
-            _check_vllm_tokens(cfg.model.path)
-        _check_lengths(cfg, image_rows, processor)
+            _check_vllm_tokens(cfg.model.path, tokenizer)
+        _check_lengths(cfg, image_rows, processor, tokenizer)
 
 
 IMAGE_TRAINERS = ("torch", "deepspeed", "megatron")  # actor backends with an image path
@@ -192,12 +195,10 @@ def _model_processor(cfg: RunConfig) -> Any:
     return load_image_processor(path, cfg.data.image_min_pixels, cfg.data.image_max_pixels)
 
 
-def _check_vllm_tokens(path: Path) -> None:
+def _check_vllm_tokens(path: Path, tokenizer: Any) -> None:
     """The model's tokenizer has the video pad token, which vLLM's Qwen2-VL processor looks up even with no video
     (a model without it fails in the engine's start-up): refused here, naming the token."""
-    from rlstages.engines.models import load_tokenizer
-
-    if VIDEO_PAD not in load_tokenizer(path).get_vocab():
+    if VIDEO_PAD not in tokenizer.get_vocab():
         raise ValueError(
             f"model.path: {path}'s tokenizer has no {VIDEO_PAD} token, which vLLM's Qwen2-VL processor needs "
             "(rollout.backend: vllm); use rollout.backend: hf, or a tokenizer with it (a smollm2-vl model built "
@@ -205,12 +206,11 @@ def _check_vllm_tokens(path: Path) -> None:
         )
 
 
-def _check_lengths(cfg: RunConfig, rows: list[Any], processor: Any) -> None:
+def _check_lengths(cfg: RunConfig, rows: list[Any], processor: Any, tokenizer: Any) -> None:
     """Text tokens + image tokens of each image prompt within data.max_prompt_length and the model's context
     minus rollout.max_new_tokens: image tokens are never truncated, so a longer prompt is refused."""
     from transformers import AutoConfig
 
-    from rlstages.engines.models import load_tokenizer
     from rlstages.engines.rollout.batching import prompt_text
     from rlstages.engines.rollout.vision_inputs import expand_images, image_inputs, image_token_counts
 
@@ -220,7 +220,6 @@ def _check_lengths(cfg: RunConfig, rows: list[Any], processor: Any) -> None:
     if not limits:
         return
     limit = min(limits)
-    tokenizer = load_tokenizer(cfg.model.path)
     if cfg.data.chat_template:
         tokenizer.chat_template = cfg.data.chat_template
     merge = model.vision_config.spatial_merge_size
