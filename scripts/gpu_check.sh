@@ -9,7 +9,13 @@
 #   scripts/gpu_check.sh --stack --download  # here: the whole run stack (Ray, Prefect, MLflow, ... and the demo
 #                                     # model's GGUF) for CPython 3.12, as .gpu/stack.tar.xz.part-* of <= 56 MiB each
 #                                     # (scripts/gpu_stack.py); each part travels in its own call to a warm machine
-#   scripts/gpu_check.sh --stack [--bench]  # on the GPU machine: join and unpack the parts, then the whole demo
+#   scripts/gpu_check.sh --vllm --download   # here: vLLM's CUDA 13 build for torch 2.11 and the packages it imports
+#                                     # that neither the image nor the stack holds, as .gpu/vllm.tar.xz.part-* of
+#                                     # <= 56 MiB each (scripts/gpu_vllm_carry.py)
+#   scripts/gpu_parts.sh              # on the GPU machine, in each call that carries parts: keep them in
+#                                     # $PARTS_DIR (/tmp/rlstages-parts) for the calls after it, say what is missing
+#   scripts/gpu_check.sh --stack [--vllm] [--bench]  # on the GPU machine: check, join and unpack the parts
+#                                     # (scripts/gpu_parts.sh; --vllm: vLLM's too, on PYTHONPATH after the stack's), then the whole demo
 #                                     # run (`rlstages run configs/demo_gpu.yaml`: Prefect flow, a Ray actor with
 #                                     # the GPU, MLflow store, checkpoints, held-out evaluation); its metrics, log
 #                                     # and reward curve in $RESULTS_DIR (default $OUT or .gpu/results)
@@ -39,17 +45,26 @@ PACKAGES=(transformers tensordict pyvers pydantic pydantic_core annotated-types 
   regex megatron-core hjson py-cpuinfo)
 BENCH=0
 STACK=0
+VLLM=0
 for arg in "$@"; do
   case "$arg" in
     --bench) BENCH=1 ;;
     --stack) STACK=1 ;;
+    --vllm) VLLM=1 ;;
   esac
 done
 STACK_DIR="${STACK_DIR:-/tmp/rlstages-stack}"
+VLLM_DIR="${VLLM_DIR:-/tmp/rlstages-vllm}"
 RESULTS_DIR="${RESULTS_DIR:-${OUT:-$ROOT/.gpu/results}}"
 
-if [[ $STACK == 1 && " $* " == *" --download "* ]]; then
-  exec "${LOCAL_PYTHON:-$ROOT/.venv/bin/python}" "$ROOT/scripts/gpu_stack.py" "$ROOT/.gpu"
+if [[ " $* " == *" --download "* && ($STACK == 1 || $VLLM == 1) ]]; then
+  if [[ $STACK == 1 ]]; then
+    "${LOCAL_PYTHON:-$ROOT/.venv/bin/python}" "$ROOT/scripts/gpu_stack.py" "$ROOT/.gpu" || exit 1
+  fi
+  if [[ $VLLM == 1 ]]; then
+    "${LOCAL_PYTHON:-$ROOT/.venv/bin/python}" "$ROOT/scripts/gpu_vllm_carry.py" "$ROOT/.gpu" || exit 1
+  fi
+  exit 0
 fi
 
 if [[ " $* " == *" --download "* ]]; then
@@ -84,12 +99,16 @@ fi
 
 if [[ $STACK == 1 ]]; then
   if [[ ! -d "$STACK_DIR/site" ]]; then
-    compgen -G "$ROOT/.gpu/stack.tar.xz.part-*" > /dev/null || { echo "gpu_check: no .gpu/stack.tar.xz.part-*" >&2; exit 2; }
-    mkdir -p "$STACK_DIR" && cat "$ROOT"/.gpu/stack.tar.xz.part-* | xz -d -T0 | tar -x -i -C "$STACK_DIR" \
-      || { echo "gpu_check: the stack parts did not unpack" >&2; exit 2; }
+    "$ROOT/scripts/gpu_parts.sh" unpack stack "$STACK_DIR" || exit 2
   fi
   export PYTHONPATH="$STACK_DIR/site${PYTHONPATH:+:$PYTHONPATH}"
   export PATH="$STACK_DIR/site/bin:$PATH"
+fi
+if [[ $VLLM == 1 ]]; then  # after the stack on PYTHONPATH: the two hold no package in common
+  if [[ ! -d "$VLLM_DIR/vllm-site" ]]; then
+    "$ROOT/scripts/gpu_parts.sh" unpack vllm "$VLLM_DIR" || exit 2
+  fi
+  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$VLLM_DIR/vllm-site" VLLM_NO_USAGE_STATS=1 VLLM_DO_NOT_TRACK=1
 fi
 
 PKGROOT="$(mktemp -d)"  # `rlstages.*` resolves to this checkout, without installing it (or its Ray/Prefect deps)
@@ -103,7 +122,7 @@ cd "$ROOT" || exit 2
 import torch
 print(f"device: {torch.cuda.get_device_name(0)} (x{torch.cuda.device_count()}), torch {torch.__version__}, "
       f"CUDA {torch.version.cuda}")
-for name in ("transformers", "tensordict", "deepspeed", "megatron.core", "flash_attn"):
+for name in ("transformers", "tensordict", "deepspeed", "megatron.core", "flash_attn", "vllm"):
     try:
         module = __import__(name, fromlist=["__version__"])
         print(f"{name} {getattr(module, '__version__', '?')}")

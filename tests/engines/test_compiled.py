@@ -52,3 +52,22 @@ def test_it_takes_tensors_on_its_devices_while_enabled(kernels: CompiledFunction
     kernels.enabled = False
     assert not kernels.takes(torch.ones(1)) and kernels.run("double", torch.ones(1)) is None
     assert not CompiledFunctions({}, "gpu only").takes(torch.ones(1))
+
+
+def test_a_run_turns_the_compiled_log_prob_pass_off_in_its_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`RLSTAGES_COMPILED_LOGPROBS=0` (the GPU demo's with/without comparison): the fused log-prob kernels are off
+    where the module is imported, and the driver passes the setting on to every worker it starts."""
+    import subprocess
+    import sys
+
+    from rlstages.engines.algorithms.fused_logits import COMPILED_ENV, KERNELS
+    from rlstages.engines.workers.actor_group import worker_env
+
+    check = "from rlstages.engines.algorithms.fused_logits import KERNELS; print(KERNELS.enabled)"
+    for value, enabled in (("0", "False"), ("1", "True")):
+        monkeypatch.setenv(COMPILED_ENV, value)
+        out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == enabled
+        assert worker_env(1)[COMPILED_ENV] == value
+    monkeypatch.delenv(COMPILED_ENV)
+    assert KERNELS.enabled and COMPILED_ENV not in worker_env(1)
