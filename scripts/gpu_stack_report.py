@@ -40,7 +40,7 @@ def main() -> None:
     print(f"demo-gpu run {run.info.run_id}: {run.info.status}, {len(history.get('reward/mean', []))} steps")
     for key in sorted(history):
         values = [v for _, v in history[key]]
-        if key.startswith(("perf/", "reward/mean", "eval/", "timing/")) and values:
+        if key.startswith(("perf/", "reward/mean", "eval/", "timing/", "rollout/logprob_diff", "async/")) and values:
             print(f"  {key}: first {values[0]:.4g} median {statistics.median(values):.4g} last {values[-1]:.4g}")
     pending = ["profiles"]  # trainer.profile's artifacts (traces, top-ops tables, CUDA memory snapshots), if any
     while pending:

@@ -98,3 +98,17 @@ def test_the_vllm_pins_are_whole_and_disjoint() -> None:
     assert VLLM == "vllm==0.25.1" and all("==" in pin for pin in CARRIED)
     assert len(set(names)) == len(names) and not set(names) & set(LEFT_OUT)
     assert all(reason for reason in [*LEFT_OUT.values(), *PRUNE.values()])
+
+
+def test_bench_trl_runs_our_side_on_vllm_with_the_demos_sampling(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench.bench_trl import _rollout_override
+    from rlstages.configs import load_config
+
+    path = ROOT / "configs" / "demo_gpu.yaml"
+    hf = load_config(path)
+    assert _rollout_override(path) == [] and hf.rollout.backend == "hf"
+    monkeypatch.setenv("BENCH_TRL_ROLLOUT", "vllm")
+    vllm = load_config(path, _rollout_override(path))
+    assert vllm.rollout.backend == "vllm" and vllm.cluster.hybrid_engine
+    same = ("n", "temperature", "max_new_tokens", "dtype", "top_p", "top_k")
+    assert [getattr(vllm.rollout, k) for k in same] == [getattr(hf.rollout, k) for k in same]
