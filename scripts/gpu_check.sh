@@ -15,7 +15,8 @@
 #   scripts/gpu_parts.sh              # on the GPU machine, in each call that carries parts: keep them in
 #                                     # $PARTS_DIR (/tmp/rlstages-parts) for the calls after it, say what is missing
 #   scripts/gpu_check.sh --stack [--vllm] [--bench]  # on the GPU machine: check, join and unpack the parts
-#                                     # (scripts/gpu_parts.sh; --vllm: vLLM's too, on PYTHONPATH after the stack's), then the whole demo
+#                                     # (scripts/gpu_parts.sh; --vllm: vLLM's too, on PYTHONPATH after the
+#                                     # stack's), then the whole demo
 #                                     # run (`rlstages run configs/demo_gpu.yaml`: Prefect flow, a Ray actor with
 #                                     # the GPU, MLflow store, checkpoints, held-out evaluation); its metrics, log
 #                                     # and reward curve in $RESULTS_DIR (default $OUT or .gpu/results)

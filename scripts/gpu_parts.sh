@@ -41,7 +41,10 @@ check() {  # per part of pack $1: "ok", "missing" or "damaged"; returns 1 unless
 
 if [[ "${1:-}" == unpack ]]; then
   name="${2:?usage: gpu_parts.sh unpack NAME DEST}" dest="${3:?usage: gpu_parts.sh unpack NAME DEST}"
-  report="$(check "$name")" || { echo "gpu_parts: $name is not whole: $(grep -v ' ok$' <<< "$report" | tr '\n' ';')" >&2; exit 2; }
+  if ! report="$(check "$name")"; then
+    echo "gpu_parts: $name is not whole: $(grep -v ' ok$' <<< "$report" | tr '\n' ';')" >&2
+    exit 2
+  fi
   mapfile -t parts < <(while read -r _ part; do find_file "$part"; done < "$(find_file "$name.sha256")")
   mkdir -p "$dest" && cat "${parts[@]}" | xz -d -T0 | tar -x -C "$dest" \
     || { echo "gpu_parts: $name did not unpack into $dest" >&2; exit 2; }
