@@ -94,6 +94,11 @@ LEFT_OUT = {  # vLLM 0.25.1's requirements absent from the image and the stack t
     "agent-detector": "the CLI's telemetry",
     "detect-installer": "ditto",
     "opentelemetry-exporter-otlp": "request tracing (`--otlp-traces-endpoint`), guarded import",
+    "opentelemetry-exporter-otlp-proto-grpc": "ditto",
+    "opentelemetry-exporter-otlp-proto-http": "ditto",
+    "opentelemetry-exporter-otlp-proto-common": "ditto",
+    "opentelemetry-exporter-otlp-common": "ditto",
+    "opentelemetry-exporter-http-transport": "ditto",
     "opentelemetry-semantic-conventions-ai": "ditto",
 }
 PRUNE = {  # inside the installed site: what a dense text model on one Hopper GPU never loads
