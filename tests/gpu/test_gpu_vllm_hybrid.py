@@ -80,7 +80,8 @@ def test_greedy_tokens_equal_the_hf_rollout(hybrid, demo_model: Path) -> None:
     # where HF's own greedy choice was a near tie, bf16 kernels may pick the other token: compare up to there
     ids = torch.cat([theirs[T.PROMPT_IDS], theirs[T.RESPONSE_IDS]], 1).to(hf.device)
     with torch.no_grad():
-        logits = hf.model(input_ids=ids, attention_mask=theirs[T.ATTENTION_MASK].to(hf.device)).logits.float()
+        mask, positions = theirs[T.ATTENTION_MASK].to(hf.device), theirs[T.POSITION_IDS].to(hf.device)
+        logits = hf.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
     width = theirs[T.PROMPT_IDS].shape[1]
     top2 = logits[:, width - 1 : -1].log_softmax(-1).topk(2, -1).values
     gaps = (top2[..., 0] - top2[..., 1]).cpu()
