@@ -22,7 +22,7 @@ from rlstages.engines.models import ensure_model
 from rlstages.engines.training.state_io import atomic_write_text
 from rlstages.tasks.advantage import initial_kl_state
 from rlstages.tasks.checkpoint import restore_engines
-from rlstages.tasks.driver import tracking
+from rlstages.tasks.driver import prefect_api, tracking
 from rlstages.tasks.driver.checkpoints import driver_state, latest_checkpoint, read_manifest
 from rlstages.tasks.driver.context import RUN_STATE, RunHandle
 from rlstages.tasks.driver.data import cursor, data_record
@@ -87,7 +87,7 @@ def start_tracking(cfg: RunConfig, run: RunHandle) -> str:
     recorded = _state(run).get("mlflow_run_id")
     if recorded is not None:
         check_same_config(cfg, recorded)
-    run_id = tracking.start_or_resume(cfg, run.name, recorded, flow_run_id)
+    run_id = tracking.start_or_resume(cfg, run.name, recorded, flow_run_id, run.path)
     if recorded is None:
         tracking.log_dataset(cfg, run_id, data_record(cfg))
     write_state(run, mlflow_run_id=run_id, status="RUNNING")
@@ -194,7 +194,8 @@ def export_policy(cfg: RunConfig, run: RunHandle, mlflow_run_id: str) -> str:
     with a registered model name, alias `final` marks it and `best` the checkpoint with the best held-out reward.
     """
     out = _save_hf(cfg, run, "final")
-    if cfg.tracking.log_model:
+    if cfg.tracking.log_model:  # logging a model needs the server: what was journaled goes first
+        tracking.wait_for_backlog(mlflow_run_id, cfg.tracking.outage_wait_s)
         version = tracking.log_policy(cfg, mlflow_run_id, out, step=cfg.trainer.total_steps)
         if version is not None:
             tracking.set_alias(cfg, "final", version)
@@ -251,6 +252,12 @@ def close_run(
             tracking.set_tags(
                 cfg, mlflow_run_id, {"rlstages.failed_stage": stage or "unknown", "rlstages.error": error[:2000]}
             )
-        tracking.end(cfg, mlflow_run_id, status)
+        unsent = tracking.end(cfg, mlflow_run_id, status, cfg.tracking.outage_wait_s)
+        if unsent:
+            stage_logger().warning(
+                f"MLflow did not answer within tracking.outage_wait_s={cfg.tracking.outage_wait_s:g} s: {unsent} "
+                f"tracking calls stay in {run.path / 'tracking'}; a re-run of this run sends them first"
+            )
     write_state(run, status=status)
     forget_workers(run, kill=True)
+    prefect_api.wait_until_answering(cfg.tracking.outage_wait_s)  # the flow run's final state gets through
