@@ -246,18 +246,20 @@ def close_run(
     error: str | None = None,
     stage: str | None = None,
 ) -> None:
-    """End the MLflow run with `status` (FAILED carries the stage and error as tags) and free the workers."""
+    """End the MLflow run with `status` (FAILED carries the stage and error as tags) and free the workers; wait
+    for an MLflow or Prefect server that is away (`tracking.outage_wait_s`; a few seconds for an interrupt)."""
+    wait = cfg.tracking.outage_wait_s if status != "KILLED" else min(cfg.tracking.outage_wait_s, 5.0)
     if mlflow_run_id is not None:
         if error is not None:
             tracking.set_tags(
                 cfg, mlflow_run_id, {"rlstages.failed_stage": stage or "unknown", "rlstages.error": error[:2000]}
             )
-        unsent = tracking.end(cfg, mlflow_run_id, status, cfg.tracking.outage_wait_s)
+        unsent = tracking.end(cfg, mlflow_run_id, status, wait)
         if unsent:
             stage_logger().warning(
-                f"MLflow did not answer within tracking.outage_wait_s={cfg.tracking.outage_wait_s:g} s: {unsent} "
-                f"tracking calls stay in {run.path / 'tracking'}; a re-run of this run sends them first"
+                f"MLflow did not answer within {wait:g} s (tracking.outage_wait_s): {unsent} tracking calls "
+                f"stay in {run.path / 'tracking'}; a re-run of this run sends them first"
             )
     write_state(run, status=status)
     forget_workers(run, kill=True)
-    prefect_api.wait_until_answering(cfg.tracking.outage_wait_s)  # the flow run's final state gets through
+    prefect_api.wait_until_answering(wait)  # the flow run's final state gets through

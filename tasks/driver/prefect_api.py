@@ -16,30 +16,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import httpx
-
 log = logging.getLogger("rlstages.prefect_api")
 SKIP_FOR_S = 60.0  # after a failed call, later artifacts are skipped this long (each would block on retries)
 _away_since: list[float] = []
 
 
-def api_url() -> str | None:
-    """The configured Prefect API (None: a temporary in-process server, which cannot go away)."""
-    from prefect.settings import get_current_settings
+def answering() -> bool:
+    """Whether the Prefect API answers its health check now (through Prefect's own client: its URL, auth and
+    retries)."""
+    from prefect.client.orchestration import get_client
 
-    url = get_current_settings().api.url
-    return str(url).rstrip("/") if url else None
-
-
-def answering(timeout: float = 5.0) -> bool:
-    """Whether the Prefect API answers its health check now."""
-    url = api_url()
-    if url is None:
-        return True
-    try:
-        return httpx.get(f"{url}/health", timeout=timeout).status_code == 200
-    except httpx.HTTPError:
-        return False
+    with get_client(sync_client=True) as client:
+        return client.api_healthcheck() is None
 
 
 def wait_until_answering(timeout: float) -> bool:
@@ -49,13 +37,10 @@ def wait_until_answering(timeout: float) -> bool:
     said = False
     while not answering():
         if time.monotonic() >= deadline:
-            log.warning(
-                f"the Prefect API at {api_url()} did not answer within {timeout:g} s; the flow run's "
-                "final state cannot be reported"
-            )
+            log.warning(f"the Prefect API did not answer within {timeout:g} s; the flow run's final state is lost")
             return False
         if not said:
-            log.warning(f"the Prefect API at {api_url()} does not answer; waiting for it to report the final state")
+            log.warning("the Prefect API does not answer; waiting for it to report the flow run's final state")
             said = True
         time.sleep(2.0)
     _away_since.clear()
@@ -64,7 +49,7 @@ def wait_until_answering(timeout: float) -> bool:
 
 def best_effort(call: Callable[[], Any], what: str) -> Any:
     """Run a Prefect API call that must never stop training (an artifact); None when the API is away."""
-    if _away_since and time.monotonic() - _away_since[-1] < SKIP_FOR_S and not answering(1.0):
+    if _away_since and time.monotonic() - _away_since[-1] < SKIP_FOR_S:
         return None
     try:
         result = call()
