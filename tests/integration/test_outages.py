@@ -165,3 +165,43 @@ def test_prefect_down_longer_than_its_retries_then_back(
             break
         time.sleep(2)
     assert {w: names.get(w) for w in wanted} == dict.fromkeys(wanted, "COMPLETED")
+
+
+def test_mlflow_still_away_at_the_end_a_rerun_sends_what_was_journaled(
+    killable: dict[str, Killable], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`tracking.outage_wait_s` runs out before MLflow returns: the run ends (exit 0, its steps kept in the
+    journal, which checkpoint manifests count); a re-run of the same run, MLflow back, sends them in order."""
+    ml, pf = killable["mlflow"], killable["prefect"]
+    name, extra = "mlflow-gone", ["trainer.total_steps=4", "checkpoint.every=2", "tracking.outage_wait_s=2"]
+    cmd = [RLSTAGES, "run", TINY, *tiny_overrides(tmp_path, tiny_model_dir, ml.server.api_url, name, "outage-gone")]
+    cmd += [*extra, "cluster.mode=in_process"]
+    env = base_env(PREFECT_API_URL=pf.server.api_url, PREFECT_HOME=str(tmp_path / "prefect-client"), **SHORT_RETRIES)
+    run_dir, log = tmp_path / "runs" / name, tmp_path / f"{name}.log"
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        _wait_step(proc, run_dir, 1, 400, log)
+        ml.kill()
+        rc = proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            srv.stop(proc.pid, grace=5)
+        if not srv.alive(ml.server.pid):
+            ml.restart()
+    assert rc == 0, log.read_text(errors="replace")[-4000:]
+    with sqlite3.connect(run_dir / "tracking" / "journal.sqlite") as db:
+        (unsent,) = db.execute("SELECT COUNT(*) FROM entries WHERE state != 'sent'").fetchone()
+    assert unsent > 0
+    manifest = json.loads((run_dir / "checkpoints" / "step_000004" / "manifest.json").read_text())
+    assert manifest["tracking_unsent"] > 0
+    rid = json.loads((run_dir / "run_state.json").read_text())["mlflow_run_id"]
+    c = MlflowClient(ml.server.api_url)
+    assert [m.step for m in c.get_metric_history(rid, "reward/mean")] != [1, 2, 3, 4]  # not all there yet
+    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400, check=False)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert c.get_run(rid).info.status == "FINISHED"
+    for key in ("reward/mean", "progress/step"):
+        assert [m.step for m in c.get_metric_history(rid, key)] == [1, 2, 3, 4], key
+    with sqlite3.connect(run_dir / "tracking" / "journal.sqlite") as db:
+        assert db.execute("SELECT COUNT(*) FROM entries WHERE state != 'sent'").fetchone() == (0,)

@@ -138,6 +138,7 @@ class Outbox:
 
 
 _OPEN: dict[str, Outbox] = {}
+_ENDED: dict[str, Journal] = {}  # journals of runs whose outbox stopped: still read (plots, the summary)
 
 
 def open_outbox(run_id: str, run_dir: Path, uri: str) -> Outbox:
@@ -146,18 +147,26 @@ def open_outbox(run_id: str, run_dir: Path, uri: str) -> Outbox:
     if box is None or box.journal.dir != run_dir / "tracking" or box.uri != uri:
         if box is not None:
             box.close()
-        box = _OPEN[run_id] = Outbox(Journal(run_dir), uri)
+        ended = _ENDED.pop(run_id, None)
+        journal = ended if ended is not None and ended.dir == run_dir / "tracking" else Journal(run_dir)
+        box = _OPEN[run_id] = Outbox(journal, uri)
     return box
 
 
 def outbox_of(run_id: str) -> Outbox | None:
-    """The open outbox of a run, None when the run logs directly (no run directory given)."""
+    """The open outbox of a run, None when the run logs directly (no run directory given) or has ended."""
     return _OPEN.get(run_id)
 
 
+def journal_of(run_id: str) -> Journal | None:
+    """The journal of a run started in this process (open or ended), for reading."""
+    box = _OPEN.get(run_id)
+    return box.journal if box is not None else _ENDED.get(run_id)
+
+
 def close_outbox(run_id: str) -> None:
-    """Stop a run's sender thread and close its journal (its file stays)."""
+    """Stop a run's sender thread (what is unsent stays journaled; the journal stays readable)."""
     box = _OPEN.pop(run_id, None)
     if box is not None:
         box.close()
-        box.journal.close()
+        _ENDED[run_id] = box.journal

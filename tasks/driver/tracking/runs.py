@@ -22,7 +22,7 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.utils import mlflow_tags
 
 from rlstages.configs import RunConfig, config_hash, flatten, to_yaml
-from rlstages.tasks.driver.tracking.outbox import close_outbox, open_outbox, outbox_of
+from rlstages.tasks.driver.tracking.outbox import close_outbox, journal_of, open_outbox, outbox_of
 from rlstages.tasks.driver.tracking.store import client, tracking_uri
 
 STEP_KEY = "progress/step"
@@ -224,8 +224,8 @@ def log_eval_metrics(cfg: RunConfig, run_id: str, step: int, metrics: dict[str, 
 
 def _journal_complete(run_id: str) -> bool:
     """Whether the run's journal holds every metric the run logged (it was created with the run)."""
-    box = outbox_of(run_id)
-    return box is not None and box.journal.get(f"complete:{run_id}") == "1"
+    journal = journal_of(run_id)
+    return journal is not None and journal.get(f"complete:{run_id}") == "1"
 
 
 def _finite(v: Any) -> bool:
@@ -252,16 +252,15 @@ def log_table(cfg: RunConfig, run_id: str, rows: dict[str, list[Any]], artifact_
 def metric_history(cfg: RunConfig, run_id: str, key: str) -> list[tuple[int, float]]:
     """(step, value) pairs of a metric, first value per step: from the run's journal when it holds the whole
     run (no server needed), else from MLflow."""
-    box = outbox_of(run_id)
-    if box is not None and _journal_complete(run_id):
-        return sorted(box.journal.points(run_id, key).items())
+    journal = journal_of(run_id)
+    if journal is not None and _journal_complete(run_id):
+        return sorted(journal.points(run_id, key).items())
     flush(run_id)
     seen: dict[int, float] = {}
     for m in client(cfg).get_metric_history(run_id, key):
         seen.setdefault(int(m.step), float(m.value))
-    if box is not None:
-        for step, value in box.journal.points(run_id, key).items():
-            seen.setdefault(step, value)
+    for step, value in (journal.points(run_id, key) if journal is not None else {}).items():
+        seen.setdefault(step, value)
     return sorted(seen.items())
 
 
@@ -318,8 +317,8 @@ def wait_for_backlog(run_id: str, wait_s: float) -> int:
 
 def run_link(cfg: RunConfig, run_id: str) -> str:
     """A URL of the run in the MLflow UI (`mlflow ui` on 127.0.0.1:5000 for a SQLite store)."""
-    box = outbox_of(run_id)
-    experiment = box.journal.get(f"experiment:{run_id}") if box is not None else None
+    journal = journal_of(run_id)
+    experiment = journal.get(f"experiment:{run_id}") if journal is not None else None
     if experiment is None:
         experiment = client(cfg).get_run(run_id).info.experiment_id
     uri = tracking_uri(cfg)
