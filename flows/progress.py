@@ -20,7 +20,7 @@ from prefect.logging.handlers import PrefectConsoleHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rlstages.flows.console import NO_REDIRECT, terminal
-from rlstages.tasks.driver.prefect_api import best_effort
+from rlstages.tasks.prefect_api import best_effort
 
 ARTIFACT_EVERY_S = 10.0  # each Prefect artifact update is an API round trip (~50 ms): throttle it
 KL_KEYS = ("actor/kl_loss", "actor/reward_kl_in_reward", "actor/ppo_kl")  # the KL a run is steered by, first found

@@ -17,7 +17,8 @@ from rlstages.engines import types as T
 from rlstages.engines.rewards.metrics import group_metrics
 from rlstages.engines.rollout.trajectory import rollout_metrics
 from rlstages.engines.types import SamplingParams
-from rlstages.tasks.driver import prefect_api, tracking
+from rlstages.tasks import prefect_api
+from rlstages.tasks.driver import tracking
 from rlstages.tasks.driver.context import RunHandle, derive_seed
 from rlstages.tasks.driver.data import eval_prompts, tokenizer_path
 from rlstages.tasks.reward import score_batch

@@ -14,7 +14,8 @@ from prefect.artifacts import create_markdown_artifact
 from rlstages.configs import RunConfig
 from rlstages.engines.runtime import profiling
 from rlstages.engines.workers.actor_group import ActorGroup
-from rlstages.tasks.driver import prefect_api, tracking
+from rlstages.tasks import prefect_api
+from rlstages.tasks.driver import tracking
 from rlstages.tasks.driver.context import RunHandle
 from rlstages.tasks.driver.workers import get_workers
 

@@ -20,9 +20,10 @@ from rlstages.configs.loader import flatten
 from rlstages.configs.training import MegatronTrainingConfig
 from rlstages.engines.models import ensure_model
 from rlstages.engines.training.state_io import atomic_write_text
+from rlstages.tasks import prefect_api
 from rlstages.tasks.advantage import initial_kl_state
 from rlstages.tasks.checkpoint import restore_engines
-from rlstages.tasks.driver import prefect_api, tracking
+from rlstages.tasks.driver import tracking
 from rlstages.tasks.driver.checkpoints import driver_state, latest_checkpoint, read_manifest
 from rlstages.tasks.driver.context import RUN_STATE, RunHandle
 from rlstages.tasks.driver.data import cursor, data_record
