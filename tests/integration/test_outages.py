@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -78,19 +79,15 @@ def killable(session_tmp: Path) -> Iterator[dict[str, Killable]]:
         assert not [k.server.name for k in started.values() if srv.alive(k.server.pid)]
 
 
-def _journaled_step(run_dir: Path) -> int:
-    """The newest step the run has journaled (0 before its journal exists)."""
-    path = run_dir / "tracking" / "journal.sqlite"
-    if not path.exists():
-        return 0
-    with sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10) as db:
-        (step,) = db.execute("SELECT COALESCE(MAX(step), 0) FROM entries WHERE kind = 'metrics'").fetchone()
-    return int(step)
+def _trained_step(log: Path) -> int:
+    """The newest step the run has printed (`step N/M ...` lines of its output)."""
+    steps = re.findall(r"^step (\d+)/\d+ ", log.read_text(errors="replace"), flags=re.M)
+    return max(map(int, steps), default=0)
 
 
-def _wait_step(proc: subprocess.Popen[bytes], run_dir: Path, step: int, timeout: float, log: Path) -> None:
+def _wait_step(proc: subprocess.Popen[bytes], log: Path, step: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while _journaled_step(run_dir) < step:
+    while _trained_step(log) < step:
         if proc.poll() is not None or time.monotonic() > deadline:
             raise AssertionError(f"the run did not reach step {step}:\n{log.read_text(errors='replace')[-4000:]}")
         time.sleep(0.5)
@@ -110,10 +107,10 @@ def _drill(victim: Killable, other: Killable, tmp: Path, model_dir: Path, name: 
     with log.open("wb") as fh:
         proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait_step(proc, run_dir, 2, 400, log)
+        _wait_step(proc, log, 2, 400)
         victim.kill()
         away = time.monotonic()
-        _wait_step(proc, run_dir, 5, 300, log)  # training goes on without the server
+        _wait_step(proc, log, 5, 300)  # training goes on without the server
         time.sleep(max(0.0, AWAY_S - (time.monotonic() - away)))
         assert proc.poll() is None or proc.returncode == 0, log.read_text(errors="replace")[-4000:]
         victim.restart()
@@ -181,7 +178,7 @@ def test_mlflow_still_away_at_the_end_a_rerun_sends_what_was_journaled(
     with log.open("wb") as fh:
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=fh, stderr=subprocess.STDOUT)
     try:
-        _wait_step(proc, run_dir, 1, 400, log)
+        _wait_step(proc, log, 1, 400)
         ml.kill()
         rc = proc.wait(timeout=400)
     finally:
