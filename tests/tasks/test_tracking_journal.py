@@ -37,8 +37,13 @@ def test_calls_wait_in_the_journal_while_mlflow_is_away_and_a_resumed_run_sends_
     for step in (1, 2, 3):
         away.post(rid, "metrics", _metrics(step, 1000 + step), step)
     away.post(rid, "tags", {"tags": {"rlstages.note": "journaled"}})
+    away.post(rid, "table", {"data": {"prompt": ["1+1"], "score": [1.0]}, "artifact_file": "eval/t.json"})
+    (tmp_path / "manifest.json").write_text("{}")
+    kept = away.journal.keep_file(tmp_path / "manifest.json", "manifest.json")
+    (tmp_path / "manifest.json").unlink()  # pruned meanwhile: the journal's copy is what is sent
+    away.post(rid, "artifact", {"path": kept, "dir": "checkpoints/step_000002"})
     away.post(rid, "terminate", {"status": "FINISHED", "end_time": 5000})
-    assert away.flush(30, while_down=False) == 5 and away.down_since is not None
+    assert away.flush(30, while_down=False) == 7 and away.down_since is not None
     away.close()
     away.journal.close()
 
@@ -50,6 +55,11 @@ def test_calls_wait_in_the_journal_while_mlflow_is_away_and_a_resumed_run_sends_
         assert [m.step for m in c.get_metric_history(rid, key)] == [1, 2, 3], key
     run = c.get_run(rid)
     assert run.info.status == "FINISHED" and run.data.tags["rlstages.note"] == "journaled"
+    assert {a.path for a in c.list_artifacts(rid, "checkpoints/step_000002")} == {
+        "checkpoints/step_000002/manifest.json"
+    }
+    assert {a.path for a in c.list_artifacts(rid, "eval")} == {"eval/t.json"}
+    assert not any((tmp_path / "run" / "tracking" / "blobs").iterdir())  # sent: the copies are gone
 
 
 def test_an_attempted_step_the_store_already_holds_is_not_sent_again(

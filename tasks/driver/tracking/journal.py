@@ -102,9 +102,12 @@ class Journal:
         return int(n)
 
     def mark(self, entry: Entry, state: str) -> None:
-        """Record an entry's new state (attempted, sent, rejected); a sent entry's file copy is removed."""
+        """Record an entry's new state (attempted, sent, rejected); a sent entry's file copy and table rows are
+        removed (they are in MLflow: the journal stays small)."""
         with self._lock:
             self._db.execute("UPDATE entries SET state = ? WHERE seq = ?", (state, entry.seq))
+            if state == "sent" and entry.kind == "table":
+                self._db.execute("UPDATE entries SET payload = '{}' WHERE seq = ?", (entry.seq,))
         if (
             state in ("sent", "rejected")
             and "path" in entry.payload
