@@ -22,11 +22,12 @@ _away_since: list[float] = []
 
 
 def answering() -> bool:
-    """Whether the Prefect API answers its health check now (through Prefect's own client: its URL, auth and
-    retries)."""
+    """Whether the Prefect API answers its health check now (Prefect's own client: its URL and auth; asked once,
+    without the client's retries, so a caller's wait stays bounded)."""
     from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
-    with get_client(sync_client=True) as client:
+    with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0}), get_client(sync_client=True) as client:
         return client.api_healthcheck() is None
 
 
