@@ -28,11 +28,11 @@ from rlstages.flows.cli import servers as srv
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 STEPS = 8
 AWAY_S = 20.0  # the server stays away at least this long: several times the shortened retry budgets below
-SHORT_RETRIES = {
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+SHORT_RETRIES = {  # a refused connection gives up after ~3 s (MLflow) / ~2 s (Prefect); a slow answer waits 10 s
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
     "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0",
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "3",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
     "PREFECT_CLIENT_MAX_RETRIES": "1",
 }
 
