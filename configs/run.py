@@ -138,6 +138,13 @@ class TrackingConfig(StrictModel):
         description="Register the logged policy under this name; alias `best` marks the version of the "
         "checkpoint with the best held-out reward, `latest` the final policy.",
     )
+    outage_wait_s: float = Field(
+        default=3600.0,
+        ge=0,
+        description="How long the end of a run waits for an MLflow or Prefect server that does not answer (its "
+        "tracking calls are journaled in the run directory meanwhile; training does not wait). What is still "
+        "unsent then stays in `tracking/journal.sqlite` and a resumed run sends it.",
+    )
 
 
 class RunConfig(StrictModel):

@@ -20,6 +20,7 @@ from prefect.logging.handlers import PrefectConsoleHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rlstages.flows.console import NO_REDIRECT, terminal
+from rlstages.tasks.prefect_api import best_effort
 
 ARTIFACT_EVERY_S = 10.0  # each Prefect artifact update is an API round trip (~50 ms): throttle it
 KL_KEYS = ("actor/kl_loss", "actor/reward_kl_in_reward", "actor/ppo_kl")  # the KL a run is steered by, first found
@@ -132,7 +133,8 @@ class RunProgress:
             self._say(line + self._timing)
         now = time.monotonic()
         if self.artifact_id is not None and (step == self.total or now - self._artifact_at >= ARTIFACT_EVERY_S):
-            update_progress_artifact(self.artifact_id, progress=100.0 * step / self.total)
+            artifact_id, progress = self.artifact_id, 100.0 * step / self.total
+            best_effort(lambda: update_progress_artifact(artifact_id, progress=progress), "the progress artifact")
             self._artifact_at = now
 
     def _show(self) -> None:

@@ -64,9 +64,11 @@ def save_checkpoint(cfg: RunConfig, run: RunHandle, step: int, driver_state: dic
     shutil.rmtree(final, ignore_errors=True)  # an uncommitted or corrupt leftover of a crashed attempt
     os.replace(tmp, final)
     maybe_fail(run, "checkpoint_commit", step)  # drills: a crash between the rename and the manifest
-    tracking.flush()  # the steps up to this one are in MLflow before the checkpoint is committed
+    # the steps up to this one reach MLflow first, unless it is away: the manifest says how many wait in the
+    # run's tracking journal (a resumed run sends them)
+    unsent = tracking.flush(driver_state.get("mlflow_run_id"))
     files = {str(p.relative_to(final)): sha256_file(p) for p in sorted(final.rglob("*")) if p.is_file()}
-    manifest = {"step": step, "created": time.time(), "files": files, **driver_state}
+    manifest = {"step": step, "created": time.time(), "files": files, **driver_state, "tracking_unsent": unsent}
     atomic_write_text(final / MANIFEST, json.dumps(manifest, indent=2))
     if driver_state.get("mlflow_run_id"):
         tracking.log_file(cfg, driver_state["mlflow_run_id"], final / MANIFEST, f"checkpoints/step_{step:06d}")

@@ -17,6 +17,7 @@ from rlstages.engines import types as T
 from rlstages.engines.rewards.metrics import group_metrics
 from rlstages.engines.rollout.trajectory import rollout_metrics
 from rlstages.engines.types import SamplingParams
+from rlstages.tasks import prefect_api
 from rlstages.tasks.driver import tracking
 from rlstages.tasks.driver.context import RunHandle, derive_seed
 from rlstages.tasks.driver.data import eval_prompts, tokenizer_path
@@ -110,13 +111,16 @@ def evaluate(cfg: RunConfig, run: RunHandle, step: int, mlflow_run_id: str) -> d
         f"| {p[:60]} | {r[:60]!r} | {s:.2f} |"
         for p, r, s in zip(rows["prompt"][:8], rows["response"][:8], rows["score"][:8], strict=True)
     )
-    create_markdown_artifact(
-        key=f"eval-{run.name.lower().replace('_', '-')}"[:60],
-        markdown=(
-            f"### Evaluation at step {step}\n\nheld-out reward **{metrics['eval/reward_mean']:.3f}** "
-            f"(accuracy {metrics['eval/accuracy']:.3f}, mean length {metrics['eval/response_length']:.1f})\n\n"
-            f"| prompt | response | score |\n|---|---|---|\n{table}\n"
+    prefect_api.best_effort(
+        lambda: create_markdown_artifact(
+            key=f"eval-{run.name.lower().replace('_', '-')}"[:60],
+            markdown=(
+                f"### Evaluation at step {step}\n\nheld-out reward **{metrics['eval/reward_mean']:.3f}** "
+                f"(accuracy {metrics['eval/accuracy']:.3f}, mean length {metrics['eval/response_length']:.1f})\n\n"
+                f"| prompt | response | score |\n|---|---|---|\n{table}\n"
+            ),
+            description=f"held-out evaluation, step {step}",
         ),
-        description=f"held-out evaluation, step {step}",
+        "the evaluation artifact",
     )
     return metrics

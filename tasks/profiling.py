@@ -14,6 +14,7 @@ from prefect.artifacts import create_markdown_artifact
 from rlstages.configs import RunConfig
 from rlstages.engines.runtime import profiling
 from rlstages.engines.workers.actor_group import ActorGroup
+from rlstages.tasks import prefect_api
 from rlstages.tasks.driver import tracking
 from rlstages.tasks.driver.context import RunHandle
 from rlstages.tasks.driver.workers import get_workers
@@ -96,11 +97,14 @@ def save_profiles(
         tracking.log_directory(cfg, run_id, out, rel)
         link = f"[MLflow run]({tracking.run_link(cfg, run_id)}), artifacts `{rel}/`\n\n"
     rows = "\n".join(f"| `{rel}/{w}` |" for w in sorted(written))
-    create_markdown_artifact(
-        key=f"profile-step-{step}-{stage.replace('_', '-')}",
-        markdown=f"### Profile of {stage} at step {step}\n\n{link}| file |\n|---|\n{rows}\n\n"
-        "Open `trace.json` in ui.perfetto.dev or chrome://tracing; `memory_snapshot.pickle` in "
-        "pytorch.org/memory_viz.",
-        description=f"torch.profiler: {stage}, step {step}",
+    prefect_api.best_effort(
+        lambda: create_markdown_artifact(
+            key=f"profile-step-{step}-{stage.replace('_', '-')}",
+            markdown=f"### Profile of {stage} at step {step}\n\n{link}| file |\n|---|\n{rows}\n\n"
+            "Open `trace.json` in ui.perfetto.dev or chrome://tracing; `memory_snapshot.pickle` in "
+            "pytorch.org/memory_viz.",
+            description=f"torch.profiler: {stage}, step {step}",
+        ),
+        "the profile artifact",
     )
     return out

@@ -20,6 +20,7 @@ from rlstages.configs.loader import flatten
 from rlstages.configs.training import MegatronTrainingConfig
 from rlstages.engines.models import ensure_model
 from rlstages.engines.training.state_io import atomic_write_text
+from rlstages.tasks import prefect_api
 from rlstages.tasks.advantage import initial_kl_state
 from rlstages.tasks.checkpoint import restore_engines
 from rlstages.tasks.driver import tracking
@@ -87,7 +88,7 @@ def start_tracking(cfg: RunConfig, run: RunHandle) -> str:
     recorded = _state(run).get("mlflow_run_id")
     if recorded is not None:
         check_same_config(cfg, recorded)
-    run_id = tracking.start_or_resume(cfg, run.name, recorded, flow_run_id)
+    run_id = tracking.start_or_resume(cfg, run.name, recorded, flow_run_id, run.path)
     if recorded is None:
         tracking.log_dataset(cfg, run_id, data_record(cfg))
     write_state(run, mlflow_run_id=run_id, status="RUNNING")
@@ -194,7 +195,8 @@ def export_policy(cfg: RunConfig, run: RunHandle, mlflow_run_id: str) -> str:
     with a registered model name, alias `final` marks it and `best` the checkpoint with the best held-out reward.
     """
     out = _save_hf(cfg, run, "final")
-    if cfg.tracking.log_model:
+    if cfg.tracking.log_model:  # logging a model needs the server: what was journaled goes first
+        tracking.wait_for_backlog(mlflow_run_id, cfg.tracking.outage_wait_s)
         version = tracking.log_policy(cfg, mlflow_run_id, out, step=cfg.trainer.total_steps)
         if version is not None:
             tracking.set_alias(cfg, "final", version)
@@ -245,12 +247,20 @@ def close_run(
     error: str | None = None,
     stage: str | None = None,
 ) -> None:
-    """End the MLflow run with `status` (FAILED carries the stage and error as tags) and free the workers."""
+    """End the MLflow run with `status` (FAILED carries the stage and error as tags) and free the workers; wait
+    for an MLflow or Prefect server that is away (`tracking.outage_wait_s`; a few seconds for an interrupt)."""
+    wait = cfg.tracking.outage_wait_s if status != "KILLED" else min(cfg.tracking.outage_wait_s, 5.0)
     if mlflow_run_id is not None:
         if error is not None:
             tracking.set_tags(
                 cfg, mlflow_run_id, {"rlstages.failed_stage": stage or "unknown", "rlstages.error": error[:2000]}
             )
-        tracking.end(cfg, mlflow_run_id, status)
+        unsent = tracking.end(cfg, mlflow_run_id, status, wait)
+        if unsent:
+            stage_logger().warning(
+                f"MLflow did not answer within {wait:g} s (tracking.outage_wait_s): {unsent} tracking calls "
+                f"stay in {run.path / 'tracking'}; a re-run of this run sends them first"
+            )
     write_state(run, status=status)
     forget_workers(run, kill=True)
+    prefect_api.wait_until_answering(wait)  # the flow run's final state gets through

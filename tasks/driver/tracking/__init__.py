@@ -1,6 +1,7 @@
 """MLflow, and only here (tests/test_dependency_rule.py): the tracking store (`store`), the run's logging
-(`runs`), the model registry (`registry`), the comparison queries of `rlstages compare` (`queries`) and the
-plots (`plots`). Callers use the names below: `tracking.log_step(...)`."""
+(`runs`, through the run directory's journal: `journal`, `outbox`), the model registry (`registry`), the
+comparison queries of `rlstages compare` (`queries`) and the plots (`plots`).
+Callers use the names below: `tracking.log_step(...)`."""
 
 from rlstages.tasks.driver.tracking.plots import log_reward_curve
 from rlstages.tasks.driver.tracking.queries import (
@@ -29,6 +30,7 @@ from rlstages.tasks.driver.tracking.runs import (
     set_tags,
     start_or_resume,
     system_tags,
+    wait_for_backlog,
 )
 from rlstages.tasks.driver.tracking.store import DEFAULT_URI, client, store_problem, tracking_uri, tracking_uri_origin
 
@@ -63,4 +65,5 @@ __all__ = [
     "system_tags",
     "tracking_uri",
     "tracking_uri_origin",
+    "wait_for_backlog",
 ]

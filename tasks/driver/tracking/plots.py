@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlstages.configs import RunConfig
-from rlstages.tasks.driver.tracking.runs import metric_history
-from rlstages.tasks.driver.tracking.store import client
+from rlstages.tasks.driver.tracking.runs import log_file, metric_history
 
 
 def log_reward_curve(cfg: RunConfig, run_id: str, out_png: Path) -> Path:
@@ -31,5 +30,5 @@ def log_reward_curve(cfg: RunConfig, run_id: str, out_png: Path) -> Path:
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png)
     plt.close(fig)
-    client(cfg).log_artifact(run_id, str(out_png), "plots")
+    log_file(cfg, run_id, out_png, "plots")
     return out_png

@@ -1,9 +1,11 @@
 """One MLflow run per training run, resumed by id, metrics logged once per step; params, tags, datasets,
 tables and files of the run.
 
-MLflow is append-only, so a resumed or replayed run skips steps MLflow already has (tracked through the
-`progress/step` metric). Everything goes through `MlflowClient` with an explicit run id, so stage tasks
-on worker threads never depend on a thread's "active run".
+MLflow is append-only, so a resumed or replayed run skips steps MLflow (or the run's journal) already has
+(tracked through the `progress/step` metric). Everything goes through `MlflowClient` with an explicit run id,
+so stage tasks on worker threads never depend on a thread's "active run". A run started with its run
+directory logs through the journal there (`journal`, `outbox`): an MLflow server away for minutes stops
+nothing, and what it missed is sent in order when it answers.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.utils import mlflow_tags
 
 from rlstages.configs import RunConfig, config_hash, flatten, to_yaml
+from rlstages.tasks.driver.tracking.outbox import close_outbox, journal_of, open_outbox, outbox_of
 from rlstages.tasks.driver.tracking.store import client, tracking_uri
 
 STEP_KEY = "progress/step"
 _LAST_STEP: dict[str, int] = {}
 _PENDING: list[Any] = []
+BACKLOG_WAIT_S = 120.0  # a resumed run waits this long for MLflow to take what an earlier process left unsent
 
 
 def _git_commit() -> str:
@@ -69,13 +73,26 @@ def run_tags(cfg: RunConfig, flow_run_id: str | None) -> dict[str, str]:
     }
 
 
-def start_or_resume(cfg: RunConfig, run_name: str, run_id: str | None, flow_run_id: str | None) -> str:
-    """Reattach to `run_id` (status back to RUNNING), or create the run with params, tags and the config."""
+def start_or_resume(
+    cfg: RunConfig, run_name: str, run_id: str | None, flow_run_id: str | None, run_dir: Path | None = None
+) -> str:
+    """Reattach to `run_id` (status back to RUNNING), or create the run with params, tags and the config.
+    With `run_dir`, the run's calls go through its journal there (`outbox`): what an earlier process left
+    unsent is sent first, before the run is reopened."""
     c = client(cfg)
     if run_id is not None:
+        box = open_outbox(run_id, run_dir, tracking_uri(cfg)) if run_dir is not None else None
+        if box is not None and box.flush(BACKLOG_WAIT_S):
+            raise RuntimeError(
+                f"MLflow at {tracking_uri(cfg)} does not answer ({box.last_error or 'no answer'}); "
+                f"{box.journal.count_unsent()} tracking calls of the earlier run are still unsent in {box.journal.dir}"
+            )
         c.update_run(run_id, status="RUNNING")
         c.set_tag(run_id, "rlstages.prefect_flow_run_id", flow_run_id or "none")
-        _LAST_STEP[run_id] = last_logged_step(cfg, run_id)
+        journaled = box.journal.last_step(run_id) if box is not None else 0
+        _LAST_STEP[run_id] = max(last_logged_step(cfg, run_id), journaled)
+        if box is not None and box.journal.get(f"experiment:{run_id}") is None:
+            box.journal.put(f"experiment:{run_id}", c.get_run(run_id).info.experiment_id)
         return run_id
     exp = c.get_experiment_by_name(cfg.tracking.experiment)
     exp_id = exp.experiment_id if exp is not None else c.create_experiment(cfg.tracking.experiment)
@@ -86,6 +103,10 @@ def start_or_resume(cfg: RunConfig, run_name: str, run_id: str | None, flow_run_
         c.log_batch(rid, params=params[i : i + 100])
     c.log_text(rid, to_yaml(cfg), "config/resolved.yaml")
     _LAST_STEP[rid] = 0
+    if run_dir is not None:
+        journal = open_outbox(rid, run_dir, tracking_uri(cfg)).journal
+        journal.put(f"experiment:{rid}", exp_id)
+        journal.put(f"complete:{rid}", "1")  # every metric of the run is journaled: plots read the journal
     return rid
 
 
@@ -153,7 +174,8 @@ def last_logged_step(cfg: RunConfig, run_id: str) -> int:
 
 
 def log_step(cfg: RunConfig, run_id: str, step: int, metrics: dict[str, float]) -> bool:
-    """Log one step's metrics in one batch; a step MLflow already has is skipped (returns False)."""
+    """Log one step's metrics in one batch; a step MLflow (or the run's journal) already has is skipped
+    (returns False). A journaled run returns at once: the outbox sends it."""
     if run_id not in _LAST_STEP:  # asked once per run and process, not on every step
         _LAST_STEP[run_id] = last_logged_step(cfg, run_id)
     if step <= _LAST_STEP[run_id]:
@@ -161,28 +183,49 @@ def log_step(cfg: RunConfig, run_id: str, step: int, metrics: dict[str, float]) 
     now = int(time.time() * 1000)
     rows = [Metric(k, float(v), now, step) for k, v in sorted(metrics.items()) if _finite(v)]
     rows.append(Metric(STEP_KEY, float(step), now, step))
-    c = client(cfg)
-    for i in range(0, len(rows), 1000):  # asynchronous: `flush` before a checkpoint commits and at the end
-        _PENDING.append(c.log_batch(run_id, metrics=rows[i : i + 1000], synchronous=False))
+    box = outbox_of(run_id)
+    for i in range(0, len(rows), 1000):
+        chunk = rows[i : i + 1000]
+        if box is not None:  # the chunk holding STEP_KEY (the last) goes last: a step counts once it is whole
+            box.post(run_id, "metrics", {"metrics": [[m.key, m.value, m.timestamp, m.step] for m in chunk]}, step)
+        else:  # asynchronous: `flush` before a checkpoint commits and at the end
+            _PENDING.append(client(cfg).log_batch(run_id, metrics=chunk, synchronous=False))
     _LAST_STEP[run_id] = step
     return True
 
 
-def flush() -> None:
-    """Wait until every asynchronously logged step has reached the tracking store."""
+def flush(run_id: str | None = None, timeout: float = 60.0) -> int:
+    """Wait until every logged step has reached the tracking store; with a journaled `run_id`, at most
+    `timeout` seconds and no longer once MLflow is known to be away. Returns how many calls are still unsent."""
     while _PENDING:
         op = _PENDING.pop(0)
         if op is not None:
             op.wait()
+    box = outbox_of(run_id) if run_id is not None else None
+    return box.flush(timeout, while_down=False) if box is not None else 0
 
 
 def log_eval_metrics(cfg: RunConfig, run_id: str, step: int, metrics: dict[str, float]) -> None:
     """Evaluation metrics at `step` (kept separate: evaluation at step 0 precedes training)."""
-    history = client(cfg).get_metric_history(run_id, "eval/reward_mean")
-    if any(int(m.step) == step for m in history):
+    box = outbox_of(run_id)
+    if box is not None and box.journal.has_step(run_id, "eval", step):
+        return
+    if not _journal_complete(run_id) and any(
+        int(m.step) == step for m in client(cfg).get_metric_history(run_id, "eval/reward_mean")
+    ):
         return
     now = int(time.time() * 1000)
-    client(cfg).log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items() if _finite(v)])
+    rows = [Metric(k, float(v), now, step) for k, v in metrics.items() if _finite(v)]
+    if box is not None:
+        box.post(run_id, "eval", {"metrics": [[m.key, m.value, m.timestamp, m.step] for m in rows]}, step)
+    else:
+        client(cfg).log_batch(run_id, metrics=rows)
+
+
+def _journal_complete(run_id: str) -> bool:
+    """Whether the run's journal holds every metric the run logged (it was created with the run)."""
+    journal = journal_of(run_id)
+    return journal is not None and journal.get(f"complete:{run_id}") == "1"
 
 
 def _finite(v: Any) -> bool:
@@ -194,47 +237,90 @@ def _finite(v: Any) -> bool:
 
 def log_samples(cfg: RunConfig, run_id: str, step: int, rows: dict[str, list[Any]]) -> None:
     """Evaluation samples as an MLflow table (one file per evaluation, so nothing is re-uploaded)."""
-    client(cfg).log_table(run_id, data=rows, artifact_file=f"eval/samples_step_{step:06d}.json")
+    log_table(cfg, run_id, rows, f"eval/samples_step_{step:06d}.json")
 
 
 def log_table(cfg: RunConfig, run_id: str, rows: dict[str, list[Any]], artifact_file: str) -> None:
     """Rows as an MLflow table artifact (one file per call)."""
-    client(cfg).log_table(run_id, data=rows, artifact_file=artifact_file)
+    box = outbox_of(run_id)
+    if box is not None:
+        box.post(run_id, "table", {"data": rows, "artifact_file": artifact_file})
+    else:
+        client(cfg).log_table(run_id, data=rows, artifact_file=artifact_file)
 
 
 def metric_history(cfg: RunConfig, run_id: str, key: str) -> list[tuple[int, float]]:
-    """(step, value) pairs of a metric, first value per step."""
-    flush()
+    """(step, value) pairs of a metric, first value per step: from the run's journal when it holds the whole
+    run (no server needed), else from MLflow."""
+    journal = journal_of(run_id)
+    if journal is not None and _journal_complete(run_id):
+        return sorted(journal.points(run_id, key).items())
+    flush(run_id)
     seen: dict[int, float] = {}
     for m in client(cfg).get_metric_history(run_id, key):
         seen.setdefault(int(m.step), float(m.value))
+    for step, value in (journal.points(run_id, key) if journal is not None else {}).items():
+        seen.setdefault(step, value)
     return sorted(seen.items())
 
 
 def log_file(cfg: RunConfig, run_id: str, path: Path, artifact_dir: str) -> None:
-    """Log a small file (a checkpoint manifest, a summary)."""
-    client(cfg).log_artifact(run_id, str(path), artifact_dir)
+    """Log a small file (a checkpoint manifest, a summary); a journaled run sends a copy taken now."""
+    _log_path(cfg, run_id, path, artifact_dir)
 
 
 def log_directory(cfg: RunConfig, run_id: str, local_dir: Path, artifact_path: str) -> None:
     """Log every file under `local_dir` at `artifact_path` (stage profiles)."""
-    client(cfg).log_artifacts(run_id, str(local_dir), artifact_path)
+    _log_path(cfg, run_id, local_dir, artifact_path)
+
+
+def _log_path(cfg: RunConfig, run_id: str, path: Path, artifact_dir: str) -> None:
+    box = outbox_of(run_id)
+    if box is not None:
+        box.post(run_id, "artifact", {"path": box.journal.keep_file(path, path.name), "dir": artifact_dir})
+    elif path.is_dir():
+        client(cfg).log_artifacts(run_id, str(path), artifact_dir)
+    else:
+        client(cfg).log_artifact(run_id, str(path), artifact_dir)
 
 
 def set_tags(cfg: RunConfig, run_id: str, tags: dict[str, str]) -> None:
     """Set run tags (e.g. the failing stage)."""
-    client(cfg).log_batch(run_id, tags=[RunTag(k, v[:8000]) for k, v in tags.items()])
+    box = outbox_of(run_id)
+    if box is not None:
+        box.post(run_id, "tags", {"tags": {k: v[:8000] for k, v in tags.items()}})
+    else:
+        client(cfg).log_batch(run_id, tags=[RunTag(k, v[:8000]) for k, v in tags.items()])
 
 
-def end(cfg: RunConfig, run_id: str, status: str) -> None:
-    """End the run as FINISHED, FAILED or KILLED (MLflow never does it for a dead process)."""
-    flush()
-    client(cfg).set_terminated(run_id, status=status)
+def end(cfg: RunConfig, run_id: str, status: str, wait_s: float = 0.0) -> int:
+    """End the run as FINISHED, FAILED or KILLED (MLflow never does it for a dead process). A journaled run
+    waits up to `wait_s` for an away server; returns how many calls stay unsent (a resumed run sends them)."""
+    box = outbox_of(run_id)
+    if box is None:
+        flush()
+        client(cfg).set_terminated(run_id, status=status)
+        return 0
+    box.post(run_id, "terminate", {"status": status, "end_time": int(time.time() * 1000)})
+    unsent = box.flush(max(wait_s, 1.0))
+    close_outbox(run_id)
+    _LAST_STEP.pop(run_id, None)
+    return unsent
+
+
+def wait_for_backlog(run_id: str, wait_s: float) -> int:
+    """Wait up to `wait_s` for a journaled run's unsent calls to reach MLflow (before logging a model, which
+    needs the server); returns how many are still unsent."""
+    box = outbox_of(run_id)
+    return box.flush(wait_s) if box is not None else 0
 
 
 def run_link(cfg: RunConfig, run_id: str) -> str:
     """A URL of the run in the MLflow UI (`mlflow ui` on 127.0.0.1:5000 for a SQLite store)."""
-    run = client(cfg).get_run(run_id)
+    journal = journal_of(run_id)
+    experiment = journal.get(f"experiment:{run_id}") if journal is not None else None
+    if experiment is None:
+        experiment = client(cfg).get_run(run_id).info.experiment_id
     uri = tracking_uri(cfg)
     base = uri if uri.startswith("http") else "http://127.0.0.1:5000"
-    return f"{base.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
+    return f"{base.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}"
