@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from rlstages.configs.algorithm import AlgorithmConfig
 from rlstages.configs.base import StrictModel
@@ -61,8 +61,43 @@ class ProfileConfig(StrictModel):
         return steps
 
 
+TrainerMode = Literal["sync", "one_step_off", "async"]
+
+
+class AsyncConfig(StrictModel):
+    """Fully asynchronous training (`trainer.mode: async`, docs/async.md): generation streams finished prompt
+    groups into a bounded queue while the trainer updates; a group starts only while every sample it adds would
+    be trained within `max_staleness` policy versions of the one that generates it."""
+
+    max_staleness: int = Field(
+        default=1,
+        ge=0,
+        description="eta: the most policy versions a trained token may lag the trainer (trainer version at the "
+        "update - the token's version, queue time included). 0 = synchronous; 1 without partial rollouts = "
+        "one-step-off. Admission control keeps it, no sample is ever dropped for age.",
+    )
+    partial_rollout: bool = Field(
+        default=False,
+        description="Continue sequences in flight across a weight update (tokens then carry mixed versions); "
+        "false: a weight update waits for the groups in flight to finish.",
+    )
+    kv_on_update: Literal["recompute", "keep"] = Field(
+        default="recompute",
+        description="With partial_rollout, the in-flight sequences' KV cache after a weight update: recompute "
+        "(prefill under the new weights, exact) or keep (old weights' KV, recorded as such).",
+    )
+    queue_capacity: int | None = Field(
+        default=None,
+        ge=1,
+        description="Finished prompt groups the queue holds; None = (max_staleness + 1) x data.prompts_per_step, "
+        "the most admission control can let in.",
+    )
+
+
 class TrainerConfig(StrictModel):
     """The loop: how many steps, how often to evaluate, the seed everything derives from."""
+
+    model_config = ConfigDict(**StrictModel.model_config, populate_by_name=True)
 
     total_steps: int = Field(ge=1)
     eval_every: int = Field(default=0, ge=0, description="0 = only at start and end.")
@@ -81,13 +116,40 @@ class TrainerConfig(StrictModel):
         description="Directory name under output_dir (letters, digits, '_' and '-'; at most 100); "
         "None = run-<config hash>.",
     )
+    mode: TrainerMode = Field(
+        default="sync",
+        description="sync: generate, then train, each step; one_step_off: generate step k+1 while the trainer "
+        "updates on step k (rollout weights one update old); async: generation streams into a bounded queue, "
+        "staleness bounded by trainer.async.max_staleness. one_step_off and async need cluster.hybrid_engine: "
+        "false; the rollout engines then stay awake during the update (colocated ones do not sleep). Pair with "
+        "algorithm.rollout_is or algorithm.decoupled_loss to correct the lag. A resumed run regenerates its first "
+        "step's rollouts with the checkpoint's weights.",
+    )
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
     one_step_off_policy: bool = Field(
         default=False,
-        description="Generate step k+1 while the trainer updates on step k (rollout weights one update old); "
-        "needs cluster.hybrid_engine: false; the rollout engines then stay awake during the update (colocated "
-        "ones do not sleep). Pair with algorithm.rollout_is to correct the lag. A resumed run regenerates its "
-        "first step's rollouts with the checkpoint's weights.",
+        description="The older spelling of mode: one_step_off (still accepted; kept equal to it).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_flag(cls, data: object) -> object:
+        """Map the old `one_step_off_policy` flag onto `mode` (and keep the flag equal to mode == one_step_off)."""
+        if not isinstance(data, dict):
+            return data
+        if not data.get("one_step_off_policy"):
+            return {**data, "one_step_off_policy": data.get("mode") == "one_step_off"}
+        if data.get("mode", "one_step_off") != "one_step_off":
+            raise ValueError(
+                f"trainer.one_step_off_policy: true contradicts trainer.mode: {data['mode']}; drop the old flag "
+                "(trainer.mode says it)"
+            )
+        return {**data, "mode": "one_step_off"}
+
+    @property
+    def overlaps_generation(self) -> bool:
+        """Whether generation runs beside the update (one_step_off or async): rollout weights lag the trainer."""
+        return self.mode != "sync"
 
     @field_validator("run_name")
     @classmethod
@@ -187,7 +249,7 @@ class RunConfig(StrictModel):
             self.actor.ppo_epochs > 1
             or self.mini_batch_prompts < self.data.prompts_per_step
             or self.algorithm.rollout_is.level != "none"
-            or self.trainer.one_step_off_policy
+            or self.trainer.overlaps_generation
         )
 
     @model_validator(mode="after")
@@ -228,10 +290,42 @@ def _check_algorithm(cfg: RunConfig) -> None:
             f"algorithm.clip_cov.lb={algo.clip_cov.lb} must be < algorithm.clip_cov.ub={algo.clip_cov.ub} "
             "(the covariance band of the tokens Clip-Cov may detach)"
         )
-    if cfg.trainer.one_step_off_policy and cfg.cluster.hybrid_engine:
+    if cfg.trainer.overlaps_generation and cfg.cluster.hybrid_engine:
         raise ValueError(
-            "trainer.one_step_off_policy overlaps generation with the update, so rollout and trainer must be "
-            "separate workers: set cluster.hybrid_engine: false (or one_step_off_policy: false)"
+            f"trainer.mode={cfg.trainer.mode} overlaps generation with the update, so rollout and trainer must be "
+            "separate workers: set cluster.hybrid_engine: false (or trainer.mode: sync)"
+        )
+    _check_async(cfg)
+
+
+def _check_async(cfg: RunConfig) -> None:
+    """Refuse async settings that cannot run as written (one line each, with the fix)."""
+    a, mode = cfg.trainer.async_, cfg.trainer.mode
+    changed = a.model_fields_set
+    if mode != "async" and changed:
+        raise ValueError(
+            f"trainer.async.{sorted(changed)[0]} is set but trainer.mode={mode}; set trainer.mode: async "
+            "(or remove the trainer.async section)"
+        )
+    if mode != "async":
+        return
+    if a.kv_on_update == "keep" and not a.partial_rollout:
+        raise ValueError(
+            "trainer.async.kv_on_update=keep only matters with partial_rollout: true (without it no sequence "
+            "spans a weight update); set partial_rollout: true or remove kv_on_update"
+        )
+    if a.partial_rollout and cfg.rollout.backend != "hf":
+        raise ValueError(
+            f"trainer.async.partial_rollout: rollout.backend={cfg.rollout.backend} cannot continue sequences "
+            "across a weight update here (only hf); set partial_rollout: false"
+        )
+    if a.partial_rollout and cfg.rollout.multi_turn.enabled:
+        raise ValueError("trainer.async.partial_rollout does not continue multi-turn trajectories; set it false")
+    need = cfg.data.prompts_per_step
+    if a.queue_capacity is not None and a.queue_capacity < need:
+        raise ValueError(
+            f"trainer.async.queue_capacity={a.queue_capacity} is smaller than one step's "
+            f"data.prompts_per_step={need} prompt groups: the trainer could never take a batch; raise it"
         )
 
 
