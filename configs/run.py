@@ -248,7 +248,7 @@ class RunConfig(StrictModel):
         return (
             self.actor.ppo_epochs > 1
             or self.mini_batch_prompts < self.data.prompts_per_step
-            or self.algorithm.rollout_is.level != "none"
+            or self.algorithm.behaviour_correction().level != "none"
             or self.trainer.overlaps_generation
         )
 
