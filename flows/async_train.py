@@ -38,7 +38,9 @@ class AsyncFeed:
         """Open the queue and start generating step start_step + 1 (and later steps as the queue admits them)."""
         self.s, self.cfg, self.run = s, cfg, run
         self.queue = open_queue(cfg, run, start_step)
-        self.groups, self.eta = cfg.data.prompts_per_step, cfg.trainer.async_.max_staleness
+        a, self.groups = cfg.trainer.async_, cfg.data.prompts_per_step
+        capacity = a.queue_capacity or (a.max_staleness + 1) * self.groups
+        self.ahead = min(a.max_staleness, capacity // self.groups)  # steps generated beyond the one trained
         self.total, self.generated = cfg.trainer.total_steps, start_step
         self.engines = threading.Lock()  # one user of the rollout engines at a time: generation or evaluation
         self.changed = threading.Condition()
@@ -107,7 +109,7 @@ class AsyncFeed:
         """Wait until every step admitted under the current weights has been generated (no partial rollouts:
         generations never see a weight change), so that sync `step` changes weights between generations."""
         start = time.perf_counter()
-        needed = min(step + self.eta, self.total)
+        needed = min(step + self.ahead, self.total)  # admitted now: within eta, and room in the queue
         with self.changed:
             while self.generated < needed and self.error is None:
                 self.changed.wait(POLL_S)

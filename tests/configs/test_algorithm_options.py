@@ -71,7 +71,7 @@ def test_the_mode_replaces_the_old_flag_which_still_works() -> None:
                 "rollout.backend=vllm",
                 "cluster.hybrid_engine=false",
             ],
-            "trainer.async.partial_rollout: rollout.backend=vllm",
+            "trainer.async.partial_rollout: continuing sequences",
         ),
         (["trainer.mode=sync", "trainer.one_step_off_policy=true"], "contradicts trainer.mode: sync"),
         (
