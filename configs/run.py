@@ -301,10 +301,11 @@ def _check_algorithm(cfg: RunConfig) -> None:
 def _check_async(cfg: RunConfig) -> None:
     """Refuse async settings that cannot run as written (one line each, with the fix)."""
     a, mode = cfg.trainer.async_, cfg.trainer.mode
-    changed = a.model_fields_set
+    defaults = AsyncConfig()  # a resolved config.yaml lists every field: only values off their defaults count
+    changed = [k for k in sorted(a.model_fields_set) if getattr(a, k) != getattr(defaults, k)]
     if mode != "async" and changed:
         raise ValueError(
-            f"trainer.async.{sorted(changed)[0]} is set but trainer.mode={mode}; set trainer.mode: async "
+            f"trainer.async.{changed[0]} is set but trainer.mode={mode}; set trainer.mode: async "
             "(or remove the trainer.async section)"
         )
     if mode != "async":

@@ -46,6 +46,8 @@ def test_the_mode_replaces_the_old_flag_which_still_works() -> None:
     run = load_config(tiny, ["trainer.mode=async", "cluster.hybrid_engine=false", "trainer.async.max_staleness=3"])
     assert run.trainer.async_.max_staleness == 3 and not run.trainer.one_step_off_policy and run.needs_old_logprobs
     assert load_config(tiny).trainer.mode == "sync" and not load_config(tiny).trainer.overlaps_generation
+    resolved = load_config(tiny, ["trainer.async={max_staleness: 1, partial_rollout: false, queue_capacity: null}"])
+    assert resolved.trainer.mode == "sync"  # a resolved config.yaml lists the section at its defaults: accepted
     decoupled = load_config(tiny, ["algorithm.decoupled_loss=true"])
     weight = decoupled.algorithm.behaviour_correction()  # never skipped: token TIS when rollout_is is off
     assert decoupled.needs_old_logprobs and (weight.level, weight.mode, weight.threshold) == ("token", "truncate", 2)
