@@ -59,6 +59,8 @@ class AsyncFeed:
         """Generate every remaining step in order, each once the queue admits its prompt groups."""
         try:
             for step in range(first_step, self.total + 1):
+                if self.stopping.is_set():
+                    return
                 start = time.perf_counter()
                 while self.queue.admissible() < self.groups:
                     if self.stopping.wait(POLL_S):
