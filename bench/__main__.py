@@ -32,6 +32,7 @@ BENCHES = [
     "convert",
     "backends",
     "off_policy",
+    "async",
     "trl",
     "gpu",
     "gpu_sync",

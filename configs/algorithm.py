@@ -88,6 +88,13 @@ class RolloutISConfig(StrictModel):
 class AlgorithmConfig(StrictModel):
     """Everything that turns rollouts and rewards into a loss."""
 
+    def behaviour_correction(self) -> RolloutISConfig:
+        """The IS weight applied to the loss: `rollout_is` as set, or token-level TIS when only the decoupled
+        loss asks for one (its behaviour weight is never skipped)."""
+        if self.decoupled_loss and self.rollout_is.level == "none":
+            return self.rollout_is.model_copy(update={"level": "token", "mode": "truncate"})
+        return self.rollout_is
+
     adv_estimator: AdvEstimator = "grpo"
     gamma: float = Field(default=1.0, ge=0.0, le=1.0)
     lam: float = Field(default=1.0, ge=0.0, le=1.0)
@@ -105,6 +112,13 @@ class AlgorithmConfig(StrictModel):
     clip_cov: ClipCovConfig = ClipCovConfig()
     kl_cov: KLCovConfig = KLCovConfig()
     rollout_is: RolloutISConfig = RolloutISConfig()
+    decoupled_loss: bool = Field(
+        default=False,
+        description="Decoupled PPO (docs/algorithms.md): the loss's ratio is against the trainer's recompute of "
+        "the pre-update log-probs (proximal), and every token is weighted by pi_prox / pi_behav (behaviour = the "
+        "rollout's per-token log-probs) as rollout_is configures it; with rollout_is.level none the weight is "
+        "token-level truncated at rollout_is.threshold. For trainer.mode async / one_step_off.",
+    )
     loss_agg_mode: LossAggMode = Field(
         default="token-mean", description="token-sum: sum over tokens x DP size, no normaliser (verl 0.9.1)."
     )

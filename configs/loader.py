@@ -220,4 +220,4 @@ def _has_tag(tree: Any) -> bool:
 
 def to_yaml(cfg: RunConfig) -> str:
     """The resolved config as YAML (what `config show` prints and MLflow stores)."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    return yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False)

@@ -60,9 +60,10 @@ def render(model: type[BaseModel] = RunConfig, prefix: str = "", seen: set[str] 
     nested: list[tuple[str, type[BaseModel]]] = []
     for name, field in model.model_fields.items():
         desc = (field.description or "").replace("|", "\\|")
-        lines.append(f"| `{name}` | {_type_name(field.annotation)} | {_default(field)} | {desc} |")
+        key = field.alias or name  # trainer.async (a Python keyword as a field name)
+        lines.append(f"| `{key}` | {_type_name(field.annotation)} | {_default(field)} | {desc} |")
         for sub in _models(field.annotation):
-            nested.append((f"{prefix}{name}", sub))
+            nested.append((f"{prefix}{key}", sub))
     lines.append("")
     for path, sub in nested:
         key = f"{path}:{sub.__name__}"

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import re
-from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from rlstages.configs.algorithm import AlgorithmConfig
 from rlstages.configs.base import StrictModel
@@ -18,86 +16,10 @@ from rlstages.configs.model import ModelConfig
 from rlstages.configs.reward import RewardConfig
 from rlstages.configs.rollout import RolloutConfig, rollout_tp
 from rlstages.configs.stages import PrefectConfig
+from rlstages.configs.trainer import PARTIAL_ROLLOUT, AsyncConfig, TrainerConfig
 from rlstages.configs.training import MegatronTrainingConfig, ReferenceConfig, TrainingConfig
 
-RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}")
 GROUP_ESTIMATORS = {"grpo", "rloo", "reinforce_pp_baseline"}
-
-
-ProfiledStage = Literal[
-    "generate",
-    "score_rewards",
-    "actor_logprobs",
-    "ref_logprobs",
-    "critic_values",
-    "update_critic",
-    "update_actor",
-    "sync_weights",
-]
-
-
-class ProfileConfig(StrictModel):
-    """torch.profiler around named stages of some steps, in each worker of the stage's roles (docs/observability.md):
-    Chrome traces, a top-ops table, peak RSS (CPU) or CUDA memory snapshots, logged to MLflow under
-    profiles/step_N/<stage>/<worker>. Off (no steps) by default."""
-
-    steps: tuple[int, ...] = Field(default=(), description="Steps to profile (1-based); empty = off.")
-    stages: tuple[ProfiledStage, ...] = Field(
-        default=("update_actor", "generate"), min_length=1, description="Stages profiled in those steps."
-    )
-    record_shapes: bool = False
-    with_stack: bool = False
-    memory: bool = Field(
-        default=True,
-        description="Profiler memory events, each worker's peak RSS during the stage, and on CUDA a memory "
-        "snapshot (torch.cuda.memory._record_memory_history) for pytorch.org/memory_viz.",
-    )
-
-    @field_validator("steps")
-    @classmethod
-    def _positive(cls, steps: tuple[int, ...]) -> tuple[int, ...]:
-        if any(s < 1 for s in steps):
-            raise ValueError(f"steps {list(steps)}: expected step numbers >= 1")
-        return steps
-
-
-class TrainerConfig(StrictModel):
-    """The loop: how many steps, how often to evaluate, the seed everything derives from."""
-
-    total_steps: int = Field(ge=1)
-    eval_every: int = Field(default=0, ge=0, description="0 = only at start and end.")
-    eval_at_start: bool = True
-    seed: int = 0
-    on_nonfinite: Literal["stop", "skip"] = Field(
-        default="stop",
-        description="A step whose loss or grad norm is NaN/inf: stop fails the run (MLflow FAILED, stage tagged) "
-        "before the weights are synced or checkpointed; skip logs `train/rejected_steps` and goes on (the "
-        "trainers do not apply a non-finite gradient).",
-    )
-    output_dir: Path = Path("runs")
-    profile: ProfileConfig = Field(default_factory=ProfileConfig)
-    run_name: str | None = Field(
-        default=None,
-        description="Directory name under output_dir (letters, digits, '_' and '-'; at most 100); "
-        "None = run-<config hash>.",
-    )
-    one_step_off_policy: bool = Field(
-        default=False,
-        description="Generate step k+1 while the trainer updates on step k (rollout weights one update old); "
-        "needs cluster.hybrid_engine: false; the rollout engines then stay awake during the update (colocated "
-        "ones do not sleep). Pair with algorithm.rollout_is to correct the lag. A resumed run regenerates its "
-        "first step's rollouts with the checkpoint's weights.",
-    )
-
-    @field_validator("run_name")
-    @classmethod
-    def _safe_name(cls, name: str | None) -> str | None:
-        if name is not None and not RUN_NAME.fullmatch(name):
-            raise ValueError(
-                f"{name!r} is not a run name: use 1-100 letters, digits, '_' and '-', starting with a letter or "
-                "digit (no '/', '.', spaces; omit the field for run-<config hash>)"
-            )
-        return name
 
 
 class CheckpointConfig(StrictModel):
@@ -193,8 +115,8 @@ class RunConfig(StrictModel):
         return (
             self.actor.ppo_epochs > 1
             or self.mini_batch_prompts < self.data.prompts_per_step
-            or self.algorithm.rollout_is.level != "none"
-            or self.trainer.one_step_off_policy
+            or self.algorithm.behaviour_correction().level != "none"
+            or self.trainer.overlaps_generation
         )
 
     @model_validator(mode="after")
@@ -235,10 +157,42 @@ def _check_algorithm(cfg: RunConfig) -> None:
             f"algorithm.clip_cov.lb={algo.clip_cov.lb} must be < algorithm.clip_cov.ub={algo.clip_cov.ub} "
             "(the covariance band of the tokens Clip-Cov may detach)"
         )
-    if cfg.trainer.one_step_off_policy and cfg.cluster.hybrid_engine:
+    if cfg.trainer.overlaps_generation and cfg.cluster.hybrid_engine:
         raise ValueError(
-            "trainer.one_step_off_policy overlaps generation with the update, so rollout and trainer must be "
-            "separate workers: set cluster.hybrid_engine: false (or one_step_off_policy: false)"
+            f"trainer.mode={cfg.trainer.mode} overlaps generation with the update, so rollout and trainer must be "
+            "separate workers: set cluster.hybrid_engine: false (or trainer.mode: sync)"
+        )
+    check_async(cfg)
+
+
+def check_async(cfg: RunConfig) -> None:
+    """Refuse async settings that cannot run as written (one line each, with the fix)."""
+    a, mode = cfg.trainer.async_, cfg.trainer.mode
+    defaults = AsyncConfig()  # a resolved config.yaml lists every field: only values off their defaults count
+    changed = [k for k in sorted(a.model_fields_set) if getattr(a, k) != getattr(defaults, k)]
+    if mode != "async" and changed:
+        raise ValueError(
+            f"trainer.async.{changed[0]} is set but trainer.mode={mode}; set trainer.mode: async "
+            "(or remove the trainer.async section)"
+        )
+    if mode != "async":
+        return
+    if a.partial_rollout and not PARTIAL_ROLLOUT.get(cfg.rollout.backend, False):
+        raise ValueError(
+            "trainer.async.partial_rollout: continuing sequences across a weight update needs a streaming engine "
+            f"(for hf: the SlotDecoder of issue 53), which rollout.backend={cfg.rollout.backend} does not have in "
+            "this build; set partial_rollout: false"
+        )
+    if a.kv_on_update == "keep" and not a.partial_rollout:
+        raise ValueError(
+            "trainer.async.kv_on_update=keep only matters with partial_rollout: true (without it no sequence "
+            "spans a weight update); set partial_rollout: true or remove kv_on_update"
+        )
+    need = cfg.data.prompts_per_step
+    if a.queue_capacity is not None and a.queue_capacity < need:
+        raise ValueError(
+            f"trainer.async.queue_capacity={a.queue_capacity} is smaller than one step's "
+            f"data.prompts_per_step={need} prompt groups: the trainer could never take a batch; raise it"
         )
 
 

@@ -9,10 +9,13 @@ Each stage is a Prefect task with its own retries and timeout, dispatching to Ra
 run handle and step, never actor handles or tensors. A dead worker makes the flow reload the last committed
 checkpoint and replay from there. No backend appears here: the registries chose them.
 
-With `trainer.one_step_off_policy`, `generate` of step k+1 runs beside the rest of step k (same DAG; the
+With `trainer.mode: one_step_off`, `generate` of step k+1 runs beside the rest of step k (same DAG; the
 rollout's weights are one update old) and step k+1 starts from those rollouts; `algorithm.rollout_is` corrects.
+With `trainer.mode: async`, generation runs ahead as far as `trainer.async.max_staleness` allows and each step
+takes its rollouts from a queue (flows/async_train.py); the rest of the DAG is the same.
 """
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 from prefect import flow
@@ -20,6 +23,7 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from rlstages.configs import RunConfig
+from rlstages.flows.async_train import AsyncFeed, start_feed
 from rlstages.flows.console import machine_of
 from rlstages.flows.progress import RunProgress, flow_run_name, run_progress
 from rlstages.flows.stages import MAX_PARALLEL_STAGES, Metrics, Stages
@@ -46,9 +50,14 @@ def rl_step(
     kl_state: dict[str, float],
     ui: RunProgress,
     ahead: Metrics | None = None,
+    feed: AsyncFeed | None = None,
 ) -> StepResult:
-    """One iteration of the DAG above. `ahead`: this step's rollouts were generated during the last step."""
-    if ahead is None:
+    """One iteration of the DAG above. `ahead`: this step's rollouts were generated during the last step;
+    `feed`: they come from the async queue."""
+    if feed is not None:
+        ui.stage("wait for rollouts")
+        metrics = feed.batch(step)  # generated ahead, within max_staleness versions
+    elif ahead is None:
         ui.stage("generate")
         metrics = s.generate(cfg, run, step)  # colocated rollout engines sleep until the next sync
     else:  # its time overlapped the last step's: kept out of this step's timing/ sum
@@ -76,9 +85,13 @@ def rl_step(
         metrics.update(s.update_actor(cfg, run, step))
     ui.stage("sync weights")
     next_metrics = next_rollout.result() if next_rollout is not None else None  # sync only after it finished
+    if feed is not None:
+        metrics.update(feed.before_sync(step))  # likewise: no generation sees its weights change
     metrics.update(s.sync_weights(cfg, run, step))
     timing = sum(v for k, v in metrics.items() if k.startswith("timing/"))
     metrics["timing/step_s"] = timing
+    if feed is not None:
+        metrics.update(feed.synced(step, timing))  # the next steps' generations may start
     metrics["throughput/tokens_per_s"] = metrics.get("rollout/tokens", 0.0) / max(timing, 1e-9)
     return StepResult(metrics, adv.kl_state, next_metrics)
 
@@ -101,21 +114,24 @@ def rl_post_train(cfg: RunConfig) -> str:
     link_mlflow_run(cfg, run, mlflow_run_id)  # the flow run's Artifacts tab links to the MLflow run
     set_tags(cfg, mlflow_run_id, machine_of(cfg).tags())  # which machine (CPU, bf16, GEMM kernel) ran it
     total = cfg.trainer.total_steps
+    feed: AsyncFeed | None = None
     try:
         convert_for_training(cfg, run)  # HF -> Megatron-Core, cached; a no-op for other backends
         start = s.start_workers(cfg, run)
         if start.step == 0 and cfg.trainer.eval_at_start:
             s.evaluate(cfg, run, 0, mlflow_run_id)
         step, kl_state, recoveries, ahead = start.step + 1, start.kl_state, 0, None
+        feed = start_feed(s, cfg, run, start.step)  # async: generation runs ahead from here on
         with run_progress(run.name, total, start.step) as ui:
             while step <= total:
                 try:  # a worker lost in any stage of the step, its evaluation or its checkpoint: replay
-                    result = rl_step(s, cfg, run, step, kl_state, ui, ahead)
+                    result = rl_step(s, cfg, run, step, kl_state, ui, ahead, feed)
                     log_step(cfg, mlflow_run_id, step, result.metrics)  # a replayed step is not logged twice
                     ui.step_done(step, result.metrics)
                     if _due(step, cfg.trainer.eval_every, total):
                         ui.stage("evaluate")
-                        ui.evaluated(step, s.evaluate(cfg, run, step, mlflow_run_id))
+                        with feed.engines_free() if feed else nullcontext():
+                            ui.evaluated(step, s.evaluate(cfg, run, step, mlflow_run_id))
                     if _due(step, cfg.checkpoint.every, total):
                         ui.stage("checkpoint")
                         state = driver_snapshot(cfg, step, result.kl_state, mlflow_run_id)
@@ -126,13 +142,20 @@ def rl_post_train(cfg: RunConfig) -> str:
                     if recoveries > cfg.prefect.max_worker_recoveries:
                         raise
                     ui.recovering(step, lost, recoveries, cfg.prefect.max_worker_recoveries)
+                    if feed is not None:
+                        feed.close()
                     start = s.recover_workers(cfg, run)  # replay from the last committed checkpoint
                     step, kl_state = start.step + 1, start.kl_state
+                    feed = start_feed(s, cfg, run, start.step)  # in flight or queued: generated again
                     continue
                 kl_state, ahead = result.kl_state, result.ahead
                 step += 1
+        if feed is not None:
+            feed.close()
         policy = s.export_policy(cfg, run, mlflow_run_id)
     except BaseException as exc:
+        if feed is not None:
+            feed.close(wait=False)
         stage = failed_stage(flow_run.id)
         close_run(
             cfg,

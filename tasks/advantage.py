@@ -68,7 +68,7 @@ def advantages(cfg: RunConfig, run: RunHandle, step: int, kl_state: dict[str, fl
             batch[key] = T.load_batch(path)[key]
     mask = batch[T.RESPONSE_MASK]
     token_scores = A.outcome_to_token_rewards(scores, mask)
-    metrics = rollout_correction(batch, algo.rollout_is)
+    metrics = rollout_correction(batch, algo.behaviour_correction())
     ctrl = A.make_kl_controller(algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon)
     ctrl.load_state_dict(kl_state)
     if algo.use_kl_in_reward:

@@ -51,7 +51,7 @@ def generate(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
     T.save_batch(batch, run.batch(step, "rollout"))
     # free the rollout weights while the trainers work (sync_weights wakes them), unless the next step's
     # generation runs during the update (one-step off-policy)
-    if cfg.cluster.colocate and not cfg.trainer.one_step_off_policy:
+    if cfg.cluster.colocate and not cfg.trainer.overlaps_generation:
         w.all("rollout").sleep()
     elapsed = time.perf_counter() - start
     lengths = batch[T.ATTENTION_MASK][:, batch[T.PROMPT_IDS].shape[1] :].sum(-1).float()  # policy + observations

@@ -2,7 +2,8 @@
 
 `advantages` (estimators, masked statistics, DAPO shaping), `aggregation` (loss modes), `logits`
 (log-probs, entropy), `policy_loss` (with the per-token losses of `policy_losses`), `value_loss`, `kl`
-(estimators, KL in reward, controllers), `rollout_is` (rollout-trainer mismatch weights and metrics).
+(estimators, KL in reward, controllers), `rollout_is` (rollout-trainer mismatch weights and metrics),
+`decoupled` (the asynchronous decoupled PPO objective).
 Numerics follow verl 0.9.1 (`core_algos.py`, see the
 project's reference notes, section A) except that no edge case (empty mask, fully masked rows) raises
 or yields NaN; each deviation is stated where it happens. Selection is by name through plain dicts.
@@ -31,6 +32,7 @@ from rlstages.engines.algorithms.advantages import (
     overlong_penalty,
 )
 from rlstages.engines.algorithms.aggregation import LOSS_AGG_MODES, LossAggMode, agg_loss
+from rlstages.engines.algorithms.decoupled import decoupled_policy_loss
 from rlstages.engines.algorithms.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -82,6 +84,7 @@ __all__ = [
     "compute_reinforce_pp",
     "compute_reinforce_pp_baseline",
     "compute_rloo",
+    "decoupled_policy_loss",
     "entropy_from_logits",
     "filter_groups",
     "kl_penalty",

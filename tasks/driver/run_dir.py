@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rlstages.configs import RunConfig, config_hash
-from rlstages.configs.run import RUN_NAME
+from rlstages.configs.trainer import RUN_NAME
 from rlstages.tasks.driver.context import RUN_STATE
 
 

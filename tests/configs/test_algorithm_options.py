@@ -36,6 +36,26 @@ def test_options_reach_the_loss_params_and_ask_for_old_logprobs() -> None:
     assert off.needs_old_logprobs  # pi_old is not the rollout's policy any more
 
 
+def test_the_mode_replaces_the_old_flag_which_still_works() -> None:
+    """`trainer.one_step_off_policy: true` is `mode: one_step_off`; the async section reads as `trainer.async`."""
+    tiny = ROOT / "configs" / "tiny.yaml"
+    old = load_config(tiny, ["trainer.one_step_off_policy=true", "cluster.hybrid_engine=false"])
+    assert old.trainer.mode == "one_step_off" and old.trainer.overlaps_generation
+    new = load_config(tiny, ["trainer.mode=one_step_off", "cluster.hybrid_engine=false"])
+    assert new.trainer.one_step_off_policy and new == old
+    run = load_config(tiny, ["trainer.mode=async", "cluster.hybrid_engine=false", "trainer.async.max_staleness=3"])
+    assert run.trainer.async_.max_staleness == 3 and not run.trainer.one_step_off_policy and run.needs_old_logprobs
+    assert load_config(tiny).trainer.mode == "sync" and not load_config(tiny).trainer.overlaps_generation
+    resolved = load_config(tiny, ["trainer.async={max_staleness: 1, partial_rollout: false, queue_capacity: null}"])
+    assert resolved.trainer.mode == "sync"  # a resolved config.yaml lists the section at its defaults: accepted
+    decoupled = load_config(tiny, ["algorithm.decoupled_loss=true"])
+    weight = decoupled.algorithm.behaviour_correction()  # never skipped: token TIS when rollout_is is off
+    assert decoupled.needs_old_logprobs and (weight.level, weight.mode, weight.threshold) == ("token", "truncate", 2)
+    masked = load_config(tiny, ["algorithm.decoupled_loss=true", "algorithm.rollout_is.mode=mask",
+                                "algorithm.rollout_is.level=sequence"])  # fmt: skip
+    assert masked.algorithm.behaviour_correction().mode == "mask"
+
+
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [
@@ -46,6 +66,20 @@ def test_options_reach_the_loss_params_and_ask_for_old_logprobs() -> None:
         (["algorithm.clip_cov.ratio=0"], "algorithm.clip_cov.ratio"),
         (["algorithm.clip_cov.lb=6"], "algorithm.clip_cov.lb=6.0 must be < algorithm.clip_cov.ub"),
         (["trainer.one_step_off_policy=true", "cluster.hybrid_engine=true"], "cluster.hybrid_engine: false"),
+        (
+            [
+                "trainer.mode=async",
+                "trainer.async.partial_rollout=true",
+                "rollout.backend=vllm",
+                "cluster.hybrid_engine=false",
+            ],
+            "trainer.async.partial_rollout: continuing sequences",
+        ),
+        (["trainer.mode=sync", "trainer.one_step_off_policy=true"], "contradicts trainer.mode: sync"),
+        (
+            ["trainer.mode=async", "cluster.hybrid_engine=false", "trainer.async.max_staleness=-1"],
+            "trainer.async.max_staleness",
+        ),
     ],
 )
 def test_bad_values_name_the_field(overrides: list[str], needle: str) -> None:

@@ -9,8 +9,8 @@ import warnings
 from typing import get_args
 
 from rlstages.configs import RunConfig
-from rlstages.configs.run import RUN_NAME
 from rlstages.configs.stages import StageName
+from rlstages.configs.trainer import RUN_NAME
 from rlstages.engines.imports import allowed_imports, check_allowed
 from rlstages.engines.model_files import check_model_dir
 from rlstages.tasks.driver.checks import PreflightError
