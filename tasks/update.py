@@ -10,6 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 from rlstages.configs import RunConfig
 from rlstages.engines import types as T
+from rlstages.engines.registry import training_backend
 from rlstages.tasks.driver.context import RunHandle
 from rlstages.tasks.driver.faults import maybe_fail, nan_due
 from rlstages.tasks.stage_workers import stage_workers
@@ -53,8 +54,8 @@ def reject_nonfinite(cfg: RunConfig, stage: str, step: int, metrics: dict[str, f
     """Refuse a step with a non-finite loss or grad norm: raise (trainer.on_nonfinite=stop, before the weights
     are synced or checkpointed) or count it in `train/rejected_steps` (skip; the trainers do not apply it)."""
     train = cfg.critic if stage == "update_critic" else cfg.actor
-    # DeepSpeed reports NaN for a grad norm it did not compute (ZeRO > 0) and handles overflow itself
-    norms = "grad_norm" if train is None or train.backend != "deepspeed" else "\0"
+    # a backend without `finite_grad_norm` (DeepSpeed: NaN for a norm it did not compute) handles overflow itself
+    norms = "grad_norm" if train is None or training_backend(train.backend).finite_grad_norm else "\0"
     bad = sorted(k for k, v in metrics.items() if ("loss" in k or norms in k) and not math.isfinite(v))
     if not bad:
         return {}

@@ -236,13 +236,14 @@ ENGINE_LAYERS: tuple[tuple[str, ...], ...] = (
         "model_files",
         "compiled",
     ),  # the package, batch schema, helpers, importer, compiled sets
-    ("base", "algorithms", "memory_plan"),  # the engine protocols; pure loss / advantage math; the memory plan
-    ("models", "convert", "registry"),  # model loading, HF <-> Megatron tensor mapping, the backends' name table
+    ("base", "algorithms"),  # the engine protocols; pure loss / advantage math
+    ("models", "convert", "registry"),  # model loading, HF <-> Megatron tensor mapping, the backends' table
     ("runtime",),  # per-process plumbing: device, heap, payload, rendezvous, profiling
     ("sync",),  # trainer -> rollout weight transports: the WeightSync classes, the bucketizer, their registry
     ("rewards", "tools"),  # reward functions / scorer / reward model; tools and environments
     ("rollout", "training", "megatron"),  # the rollout and training engines
     ("workers",),  # composition: actor groups, the hybrid engine, a trainer's offload around generation
+    ("memory_plan",),  # no engine: the plan of a whole config, from each backend's memory model (its registry entry)
 )
 
 

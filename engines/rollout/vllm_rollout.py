@@ -89,6 +89,12 @@ def default_vllm_python() -> str | None:
     return next((str(python) for python in found if python.exists()), None)
 
 
+def own_python(python: str | None = None) -> str | None:
+    """The interpreter vLLM runs in when it is not this one: `rollout.python`, else a built `.venv-vllm`
+    (the registry entry's `interpreter`: that venv holds vLLM's package, not this one)."""
+    return python or default_vllm_python()
+
+
 def vllm_actor_options(python: str | None = None, env_vars: dict[str, str] | None = None) -> dict[str, Any]:
     """Kwargs for `ray.remote(VLLMRolloutEngine).options(**...)`: the vLLM venv's interpreter and its env.
 

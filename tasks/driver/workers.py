@@ -14,6 +14,7 @@ from rlstages.tasks.driver.cluster import (
 )
 from rlstages.tasks.driver.specs import (
     converted_dir,
+    converted_layout,
     hybrid_spec,
     loss_params,
     missing_backend_package,
@@ -29,6 +30,7 @@ __all__ = [
     "Workers",
     "build_workers",
     "converted_dir",
+    "converted_layout",
     "forget_workers",
     "get_workers",
     "hybrid_spec",
