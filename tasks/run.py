@@ -194,7 +194,7 @@ def _save_hf(cfg: RunConfig, run: RunHandle, name: str) -> Path:
     out, tmp = run.path / name, run.path / f".{name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     # every rank takes part (gathering sharded weights is a collective); the engines write from one rank
-    stage_workers(cfg, run, "checkpoint").all("actor").save_pretrained(str(tmp), model_dir(cfg))
+    stage_workers(cfg, run, "checkpoint").actor.save_pretrained(tmp, Path(model_dir(cfg)))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out

@@ -13,10 +13,10 @@ from rlstages.engines import types as T
 from rlstages.engines.registry import training_backend
 from rlstages.tasks.driver.context import RunHandle
 from rlstages.tasks.driver.faults import maybe_fail, nan_due
-from rlstages.tasks.stage_workers import stage_workers
+from rlstages.tasks.stage_workers import TrainerRole, stage_workers
 
 
-def _train(cfg: RunConfig, run: RunHandle, step: int, stage: str, prefix: str) -> dict[str, float]:
+def _train(cfg: RunConfig, run: RunHandle, step: int, stage: str, prefix: TrainerRole) -> dict[str, float]:
     start = time.perf_counter()
     w = stage_workers(cfg, run, stage)
     maybe_fail(run, stage, step, w.workers)
@@ -26,8 +26,7 @@ def _train(cfg: RunConfig, run: RunHandle, step: int, stage: str, prefix: str) -
     if nan_due(run, stage, step):  # drill: a step whose loss is NaN
         field = T.RETURNS if prefix == "critic" else T.ADVANTAGES
         batch[field] = batch[field] * float("nan")
-    results = w.dp(prefix).train_step(batch)  # the role: actor or critic
-    per_rank = results if isinstance(results, list) else [results]
+    per_rank = w.trainer(prefix).train_step(batch)  # the role: actor or critic
     metrics = {_name(prefix, k): _across_ranks(k, [r[k] for r in per_rank]) for k in per_rank[0]}
     metrics.update(reject_nonfinite(cfg, stage, step, metrics))
     metrics[f"timing/{stage}_s"] = time.perf_counter() - start

@@ -269,7 +269,9 @@ class VLLMRolloutEngine:
         runner = build_runner(
             self.multi_turn, self.tokenizer, self.eos_ids, self.system_prompt, generate, self.max_model_len
         )
-        return build_trajectory_batch(runner.run(prompts, sampling.n, seed), self.pad_id, self.tokenizer.decode)
+        return build_trajectory_batch(
+            runner.run(prompts, sampling.n, seed), self.pad_id, lambda ids: str(self.tokenizer.decode(ids))
+        )
 
     def generate_ids(
         self, contexts: list[list[int]], limits: list[int], sampling: SamplingParams, seed: int

@@ -42,7 +42,7 @@ def _dist_version(dists: tuple[str, ...], python: Path | None) -> str | None:
     return None
 
 
-def config_checks(cfg: Any, gpu: str | None, vllm_python: Path) -> list[Check]:
+def config_checks(cfg: Any, gpu: str | None, vllm_python: Path | None) -> list[Check]:
     """The troubleshooting table of verl for one config: its memory plan (OOM -> offload / fraction), the settings of
     communication timeouts (CUDA_DEVICE_MAX_CONNECTIONS, NCCL), and the Megatron-Core / vLLM pair (weight-sync
     failures on a version mismatch)."""
@@ -89,7 +89,11 @@ def config_checks(cfg: Any, gpu: str | None, vllm_python: Path) -> list[Check]:
 
 
 def _pair_row(
-    trainer: TrainingBackend, rollout: RolloutBackend, tested: dict[tuple[str, str], str], python: Path, gpus: bool
+    trainer: TrainingBackend,
+    rollout: RolloutBackend,
+    tested: dict[tuple[str, str], str],
+    python: Path | None,
+    gpus: bool,
 ) -> Check:
     """Whether the installed versions of a training and a rollout package whose weight sync depends on both are a
     pair known to work (`engines.registry.TESTED_PAIRS`)."""

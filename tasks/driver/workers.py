@@ -5,6 +5,7 @@ live groups (`tasks.driver.cluster`) and config -> engine spec (`tasks.driver.sp
 from __future__ import annotations
 
 from rlstages.tasks.driver.cluster import (
+    NoWorkers,
     Workers,
     build_workers,
     forget_workers,
@@ -27,6 +28,7 @@ from rlstages.tasks.driver.specs import (
 )
 
 __all__ = [
+    "NoWorkers",
     "Workers",
     "build_workers",
     "converted_dir",
