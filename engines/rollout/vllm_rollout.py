@@ -136,6 +136,7 @@ class VLLMRolloutEngine:
         multi_turn: Any = None,
         image_pixels: tuple[int | None, int | None] = (None, None),
         max_images_per_prompt: int = 4,
+        device: torch.device | None = None,
     ) -> None:
         from transformers import AutoConfig, AutoTokenizer
         from vllm import LLM
@@ -190,7 +191,8 @@ class VLLMRolloutEngine:
         )
         self.packed_modules: dict[str, list[str]] = self.llm.collective_rpc("rls_packed_modules")[0]
         # where buckets are packed for the worker process: the GPU this actor shares with vLLM's worker
-        self.device = torch.device("cpu") if self.on_cpu else worker_device()
+        # the worker starts here unless a hybrid worker passed its device
+        self.device = torch.device("cpu") if self.on_cpu else device if device is not None else worker_device()
         self.transport = engine_push(self.device.type)
         self._asleep_tags: set[str] = set()
 
