@@ -5,13 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
 from pydantic import ValidationError
 
 from rlstages.configs.run import RunConfig
-from rlstages.configs.training import MEGATRON_ONLY, MegatronTrainingConfig
+from rlstages.configs.training import MEGATRON_ONLY, MegatronTrainingConfig, TrainingConfig
 
 _TAGS = ("backend", "kind")
 
@@ -126,10 +126,14 @@ def format_validation_error(exc: ValidationError, data: dict[str, Any]) -> str:
     return f"{field}: {msg}{extra}" if field else f"{msg}{extra}"
 
 
+# the `backend` tag of each training options class (the union's members)
+TRAINING_TAGS = {cls.model_fields["backend"].default for cls in get_args(get_args(TrainingConfig)[0])}
+
+
 def _megatron_only(raw_loc: tuple[Any, ...], loc: list[Any]) -> str | None:
     """For a key only the megatron backend reads, given to a torch / deepspeed training section: what it needs
     (`expert parallelism needs actor.backend=megatron`), else None."""
-    if len(raw_loc) < 2 or raw_loc[-2] not in ("torch", "deepspeed") or len(loc) < 2:
+    if len(raw_loc) < 2 or raw_loc[-2] not in TRAINING_TAGS or len(loc) < 2:
         return None
     key = str(loc[-1])
     if key not in MegatronTrainingConfig.model_fields:

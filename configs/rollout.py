@@ -82,6 +82,11 @@ class _RolloutCommon(SamplingConfig):
     )
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
 
+    @property
+    def tp_width(self) -> int:
+        """GPUs one rollout worker spans (its tensor-parallel size; 1 without tensor parallelism)."""
+        return 1
+
 
 class HFRolloutConfig(_RolloutCommon):
     """transformers models decoded by our KV-cache loop (finished rows leave the batch) on CPU or one GPU: the
@@ -110,6 +115,11 @@ class VLLMRolloutConfig(_RolloutCommon):
     )
     cpu_kvcache_space_gb: int = Field(default=1, ge=1)
 
+    @property
+    def tp_width(self) -> int:
+        """`tensor_parallel_size`."""
+        return self.tensor_parallel_size
+
 
 class SGLangRolloutConfig(_RolloutCommon):
     """SGLang `Engine`; weights updated with `update_weights_from_tensor`. GPU only."""
@@ -119,14 +129,15 @@ class SGLangRolloutConfig(_RolloutCommon):
     mem_fraction_static: float = Field(default=0.5, gt=0.0, le=1.0)
     enable_memory_saver: bool = True
 
+    @property
+    def tp_width(self) -> int:
+        """`tp_size`."""
+        return self.tp_size
+
 
 RolloutConfig = Annotated[HFRolloutConfig | VLLMRolloutConfig | SGLangRolloutConfig, Field(discriminator="backend")]
 
 
 def rollout_tp(cfg: HFRolloutConfig | VLLMRolloutConfig | SGLangRolloutConfig) -> int:
     """Tensor-parallel size of one rollout worker (1 for HF)."""
-    if isinstance(cfg, VLLMRolloutConfig):
-        return cfg.tensor_parallel_size
-    if isinstance(cfg, SGLangRolloutConfig):
-        return cfg.tp_size
-    return 1
+    return cfg.tp_width

@@ -16,8 +16,8 @@ from rlstages.configs.model import ModelConfig
 from rlstages.configs.reward import RewardConfig
 from rlstages.configs.rollout import RolloutConfig, rollout_tp
 from rlstages.configs.stages import PrefectConfig
-from rlstages.configs.trainer import PARTIAL_ROLLOUT, AsyncConfig, TrainerConfig
-from rlstages.configs.training import MegatronTrainingConfig, ReferenceConfig, TrainingConfig
+from rlstages.configs.trainer import AsyncConfig, TrainerConfig
+from rlstages.configs.training import ReferenceConfig, TrainingConfig
 
 GROUP_ESTIMATORS = {"grpo", "rloo", "reinforce_pp_baseline"}
 
@@ -130,11 +130,6 @@ class RunConfig(StrictModel):
 
 def _check_algorithm(cfg: RunConfig) -> None:
     algo = cfg.algorithm
-    if cfg.model.lora is not None and cfg.actor.backend != "torch":
-        raise ValueError(
-            f"model.lora trains adapters on the torch backend only; got actor.backend={cfg.actor.backend} "
-            "(use actor.backend: torch, or remove model.lora)"
-        )
     if algo.adv_estimator in GROUP_ESTIMATORS and cfg.rollout.n < 2:
         raise ValueError(
             f"algorithm.adv_estimator={algo.adv_estimator} compares samples within a prompt's group, so it "
@@ -177,12 +172,6 @@ def check_async(cfg: RunConfig) -> None:
         )
     if mode != "async":
         return
-    if a.partial_rollout and not PARTIAL_ROLLOUT.get(cfg.rollout.backend, False):
-        raise ValueError(
-            "trainer.async.partial_rollout: continuing sequences across a weight update needs a streaming engine "
-            f"(for hf: the SlotDecoder of issue 53), which rollout.backend={cfg.rollout.backend} does not have in "
-            "this build; set partial_rollout: false"
-        )
     if a.kv_on_update == "keep" and not a.partial_rollout:
         raise ValueError(
             "trainer.async.kv_on_update=keep only matters with partial_rollout: true (without it no sequence "
@@ -202,11 +191,6 @@ def _check_workers(cfg: RunConfig) -> None:
             raise ValueError(
                 f"{role}.bf16_stochastic_round rounds bf16 weights, but model.dtype={cfg.model.dtype}; "
                 "set model.dtype: bfloat16 (or bf16_stochastic_round: false)"
-            )
-        if train is not None and train.backend == "torch" and train.num_workers != 1:
-            raise ValueError(
-                f"{role}.backend=torch trains in one process (num_workers must be 1, got {train.num_workers}); "
-                "for data parallelism use backend deepspeed or megatron"
             )
 
 
@@ -253,51 +237,11 @@ def _model_sizes(cfg: RunConfig) -> dict[str, int] | None:
     return None
 
 
-def _check_experts(role: str, train: MegatronTrainingConfig, experts: int | None) -> None:
-    """Expert parallelism needs an MoE model whose routed experts split evenly over the EP ranks; the router's
-    top-k is at most the routed experts (megatron's router would fail at the first step)."""
-    if experts is None:
-        return
-    topk = train.moe.router_topk
-    if experts and topk is not None and topk > experts:
-        raise ValueError(
-            f"{role}.moe.router_topk={topk} is larger than the model's {experts} routed experts; use at most "
-            f"{experts} (or leave it unset: the model's num_experts_per_tok)"
-        )
-    ep = train.expert_model_parallel_size
-    if ep == 1:
-        return
-    if not experts:
-        raise ValueError(f"{role}.expert_model_parallel_size={ep}: the model is dense (no routed experts); use 1")
-    if experts % ep:
-        raise ValueError(f"{role}.expert_model_parallel_size={ep} must divide the model's {experts} routed experts")
-
-
 def _check_layout(cfg: RunConfig) -> None:
     sizes = _model_sizes(cfg)
     for role, train in (("actor", cfg.actor), ("critic", cfg.critic)):
-        if not isinstance(train, MegatronTrainingConfig) or sizes is None:
-            continue
-        tp, pp = train.tensor_model_parallel_size, train.pipeline_model_parallel_size
-        heads, groups = sizes["num_attention_heads"], sizes["num_key_value_heads"]
-        if heads % tp or groups % tp:
-            raise ValueError(
-                f"{role}.tensor_model_parallel_size={tp} must divide the model's attention heads ({heads}) and "
-                f"KV groups ({groups}): Megatron splits whole query groups across TP ranks"
-            )
-        layers = sizes["num_hidden_layers"]
-        vpp = train.virtual_pipeline_model_parallel_size or 1
-        _check_experts(role, train, sizes.get("num_experts"))
-        uneven = train.num_layers_in_first_pipeline_stage or train.num_layers_in_last_pipeline_stage
-        if uneven:
-            try:
-                train.stage_layers(layers)
-            except ValueError as exc:
-                raise ValueError(f"{role}.{exc}") from None
-        elif layers % (pp * vpp):
-            raise ValueError(
-                f"{role}.pipeline_model_parallel_size={pp} (x virtual {vpp}) must divide the model's {layers} layers"
-            )
+        if train is not None and sizes is not None:
+            train.check_model_layout(role, sizes)
     _check_gpus(cfg)
 
 
@@ -330,8 +274,6 @@ def _check_gpus(cfg: RunConfig) -> None:
             f"and {cfg.actor.num_workers})"
         )
     if cluster.num_gpus == 0:
-        if cfg.rollout.backend == "sglang":
-            raise ValueError("rollout.backend=sglang needs GPUs (cluster.num_gpus=0); SGLang has no CPU build")
         return
     roles = gpu_slots(cfg)
     layout = ", ".join(f"{k}={v}" for k, v in roles.items())

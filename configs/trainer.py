@@ -150,9 +150,3 @@ class TrainerConfig(StrictModel):
                 "digit (no '/', '.', spaces; omit the field for run-<config hash>)"
             )
         return name
-
-
-# Which rollout backends continue sequences across a weight update (the `partial_rollout` capability; issue 50's
-# capability record on the registry entries takes it over). None yet: the version and lag accounting supports it
-# (engines/rollout/async_queue.py), the engines' streaming methods are not wired.
-PARTIAL_ROLLOUT: dict[str, bool] = {"hf": False, "vllm": False, "sglang": False}

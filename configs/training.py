@@ -48,6 +48,30 @@ class _TrainingCommon(StrictModel):
         "(torch, deepspeed and megatron backends).",
     )
 
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel ranks of one model replica (1: no model parallelism)."""
+        return 1
+
+    @property
+    def pp_size(self) -> int:
+        """Pipeline stages of one model replica."""
+        return 1
+
+    @property
+    def cp_size(self) -> int:
+        """Context-parallel ranks one sequence is split over."""
+        return 1
+
+    @property
+    def grad_average_ranks(self) -> int:
+        """Ranks the gradients are averaged over (the token-sum loss's scale): every rank without model parallelism."""
+        return self.num_workers
+
+    def check_model_layout(self, role: str, sizes: dict[str, int]) -> None:
+        """Refuse a parallel layout the model's sizes (`num_attention_heads`, `num_hidden_layers`, ...) do not split
+        into (a one-line ValueError naming `role`'s field); nothing to check without model parallelism."""
+
 
 class _HFModelTraining(_TrainingCommon):
     """Options of the backends that train the transformers model itself (torch, deepspeed)."""
@@ -254,6 +278,68 @@ class MegatronTrainingConfig(_TrainingCommon):
         """DP = world / (TP x PP x CP)."""
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         return self.num_workers // (tp * pp * self.context_parallel_size)
+
+    @property
+    def tp_size(self) -> int:
+        """`tensor_model_parallel_size`."""
+        return self.tensor_model_parallel_size
+
+    @property
+    def pp_size(self) -> int:
+        """`pipeline_model_parallel_size`."""
+        return self.pipeline_model_parallel_size
+
+    @property
+    def cp_size(self) -> int:
+        """`context_parallel_size`."""
+        return self.context_parallel_size
+
+    @property
+    def grad_average_ranks(self) -> int:
+        """DP x CP: the ranks a gradient is averaged over."""
+        return self.data_parallel_size * self.context_parallel_size
+
+    def check_model_layout(self, role: str, sizes: dict[str, int]) -> None:
+        """TP divides the attention heads and KV groups, PP (x virtual) the layers (or the uneven stages add up),
+        EP the routed experts; the router's top-k is at most the routed experts."""
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        heads, groups = sizes["num_attention_heads"], sizes["num_key_value_heads"]
+        if heads % tp or groups % tp:
+            raise ValueError(
+                f"{role}.tensor_model_parallel_size={tp} must divide the model's attention heads ({heads}) and "
+                f"KV groups ({groups}): Megatron splits whole query groups across TP ranks"
+            )
+        layers = sizes["num_hidden_layers"]
+        vpp = self.virtual_pipeline_model_parallel_size or 1
+        self._check_experts(role, sizes.get("num_experts"))
+        if self.num_layers_in_first_pipeline_stage or self.num_layers_in_last_pipeline_stage:
+            try:
+                self.stage_layers(layers)
+            except ValueError as exc:
+                raise ValueError(f"{role}.{exc}") from None
+        elif layers % (pp * vpp):
+            raise ValueError(
+                f"{role}.pipeline_model_parallel_size={pp} (x virtual {vpp}) must divide the model's {layers} layers"
+            )
+
+    def _check_experts(self, role: str, experts: int | None) -> None:
+        """Expert parallelism needs an MoE model whose routed experts split evenly over the EP ranks; the router's
+        top-k is at most the routed experts (megatron's router would fail at the first step)."""
+        if experts is None:
+            return
+        topk = self.moe.router_topk
+        if experts and topk is not None and topk > experts:
+            raise ValueError(
+                f"{role}.moe.router_topk={topk} is larger than the model's {experts} routed experts; use at most "
+                f"{experts} (or leave it unset: the model's num_experts_per_tok)"
+            )
+        ep = self.expert_model_parallel_size
+        if ep == 1:
+            return
+        if not experts:
+            raise ValueError(f"{role}.expert_model_parallel_size={ep}: the model is dense (no routed experts); use 1")
+        if experts % ep:
+            raise ValueError(f"{role}.expert_model_parallel_size={ep} must divide the model's {experts} routed experts")
 
 
 # Options only the megatron backend reads -> what they are, for the error when another backend is given one.

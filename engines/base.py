@@ -161,8 +161,9 @@ OnOutput = Callable[[TensorDict, tuple[torch.Tensor, ...]], torch.Tensor | None]
 class StepBackend(Protocol):
     """One rank of one training backend, driven by `training.core.PPOTrainer`: a model, its optimizer and
     their state. Built as `Backend(settings: TrainerSettings)` (the seed is already set) on the worker's device
-    (`runtime.device.worker_device`: its model there; batches arrive there); a class attribute `cuda_env`
-    (optional) names variables `PPOTrainer` sets before CUDA starts (Megatron: CUDA_DEVICE_MAX_CONNECTIONS)."""
+    (`settings.resolved_device()`, resolved where the worker started: its model there; batches arrive there); a
+    class attribute `cuda_env` (optional) names variables `PPOTrainer` sets before CUDA starts (Megatron:
+    CUDA_DEVICE_MAX_CONNECTIONS)."""
 
     @property
     def outputs_here(self) -> bool:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, Any, Literal
 
 from rich.console import Console
 from rich.live import Live
@@ -27,7 +27,10 @@ from rich.spinner import Spinner
 from rlstages.configs import RunConfig
 
 LogFormat = Literal["auto", "rich", "plain"]
-NO_REDIRECT = {"redirect_stdout": False, "redirect_stderr": False}  # rich's live displays leave sys.std* alone
+NO_REDIRECT: dict[str, Any] = {
+    "redirect_stdout": False,
+    "redirect_stderr": False,
+}  # rich's live displays leave sys.std* alone
 
 
 @dataclass

@@ -137,7 +137,12 @@ def convert_command(
     debug: Debug = False,
 ) -> None:
     """Convert an HF checkpoint to Megatron-Core rank files (cached: a re-run on the same inputs is free)."""
-    layout = {"ep": ep, "etp": etp, "first_stage_layers": first_stage_layers, "last_stage_layers": last_stage_layers}
+    layout: dict[str, Any] = {
+        "ep": ep,
+        "etp": etp,
+        "first_stage_layers": first_stage_layers,
+        "last_stage_layers": last_stage_layers,
+    }
     _run(debug, lambda: check_conversion_inputs(
         hf_dir, out_dir, tp, pp, vpp, transformer_impl, checksum, overwrite, dist_checkpoint, **layout))  # fmt: skip
     result = _run(debug, lambda: convert_flow(

@@ -6,6 +6,8 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 SHIM="$ROOT/.cache/typecheck"
 mkdir -p "$SHIM/rlstages"
 for d in configs engines tasks flows; do ln -sfn "$ROOT/$d" "$SHIM/rlstages/$d"; done
+# a regular package at the top, and no namespace packages: a folder of data (configs/data/) never shadows a module
+: > "$SHIM/rlstages/__init__.py"
 MYPY="${MYPY:-$ROOT/.venv/bin/mypy}"
 cd "$ROOT"
-MYPYPATH="$SHIM" exec "$MYPY" --config-file pyproject.toml -p rlstages.configs -p rlstages.engines -p rlstages.tasks -p rlstages.flows "$@"
+MYPYPATH="$SHIM" exec "$MYPY" --config-file pyproject.toml -p rlstages.configs -p rlstages.engines -p rlstages.tasks -p rlstages.flows --no-namespace-packages "$@"

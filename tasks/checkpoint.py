@@ -90,9 +90,9 @@ def _storage_errno(cause: BaseException) -> int | None:
 def _write(cfg: RunConfig, run: RunHandle, tmp: Path, step: int, driver_state: dict[str, Any]) -> None:
     """Every engine's state and the driver state into `tmp`, fsynced."""
     w = stage_workers(cfg, run, "checkpoint")
-    w.all("actor").save(str(tmp / "actor"))
+    w.actor.save(tmp / "actor")
     if w.workers.critic is not None:
-        w.all("critic").save(str(tmp / "critic"))
+        w.trainer("critic").save(tmp / "critic")
     atomic_write_text(tmp / DRIVER_STATE, json.dumps({**driver_state, "step": step}, indent=2))
     _fsync_tree(tmp)
 
@@ -109,6 +109,6 @@ def prune(run: RunHandle, keep: int) -> None:
 def restore_engines(cfg: RunConfig, run: RunHandle, path: Path) -> None:
     """Load a committed checkpoint into the trainable engines (not the rollout: sync does that)."""
     w = stage_workers(cfg, run, "checkpoint")
-    w.all("actor").load(str(path / "actor"))
+    w.actor.load(path / "actor")
     if w.workers.critic is not None:
-        w.all("critic").load(str(path / "critic"))
+        w.trainer("critic").load(path / "critic")

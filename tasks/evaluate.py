@@ -58,7 +58,7 @@ def run_eval(
     base = sampling(cfg, evaluation=True)
     prompts = eval_prompts(cfg.data, tokenizer_path(cfg))
     seed = derive_seed(cfg.trainer.seed, step, "evaluate")
-    w.all("rollout").wake()
+    w.rollout.wake()
     metrics: dict[str, float] = {}
     passes = []
     if greedy or cfg.evaluation.greedy:
@@ -69,7 +69,7 @@ def run_eval(
         passes.insert(0, ("sampled", replace(base, n=k)))
     rows: dict[str, list[Any]] = {}
     for name, params in passes:
-        batch = w.dp("rollout").generate(prompts, params, seed)
+        batch = w.rollout.generate(prompts, params, seed)
         scores, _ = score_batch(cfg, w, batch)
         groups = _correct_by_prompt(batch, scores, cfg.evaluation.correct_above)
         metrics.update(_per_source(groups, name))

@@ -15,7 +15,7 @@ from rlstages.configs import RunConfig
 from rlstages.engines import types as T
 from rlstages.engines.algorithms import masked_mean
 from rlstages.tasks.driver.context import RunHandle
-from rlstages.tasks.stage_workers import stage_workers
+from rlstages.tasks.stage_workers import TrainerRole, stage_workers
 
 
 def _write(run: RunHandle, step: int, stage: str, key: str, value: torch.Tensor) -> None:
@@ -24,15 +24,15 @@ def _write(run: RunHandle, step: int, stage: str, key: str, value: torch.Tensor)
 
 
 def _logprobs(
-    cfg: RunConfig, run: RunHandle, step: int, role: str, stage: str, key: str, base: bool = False
+    cfg: RunConfig, run: RunHandle, step: int, role: TrainerRole, stage: str, key: str, base: bool = False
 ) -> dict[str, float]:
     start = time.perf_counter()
     batch = T.load_batch(run.batch(step, "rollout"))
     w = stage_workers(cfg, run, stage)
     if base:  # the actor's frozen LoRA base serves as the reference
-        out = w.dp(role).logprobs(batch, None, True)
+        out = w.trainer(role).logprobs(batch, None, True)
     else:
-        out = w.dp(role).logprobs(batch)
+        out = w.trainer(role).logprobs(batch)
     _write(run, step, stage, key, out["logprobs"])
     metrics = {f"timing/{stage}_s": time.perf_counter() - start}
     if stage == "actor_logprobs":
@@ -62,7 +62,7 @@ def critic_values(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]
     """Critic values of the rollouts (PPO with GAE)."""
     start = time.perf_counter()
     batch = T.load_batch(run.batch(step, "rollout"))
-    values = stage_workers(cfg, run, "critic_values").dp("critic").values(batch)
+    values = stage_workers(cfg, run, "critic_values").trainer("critic").values(batch)
     _write(run, step, "critic_values", T.VALUES, values)
     return {
         "critic/values_mean": float(masked_mean(values, batch[T.RESPONSE_MASK])),

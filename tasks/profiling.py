@@ -41,7 +41,7 @@ def due(cfg: RunConfig, stage: str, step: int) -> bool:
 
 
 def _groups(cfg: RunConfig, run: RunHandle, stage: str) -> list[tuple[str, ActorGroup]]:
-    workers = get_workers(cfg, run)
+    workers = get_workers(run)
     named = workers.groups()
     picked: dict[int, tuple[str, ActorGroup]] = {}
     for role in STAGE_ROLES.get(stage, ()):

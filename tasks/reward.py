@@ -33,7 +33,7 @@ def score_batch(cfg: RunConfig, w: StageWorkers, batch: TensorDict) -> tuple[tor
             {**info, "trajectory": {k: t[k] for k in ("turns", "stop_reason", "tool_calls")}}
             for info, t in zip(infos or [{} for _ in trajectories], trajectories, strict=True)
         ]
-    result = w.one("reward").score(prompts, responses, truths, sources, infos)
+    result = w.reward.score(prompts, responses, truths, sources, infos)
     scores = torch.tensor(result.scores, dtype=torch.float32)
     metrics = dict(result.metrics)
     if trajectories is not None:  # multi-turn: an environment's own final reward wins, the tools' turn rewards add
@@ -44,7 +44,7 @@ def score_batch(cfg: RunConfig, w: StageWorkers, batch: TensorDict) -> tuple[tor
     metrics["reward/accuracy"] = float((scores > 0).float().mean())
     if w.workers.reward_model is not None and cfg.reward.reward_model is not None:
         weight = cfg.reward.reward_model.weight
-        rm_scores = torch.tensor(w.dp("reward_model").score(prompts, responses), dtype=torch.float32)
+        rm_scores = torch.tensor(w.reward_model.score(prompts, responses), dtype=torch.float32)
         scores = scores + weight * rm_scores
         metrics["reward/model_mean"] = float(rm_scores.mean())
     overlong = cfg.algorithm.overlong

@@ -47,12 +47,12 @@ def generate(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
     w = stage_workers(cfg, run, "generate")
     maybe_fail(run, "generate", step, w.workers)
     seed = derive_seed(cfg.trainer.seed, step, "generate")
-    batch = w.dp("rollout").generate(prompts, sampling(cfg), seed)
+    batch = w.rollout.generate(prompts, sampling(cfg), seed)
     T.save_batch(batch, run.batch(step, "rollout"))
     # free the rollout weights while the trainers work (sync_weights wakes them), unless the next step's
     # generation runs during the update (one-step off-policy)
     if cfg.cluster.colocate and not cfg.trainer.overlaps_generation:
-        w.all("rollout").sleep()
+        w.rollout.sleep()
     elapsed = time.perf_counter() - start
     lengths = batch[T.ATTENTION_MASK][:, batch[T.PROMPT_IDS].shape[1] :].sum(-1).float()  # policy + observations
     tokens = float(lengths.sum())
@@ -87,7 +87,7 @@ def log_trajectories(cfg: RunConfig, run: RunHandle, step: int, batch: TensorDic
 def sync_weights(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
     """Trainer -> rollout engines, streamed by HF name in buckets (woken first if they sleep), by the transport
     chosen when the workers were built (`Workers.weight_sync`, `engines.sync.registry`)."""
-    workers = get_workers(cfg, run)
+    workers = get_workers(run)
     timeout = cfg.prefect.policy("sync_weights").timeout_seconds
     actor = workers.actor
     source = actor.collect_ranks()[0]

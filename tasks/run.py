@@ -17,7 +17,6 @@ from prefect.cache_policies import NO_CACHE
 
 from rlstages.configs import RunConfig, config_hash, to_yaml
 from rlstages.configs.loader import flatten
-from rlstages.configs.training import MegatronTrainingConfig
 from rlstages.engines.models import ensure_model
 from rlstages.engines.training.state_io import atomic_write_text
 from rlstages.tasks import prefect_api
@@ -33,6 +32,7 @@ from rlstages.tasks.driver.run_dir import run_dir as run_dir  # re-exported: flo
 from rlstages.tasks.driver.workers import (
     build_workers,
     converted_dir,
+    converted_layout,
     forget_workers,
     model_dir,
     rebuild_workers,
@@ -156,27 +156,14 @@ def recover_workers(cfg: RunConfig, run: RunHandle) -> StartPoint:
 
 def convert_for_training(cfg: RunConfig, run: RunHandle) -> str | None:
     """HF -> Megatron-Core conversion before a Megatron actor starts (a cached task: re-runs do no work)."""
-    out = converted_dir(cfg)
-    if out is None:
+    out, layout = converted_dir(cfg), converted_layout(cfg)
+    if out is None or layout is None:
         return None
     from rlstages.tasks.convert import convert_checkpoint
 
-    a = cfg.actor
-    assert isinstance(a, MegatronTrainingConfig)
-    return str(
-        convert_checkpoint(
-            model_dir(cfg),
-            str(out),
-            a.tensor_model_parallel_size,
-            a.pipeline_model_parallel_size,
-            a.virtual_pipeline_model_parallel_size,
-            ep=a.expert_model_parallel_size,
-            etp=a.expert_tp,  # expert TP = TP is the default: no option, the same conversion
-            first_stage_layers=a.num_layers_in_first_pipeline_stage,
-            last_stage_layers=a.num_layers_in_last_pipeline_stage,
-            overwrite=True,  # our own cache directory: an older conversion of ours there is replaced
-        )
-    )
+    tp, pp, vpp = (layout[1].pop(k) for k in ("tp", "pp", "vpp"))
+    # overwrite: our own cache directory, where an older conversion of ours is replaced
+    return str(convert_checkpoint(model_dir(cfg), str(out), tp, pp, vpp, overwrite=True, **layout[1]))
 
 
 def driver_snapshot(cfg: RunConfig, step: int, kl_state: dict[str, float], mlflow_run_id: str) -> dict[str, Any]:
@@ -209,7 +196,7 @@ def _save_hf(cfg: RunConfig, run: RunHandle, name: str) -> Path:
     out, tmp = run.path / name, run.path / f".{name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     # every rank takes part (gathering sharded weights is a collective); the engines write from one rank
-    stage_workers(cfg, run, "checkpoint").all("actor").save_pretrained(str(tmp), model_dir(cfg))
+    stage_workers(cfg, run, "checkpoint").actor.save_pretrained(tmp, Path(model_dir(cfg)))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out

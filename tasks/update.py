@@ -10,12 +10,13 @@ from prefect.cache_policies import NO_CACHE
 
 from rlstages.configs import RunConfig
 from rlstages.engines import types as T
+from rlstages.engines.registry import training_backend
 from rlstages.tasks.driver.context import RunHandle
 from rlstages.tasks.driver.faults import maybe_fail, nan_due
-from rlstages.tasks.stage_workers import stage_workers
+from rlstages.tasks.stage_workers import TrainerRole, stage_workers
 
 
-def _train(cfg: RunConfig, run: RunHandle, step: int, stage: str, prefix: str) -> dict[str, float]:
+def _train(cfg: RunConfig, run: RunHandle, step: int, stage: str, prefix: TrainerRole) -> dict[str, float]:
     start = time.perf_counter()
     w = stage_workers(cfg, run, stage)
     maybe_fail(run, stage, step, w.workers)
@@ -25,8 +26,7 @@ def _train(cfg: RunConfig, run: RunHandle, step: int, stage: str, prefix: str) -
     if nan_due(run, stage, step):  # drill: a step whose loss is NaN
         field = T.RETURNS if prefix == "critic" else T.ADVANTAGES
         batch[field] = batch[field] * float("nan")
-    results = w.dp(prefix).train_step(batch)  # the role: actor or critic
-    per_rank = results if isinstance(results, list) else [results]
+    per_rank = w.trainer(prefix).train_step(batch)  # the role: actor or critic
     metrics = {_name(prefix, k): _across_ranks(k, [r[k] for r in per_rank]) for k in per_rank[0]}
     metrics.update(reject_nonfinite(cfg, stage, step, metrics))
     metrics[f"timing/{stage}_s"] = time.perf_counter() - start
@@ -53,8 +53,8 @@ def reject_nonfinite(cfg: RunConfig, stage: str, step: int, metrics: dict[str, f
     """Refuse a step with a non-finite loss or grad norm: raise (trainer.on_nonfinite=stop, before the weights
     are synced or checkpointed) or count it in `train/rejected_steps` (skip; the trainers do not apply it)."""
     train = cfg.critic if stage == "update_critic" else cfg.actor
-    # DeepSpeed reports NaN for a grad norm it did not compute (ZeRO > 0) and handles overflow itself
-    norms = "grad_norm" if train is None or train.backend != "deepspeed" else "\0"
+    # a backend without `finite_grad_norm` (DeepSpeed: NaN for a norm it did not compute) handles overflow itself
+    norms = "grad_norm" if train is None or training_backend(train.backend).finite_grad_norm else "\0"
     bad = sorted(k for k, v in metrics.items() if ("loss" in k or norms in k) and not math.isfinite(v))
     if not bad:
         return {}

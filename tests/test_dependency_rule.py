@@ -223,27 +223,23 @@ def test_imports_by_name_are_seen(tmp_path: Path) -> None:
 
 
 # ---- the layers inside engines/ ------------------------------------------------------------------------------
-# Lowest first; a module may import its own layer and those below. Names are relative to `rlstages.engines`; a
-# module belongs to the longest name that prefixes it ("runtime.device" -> "runtime"). The picture of the house:
-# per-process plumbing (runtime/) and the weight transports (sync/) below the engines, the composition of engines
-# into workers (workers/: actor groups, the hybrid engine, offload) above them.
-ENGINE_LAYERS: tuple[tuple[str, ...], ...] = (
-    (
-        "",
-        "types",
-        "utils",
-        "imports",
-        "model_files",
-        "compiled",
-    ),  # the package, batch schema, helpers, importer, compiled sets
-    ("base", "algorithms", "memory_plan"),  # the engine protocols; pure loss / advantage math; the memory plan
-    ("models", "convert", "registry"),  # model loading, HF <-> Megatron tensor mapping, the backends' name table
-    ("runtime",),  # per-process plumbing: device, heap, payload, rendezvous, profiling
-    ("sync",),  # trainer -> rollout weight transports: the WeightSync classes, the bucketizer, their registry
-    ("rewards", "tools"),  # reward functions / scorer / reward model; tools and environments
-    ("rollout", "training", "megatron"),  # the rollout and training engines
-    ("workers",),  # composition: actor groups, the hybrid engine, a trainer's offload around generation
-)
+# Lowest first, as engines/README.md's table says them (read here, so the picture and the rule are one text): a
+# module may import its own layer and those below. Names are relative to `rlstages.engines`; a module belongs to
+# the longest name that prefixes it ("runtime.device" -> "runtime").
+ENGINES_README = ROOT / "engines" / "README.md"
+
+
+def engine_layers(text: str) -> tuple[tuple[str, ...], ...]:
+    """The `packages` column of each row of the README's layer table (`| N | `a`, `b` | what |`), in order."""
+    rows = re.findall(r"^\| (\d+) \| (.+?) \|", text, flags=re.MULTILINE)
+    assert [int(n) for n, _ in rows] == list(range(len(rows))), "engines/README.md: layers numbered 0, 1, ..."
+    return tuple(
+        tuple("" if name == "(package)" else name for name in re.findall(r"`([^`]+)`", packages))
+        for _, packages in rows
+    )
+
+
+ENGINE_LAYERS: tuple[tuple[str, ...], ...] = engine_layers(ENGINES_README.read_text())
 
 
 def engine_layer(module: str) -> int:

@@ -119,7 +119,7 @@ class MegatronBackend:
             options.expert_tensor_parallel_size,
             (options.num_layers_in_first_pipeline_stage, options.num_layers_in_last_pipeline_stage),
         )
-        MP.init_distributed(self.layout, settings.seed)
+        MP.init_distributed(self.layout, settings.seed, self.device)
         from megatron.core import parallel_state as ps
 
         converted = settings.converted_path
@@ -137,7 +137,9 @@ class MegatronBackend:
         self.dtype = torch_dtype(settings.dtype)
         pp_rank, ep_rank = ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank()
         states = MP.rank_state(self.spec, converted, settings.model_path, self.tp_rank, pp_rank, ep_rank)
-        self.chunks = MP.build_chunks(self.spec, states, self.role, self.dtype, self._config_overrides(), settings.seed)
+        self.chunks = MP.build_chunks(
+            self.spec, states, self.role, self.dtype, self._config_overrides(), settings.seed, self.device
+        )
         del states
         self.expert_load = MOE.ExpertLoad(self.chunks) if self.is_moe else None
         self.offload = {
@@ -365,7 +367,7 @@ class MegatronBackend:
         self.sched_steps = int(extra["sched_steps"])
         rng = path / state_io.rank_rng_file(self.rank)
         if rng.is_file():
-            state_io.load_rng(rng)
+            state_io.load_rng(rng, self.device)
         else:  # saved by fewer ranks (another EP / DP size): this rank keeps its own RNG stream
             log.info("megatron load: %s has no RNG state for rank %d; keeping this rank's", path, self.rank)
         return int(extra["steps_done"])

@@ -4,7 +4,7 @@ megatron-core assumes CUDA in four places on our path (reference C.8, feasibilit
 attention allocate on `torch.cuda.current_device()`, `dist_checkpointing.save` calls
 `torch.cuda.synchronize()`, a tied output layer on the last pipeline stage is moved with `.cuda()` before
 its all-reduce, and the model-parallel RNG tracker reads CUDA RNG state. `apply_cpu_shim` patches the
-first three, only when this worker computes on the CPU (`runtime.device.on_cuda()` False: where each of
+first three, only when this worker computes on the CPU (the device handed to `apply_cpu_shim`: where each of
 them could only raise); `gpt.init_model_parallel` seeds with the inference RNG tracker (its `fork()` is a
 null context; dropout draws from the CPU RNG).
 Training adds a fifth place: the optimizer, gradient clipping and the pipeline schedules allocate small
@@ -35,15 +35,25 @@ import torch
 from rlstages.engines.runtime.device import on_cuda
 
 _SHIM_APPLIED = False
+_ON_CUDA: bool | None = None  # this process's device, as `apply_cpu_shim` was handed it (megatron-core's set-up)
 
 
-def apply_cpu_shim() -> bool:
-    """Point megatron-core's CUDA device lookups at the CPU; idempotent, a no-op on a CUDA worker.
+def computes_on_cuda() -> bool:
+    """Whether this process's megatron-core runs on CUDA: the device its worker resolved where it started, handed
+    to `gpt.init_model_parallel` (megatron-core's state is per process, so is this)."""
+    if _ON_CUDA is None:
+        raise RuntimeError("megatron-core is not set up in this process (gpt.init_model_parallel first)")
+    return _ON_CUDA
+
+
+def apply_cpu_shim(device: torch.device) -> bool:
+    """Record this process's `device`; on the CPU point megatron-core's CUDA device lookups at it (idempotent).
 
     Returns True when the shim is (now) active.
     """
-    global _SHIM_APPLIED
-    if on_cuda():
+    global _SHIM_APPLIED, _ON_CUDA
+    _ON_CUDA = on_cuda(device)
+    if _ON_CUDA:
         return False
     if not _SHIM_APPLIED:
         torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]  # RoPE, attention buffers
@@ -74,10 +84,9 @@ def cuda_as_cpu() -> Iterator[None]:
     Wrap megatron-core calls that hard-code CUDA: optimizer construction / step / state dicts, and the
     pipeline schedules. A no-op context on a CUDA worker.
     """
-    if on_cuda():
+    if computes_on_cuda():
         yield
         return
-    apply_cpu_shim()
     with _CudaAsCpuMode():
         yield
 
@@ -105,7 +114,7 @@ def apply_moe_shim() -> None:
     from rlstages.engines.megatron.moe_model import define_missing_te_symbols
 
     define_missing_te_symbols()
-    if on_cuda():
+    if computes_on_cuda():
         return
     if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
         MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NoStream()

@@ -13,8 +13,13 @@ import torch
 
 from rlstages.engines.convert.spec import ConversionSpec
 from rlstages.engines.imports import import_object
-from rlstages.engines.megatron.cuda_shim import apply_cpu_shim, apply_moe_shim, apply_torch_norm_sp_shim
-from rlstages.engines.runtime.device import dist_backend, on_cuda, worker_device
+from rlstages.engines.megatron.cuda_shim import (
+    apply_cpu_shim,
+    apply_moe_shim,
+    apply_torch_norm_sp_shim,
+    computes_on_cuda,
+)
+from rlstages.engines.runtime.device import dist_backend, worker_device
 
 # Fusions that need CUDA kernels (apex / TE / torch.compile'd CUDA code); off on CPU.
 CPU_SAFE_CONFIG: dict[str, Any] = {
@@ -42,9 +47,11 @@ def init_model_parallel(
     cp: int = 1,
     ep: int = 1,
     etp: int | None = None,
+    device: torch.device | None = None,
 ) -> None:
     """Join a process group (gloo on CPU; on a GPU `cpu:gloo,cuda:nccl`, the worker's GPU made current first)
-    and set up megatron-core's TP x PP (x CP x EP) groups.
+    and set up megatron-core's TP x PP (x CP x EP) groups on `device`, the worker's (None: a process with no
+    engine, a conversion or parity worker, starts here and resolves its own).
     `etp` is the expert tensor-parallel size (None: TP, megatron-core's default).
 
     In a process that already has the same layout (several engines in one test process) the groups are kept;
@@ -52,8 +59,9 @@ def init_model_parallel(
     """
     from megatron.core import parallel_state, tensor_parallel
 
-    cpu = apply_cpu_shim()
-    device = worker_device()  # torch.cuda.set_device before NCCL or megatron-core touches a GPU
+    if device is None:
+        device = worker_device()  # torch.cuda.set_device before NCCL or megatron-core touches a GPU
+    cpu = apply_cpu_shim(device)
     apply_moe_shim()  # MoE layers without Transformer Engine / CUDA (any EP size)
     apply_torch_norm_sp_shim()  # sequence parallelism with torch norms (no Transformer Engine / Apex)
     os.environ.setdefault("MASTER_ADDR", master_addr)
@@ -109,7 +117,7 @@ def make_transformer_config(spec: ConversionSpec, dtype: torch.dtype = torch.flo
 
     config_cls = moe_model.transformer_config_class(spec)
     kwargs = spec.transformer_kwargs()
-    kwargs.update(moe_model.moe_config_kwargs(spec))
+    kwargs.update(moe_model.moe_config_kwargs(spec, computes_on_cuda()))
     kwargs.update(
         tensor_model_parallel_size=spec.tp,
         pipeline_model_parallel_size=spec.pp,
@@ -118,7 +126,7 @@ def make_transformer_config(spec: ConversionSpec, dtype: torch.dtype = torch.flo
         pipeline_dtype=dtype,
     )
     kwargs.update(spec.pipeline_config())  # uneven first / last stage: megatron-core's layer offsets
-    if not on_cuda():
+    if not computes_on_cuda():
         kwargs.update(CPU_SAFE_CONFIG)
     kwargs.update(overrides)
     return config_cls(**kwargs)

@@ -14,7 +14,6 @@ import functools
 from typing import Any
 
 from rlstages.engines.convert.spec import ConversionSpec
-from rlstages.engines.runtime.device import on_cuda
 
 # Fusions/kernels that need CUDA (TE, apex, grouped GEMM); off on CPU. "alltoall" is the dispatcher Megatron
 # recommends with EP; on CPU it runs over gloo (see README's support matrix for what ran).
@@ -33,7 +32,7 @@ def transformer_config_class(spec: ConversionSpec) -> type:
     return MLATransformerConfig if spec.mcore.get("multi_latent_attention") else TransformerConfig
 
 
-def moe_config_kwargs(spec: ConversionSpec) -> dict[str, Any]:
+def moe_config_kwargs(spec: ConversionSpec, cuda: bool) -> dict[str, Any]:
     """TransformerConfig fields an MoE / MLA spec adds to the dense ones: EP size, dispatcher default, CPU-safe
     flags; for MLA the RoPE base (MLA's attention builds its own rotary embedding from the config)."""
     out: dict[str, Any] = {}
@@ -44,9 +43,9 @@ def moe_config_kwargs(spec: ConversionSpec) -> dict[str, Any]:
     out |= {
         "expert_model_parallel_size": spec.ep,
         "expert_tensor_parallel_size": spec.expert_tp,
-        "moe_token_dispatcher_type": "alltoall" if spec.ep > 1 and on_cuda() else "allgather",
+        "moe_token_dispatcher_type": "alltoall" if spec.ep > 1 and cuda else "allgather",
     }
-    if not on_cuda():
+    if not cuda:  # the worker's device (megatron-core's set-up recorded it)
         out.update(MOE_CPU_SAFE)
     return out
 

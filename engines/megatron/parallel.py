@@ -26,7 +26,6 @@ from rlstages.engines.convert.sharding import chunk_prefix
 from rlstages.engines.megatron import cuda_shim, gpt
 from rlstages.engines.models.vision import forward_kwargs
 from rlstages.engines.registry import has_module
-from rlstages.engines.runtime.device import worker_device
 from rlstages.engines.utils import free_port
 
 OUTPUT_LAYER = "output_layer."
@@ -70,7 +69,7 @@ class Layout:
             )
 
 
-def init_distributed(layout: Layout, seed: int) -> None:
+def init_distributed(layout: Layout, seed: int, device: torch.device) -> None:
     """Join the process group from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (default: one local rank)."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     layout.check(world)
@@ -88,6 +87,7 @@ def init_distributed(layout: Layout, seed: int) -> None:
         cp=layout.cp,
         ep=layout.ep,
         etp=layout.etp,
+        device=device,
     )
 
 
@@ -164,13 +164,19 @@ class ValueHead(torch.nn.Module):
 
 
 def build_chunks(
-    spec: ConversionSpec, states: list[dict[str, torch.Tensor]], role: str, dtype: torch.dtype, config: dict, seed: int
+    spec: ConversionSpec,
+    states: list[dict[str, torch.Tensor]],
+    role: str,
+    dtype: torch.dtype,
+    config: dict,
+    seed: int,
+    device: torch.device,
 ) -> list[Any]:
     """This rank's GPTModel chunks with their weights, on the worker's device (megatron-core builds the local
     spec's torch norms on the CPU even on a GPU); the critic's output layer becomes a `ValueHead`."""
     if role == "critic":
         spec = replace(spec, mcore={**spec.mcore, "share_embeddings_and_output_weights": False})
-    chunks, device = [], worker_device()
+    chunks = []
     for v, state in enumerate(states):
         model = gpt.build_gpt_model(spec, dtype=dtype, vp_stage=v, config_overrides=config)
         model.to(device=device, dtype=dtype)  # torch norms ignore params_dtype and the device; one of each

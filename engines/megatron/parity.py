@@ -184,8 +184,8 @@ def _hf_logits(
     model = model.float().eval()
     with torch.no_grad():
         fp32 = model(input_ids=tokens).logits.float()
-        if type(model)._can_set_experts_implementation():  # MoE: torch's grouped_mm has no float64 kernel
-            model.set_experts_implementation("eager")
+        if getattr(type(model), "_can_set_experts_implementation", lambda: False)():  # MoE: no float64 grouped_mm
+            model.set_experts_implementation("eager")  # type: ignore[operator]
         fp64 = model.double()(input_ids=tokens).logits.double()
     del model
     return fp32, fp64

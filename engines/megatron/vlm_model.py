@@ -38,13 +38,14 @@ def vision_tower(hf_config: Mapping[str, Any], dtype: torch.dtype) -> torch.nn.M
 
     model_type = str(hf_config["model_type"])
     config = AutoConfig.for_model(model_type, **{k: v for k, v in hf_config.items() if k != "model_type"})
+    tower: Any
     if model_type == "qwen2_vl":
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as Tower
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as tower
     elif model_type == "qwen2_5_vl":
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel as Tower
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel as tower
     else:
         raise ValueError(f"vision tower: model_type {model_type!r} is not qwen2_vl or qwen2_5_vl")
-    return Tower._from_config(config.vision_config, dtype=dtype)
+    return tower._from_config(config.vision_config, dtype=dtype)
 
 
 def fill_image_tokens(
@@ -113,7 +114,7 @@ def _model_class() -> type:
             if self.pre_process:
                 self.vision_model = vision_tower(hf_config, self.config.params_dtype)
                 for param in self.vision_model.parameters():  # each TP rank's gradient is its slice's part: summed
-                    param.sequence_parallel = self.config.sequence_parallel
+                    param.sequence_parallel = self.config.sequence_parallel  # type: ignore[attr-defined]
 
         @classmethod
         def spec_kwargs(cls, spec: ConversionSpec) -> dict[str, Any]:
@@ -140,7 +141,7 @@ def _model_class() -> type:
             `position_ids` are M-RoPE's [3, B, S] (a [B, S] text position is expanded to the three channels)."""
             if position_ids.dim() == 2:
                 position_ids = position_ids[None].expand(3, *position_ids.shape)
-            if self.pre_process and decoder_input is None and pixel_values is not None:
+            if self.pre_process and decoder_input is None and pixel_values is not None and image_grid_thw is not None:
                 embeddings = self.embedding(input_ids=input_ids, position_ids=None)  # this rank's slice under SP
                 start = self.pg_collection.tp.rank() * embeddings.shape[0] if self.config.sequence_parallel else 0
                 image = self.image_embeddings(pixel_values, image_grid_thw)

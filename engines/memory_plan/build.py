@@ -7,10 +7,10 @@ import math
 from typing import Any
 
 from rlstages.configs.run import RunConfig
-from rlstages.configs.training import DeepSpeedTrainingConfig, MegatronTrainingConfig
 from rlstages.engines.memory_plan.advice import advice
+from rlstages.engines.memory_plan.backends import layout_of, rollout_memory, training_memory
 from rlstages.engines.memory_plan.gpus import GPUS_PER_NODE, capacity
-from rlstages.engines.memory_plan.layout import Layout, layout_of
+from rlstages.engines.memory_plan.layout import Layout
 from rlstages.engines.memory_plan.model import load_dims
 from rlstages.engines.memory_plan.rank import reference_options, rollout_gpu, training_rank
 from rlstages.engines.memory_plan.result import MemoryPlan, RankMemory
@@ -22,18 +22,19 @@ def _phases(cfg: RunConfig, rank: RankMemory, train: Any, rollout: tuple[float, 
     """Train / reference / rollout / sync phases of one actor GPU; colocated roles share it (rollout engines
     sleep while the trainers work when they can, the reference keeps its weights)."""
     g = rank.gpu
-    mega = isinstance(train, MegatronTrainingConfig)
-    resident = 0.0 if (mega and train.param_offload) else g["weights"]
-    resident += 0.0 if (mega and train.grad_offload) else g.get("grads", 0.0)
+    memory = training_memory(train)
+    off = memory.offload(train)
+    resident = 0.0 if off.params else g["weights"]
+    resident += 0.0 if off.grads else g.get("grads", 0.0)
     resident += g.get("optimizer", 0.0)
-    if isinstance(train, DeepSpeedTrainingConfig) and train.zero_stage >= 3:
+    if memory.bucket_resident(train):
         resident += g.get("buckets", 0.0)  # ZeRO-3 keeps its gradient bucket from start-up on
     ref_weights = ref.gpu["weights"] if ref is not None and cfg.cluster.colocate else 0.0
     if ref_weights:
         g["reference"] = ref_weights
     engine, engine_weights = rollout
     bucket = min(SYNC_BUCKET_BYTES, engine_weights)  # a bucket holds at most the whole model
-    sleeps = getattr(cfg.rollout, "enable_sleep_mode", getattr(cfg.rollout, "enable_memory_saver", False))
+    sleeps = rollout_memory(cfg.rollout).sleeps(cfg.rollout)
     asleep = 0.0 if sleeps or not cfg.cluster.colocate else engine
     rank.phases["train"] = g["weights"] + g.get("grads", 0.0) + g.get("optimizer", 0.0) + g.get("activations", 0.0)
     rank.phases["train"] += g.get("buckets", 0.0)

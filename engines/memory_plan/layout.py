@@ -1,13 +1,11 @@
-"""A role's parallel layout as the Megatron engine builds it (TP / PP / CP / EP / ETP / DP, layers per pipeline stage
-from `MegatronTrainingConfig.stage_layers`) and the weights one rank of a stage holds."""
+"""A role's parallel layout (TP / PP / CP / EP / ETP / DP, layers per pipeline stage, as the backend's memory model
+places them: `backends.MegatronMemory.layout`) and the weights one rank of a stage holds."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
-from rlstages.configs.training import MegatronTrainingConfig
 from rlstages.engines.memory_plan.model import ModelDims
 
 
@@ -33,23 +31,6 @@ class Layout:
     def edp(self) -> int:
         """Data-parallel ranks of the expert weights."""
         return max(1, self.world // (self.ep * self.etp * self.pp))
-
-
-def layout_of(train: Any, world: int, dims: ModelDims) -> Layout:
-    """The layout of a role trained with `train` on `world` ranks (one stage of every layer but for Megatron)."""
-    if isinstance(train, MegatronTrainingConfig):
-        sp = train.sequence_parallel or (dims.experts > 0 and train.tensor_model_parallel_size > 1)
-        return Layout(
-            world=world,
-            tp=train.tensor_model_parallel_size,
-            pp=train.pipeline_model_parallel_size,
-            cp=train.context_parallel_size,
-            ep=train.expert_model_parallel_size,
-            etp=train.expert_tp,
-            sequence_parallel=sp,
-            stages=tuple(train.stage_layers(dims.layers)),
-        )
-    return Layout(world=world, stages=(dims.layers,))
 
 
 def stage_params(dims: ModelDims, lay: Layout, stage: int) -> tuple[int, int, int]:

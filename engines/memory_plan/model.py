@@ -49,13 +49,14 @@ class ModelDims:
         if cfg.get("model_type") == "mixtral":
             width = cfg["intermediate_size"]
         dense: tuple[int, ...] = ()
-        mla = None
+        mla: tuple[int, int, int, int, int] | None = None
         shared = 0
         if cfg.get("model_type") == "deepseek_v3":
             dense = tuple(range(cfg.get("first_k_dense_replace", 0)))
             shared = (cfg.get("n_shared_experts") or 0) * width
             keys = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-            mla = tuple(int(cfg.get(k) or 0) for k in keys)  # type: ignore[assignment]
+            q_lora, kv_lora, nope, rope, v = (int(cfg.get(k) or 0) for k in keys)
+            mla = (q_lora, kv_lora, nope, rope, v)
         elif experts:
             dense = tuple(cfg.get("mlp_only_layers") or ())
         return cls(

@@ -151,7 +151,7 @@ def dummy_vision_pass(model: Any, needed: bool = True) -> Iterator[None]:
     text models."""
     inner = getattr(unwrap(model), "model", None)
     visual = getattr(inner, "visual", None)
-    if not needed or visual is None:
+    if not needed or visual is None or inner is None:
         yield
         return
 

@@ -37,6 +37,7 @@ class RewardModelEngine:
         max_length: int = 2048,
         dtype: str = "float32",
         num_threads: int | None = None,
+        device: torch.device | None = None,
     ) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -59,7 +60,8 @@ class RewardModelEngine:
                 raise ValueError(f"tokenizer of reward model {self.path} has neither a pad nor an eos token")
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.tokenizer.truncation_side = "left"  # keep the response end, where the score is read
-        self.device = worker_device()  # the GPU Ray gave this actor, else the CPU
+        # the worker starts here (the GPU Ray gave this actor, else the CPU) unless it was handed its device
+        self.device = device if device is not None else worker_device()
         self.model.to(self.device).eval()
         self.micro_batch_size = micro_batch_size
         self.max_length = max_length

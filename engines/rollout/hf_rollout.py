@@ -51,9 +51,10 @@ class HFRolloutEngine:
         attention: str = "eager",
         multi_turn: Any = None,
         image_pixels: tuple[int | None, int | None] = (None, None),
+        device: torch.device | None = None,
     ) -> None:
         self.model_path = Path(model_path)
-        self.device = worker_device()
+        self.device = device if device is not None else worker_device()  # None: the worker starts here
         self.model = load_causal_lm(model_path, dtype, model_type, device=self.device).eval()
         self.model.set_attn_implementation(attention)  # eager decodes faster on CPU (configs.rollout)
         self.tokenizer = load_tokenizer(model_path)

@@ -117,7 +117,7 @@ class MultiTurnRunner:
         messages = [dict(m) for m in prompt.messages] or [{"role": "user", "content": prompt.text}]
         traj = Trajectory(prompt, sample, [Segment([])], messages)
         try:
-            row = {"uid": prompt.uid, "prompt": prompt.text, "ground_truth": prompt.ground_truth}
+            row: dict[str, Any] = {"uid": prompt.uid, "prompt": prompt.text, "ground_truth": prompt.ground_truth}
             row["messages"], row["data_source"], row["extra_info"] = messages, prompt.data_source, prompt.extra_info
             await env.reset(row, seed)
             traj.tools = [t.schema() for t in env.tools()]

@@ -43,6 +43,7 @@ from rlstages.engines.rollout.vision_inputs import (
     load_image_processor,
     rope_model,
 )
+from rlstages.engines.runtime.device import worker_device
 from rlstages.engines.sync.buckets import DEFAULT_BUCKET_BYTES, tensor_buckets
 from rlstages.engines.types import Prompt, SamplingParams
 from rlstages.engines.utils import torch_dtype
@@ -69,10 +70,12 @@ class SGLangRolloutEngine:
         seed: int = 0,
         image_pixels: tuple[int | None, int | None] = (None, None),
         max_images_per_prompt: int = 4,
+        device: torch.device | None = None,
     ) -> None:
         import sglang
         from transformers import AutoConfig, AutoTokenizer
 
+        self.device = device if device is not None else worker_device()  # the worker starts here (weight sync's)
         self.apply_chat_template = apply_chat_template
         self.system_prompt = system_prompt
         self.memory_saver = enable_memory_saver
@@ -171,15 +174,13 @@ class SGLangRolloutEngine:
     ) -> None:
         """SGLang's TP workers join the group `name` at ranks `rank`... (`shm_path` and `host` are not used:
         SGLang forms the group itself; the source joins it as SGLang's trainer side does)."""
-        from rlstages.engines.runtime.rendezvous import collective_backend
-
         result = self.engine.init_weights_update_group(
             master_address=addr,
             master_port=port,
             rank_offset=rank,
             world_size=world,
             group_name=name,
-            backend=collective_backend(),
+            backend="nccl",  # SGLang runs on GPUs only
         )
         _check(result, "init_weights_update_group")
 

@@ -73,7 +73,7 @@ class Segment:
         self.response_ids.extend(int(i) for i in ids)
         sampled = logprobs is not None
         self.loss_mask.extend([1 if sampled else 0] * len(ids))
-        self.logprobs.extend(float(x) for x in logprobs) if sampled else self.logprobs.extend([0.0] * len(ids))
+        self.logprobs.extend([float(x) for x in logprobs] if logprobs is not None else [0.0] * len(ids))
         self.spans.append(Span(role, turn, start, len(self.response_ids)))
 
 

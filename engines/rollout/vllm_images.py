@@ -4,10 +4,24 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from rlstages.engines.models.vision import VIDEO_PAD
 from rlstages.engines.rollout.vision_inputs import collapse_image_pads, open_image
 from rlstages.engines.types import Prompt
+
+
+def check_model_tokens(path: Path, tokenizer: Any) -> None:
+    """The model's tokenizer has the video pad token, which vLLM's Qwen2-VL processor looks up even with no video
+    (a model without it fails in the engine's start-up): refused by the pre-flight (the registry entry's
+    `image_check`), naming the token."""
+    if VIDEO_PAD not in tokenizer.get_vocab():
+        raise ValueError(
+            f"model.path: {path}'s tokenizer has no {VIDEO_PAD} token, which vLLM's Qwen2-VL processor needs "
+            "(rollout.backend: vllm); use rollout.backend: hf, or a tokenizer with it (a smollm2-vl model built "
+            "before 2026-11-27: delete its directory and it is built again with it)"
+        )
 
 
 def image_engine_kwargs(max_images: int, pixels: tuple[int | None, int | None]) -> dict[str, Any]:

@@ -89,6 +89,12 @@ def default_vllm_python() -> str | None:
     return next((str(python) for python in found if python.exists()), None)
 
 
+def own_python(python: str | None = None) -> str | None:
+    """The interpreter vLLM runs in when it is not this one: `rollout.python`, else a built `.venv-vllm`
+    (the registry entry's `interpreter`: that venv holds vLLM's package, not this one)."""
+    return python or default_vllm_python()
+
+
 def vllm_actor_options(python: str | None = None, env_vars: dict[str, str] | None = None) -> dict[str, Any]:
     """Kwargs for `ray.remote(VLLMRolloutEngine).options(**...)`: the vLLM venv's interpreter and its env.
 
@@ -130,6 +136,7 @@ class VLLMRolloutEngine:
         multi_turn: Any = None,
         image_pixels: tuple[int | None, int | None] = (None, None),
         max_images_per_prompt: int = 4,
+        device: torch.device | None = None,
     ) -> None:
         from transformers import AutoConfig, AutoTokenizer
         from vllm import LLM
@@ -184,7 +191,8 @@ class VLLMRolloutEngine:
         )
         self.packed_modules: dict[str, list[str]] = self.llm.collective_rpc("rls_packed_modules")[0]
         # where buckets are packed for the worker process: the GPU this actor shares with vLLM's worker
-        self.device = torch.device("cpu") if self.on_cpu else worker_device()
+        # the worker starts here unless a hybrid worker passed its device
+        self.device = torch.device("cpu") if self.on_cpu else device if device is not None else worker_device()
         self.transport = engine_push(self.device.type)
         self._asleep_tags: set[str] = set()
 
@@ -263,7 +271,9 @@ class VLLMRolloutEngine:
         runner = build_runner(
             self.multi_turn, self.tokenizer, self.eos_ids, self.system_prompt, generate, self.max_model_len
         )
-        return build_trajectory_batch(runner.run(prompts, sampling.n, seed), self.pad_id, self.tokenizer.decode)
+        return build_trajectory_batch(
+            runner.run(prompts, sampling.n, seed), self.pad_id, lambda ids: str(self.tokenizer.decode(ids))
+        )
 
     def generate_ids(
         self, contexts: list[list[int]], limits: list[int], sampling: SamplingParams, seed: int

@@ -99,7 +99,8 @@ class RolloutWorkerExtension:
         """Join the trainer's weight-sync group at `rank` + this worker's rank."""
         from rlstages.engines.sync.collective.membership import join_group
 
-        join_group(name, addr, port, rank + int(getattr(self, "rank", 0)), world, timeout, shm_path, host)
+        rank += int(getattr(self, "rank", 0))
+        join_group(name, addr, port, rank, world, timeout, shm_path, host, getattr(self, "device", None))  # vLLM's
 
     def rls_receive_weights(self, name: str) -> int:
         """Receive the source's buckets into one layerwise reload (a fused layer's parts may arrive in different

@@ -1,7 +1,11 @@
 """Where a worker computes, in one place: CUDA when Ray gave the actor a GPU, the CPU otherwise.
 
-Every engine asks `worker_device()` once and moves its model and batches there (`to_device`); nothing else in
-`engines/` decides between CUDA and the CPU. The rules (verl `Worker`, OpenRLHF, slime `get_local_gpu_id`):
+A worker resolves its device once, where it starts: the engine an actor is built around (`PPOTrainer`, a rollout
+engine, the reward model, `HybridEngine`, which passes its device to the trainer and rollout it holds) calls
+`worker_device()` in its constructor unless it was handed one, and passes it down to everything it builds (step
+backends, Megatron's set-up, weight-sync receivers, RNG restore, profilers); nothing else in `engines/` decides
+between CUDA and the CPU (`tests/engines/test_device.py` checks where `worker_device` is called).
+The rules (verl `Worker`, OpenRLHF, slime `get_local_gpu_id`):
 
 - `RLSTAGES_DEVICE` (cpu, cuda, cuda:N) overrides everything (a test comparing CPU and GPU in one process).
 - Inside a Ray actor the GPU is the one Ray assigned (`ray.get_gpu_ids()`): Ray narrows
@@ -99,11 +103,16 @@ def worker_device() -> torch.device:
     return device
 
 
-def on_cuda(device: torch.device | None = None) -> bool:
-    """Whether `device` (default: this worker's, as `worker_device` resolves it, not made current) is a CUDA
-    device: what code without a device at hand asks (megatron-core's CPU shims, its CUDA-only options, RNG
-    restore). An actor Ray gave no GPU computes on the CPU even on a GPU node: False there."""
-    return (device if device is not None else _this_worker()).type == "cuda"
+def local_device() -> torch.device:
+    """Where a process started here outside Ray would compute (CUDA device 0, else the CPU), without making it
+    current: the driver's reports of this machine (`rlstages doctor`, the console's header). Never a worker's."""
+    return _this_worker()
+
+
+def on_cuda(device: torch.device) -> bool:
+    """Whether `device` (the worker's, resolved once where it starts and passed down) is a CUDA device. An actor
+    Ray gave no GPU computes on the CPU even on a GPU node: its device says so."""
+    return device.type == "cuda"
 
 
 def visible_gpus() -> int:

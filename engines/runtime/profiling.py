@@ -69,7 +69,7 @@ def start(engine: Any, options: ProfileOptions) -> bool:
     if _ACTIVE:
         return False
     activities = [torch.profiler.ProfilerActivity.CPU]
-    cuda = on_cuda()  # this worker's device, not the process's view of the node
+    cuda = on_cuda(getattr(engine, "device", torch.device("cpu")))  # the engine's (its worker's), not the node's
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     if options.memory and cuda:

@@ -13,25 +13,26 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlstages.engines.utils import free_port
+
+if TYPE_CHECKING:
+    import torch
 
 KEY_ENV = "RLSTAGES_RENDEZVOUS_KEY"
 KV_NAMESPACE = "rlstages-rendezvous"
 
 
-def collective_backend() -> str:
-    """NCCL when this worker computes on a GPU (`device.worker_device`), else gloo (the simulated cluster's fake
-    GPUs: Ray sets CUDA_VISIBLE_DEVICES, torch sees no CUDA)."""
-    from rlstages.engines.runtime.device import worker_device
-
-    return "nccl" if worker_device().type == "cuda" else "gloo"
+def collective_backend(device: torch.device) -> str:
+    """NCCL when the worker computes on a GPU (its `device`, resolved where it started), else gloo (the simulated
+    cluster's fake GPUs: Ray sets CUDA_VISIBLE_DEVICES, torch sees no CUDA)."""
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
-def collective_device() -> str:
+def collective_device(device: torch.device) -> str:
     """Where tensors a collective moves must live: the GPU under NCCL, host memory under gloo."""
-    return "cuda" if collective_backend() == "nccl" else "cpu"
+    return "cuda" if collective_backend(device) == "nccl" else "cpu"
 
 
 def node_ip() -> str:

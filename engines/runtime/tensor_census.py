@@ -13,7 +13,18 @@ from typing import Any
 import torch
 
 # Not followed: plain values, classes, modules, functions and frames (what they reach is not the engine's own).
-_SKIP = (str, bytes, int, float, bool, complex, type(None), type, types.ModuleType, types.FunctionType)
+_SKIP: tuple[type, ...] = (
+    str,
+    bytes,
+    int,
+    float,
+    bool,
+    complex,
+    type(None),
+    type,
+    types.ModuleType,
+    types.FunctionType,
+)
 _SKIP += (types.BuiltinFunctionType, types.MethodType, types.CodeType, types.FrameType, Path)
 
 

@@ -48,13 +48,14 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 class PPOTrainer:
     """An actor, critic or frozen reference on one rank of any training backend."""
 
-    def __init__(self, settings: TrainerSettings) -> None:
+    def __init__(self, settings: TrainerSettings, device: torch.device | None = None) -> None:
         self.settings = settings
         self.temperature = settings.temperature
         torch.manual_seed(settings.seed)
         backend_cls = import_object(training_backend(settings.backend).step, f"{settings.role}.backend")
         D.set_env_defaults(getattr(backend_cls, "cuda_env", {}))  # before CUDA starts (Megatron-Core's)
-        self.device = D.worker_device()  # the backend places its model here; batches are moved here
+        # the worker's device: resolved here where the worker starts (a hybrid worker passes its own), passed down
+        self.device = device if device is not None else D.worker_device()
         self.backend: StepBackend = backend_cls(replace(settings, device=str(self.device)))  # device passed down
         self.steps_done = 0
         self.shares_device = settings.shares_device  # the hybrid engine sets it where its rollout has own memory

@@ -243,7 +243,7 @@ class DeepSpeedBackend:
             if client_state is None:
                 raise FileNotFoundError(f"{path / CKPT_DIR}: no DeepSpeed checkpoint with tag {CKPT_TAG!r}")
             steps = int(client_state.get("steps_done", 0))
-        state_io.load_rng(path / state_io.rank_rng_file(self.rank))
+        state_io.load_rng(path / state_io.rank_rng_file(self.rank), self.device)
         return steps
 
     def _load_weights(self, file: Path) -> None:

@@ -81,10 +81,10 @@ def gemm_choice(setting: bool | str, computes_in_bf16: bool, threads: int) -> st
     """The kernel a bf16 model's linear layers run on here, as `wants_fp32_kernel` decides it (timed once)."""
     import torch
 
-    from rlstages.engines.runtime.device import on_cuda
+    from rlstages.engines.runtime.device import local_device
     from rlstages.engines.training.fp32_matmul import CLEARLY_FASTER, cpu_has_amx, fp32_kernel_speedup
 
-    if on_cuda():
+    if local_device().type == "cuda":  # the driver's report of this machine (console, doctor), not a worker's
         return f"native on {torch.cuda.get_device_name(0)}"
     if not computes_in_bf16:
         return "fp32 (model in float32)"

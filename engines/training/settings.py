@@ -16,7 +16,6 @@ import torch
 
 from rlstages.configs.training import OptimConfig, TorchTrainingConfig, TrainingConfig
 from rlstages.engines.algorithms import PolicyLossParams
-from rlstages.engines.runtime.device import worker_device
 
 Role = Literal["actor", "critic", "reference"]
 
@@ -45,8 +44,10 @@ class TrainerSettings:
     device: str | None = None  # where this worker computes, resolved once by `PPOTrainer` (`runtime.device`)
 
     def resolved_device(self) -> torch.device:
-        """`device`; a backend built without `PPOTrainer` (tests, scripts) resolves it here (`worker_device`)."""
-        return torch.device(self.device) if self.device else worker_device()
+        """`device`, which `PPOTrainer` sets (the worker's, resolved where it started); a backend is built by it."""
+        if not self.device:
+            raise ValueError("TrainerSettings.device is unset: a step backend is built by PPOTrainer, which sets it")
+        return torch.device(self.device)
 
     @property
     def backend(self) -> str:

@@ -105,15 +105,15 @@ def save_rng(path: Path) -> None:
     save_tensors(tensors, path, meta)
 
 
-def load_rng(path: Path) -> None:
-    """Inverse of `save_rng`."""
+def load_rng(path: Path, device: torch.device) -> None:
+    """Inverse of `save_rng`, in a worker computing on `device` (the CUDA generator only there)."""
     from safetensors import safe_open
 
     tensors = load_file(str(path))
     with safe_open(str(path), "pt") as f:
         meta = f.metadata() or {}
     torch.set_rng_state(tensors["torch"])
-    if "cuda" in tensors and on_cuda():
+    if "cuda" in tensors and on_cuda(device):
         torch.cuda.set_rng_state(tensors["cuda"])
     name, pos, has_gauss, cached = json.loads(meta["numpy"])
     np.random.set_state((name, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))

@@ -216,7 +216,7 @@ class TorchBackend:
             extra = json.loads((path / state_io.EXTRA_FILE).read_text())
             self.scheduler.load_state_dict(extra["scheduler"])
             steps = int(extra["steps_done"])
-        state_io.load_rng(path / state_io.RNG_FILE)
+        state_io.load_rng(path / state_io.RNG_FILE, self.device)
         return steps
 
 

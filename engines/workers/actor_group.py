@@ -317,6 +317,31 @@ class ActorGroup:
             out.append(target(*args, **kwargs) if self.in_process else target.remote(*args, **kwargs))
         return out
 
+    def call(
+        self,
+        mode: str,
+        method: str,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        rank: int = 0,
+    ) -> Any:
+        """Run `method` by `mode`: "all" (every rank, a list), "one" (`rank`), "dp" / "pp_as_dp" (the first
+        argument split over the data-parallel ranks, the collecting ranks' results gathered)."""
+        kwargs = kwargs or {}
+        every = range(self.spec.num_workers)
+        if mode == "all":
+            return self.wait(self.submit(method, every, lambda r: (args, kwargs)), timeout)
+        if mode == "one":
+            return self.wait(self.submit(method, [rank], lambda r: (args, kwargs)), timeout)[0]
+        pp_as_dp = mode == "pp_as_dp"
+        batch, rest = args[0], args[1:]
+        parts = self.spec.dp * (self.spec.pp if pp_as_dp else 1)
+        chunks = chunk_for_ranks(batch, parts) if isinstance(batch, TensorDict) else _split_list(batch, parts)
+        refs = self.submit(method, every, lambda r: ((chunks[self._chunk_of(r, pp_as_dp)], *rest), kwargs))
+        results = self.wait(refs, timeout)
+        return _gather([results[r] for r in self.collect_ranks(pp_as_dp)])
+
     def wait(self, refs: list[Any], timeout: float | None) -> list[Any]:
         """Block for results; a blocking ray.get gets its own timeout (a Prefect thread cannot be interrupted)."""
         if self.in_process:
@@ -327,27 +352,14 @@ class ActorGroup:
 
 
 class _Dispatch:
-    """Attribute proxy: `group.dp().logprobs(batch)` dispatches `logprobs` by the chosen mode."""
+    """Attribute proxy: `group.dp().logprobs(batch)` dispatches `logprobs` by the chosen mode (`ActorGroup.call`)."""
 
     def __init__(self, group: ActorGroup, mode: str, timeout: float | None, rank: int = 0) -> None:
         self.group, self.mode, self.timeout, self.rank = group, mode, timeout, rank
 
     def __getattr__(self, method: str) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            g = self.group
-            every = range(g.spec.num_workers)
-            if self.mode == "all":
-                return g.wait(g.submit(method, every, lambda r: (args, kwargs)), self.timeout)
-            if self.mode == "one":
-                return g.wait(g.submit(method, [self.rank], lambda r: (args, kwargs)), self.timeout)[0]
-            pp_as_dp = self.mode == "pp_as_dp"
-            batch, rest = args[0], args[1:]
-            parts = g.spec.dp * (g.spec.pp if pp_as_dp else 1)
-            chunks = chunk_for_ranks(batch, parts) if isinstance(batch, TensorDict) else _split_list(batch, parts)
-            refs = g.submit(method, every, lambda r: ((chunks[g._chunk_of(r, pp_as_dp)], *rest), kwargs))
-            results = g.wait(refs, self.timeout)
-            keep = [results[r] for r in g.collect_ranks(pp_as_dp)]
-            return _gather(keep)
+            return self.group.call(self.mode, method, args, kwargs, self.timeout, self.rank)
 
         return call
 

@@ -18,6 +18,7 @@ Non-goal: resharding between different parallel layouts (one rank holds whole mo
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,9 +37,9 @@ class HybridEngine:
     """Rollout + trainer on the same worker; `sync_local` moves the weights without leaving the process."""
 
     def __init__(self, trainer: str, trainer_kwargs: dict[str, Any], rollout: str, rollout_kwargs: dict[str, Any]):
-        self.device = worker_device()
-        self.trainer = import_object(trainer)(**trainer_kwargs)
-        self.rollout = import_object(rollout)(**rollout_kwargs)
+        self.device = worker_device()  # the worker starts here: its trainer and rollout engine get this device
+        self.trainer = _build(trainer, trainer_kwargs, self.device)
+        self.rollout = _build(rollout, rollout_kwargs, self.device)
         self.shares_weights = False
         if getattr(getattr(self.trainer, "backend", None), "keeps_weights", False) and hasattr(
             self.rollout, "adopt_weights"
@@ -149,3 +150,10 @@ class HybridEngine:
     def save_pretrained(self, path: Path, tokenizer_from: Path | None = None) -> None:
         """Export the trainer's weights as an HF directory."""
         self._trainer().save_pretrained(path, tokenizer_from)
+
+
+def _build(engine: str, kwargs: dict[str, Any], device: torch.device) -> Any:
+    """The engine `engine` ("module:Class") on this worker's `device`, where its constructor takes one."""
+    cls = import_object(engine)
+    takes_device = "device" in inspect.signature(cls).parameters
+    return cls(**kwargs, **({"device": device} if takes_device else {}))

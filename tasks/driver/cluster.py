@@ -1,8 +1,8 @@
 """Ray start-up and the driver's registry of live worker groups, built from the engine specs (`tasks.driver.specs`).
 
-Tasks never receive actor handles: they look the groups up here by the run's key. If the registry is
-empty (a new process, a retried flow run), the groups are rebuilt from the config; named actors make a
-rebuild inside the same Ray cluster find the living ones.
+Tasks never receive actor handles: they look the groups up here by the run's key. The run's start builds them
+(a new process, a retried flow run: named actors make a build inside the same Ray cluster find the living ones);
+looking up a run that was not started is an error, never an implicit build.
 """
 
 from __future__ import annotations
@@ -118,9 +118,16 @@ def build_workers(cfg: RunConfig, run: RunHandle) -> Workers:
     return workers
 
 
-def get_workers(cfg: RunConfig, run: RunHandle) -> Workers:
-    """The run's live groups (rebuilt from the config if this process has none)."""
-    return _REGISTRY.get(run.key) or build_workers(cfg, run)
+class NoWorkers(RuntimeError):
+    """A stage asked for the workers of a run that this process has not started (`build_workers`)."""
+
+
+def get_workers(run: RunHandle) -> Workers:
+    """The run's live groups, as `build_workers` (the run's start) or `rebuild_workers` left them; never builds any."""
+    workers = _REGISTRY.get(run.key)
+    if workers is None:
+        raise NoWorkers(f"run {run.name} ({run.path}): no workers in this process; the run's start builds them")
+    return workers
 
 
 def rebuild_workers(cfg: RunConfig, run: RunHandle) -> Workers:

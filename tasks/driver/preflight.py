@@ -21,6 +21,7 @@ from rlstages.configs import RunConfig
 from rlstages.tasks.driver.checks import Check, PreflightError
 from rlstages.tasks.driver.checks.config import (
     check_backend_packages,
+    check_backends,
     check_context_parallel,
     check_faults,
     check_import_allowed,
@@ -69,6 +70,7 @@ def preflight(cfg: RunConfig, measure_prompts: bool = True, skip: Collection[Che
 CHECKS: tuple[Check, ...] = (
     check_run_name,
     check_faults,
+    check_backends,
     check_models,
     check_data_files,
     check_imports,

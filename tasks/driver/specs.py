@@ -14,38 +14,23 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from rlstages.configs.rollout import VLLMRolloutConfig
 from rlstages.configs.run import RunConfig
-from rlstages.configs.training import MegatronTrainingConfig, TorchTrainingConfig
 from rlstages.engines.algorithms import PolicyLossParams
 from rlstages.engines.imports import import_object
 from rlstages.engines.registry import (
     REWARD_ENGINES,
-    ROLLOUT_BACKENDS,
-    ROLLOUT_ENGINES,
     TRAINING_ENGINE,
+    TrainingOptions,
     engine_path,
     missing_package,
+    reference_options,
+    rollout_backend,
     training_backend,
 )
 from rlstages.engines.runtime.device import gpu_env
 from rlstages.engines.training.settings import Role, TrainerSettings
 from rlstages.engines.workers.actor_group import GroupSpec
 from rlstages.tasks.driver.context import RunHandle
-
-_COMMON_TRAINING = set(TorchTrainingConfig.model_fields) - {"backend"}
-MEGATRON_LAYOUT = {  # a Megatron reference beside a Megatron actor runs the actor's parallel layout and MoE options
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "virtual_pipeline_model_parallel_size",
-    "context_parallel_size",
-    "expert_model_parallel_size",
-    "expert_tensor_parallel_size",
-    "num_layers_in_first_pipeline_stage",
-    "num_layers_in_last_pipeline_stage",
-    "moe",
-    "transformer_impl",
-}
 
 
 def worker_gpu_env(cfg: RunConfig) -> dict[str, str]:
@@ -63,41 +48,50 @@ def model_dir(cfg: RunConfig) -> str:
 
 
 def converted_dir(cfg: RunConfig) -> Path | None:
-    """Where the actor's Megatron-Core checkpoint is converted to (None when the actor is not Megatron)."""
-    a = cfg.actor
-    if not isinstance(a, MegatronTrainingConfig):
+    """Where the actor's checkpoint is converted to before it starts (None when its backend reads HF weights)."""
+    layout = converted_layout(cfg)
+    return None if layout is None else (Path(".cache") / "mcore" / layout[0]).resolve()
+
+
+def converted_layout(cfg: RunConfig) -> tuple[str, dict[str, Any]] | None:
+    """(the converted directory's name, the converter's layout arguments) of the actor's backend
+    (its registry entry's `hf_convert`), or None when it reads HF weights as they are."""
+    convert = training_backend(cfg.actor.backend).hf_convert
+    if convert is None:
         return None
-    vpp = f"-vpp{a.virtual_pipeline_model_parallel_size}" if a.virtual_pipeline_model_parallel_size else ""
-    ep = f"-ep{a.expert_model_parallel_size}" if a.expert_model_parallel_size > 1 else ""
-    ep += f"-etp{a.expert_tp}" if a.expert_tp != a.tensor_model_parallel_size else ""
-    first, last = a.num_layers_in_first_pipeline_stage, a.num_layers_in_last_pipeline_stage
-    ep += (f"-first{first}" if first else "") + (f"-last{last}" if last else "")  # uneven pipeline stages
-    name = f"{cfg.model.path.name}-tp{a.tensor_model_parallel_size}-pp{a.pipeline_model_parallel_size}{vpp}{ep}"
-    return (Path(".cache") / "mcore" / name).resolve()
+    return import_object(convert, "actor.backend", expected="function")(cfg.actor, cfg.model.path.name)
 
 
 def missing_backend_package(cfg: RunConfig) -> str | None:
     """A one-line error for the first chosen backend whose package this machine lacks. Only when Ray starts
     here (a remote cluster's workers have their own packages); vLLM in its own venv (`rollout.python` or
     .venv-vllm) is the venv's business."""
-    from rlstages.engines.rollout.vllm_rollout import default_vllm_python
-
     if cfg.cluster.mode == "ray" and (cfg.cluster.address or os.environ.get("RAY_ADDRESS")):
         return None
     chosen: list[tuple[str, str]] = [("actor.backend", cfg.actor.backend)]
     if cfg.critic is not None:
         chosen.append(("critic.backend", cfg.critic.backend))
     r = cfg.rollout
-    if not (isinstance(r, VLLMRolloutConfig) and (r.python or default_vllm_python())):
+    if own_python(cfg) is None:  # a rollout in a venv of its own has its packages there
         chosen.append(("rollout.backend", r.backend))
     return next((msg for field, backend in chosen if (msg := missing_package(field, backend))), None)
+
+
+def own_python(cfg: RunConfig) -> str | None:
+    """The interpreter of the rollout backend's own venv (`rollout.python`, or one it finds), None when it runs in
+    this one (its registry entry's `interpreter`)."""
+    find = rollout_backend(cfg.rollout.backend).interpreter
+    if find is None:
+        return None
+    python = getattr(cfg.rollout, "python", None)
+    found = import_object(find, "rollout.backend", expected="function")(str(python) if python else None)
+    return str(found) if found else None
 
 
 def rollout_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
     """Rollout engine spec: the common constructor arguments plus those the backend's registry entry names."""
     r = cfg.rollout
-    engine = engine_path(ROLLOUT_ENGINES, r.backend)
-    entry = ROLLOUT_BACKENDS[r.backend]
+    entry = rollout_backend(r.backend)
     run_values = {
         "seed": cfg.trainer.seed,
         "model_type": cfg.model.model_type,
@@ -123,7 +117,7 @@ def rollout_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
         )
     return GroupSpec(
         name=f"{run.name}-{run.key}-rollout",
-        engine=engine,
+        engine=entry.engine,
         kwargs=kwargs,
         num_workers=r.num_workers,
         num_gpus=cfg.cluster.gpus_per_worker if cfg.cluster.num_gpus else 0.0,
@@ -139,14 +133,6 @@ def rollout_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
 def _plain(value: Any) -> Any:
     """A config section as plain data (a dict) for an engine's constructor, which may run in another venv."""
     return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
-
-
-def _grad_average_size(cfg: RunConfig) -> int:
-    """Ranks the actor's gradients are averaged over (DP, times CP for Megatron): token-sum's scale."""
-    actor = cfg.actor
-    if isinstance(actor, MegatronTrainingConfig):
-        return actor.data_parallel_size * actor.context_parallel_size
-    return actor.num_workers
 
 
 def response_budget(cfg: RunConfig) -> int:
@@ -178,7 +164,7 @@ def loss_params(cfg: RunConfig) -> PolicyLossParams:
         clip_cov_ub=a.clip_cov.ub,
         kl_cov_ratio=a.kl_cov.ratio,
         kl_cov_coef=a.kl_cov.coef,
-        dp_size=_grad_average_size(cfg),
+        dp_size=cfg.actor.grad_average_ranks,
     )
 
 
@@ -186,12 +172,10 @@ def trainer_settings(cfg: RunConfig, role: Role) -> TrainerSettings:
     """The settings of the actor, critic or reference engine. Actor and critic take their config section as
     is; the reference runs the actor's batching with its own backend (at that backend's default options),
     micro-batch size and worker count."""
+    train: TrainingOptions
     if role == "reference":
-        common = cfg.actor.model_dump(include=_COMMON_TRAINING)
-        common.update(micro_batch_size=cfg.reference.micro_batch_size, num_workers=cfg.reference.num_workers)
-        if cfg.reference.backend == "megatron" and isinstance(cfg.actor, MegatronTrainingConfig):
-            common.update(cfg.actor.model_dump(include=MEGATRON_LAYOUT))  # verl: the ref takes the actor's layout
-        train = training_backend(cfg.reference.backend).options.model_validate(common)
+        ref = cfg.reference
+        train = reference_options(cfg.actor, ref.backend, ref.micro_batch_size, ref.num_workers)
     else:
         section = cfg.critic if role == "critic" else cfg.actor
         assert section is not None
@@ -234,8 +218,8 @@ def training_spec(cfg: RunConfig, run: RunHandle, role: Role) -> GroupSpec:
         engine=TRAINING_ENGINE,
         kwargs={"settings": settings},
         num_workers=train.num_workers,
-        tp=getattr(train, "tensor_model_parallel_size", 1),
-        pp=getattr(train, "pipeline_model_parallel_size", 1),
+        tp=train.tp_size,
+        pp=train.pp_size,
         num_gpus=cfg.cluster.gpus_per_worker if cfg.cluster.num_gpus else 0.0,
         resources=dict(cfg.cluster.trainer_resources),
         env=worker_gpu_env(cfg),

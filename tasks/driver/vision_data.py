@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from rlstages.configs import RunConfig
-from rlstages.engines.models.vision import IMAGE_PLACEHOLDER, VIDEO_PAD, VISION_MODEL_TYPES
-
-IMAGE_ROLLOUT_BACKENDS = ("hf", "vllm", "sglang")  # rollout backends with an image path (sglang: written, not run)
+from rlstages.engines.imports import import_object
+from rlstages.engines.models.vision import IMAGE_PLACEHOLDER, VISION_MODEL_TYPES
+from rlstages.engines.registry import ROLLOUT_BACKENDS, TRAINING_BACKENDS, rollout_backend, training_backend
 
 
 def row_images(value: Any, where: str, key: str, base: Path | None = None) -> tuple[bytes, ...]:
@@ -124,37 +124,27 @@ def check_image_rows(cfg: RunConfig, rows: list[Any]) -> None:
         from rlstages.engines.models import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.model.path)
-        if cfg.rollout.backend == "vllm":
-            _check_vllm_tokens(cfg.model.path, tokenizer)
+        check = rollout_backend(cfg.rollout.backend).image_check  # what the backend's own image path needs
+        if check is not None:
+            import_object(check, "rollout.backend", expected="function")(cfg.model.path, tokenizer)
         _check_lengths(cfg, image_rows, processor, tokenizer)
 
 
-IMAGE_TRAINERS = ("torch", "deepspeed", "megatron")  # actor backends with an image path
-
-
-def _check_megatron(cfg: RunConfig) -> None:
-    """What the Megatron-Core image path (`engines.megatron.vlm_model`) does not run yet."""
+def _check_backends(cfg: RunConfig) -> None:
+    """The chosen backends run images (their registry entries' `images`), and nothing that is not built with
+    images yet is asked for (context parallelism, multi-turn rollouts, a critic)."""
+    if not rollout_backend(cfg.rollout.backend).images:
+        able = ", ".join(name for name, entry in ROLLOUT_BACKENDS.items() if entry.images)
+        raise ValueError(f"rollout.backend: {cfg.rollout.backend} does not run image prompts ({able} do; docs/vlm.md)")
     actor = cfg.actor
-    if getattr(actor, "context_parallel_size", 1) > 1:
+    if not training_backend(actor.backend).images:
+        able = ", ".join(name for name, entry in TRAINING_BACKENDS.items() if entry.images)
+        raise ValueError(f"actor.backend: {actor.backend} does not train on images yet ({able} do; docs/vlm.md)")
+    if actor.cp_size > 1:
         raise ValueError(
-            f"actor.context_parallel_size={actor.context_parallel_size}: the megatron backend does not split an image "
+            f"actor.context_parallel_size={actor.cp_size}: the {actor.backend} backend does not split an image "
             "batch's sequence over context-parallel ranks yet; use 1 (docs/vlm.md)"
         )
-
-
-def _check_backends(cfg: RunConfig) -> None:
-    if cfg.rollout.backend not in IMAGE_ROLLOUT_BACKENDS:
-        raise ValueError(
-            f"rollout.backend: {cfg.rollout.backend} does not run image prompts "
-            f"({', '.join(IMAGE_ROLLOUT_BACKENDS)} do; docs/vlm.md)"
-        )
-    if cfg.actor.backend not in IMAGE_TRAINERS:
-        raise ValueError(
-            f"actor.backend: {cfg.actor.backend} does not train on images yet ({', '.join(IMAGE_TRAINERS)} do; "
-            "docs/vlm.md)"
-        )
-    if cfg.actor.backend == "megatron":
-        _check_megatron(cfg)
     if getattr(getattr(cfg.rollout, "multi_turn", None), "enabled", False):
         raise ValueError("rollout.multi_turn.enabled: multi-turn rollouts with images are not built yet (docs/vlm.md)")
     if cfg.critic is not None:
@@ -193,17 +183,6 @@ def _model_processor(cfg: RunConfig) -> Any:
     if not (path / "preprocessor_config.json").is_file():
         raise ValueError(f"model.path: {path} has no image processor (preprocessor_config.json), which images need")
     return load_image_processor(path, cfg.data.image_min_pixels, cfg.data.image_max_pixels)
-
-
-def _check_vllm_tokens(path: Path, tokenizer: Any) -> None:
-    """The model's tokenizer has the video pad token, which vLLM's Qwen2-VL processor looks up even with no video
-    (a model without it fails in the engine's start-up): refused here, naming the token."""
-    if VIDEO_PAD not in tokenizer.get_vocab():
-        raise ValueError(
-            f"model.path: {path}'s tokenizer has no {VIDEO_PAD} token, which vLLM's Qwen2-VL processor needs "
-            "(rollout.backend: vllm); use rollout.backend: hf, or a tokenizer with it (a smollm2-vl model built "
-            "before 2026-11-27: delete its directory and it is built again with it)"
-        )
 
 
 def _check_lengths(cfg: RunConfig, rows: list[Any], processor: Any, tokenizer: Any) -> None:

@@ -5,6 +5,7 @@ live groups (`tasks.driver.cluster`) and config -> engine spec (`tasks.driver.sp
 from __future__ import annotations
 
 from rlstages.tasks.driver.cluster import (
+    NoWorkers,
     Workers,
     build_workers,
     forget_workers,
@@ -14,6 +15,7 @@ from rlstages.tasks.driver.cluster import (
 )
 from rlstages.tasks.driver.specs import (
     converted_dir,
+    converted_layout,
     hybrid_spec,
     loss_params,
     missing_backend_package,
@@ -26,9 +28,11 @@ from rlstages.tasks.driver.specs import (
 )
 
 __all__ = [
+    "NoWorkers",
     "Workers",
     "build_workers",
     "converted_dir",
+    "converted_layout",
     "forget_workers",
     "get_workers",
     "hybrid_spec",

@@ -17,6 +17,7 @@ import ray
 import torch
 
 from rlstages.engines import types as T
+from rlstages.engines.runtime.device import worker_device
 from rlstages.engines.runtime.rendezvous import collective_backend
 from rlstages.engines.sync.collective.driver import CollectiveSync
 from rlstages.engines.sync.protocol import SyncRound
@@ -33,7 +34,7 @@ class Ranked:
     def __init__(self) -> None:
         import torch.distributed as dist
 
-        dist.init_process_group(collective_backend())
+        dist.init_process_group(collective_backend(worker_device()))
         total = torch.tensor([float(dist.get_rank() + 1)])
         dist.all_reduce(total)
         keys = ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME")

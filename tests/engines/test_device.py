@@ -79,7 +79,7 @@ def test_on_cuda_follows_the_worker_not_the_process(monkeypatch: pytest.MonkeyPa
     """`on_cuda` is the worker's device (the override, Ray's assignment), the question megatron's shims ask."""
     assert D.on_cuda(torch.device("cuda", 1)) and not D.on_cuda(torch.device("cpu"))
     monkeypatch.setenv(D.DEVICE_ENV, "cpu")
-    assert not D.on_cuda()  # a worker pinned to the CPU, even where CUDA exists
+    assert not D.on_cuda(D.worker_device())  # a worker pinned to the CPU, even where CUDA exists
 
 
 def test_the_device_is_decided_in_one_place() -> None:
@@ -102,8 +102,59 @@ def test_the_backend_is_given_the_trainers_device(tiny_model_dir: Path) -> None:
 
     trainer = PPOTrainer(TrainerSettings(str(tiny_model_dir), role="reference"))
     assert trainer.backend.settings.device == str(trainer.device)
-    assert trainer.backend.device == trainer.device == TrainerSettings("m").resolved_device()
+    assert trainer.backend.device == trainer.device == D.worker_device()
     assert TrainerSettings("m", device="meta").resolved_device() == torch.device("meta")
+    with pytest.raises(ValueError, match="a step backend is built by PPOTrainer"):
+        TrainerSettings("m").resolved_device()  # never looked up again below the worker's start
+    handed = PPOTrainer(TrainerSettings(str(tiny_model_dir), role="reference"), device=torch.device("cpu"))
+    assert handed.backend.device == torch.device("cpu")  # a hybrid worker's device, passed down
+
+
+# Where a worker starts: the engine an actor is built around (its constructor resolves the device unless handed
+# one), and megatron-core's set-up in a process that holds no engine (conversion and parity workers).
+WORKER_STARTS = {
+    ("engines/training/core.py", "PPOTrainer.__init__"),
+    ("engines/rollout/hf_rollout.py", "HFRolloutEngine.__init__"),
+    ("engines/rollout/vllm_rollout.py", "VLLMRolloutEngine.__init__"),
+    ("engines/rollout/sglang_rollout.py", "SGLangRolloutEngine.__init__"),
+    ("engines/rewards/reward_model.py", "RewardModelEngine.__init__"),
+    ("engines/workers/hybrid.py", "HybridEngine.__init__"),
+    ("engines/megatron/gpt.py", "init_model_parallel"),
+}
+
+
+def device_lookups(path: Path, root: Path) -> list[tuple[str, str, str]]:
+    """(file, enclosing function, call) of each `worker_device()` / `local_device()` / argument-less `on_cuda()`."""
+    import ast
+
+    found: list[tuple[str, str, str]] = []
+
+    def visit(node: ast.AST, scope: list[str]) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = scope + [child.name] if isinstance(child, ast.FunctionDef | ast.ClassDef) else scope
+            if isinstance(child, ast.Call):
+                name = getattr(child.func, "attr", getattr(child.func, "id", ""))
+                if name in ("worker_device", "local_device") or (name == "on_cuda" and not child.args):
+                    found.append((str(path.relative_to(root)), ".".join(scope), name))
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text()), [])
+    return found
+
+
+def test_the_device_is_resolved_only_where_a_worker_starts() -> None:
+    """`worker_device()` only where a worker starts (`WORKER_STARTS`), every engine below is handed the device;
+    `on_cuda` always asks about a device it was given; the driver's `local_device` only for machine reports."""
+    root = Path(__file__).resolve().parents[2]
+    calls = [
+        c for pkg in ("engines", "tasks", "flows") for f in (root / pkg).rglob("*.py") for c in device_lookups(f, root)
+    ]
+    calls = [c for c in calls if c[0] != "engines/runtime/device.py"]
+    assert {(f, fn) for f, fn, name in calls if name == "worker_device"} == WORKER_STARTS
+    assert [c for c in calls if c[2] == "on_cuda"] == []
+    assert [(f, fn) for f, fn, name in calls if name == "local_device"] == [
+        ("engines/training/machine.py", "gemm_choice")
+    ]
 
 
 def test_visible_gpus_falls_back_to_nvidia_smi_within_visible_devices(

@@ -69,7 +69,7 @@ class FlatRollout(HFRolloutEngine):
         else:
             from rlstages.engines.sync.collective.flat import join_flat_group
 
-            self.groups[name] = join_flat_group(name, addr, port, rank, world, timeout)
+            self.groups[name] = join_flat_group(name, addr, port, rank, world, timeout, torch.device("cpu"))
 
     def begin_weight_group_update(self, name: str) -> None:
         self.wake()

@@ -15,7 +15,7 @@ import pytest
 from rlstages.engines import base
 from rlstages.engines.registry import (
     REWARD_ENGINES,
-    ROLLOUT_ENGINES,
+    ROLLOUT_BACKENDS,
     TRAINING_BACKENDS,
     TRAINING_ENGINE,
 )
@@ -23,6 +23,7 @@ from rlstages.engines.sync.protocol import EnginePush, WeightSync, WeightTarget
 from rlstages.engines.sync.registry import ENGINE_PUSHERS, TRANSPORTS
 
 HYBRID = "rlstages.engines.workers.hybrid:HybridEngine"
+ROLLOUT_ENGINES = {name: entry.engine for name, entry in ROLLOUT_BACKENDS.items()}
 CASES: list[tuple[str, type]] = [
     *[(path, base.RolloutEngine) for path in ROLLOUT_ENGINES.values()],
     (TRAINING_ENGINE, base.TrainingEngine),

@@ -111,9 +111,10 @@ def test_trainer_names_become_the_checkpoints(tiny_vlm_dir: Path) -> None:
 @pytest.mark.parametrize("backend", ["vllm", "sglang"])
 def test_preflight_lets_image_data_through(backend: str) -> None:
     from rlstages.configs.loader import load_config
-    from rlstages.tasks.driver.vision_data import IMAGE_ROLLOUT_BACKENDS, _check_backends
+    from rlstages.engines.registry import rollout_backend
+    from rlstages.tasks.driver.vision_data import _check_backends
 
     root = Path(__file__).resolve().parents[2]
-    gpus = ["cluster.num_gpus=1"] if backend == "sglang" else []  # the config refuses SGLang without GPUs
+    gpus = ["cluster.num_gpus=1"] if backend == "sglang" else []  # the pre-flight refuses SGLang without GPUs
     _check_backends(load_config(root / "configs" / "tiny.yaml", [f"rollout.backend={backend}", *gpus]))  # no refusal
-    assert backend in IMAGE_ROLLOUT_BACKENDS
+    assert rollout_backend(backend).images

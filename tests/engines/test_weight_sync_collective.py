@@ -11,6 +11,7 @@ import torch
 
 from rlstages.engines import types as T
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
+from rlstages.engines.runtime.device import worker_device
 from rlstages.engines.runtime.payload import layout, pack_into, unpack
 from rlstages.engines.runtime.rendezvous import collective_backend, local_ranks
 from rlstages.engines.sync.collective.driver import CollectiveSync
@@ -40,7 +41,7 @@ class Ranked:
 
         import torch.distributed as dist
 
-        dist.init_process_group(collective_backend())
+        dist.init_process_group(collective_backend(worker_device()))
         total = torch.tensor([float(dist.get_rank() + 1)])
         dist.all_reduce(total)
         self.info = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")}
@@ -59,6 +60,8 @@ class CopyingRollout(HFRolloutEngine):
 class TensorSource:
     """A weight source with no model: HF-named tensors of a fixed seed (the group logic needs nothing more)."""
 
+    device = torch.device("cpu")  # the worker's device, as every engine is handed it where its worker starts
+
     def named_weights(self):
         g = torch.Generator().manual_seed(0)
         for i in range(6):
@@ -67,6 +70,8 @@ class TensorSource:
 
 class TensorSink:
     """A receiver with no model: keeps what it is handed, and the names in the order they came."""
+
+    device = torch.device("cpu")
 
     def __init__(self) -> None:
         self.weights: dict[str, torch.Tensor] = {}

@@ -221,6 +221,15 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     ("zero-steps", ["run", B, "trainer.total_steps=0"], {}, "trainer.total_steps"),
     ("grpo-n1", ["run", B, "rollout.n=1"], {}, "needs rollout.n > 1"),
     ("gae-no-critic", ["run", B, "algorithm.adv_estimator=gae"], {}, "add a `critic:` section"),
+    # what the chosen backend can do (its registry entry)
+    ("torch-two-ranks", ["run", B, "actor.num_workers=2"], {}, "actor.backend=torch trains in one process"),
+    ("sglang-no-gpus", ["run", B, "rollout.backend=sglang"], {}, "rollout.backend=sglang needs GPUs"),
+    (
+        "lora-on-deepspeed",
+        ["run", B, LORA % "v_proj", "actor.backend=deepspeed"],
+        {},
+        "model.lora trains adapters on the torch backend only; got actor.backend=deepspeed",
+    ),
     (
         "megatron-cp-without-te",
         ["run", B, "actor.backend=megatron", "actor.num_workers=2", "actor.context_parallel_size=2"],
@@ -271,6 +280,19 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
         {},
         "trainer.async.kv_on_update=keep only matters with partial_rollout: true",
     ),
+    (
+        "async-partial-rollout-unsupported",
+        [
+            "run",
+            B,
+            "trainer.mode=async",
+            "cluster.hybrid_engine=false",
+            "trainer.async.partial_rollout=true",
+            "rollout.backend=vllm",
+        ],
+        {},
+        "trainer.async.partial_rollout: continuing sequences across a weight update needs a streaming engine",
+    ),  # fmt: skip
     (
         "async-queue-below-a-step",
         ["run", B, "trainer.mode=async", "cluster.hybrid_engine=false", "trainer.async.queue_capacity=1"],

@@ -24,8 +24,8 @@ def _rows(checks: list[doctor_config.Check]) -> dict[str, doctor_config.Check]:
 
 def test_config_checks_of_the_235b_preset(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NCCL_DEBUG", "WARN")
-    monkeypatch.setattr(doctor_config, "_vllm_version", lambda python: "0.32.0")
-    monkeypatch.setattr(doctor_config, "_version", lambda dist: "0.16.1" if dist == "megatron-core" else None)
+    versions = {"megatron-core": "0.16.1", "vllm": "0.32.0"}
+    monkeypatch.setattr(doctor_config, "_version", versions.get)
     checks = doctor_config.config_checks(load_config(PRESET, []), "H20", Path(sys.executable))
     rows = _rows(checks)
     assert rows["fullest rank"].ok is False and "actor stage 1" in rows["fullest rank"].detail
@@ -33,7 +33,7 @@ def test_config_checks_of_the_235b_preset(monkeypatch: pytest.MonkeyPatch) -> No
     assert rows["CUDA_DEVICE_MAX_CONNECTIONS"].ok is True
     assert "NCCL_DEBUG=WARN" in rows["NCCL"].detail and "nccl_cumem_enable" in rows["NCCL"].detail
     assert rows["megatron-core / vllm"].ok is True and "this project's CI" in rows["megatron-core / vllm"].detail
-    monkeypatch.setattr(doctor_config, "_vllm_version", lambda python: "0.9.2")
+    versions["vllm"] = "0.9.2"
     cfg = load_config(PRESET, ["cluster.cuda_device_max_connections=8", "actor.gradient_checkpointing=true"])
     rows = _rows(doctor_config.config_checks(cfg, "H20", Path(sys.executable)))
     assert rows["megatron-core / vllm"].ok is False and "untested pair" in rows["megatron-core / vllm"].detail

@@ -21,7 +21,6 @@ from typing import Any, cast
 import torch
 
 from rlstages.engines.runtime.payload import pack_into
-from rlstages.engines.runtime.rendezvous import collective_device
 
 
 def receives_flat_buckets(engine: Any) -> bool:
@@ -29,8 +28,11 @@ def receives_flat_buckets(engine: Any) -> bool:
     return callable(getattr(engine, "receive_weight_bucket", None))
 
 
-def join_flat_group(name: str, addr: str, port: int, rank: int, world: int, timeout: float) -> Any:
-    """Join (rank 0: host) the group `name` the way SGLang's workers form theirs; returns the process group."""
+def join_flat_group(
+    name: str, addr: str, port: int, rank: int, world: int, timeout: float, device: torch.device
+) -> Any:
+    """Join (rank 0: host) the group `name` the way SGLang's workers form theirs, from a process computing on
+    `device`; returns the process group."""
     from torch.distributed import distributed_c10d as c10d
 
     from rlstages.engines.runtime.rendezvous import collective_backend
@@ -38,7 +40,7 @@ def join_flat_group(name: str, addr: str, port: int, rank: int, world: int, time
     delta = datetime.timedelta(seconds=timeout)
     store, _, _ = next(c10d.rendezvous(f"tcp://{addr}:{port}", rank, world, timeout=delta))
     store.set_timeout(delta)
-    backend = c10d.Backend(collective_backend())
+    backend = c10d.Backend(collective_backend(device))
     group, _ = c10d._new_process_group_helper(
         world, rank, [], backend, c10d.PrefixStore(name, store), group_name=cast("c10d.GroupName", name), timeout=delta
     )
@@ -47,7 +49,12 @@ def join_flat_group(name: str, addr: str, port: int, rank: int, world: int, time
 
 
 def send_flat_bucket(
-    group: Any, name: str, receivers: list[Any], bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype
+    group: Any,
+    name: str,
+    receivers: list[Any],
+    bucket: list[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    where: str = "cpu",
 ) -> None:
     """Runs in the source: tell every receiver actor the bucket's layout (through Ray), broadcast the payload,
     and wait until each has loaded it."""
@@ -59,7 +66,7 @@ def send_flat_bucket(
     kind = str(dtype).removeprefix("torch.")
     shapes = [list(t.shape) for _, t in bucket]
     loads = [h.__ray_call__.remote(receive_flat_bucket, name, names, [kind] * len(names), shapes) for h in receivers]
-    payload = torch.empty(nbytes, dtype=torch.uint8, device=collective_device())
+    payload = torch.empty(nbytes, dtype=torch.uint8, device=where)  # the group's: the GPU under NCCL
     pack_into(bucket, dtype, payload)
     dist.broadcast(payload, src=0, group=group)
     ray.get(loads)
@@ -69,12 +76,12 @@ class FlatSender:
     """The source's side of a flat-bucket group (`wire.SENDERS["flat"]`): each bucket by `send_flat_bucket`; the
     round's end is the driver's (`end_flat_round` closes the engines' sessions)."""
 
-    def __init__(self, group: Any, name: str, receivers: list[Any], kind: torch.dtype) -> None:
-        self.group, self.name, self.receivers, self.kind = group, name, receivers, kind
+    def __init__(self, group: Any, name: str, receivers: list[Any], kind: torch.dtype, where: str = "cpu") -> None:
+        self.group, self.name, self.receivers, self.kind, self.where = group, name, receivers, kind, where
 
     def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         """The bucket's layout to every receiver actor, its payload broadcast; returns once all have loaded it."""
-        send_flat_bucket(self.group, self.name, self.receivers, bucket, self.kind)
+        send_flat_bucket(self.group, self.name, self.receivers, bucket, self.kind, self.where)
 
     def end(self) -> None:
         """Nothing to send: the receivers know the round's end from the driver."""

@@ -13,8 +13,6 @@ from typing import Any
 
 import torch
 
-from rlstages.engines.runtime.device import worker_device
-
 
 @dataclass
 class SyncGroup:
@@ -53,11 +51,11 @@ def worker_node(engine: Any) -> str:
 
 def member_gpus(engine: Any) -> list[str | None]:
     """Runs in a sync group member's actor: the UUID of the GPU of each process it adds (None on CPU): an
-    engine's own workers (`weight_group_devices`), else this worker's device (`device.worker_device`)."""
+    engine's own workers (`weight_group_devices`), else the engine's device (resolved where its worker started)."""
     own = getattr(engine, "weight_group_devices", None)
     if own is not None:
         return list(own())
-    device = worker_device()
+    device = engine.device
     if device.type != "cuda":
         return [None]
     from rlstages.engines.sync.cuda_ipc import gpu_uuid
@@ -128,7 +126,7 @@ def join_sync_group(
     if own is not None:
         own(name, addr, port, rank, world, timeout, shm_path, node_ip())
     else:
-        join_group(name, addr, port, rank, world, timeout, shm_path)
+        join_group(name, addr, port, rank, world, timeout, shm_path, device=engine.device)
     return rank
 
 
@@ -141,10 +139,11 @@ def join_group(
     timeout: float,
     shm_path: str | None = None,
     host: str | None = None,
+    device: torch.device | None = None,
 ) -> None:
     """Join the sync group `name` from this process and keep it here (rank 0 hosts its TCP store); with
     `shm_path` (all members on one node) bucket payloads pass through that shared-memory file. `host` is this
-    node's address (default: Ray's view of it) for gloo to bind."""
+    node's address (default: Ray's view of it) for gloo to bind; `device` this process's (None: the CPU)."""
     import datetime
 
     import torch.distributed as dist
@@ -153,18 +152,19 @@ def join_group(
 
     if name in SYNC_GROUPS:
         return
-    device = collective_device()
-    shm_path = shm_path if device == "cpu" else None  # NCCL moves GPU memory; the file is for host memory
+    on = device if device is not None else torch.device("cpu")
+    where = collective_device(on)
+    shm_path = shm_path if where == "cpu" else None  # NCCL moves GPU memory; the file is for host memory
     delta = datetime.timedelta(seconds=timeout)
     store = dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=delta)
-    if collective_backend() == "nccl":  # pragma: no cover - GPU only
+    if collective_backend(on) == "nccl":  # pragma: no cover - GPU only
         group: Any = dist.ProcessGroupNCCL(dist.PrefixStore(name, store), rank, world)  # type: ignore[call-arg]  # options has a default
     else:
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch private API, not in its stubs
         options._timeout = delta
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=host or node_ip())]
         group = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, world, options)
-    SYNC_GROUPS[name] = SyncGroup(group, rank, shm_path, device=device)
+    SYNC_GROUPS[name] = SyncGroup(group, rank, shm_path, device=where)
 
 
 def join_flat_source(
@@ -175,8 +175,8 @@ def join_flat_source(
     from rlstages.engines.sync.collective.flat import join_flat_group
 
     if name not in SYNC_GROUPS:
-        group = join_flat_group(name, addr, port, 0, world, timeout)
-        SYNC_GROUPS[name] = SyncGroup(group, 0, receivers=receivers, protocol="flat")
+        group = join_flat_group(name, addr, port, 0, world, timeout, engine.device)
+        SYNC_GROUPS[name] = SyncGroup(group, 0, receivers=receivers, protocol="flat", device=str(engine.device))
     return 0
 
 

@@ -62,7 +62,9 @@ class BroadcastSender:
 
 SENDERS: dict[str, Callable[[SyncGroup, str, torch.dtype], Any]] = {
     "broadcast": BroadcastSender,  # our receivers: `receive_into`
-    "flat": lambda member, name, kind: FlatSender(member.group, name, member.receivers or [], kind),  # SGLang
+    "flat": lambda member, name, kind: FlatSender(
+        member.group, name, member.receivers or [], kind, member.device
+    ),  # SGLang
 }
 
 

@@ -13,16 +13,58 @@ from rlstages.configs.stages import StageName
 from rlstages.configs.trainer import RUN_NAME
 from rlstages.engines.imports import allowed_imports, check_allowed
 from rlstages.engines.model_files import check_model_dir
+from rlstages.engines.registry import ROLLOUT_BACKENDS, TRAINING_BACKENDS, rollout_backend, training_backend
+from rlstages.engines.sync.registry import choose_transport
 from rlstages.tasks.driver.checks import PreflightError
 
-MULTI_TURN_BACKENDS = ("hf", "vllm")
+
+def check_backends(cfg: RunConfig) -> None:
+    """What the chosen backends can do (their registry entries) against what the config asks of them: LoRA, more
+    than one rank, a machine without GPUs, the weight transport the layout picks."""
+    able = {name for name, entry in TRAINING_BACKENDS.items() if entry.lora}
+    if cfg.model.lora is not None and not training_backend(cfg.actor.backend).lora:
+        raise PreflightError(
+            f"model.lora trains adapters on the {' or '.join(sorted(able))} backend only; got actor.backend="
+            f"{cfg.actor.backend} (use actor.backend: {sorted(able)[0]}, or remove model.lora)"
+        )
+    for role, train in (("actor", cfg.actor), ("critic", cfg.critic)):
+        if train is not None and train.num_workers != 1 and not training_backend(train.backend).data_parallel:
+            able = {name for name, entry in TRAINING_BACKENDS.items() if entry.data_parallel}
+            raise PreflightError(
+                f"{role}.backend={train.backend} trains in one process (num_workers must be 1, got "
+                f"{train.num_workers}); for data parallelism use backend {' or '.join(sorted(able))}"
+            )
+    rollout = rollout_backend(cfg.rollout.backend)
+    if rollout.needs_gpu and cfg.cluster.num_gpus == 0:
+        raise PreflightError(
+            f"rollout.backend={cfg.rollout.backend} needs GPUs (cluster.num_gpus=0); it has no CPU build"
+        )
+    if cfg.trainer.mode == "async" and cfg.trainer.async_.partial_rollout and not rollout.partial_rollout:
+        able = sorted(name for name, entry in ROLLOUT_BACKENDS.items() if entry.partial_rollout)
+        raise PreflightError(
+            "trainer.async.partial_rollout: continuing sequences across a weight update needs a streaming engine, "
+            f"which rollout.backend={cfg.rollout.backend} does not have"
+            + (f" (use rollout.backend: {' or '.join(able)})" if able else " in this build")
+            + "; or set partial_rollout: false"
+        )
+    placement = "hybrid" if cfg.cluster.hybrid_engine else "split"
+    transport = choose_transport(placement, cfg.cluster.mode, cfg.cluster.weight_sync)
+    if transport not in rollout.transports:
+        raise PreflightError(
+            f"cluster.weight_sync={cfg.cluster.weight_sync}: this layout sends weights by {transport}, which "
+            f"rollout.backend={cfg.rollout.backend} does not receive (it takes {', '.join(sorted(rollout.transports))})"
+        )
 
 
 def check_context_parallel(cfg: RunConfig) -> None:
     """Megatron context parallelism needs Transformer Engine's attention (megatron-core's local attention
     asserts CP = 1): refused here, before any worker starts, where transformer_engine is not installed."""
-    for role in ("actor", "critic"):
-        cp = getattr(getattr(cfg, role), "context_parallel_size", 1)
+    for role, train in (("actor", cfg.actor), ("critic", cfg.critic)):
+        if train is None:
+            continue
+        cp = train.cp_size
+        if cp > 1 and not training_backend(train.backend).context_parallel:
+            raise PreflightError(f"{role}.context_parallel_size={cp}: {role}.backend does not split sequences; use 1")
         if cp > 1 and importlib.util.find_spec("transformer_engine") is None:
             raise PreflightError(
                 f"{role}.context_parallel_size={cp}: megatron-core splits attention over CP ranks only with "
@@ -162,9 +204,10 @@ def check_multi_turn(cfg: RunConfig) -> None:
                     f"expected {field}.enabled=true"
                 )
         return
-    if cfg.rollout.backend not in MULTI_TURN_BACKENDS:
+    if not rollout_backend(cfg.rollout.backend).multi_turn:
+        able = sorted(name for name, entry in ROLLOUT_BACKENDS.items() if entry.multi_turn)
         raise PreflightError(
-            f"{field}.enabled: multi-turn rollouts run on rollout.backend {' or '.join(MULTI_TURN_BACKENDS)}, "
+            f"{field}.enabled: multi-turn rollouts run on rollout.backend {' or '.join(able)}, "
             f"not {cfg.rollout.backend!r}"
         )
     if cfg.rollout.stop:
