@@ -44,7 +44,8 @@ class AsyncFeed:
         self.total, self.generated = cfg.trainer.total_steps, start_step
         self.engines = threading.Lock()  # one user of the rollout engines at a time: generation or evaluation
         self.changed = threading.Condition()
-        self.stopping, self.error = threading.Event(), None
+        self.stopping = threading.Event()
+        self.error: BaseException | None = None
         self.idle: dict[int, float] = {}  # per step: how long generation waited for admission before it
         self.waited = 0.0  # the trainer's wait of this step: for its batch, then for generations before the sync
         self.thread = threading.Thread(

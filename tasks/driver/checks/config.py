@@ -40,11 +40,11 @@ def check_backends(cfg: RunConfig) -> None:
             f"rollout.backend={cfg.rollout.backend} needs GPUs (cluster.num_gpus=0); it has no CPU build"
         )
     if cfg.trainer.mode == "async" and cfg.trainer.async_.partial_rollout and not rollout.partial_rollout:
-        able = sorted(name for name, entry in ROLLOUT_BACKENDS.items() if entry.partial_rollout)
+        streaming = sorted(name for name, entry in ROLLOUT_BACKENDS.items() if entry.partial_rollout)
         raise PreflightError(
             "trainer.async.partial_rollout: continuing sequences across a weight update needs a streaming engine, "
             f"which rollout.backend={cfg.rollout.backend} does not have"
-            + (f" (use rollout.backend: {' or '.join(able)})" if able else " in this build")
+            + (f" (use rollout.backend: {' or '.join(streaming)})" if streaming else " in this build")
             + "; or set partial_rollout: false"
         )
     placement = "hybrid" if cfg.cluster.hybrid_engine else "split"
