@@ -81,6 +81,12 @@ class TrainerConfig(StrictModel):
         description="Directory name under output_dir (letters, digits, '_' and '-'; at most 100); "
         "None = run-<config hash>.",
     )
+    checkpoint_on_signal: bool = Field(
+        default=False,
+        description="On Ctrl-C or SIGTERM (a scheduler, `kubectl delete`, a spot reclaim): finish the step in "
+        "progress, commit a checkpoint at its boundary, then stop (a second signal stops at once). false: stop at "
+        "once; a re-run resumes from the last checkpoint (checkpoint.every). docs/production.md.",
+    )
     one_step_off_policy: bool = Field(
         default=False,
         description="Generate step k+1 while the trainer updates on step k (rollout weights one update old); "

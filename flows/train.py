@@ -21,6 +21,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from rlstages.configs import RunConfig
 from rlstages.flows.console import machine_of
+from rlstages.flows.interrupts import stop_on_signal
 from rlstages.flows.progress import RunProgress, flow_run_name, run_progress
 from rlstages.flows.stages import MAX_PARALLEL_STAGES, Metrics, Stages
 from rlstages.tasks.driver.context import RunHandle
@@ -101,6 +102,7 @@ def rl_post_train(cfg: RunConfig) -> str:
     link_mlflow_run(cfg, run, mlflow_run_id)  # the flow run's Artifacts tab links to the MLflow run
     set_tags(cfg, mlflow_run_id, machine_of(cfg).tags())  # which machine (CPU, bf16, GEMM kernel) ran it
     total = cfg.trainer.total_steps
+    step, stop = 0, stop_on_signal(cfg)  # Ctrl-C / SIGTERM: stop at a safe point, say what was kept
     try:
         convert_for_training(cfg, run)  # HF -> Megatron-Core, cached; a no-op for other backends
         start = s.start_workers(cfg, run)
@@ -116,7 +118,7 @@ def rl_post_train(cfg: RunConfig) -> str:
                     if _due(step, cfg.trainer.eval_every, total):
                         ui.stage("evaluate")
                         ui.evaluated(step, s.evaluate(cfg, run, step, mlflow_run_id))
-                    if _due(step, cfg.checkpoint.every, total):
+                    if _due(step, cfg.checkpoint.every, total) or stop.checkpoint_now():
                         ui.stage("checkpoint")
                         state = driver_snapshot(cfg, step, result.kl_state, mlflow_run_id)
                         ui.committed(step, s.checkpoint(cfg, run, step, state))
@@ -130,10 +132,14 @@ def rl_post_train(cfg: RunConfig) -> str:
                     step, kl_state = start.step + 1, start.kl_state
                     continue
                 kl_state, ahead = result.kl_state, result.ahead
+                stop.at_boundary()  # with trainer.checkpoint_on_signal: after the step's checkpoint
                 step += 1
         policy = s.export_policy(cfg, run, mlflow_run_id)
     except BaseException as exc:
         stage = failed_stage(flow_run.id)
+        if (stopped := stop.stopped(exc, cfg, run, step)) is not None:
+            close_run(cfg, run, mlflow_run_id, "KILLED", stopped.line(), stage)
+            return stopped.state()  # type: ignore[return-value]  # the flow run is Cancelled; the caller gets RunStopped
         close_run(
             cfg,
             run,
@@ -143,5 +149,7 @@ def rl_post_train(cfg: RunConfig) -> str:
             stage,
         )
         raise
+    finally:
+        stop.restore()
     close_run(cfg, run, mlflow_run_id, "FINISHED")
     return policy
