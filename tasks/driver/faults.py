@@ -5,8 +5,8 @@ ConnectionError at step 2 (Prefect retries it) and kills the actor's Ray worker 
 `update_actor` at step 3 (the flow recovers from the last checkpoint); `fatal` fails the flow run
 (a crash to resume from); `sigkill` kills the flow process itself (at `checkpoint_commit`: between the
 rename of a checkpoint and its manifest); `sigterm` / `sigint` send the flow process that signal, as a scheduler
-or Ctrl-C does (the flow stops at a safe point: flows/interrupts.py); `nan` poisons the step's training batch so its loss is NaN
-(`update_actor` / `update_critic`). Each fault fires once per run directory (a marker file records it),
+or Ctrl-C does (the flow stops at a safe point: flows/interrupts.py); `nan` poisons the step's training batch so
+its loss is NaN (`update_actor` / `update_critic`). Each fault fires once per run directory (a marker file records it),
 so the retry or the replay goes through. The spec is checked before a run starts (`parse_faults`).
 """
 

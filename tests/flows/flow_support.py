@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,7 +99,7 @@ class CliRun:
     returncode: int
     stdout: str
     stderr: str
-    left_behind: bool
+    left_behind: list[str]  # the command lines of its process group's processes alive 10 s after it ended
 
 
 def start_cli(tmp: Path, *args: str, env: dict[str, str], tag: str = "") -> subprocess.Popen[str]:
@@ -121,18 +122,34 @@ def start_cli(tmp: Path, *args: str, env: dict[str, str], tag: str = "") -> subp
 def wait_cli(proc: subprocess.Popen[str], tmp: Path, tag: str = "") -> CliRun:
     """Wait for a `start_cli` process; whatever it leaves behind in its group (the local Ray of a killed driver)
     is noted, then killed with the group."""
-    left = False
+    left: list[str] = []
     try:
         proc.wait(timeout=1200)
+        for _ in range(20):  # what the run started gets 10 s to follow it
+            left = group_members(proc.pid)
+            if not left:
+                break
+            time.sleep(0.5)
     finally:
         try:
-            os.killpg(proc.pid, 0)
-            left = True
             os.killpg(proc.pid, signal.SIGKILL)  # only the group we created
         except ProcessLookupError:
             pass
     name = str(proc.args[3]) + tag  # type: ignore[index]  # [python, -m, module, command, ...]
     return CliRun(proc.returncode, (tmp / f"{name}.out").read_text(), (tmp / f"{name}.err").read_text(), left)
+
+
+def group_members(pgid: int) -> list[str]:
+    """The command lines of the live (not zombie) processes of process group `pgid`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                found.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
 
 
 def cli(tmp: Path, *args: str, env: dict[str, str]) -> CliRun:
