@@ -49,6 +49,9 @@ class RunStopped(Exception):
     def __str__(self) -> str:
         return self.line()
 
+    def __reduce__(self) -> tuple[type[RunStopped], tuple[int, int, bool, int, int | None, str]]:
+        return RunStopped, (self.signum, self.step, self.done, self.total, self.checkpoint, self.run_dir)
+
     @property
     def exit_code(self) -> int:
         """The shell's code for a process ended by this signal (130 for SIGINT, 143 for SIGTERM)."""
