@@ -236,8 +236,13 @@ def planned_model_type(cfg: RunConfig) -> str | None:
         except (OSError, ValueError, AttributeError):  # unreadable: the model checks say so
             return None
         return str(kind) if kind is not None else None
+    if cfg.model.provider == "smollm2-vl":
+        return "qwen2_vl"  # SmolLM2 as the text tower of a Qwen2-VL (engines/models/vision.py)
     tiny = cfg.model.tiny.model_dump() if cfg.model.tiny is not None else None
-    planned = planned_config(cfg.model.path, cfg.model.provider, tiny)
+    try:
+        planned = planned_config(cfg.model.path, cfg.model.provider, tiny)
+    except Exception:  # noqa: BLE001 - a rehearsal that fails refuses nothing: the worker finds out
+        return None
     return getattr(planned, "model_type", None) if planned is not None else None
 
 
