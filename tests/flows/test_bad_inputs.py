@@ -182,8 +182,9 @@ def _bad_images(work: Path, vlm: Path) -> None:
     Image.new("RGB", (56, 56), (0, 0, 255)).save(work.parent / f"{work.name}-outside.png")  # opens: only refused
     row = {"prompt": "<image>What colour?", "images": [{"bytes": None, "path": f"../{work.name}-outside.png"}]}
     (data / "img-climbs.jsonl").write_text(json.dumps({**row, "reward_model": {"ground_truth": "blue"}}) + "\n")
-    _verl_parquet(data / "img-verl.parquet", (data / "red.png").read_bytes())
-    _verl_parquet(data / "img-verl-bad.parquet", b"not an image at all")
+    (data / "verl").mkdir()  # apart: `datasets-glob` needs data/*.parquet to match nothing
+    _verl_parquet(data / "verl" / "img.parquet", (data / "red.png").read_bytes())
+    _verl_parquet(data / "verl" / "img-bad.parquet", b"not an image at all")
 
 
 def _verl_parquet(path: Path, image: bytes) -> None:
@@ -222,7 +223,7 @@ D = "data"
 LORA = "model.lora={rank: 4, target_modules: [q_proj, %s]}"
 VLM = "model.path=models/vlm"
 IMAGES = "data.source={kind: datasets, path: data/%s.jsonl}"
-PARQUET = "data.source={kind: datasets, path: data/img-verl.parquet}"
+PARQUET = "data.source={kind: datasets, path: data/verl/img.parquet}"
 LOCAL_RAY = {"RAY_ADDRESS": ""}  # the run's Ray starts here (or is the one this test process joined)
 
 # (case id, argv, environment, text the one line must contain)
@@ -481,7 +482,7 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     ),
     (
         "image-bytes-broken",
-        ["run", B, VLM, "data.source={kind: datasets, path: data/img-verl-bad.parquet}"],
+        ["run", B, VLM, "data.source={kind: datasets, path: data/verl/img-bad.parquet}"],
         {},
         "column 'images': image 0 (bytes in the cell) does not open as an image",
     ),
