@@ -116,6 +116,12 @@ class TrainerConfig(StrictModel):
         "step's rollouts with the checkpoint's weights.",
     )
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+    checkpoint_on_signal: bool = Field(
+        default=False,
+        description="On Ctrl-C or SIGTERM (a scheduler, `kubectl delete`, a spot reclaim): finish the step in "
+        "progress, commit a checkpoint at its boundary, then stop (a second signal stops at once). false: stop at "
+        "once; a re-run resumes from the last checkpoint (checkpoint.every). docs/production.md.",
+    )
     one_step_off_policy: bool = Field(
         default=False,
         description="The older spelling of mode: one_step_off (still accepted; kept equal to it).",

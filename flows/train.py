@@ -25,6 +25,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from rlstages.configs import RunConfig
 from rlstages.flows.async_train import AsyncFeed, start_feed
 from rlstages.flows.console import machine_of
+from rlstages.flows.interrupts import stop_on_signal
 from rlstages.flows.progress import RunProgress, flow_run_name, run_progress
 from rlstages.flows.stages import MAX_PARALLEL_STAGES, Metrics, Stages
 from rlstages.tasks.driver.context import RunHandle
@@ -115,6 +116,7 @@ def rl_post_train(cfg: RunConfig) -> str:
     set_tags(cfg, mlflow_run_id, machine_of(cfg).tags())  # which machine (CPU, bf16, GEMM kernel) ran it
     total = cfg.trainer.total_steps
     feed: AsyncFeed | None = None
+    step, stop = 0, stop_on_signal(cfg)  # Ctrl-C / SIGTERM: stop at a safe point, say what was kept
     try:
         convert_for_training(cfg, run)  # HF -> Megatron-Core, cached; a no-op for other backends
         start = s.start_workers(cfg, run)
@@ -132,7 +134,7 @@ def rl_post_train(cfg: RunConfig) -> str:
                         ui.stage("evaluate")
                         with feed.engines_free() if feed else nullcontext():
                             ui.evaluated(step, s.evaluate(cfg, run, step, mlflow_run_id))
-                    if _due(step, cfg.checkpoint.every, total):
+                    if _due(step, cfg.checkpoint.every, total) or stop.checkpoint_now():
                         ui.stage("checkpoint")
                         state = driver_snapshot(cfg, step, result.kl_state, mlflow_run_id)
                         ui.committed(step, s.checkpoint(cfg, run, step, state))
@@ -149,6 +151,7 @@ def rl_post_train(cfg: RunConfig) -> str:
                     feed = start_feed(s, cfg, run, start.step)  # in flight or queued: generated again
                     continue
                 kl_state, ahead = result.kl_state, result.ahead
+                stop.at_boundary()  # with trainer.checkpoint_on_signal: after the step's checkpoint
                 step += 1
         if feed is not None:
             feed.close()
@@ -157,6 +160,9 @@ def rl_post_train(cfg: RunConfig) -> str:
         if feed is not None:
             feed.close(wait=False)
         stage = failed_stage(flow_run.id)
+        if (stopped := stop.stopped(exc, cfg, run, step)) is not None:
+            close_run(cfg, run, mlflow_run_id, "KILLED", stopped.line(), stage)
+            return stopped.state()  # type: ignore[return-value]  # the flow run is Cancelled; the caller gets RunStopped
         close_run(
             cfg,
             run,
@@ -166,5 +172,7 @@ def rl_post_train(cfg: RunConfig) -> str:
             stage,
         )
         raise
+    finally:
+        stop.restore()
     close_run(cfg, run, mlflow_run_id, "FINISHED")
     return policy

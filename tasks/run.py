@@ -29,6 +29,7 @@ from rlstages.tasks.driver.data import cursor, data_record
 from rlstages.tasks.driver.preflight import check_import_allowed
 from rlstages.tasks.driver.run_dir import clear_dir, read_state, resolve_run_dir, starts_over
 from rlstages.tasks.driver.run_dir import run_dir as run_dir  # re-exported: flows import it from here
+from rlstages.tasks.driver.run_lock import acquire, release
 from rlstages.tasks.driver.workers import (
     build_workers,
     converted_dir,
@@ -62,11 +63,13 @@ def write_state(run: RunHandle, **updates: Any) -> None:
 
 @task(name="prepare_run", cache_policy=NO_CACHE)
 def prepare_run(cfg: RunConfig) -> RunHandle:
-    """Create or reopen the run directory (a different config for an existing run is refused); build the model."""
+    """Create or reopen the run directory (a different config for an existing run, or one another process is
+    running, is refused); build the model."""
     from prefect.runtime import flow_run
 
     check_import_allowed(cfg)  # a deployment's run imports only what the deployment allows
     path = resolve_run_dir(cfg, str(flow_run.id) if flow_run.id else None)
+    acquire(path)  # one run per directory (a no-op when the CLI took it); released by close_run
     if starts_over(cfg, path):  # nothing committed there: the failed start's leftovers must not mix with ours
         stage_logger().warning(f"{path} held a run that committed nothing; starting over there")
         clear_dir(path)
@@ -105,7 +108,7 @@ def link_mlflow_run(cfg: RunConfig, run: RunHandle, mlflow_run_id: str) -> None:
     )
 
 
-_PLACE_KEYS = ("trainer.output_dir", "trainer.run_name", "checkpoint.resume")
+_PLACE_KEYS = ("trainer.output_dir", "trainer.run_name", "checkpoint.resume", "trainer.checkpoint_on_signal")
 
 
 def check_same_config(cfg: RunConfig, mlflow_run_id: str) -> None:
@@ -250,4 +253,5 @@ def close_run(
             )
     write_state(run, status=status)
     forget_workers(run, kill=True)
+    release(run.path)
     prefect_api.wait_until_answering(wait)  # the flow run's final state gets through

@@ -6,6 +6,7 @@ Bad input is a one-line error naming the file or field and a non-zero exit; `--d
 from __future__ import annotations
 
 import ctypes
+import shlex
 import sys
 import time
 from enum import StrEnum
@@ -112,9 +113,11 @@ def _load(path: Path, overrides: list[str] | None) -> RunConfig:
 
 
 def _guard(debug: bool, action) -> object:  # type: ignore[no-untyped-def]
+    from rlstages.flows.interrupts import RunStopped
+
     try:
         return action()
-    except typer.Exit:
+    except (typer.Exit, RunStopped):
         raise
     except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as exc:
         if debug:
@@ -137,23 +140,42 @@ def _precheck(cfg: RunConfig) -> None:
         warn(message)
 
 
-def _train(cfg: RunConfig, debug: bool, verbose: bool, log_format: LogFormat) -> None:
-    """Run the training flow with the terminal to ourselves (`rlstages.flows.console`): the machine measured,
-    the live display or plain step lines, the summary panel; everything else into the run's log file."""
-    from rlstages.flows.console import log_path_of, machine_of, print_summary, terminal_session
+def _hold_run_dir(cfg: RunConfig, debug: bool) -> None:
+    """Take the run directory's lock (`rlstages.tasks.driver.run_lock`): a second run under a name that is running
+    is refused in one line here, before the run directory, its log, Prefect, Ray or MLflow are touched."""
+    if cfg.checkpoint.resume == "fresh":  # every flow run gets its own directory; the flow locks it
+        return
+    from rlstages.tasks.driver.run_dir import run_dir
+    from rlstages.tasks.driver.run_lock import acquire
 
+    _guard(debug, lambda: acquire(run_dir(cfg)))
+
+
+def _train(cfg: RunConfig, debug: bool, verbose: bool, log_format: LogFormat, again: str | None = None) -> None:
+    """Run the training flow with the terminal to ourselves (`rlstages.flows.console`): the machine measured,
+    the live display or plain step lines, the summary panel; everything else into the run's log file. A run
+    stopped by Ctrl-C or SIGTERM says what was kept and that `again` (the command) resumes it."""
+    from rlstages.flows.console import log_path_of, machine_of, print_summary, terminal_session
+    from rlstages.flows.interrupts import RunStopped
+
+    _hold_run_dir(cfg, debug)
     quiet_prefect(debug)
     log_path = _guard(debug, lambda: log_path_of(cfg))
     assert isinstance(log_path, Path)
-    with terminal_session(log_path, log_format.value, verbose or debug, (out, err)) as term:  # type: ignore[arg-type]
-        term.console.print(machine_of(cfg).line(), highlight=False, soft_wrap=True)
-        term.starting()
-        from rlstages.flows.train import rl_post_train
+    try:
+        with terminal_session(log_path, log_format.value, verbose or debug, (out, err)) as term:  # type: ignore[arg-type]
+            term.console.print(machine_of(cfg).line(), highlight=False, soft_wrap=True)
+            term.starting()
+            from rlstages.flows.train import rl_post_train
 
-        policy = _guard(debug, lambda: rl_post_train(cfg))
-        assert isinstance(policy, str)
-        out.print(f"[green]done[/]: final policy in {escape(policy)}", soft_wrap=True)
-        _guard(debug, lambda: print_summary(cfg, policy, time.monotonic() - STARTED, term.console))
+            policy = _guard(debug, lambda: rl_post_train(cfg))
+            assert isinstance(policy, str)
+            out.print(f"[green]done[/]: final policy in {escape(policy)}", soft_wrap=True)
+            _guard(debug, lambda: print_summary(cfg, policy, time.monotonic() - STARTED, term.console))
+    except RunStopped as stopped:
+        again = again if cfg.checkpoint.resume == "auto" else None  # else `rlstages resume <its directory>`
+        err.print(f"[yellow]{escape(stopped.line(again))}[/]", soft_wrap=True, highlight=False)
+        raise typer.Exit(stopped.exit_code) from None
 
 
 @app.command()
@@ -167,7 +189,7 @@ def run(
     """Run (or continue) the training flow of CONFIG on the configured cluster."""
     cfg = _load(config, overrides)
     _guard(debug, lambda: _precheck(cfg))
-    _train(cfg, debug, verbose, log_format)
+    _train(cfg, debug, verbose, log_format, shlex.join(["rlstages", "run", str(config), *(overrides or [])]))
 
 
 @app.command()
@@ -195,7 +217,7 @@ def resume(
         out.print(f"[green]nothing to resume[/]: {escape(str(run_dir))} finished; final policy in {run_dir / 'final'}")
         return
     _guard(debug, lambda: _precheck(cfg))
-    _train(cfg, debug, verbose, log_format)
+    _train(cfg, debug, verbose, log_format, shlex.join(["rlstages", "resume", str(run_dir)]))
 
 
 @app.command("eval")

@@ -13,6 +13,8 @@ Non-goal: turning images into tensors (`engines.rollout.vision_inputs`).
 from __future__ import annotations
 
 import io
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +36,10 @@ def row_images(value: Any, where: str, key: str, base: Path | None = None) -> tu
         if isinstance(item, dict):
             item = item.get("bytes") or item.get("path")
         if isinstance(item, bytes | bytearray):
-            out.append(bytes(item))
+            out.append(_image_bytes(bytes(item), f"{where}: column {key!r}: image {i} (bytes in the cell)"))
         elif isinstance(item, str) and item:
-            out.append(_read_path(item, f"{where}: column {key!r}: image {i}", base))
+            cell = f"{where}: column {key!r}: image {i}"
+            out.append(_image_bytes(_read_path(item, cell, base), f"{cell} ({item})"))
         else:
             raise ValueError(
                 f"{where}: column {key!r}: image {i} is {type(item).__name__}; expected bytes, a file path or "
@@ -45,7 +48,31 @@ def row_images(value: Any, where: str, key: str, base: Path | None = None) -> tu
     return tuple(out)
 
 
+def _image_bytes(data: bytes, where: str) -> bytes:
+    """`data` when its header is one of an image format PIL reads (the whole image is verified by the pre-flight),
+    else a one-line ValueError naming the cell or path."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)):
+            return data
+    except UnidentifiedImageError:
+        raise ValueError(f"{where} does not open as an image (not in an image format PIL reads)") from None
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise ValueError(f"{where} does not open as an image ({type(exc).__name__}: {_plain(exc)})") from None
+
+
+def _plain(exc: BaseException) -> str:
+    """An exception's text without the in-memory file objects PIL names (`<_io.BytesIO object at 0x...>`)."""
+    return re.sub(r"<_io\.BytesIO object at 0x[0-9a-f]+>", "its bytes", str(exc))
+
+
 def _read_path(path: str, where: str, base: Path | None) -> bytes:
+    if not os.path.isabs(path) and os.path.normpath(path).split(os.sep)[0] == "..":
+        raise ValueError(
+            f"{where}: {path} climbs out of the data directory (a relative path with '..'); give a path inside it, "
+            "or an absolute one"
+        )
     for candidate in (Path(path), *((base / path,) if base is not None else ())):
         if candidate.is_file():
             return candidate.read_bytes()
@@ -158,31 +185,55 @@ def _check_opens(data: bytes, where: str) -> None:
         with Image.open(io.BytesIO(data)) as img:
             img.verify()
     except Exception as exc:  # noqa: BLE001 - PIL raises many kinds; all are "does not open"
-        raise ValueError(f"{where} does not open as an image ({type(exc).__name__}: {exc})") from None
+        raise ValueError(f"{where} does not open as an image ({type(exc).__name__}: {_plain(exc)})") from None
 
 
 def _model_processor(cfg: RunConfig) -> Any:
     """The model directory's image processor; None while a provider has not built the model yet. A model that
     is not a vision-language model, or has no image processor, is refused."""
-    import json
-
     from rlstages.engines.rollout.vision_inputs import load_image_processor
 
     path = cfg.model.path
     config = path / "config.json"
-    if not config.is_file():
-        if cfg.model.provider == "local":
-            raise ValueError(f"model.path: {path} has no config.json (expected a vision-language model directory)")
-        return None
-    kind = json.loads(config.read_text()).get("model_type")
+    if not config.is_file() and cfg.model.provider == "local":
+        raise ValueError(f"model.path: {path} has no config.json (expected a vision-language model directory)")
+    kind = planned_model_type(cfg)
+    if kind is None:
+        return None  # a model of unknown type before it exists: its worker finds out
     if kind not in VISION_MODEL_TYPES:
         raise ValueError(
             f"model.path: {path} is a {kind} model, not a vision-language one ({', '.join(VISION_MODEL_TYPES)}), "
             "and the data has images"
         )
+    if not config.is_file():
+        return None  # a provider builds the vision-language model (and its image processor) on first use
     if not (path / "preprocessor_config.json").is_file():
         raise ValueError(f"model.path: {path} has no image processor (preprocessor_config.json), which images need")
     return load_image_processor(path, cfg.data.image_min_pixels, cfg.data.image_max_pixels)
+
+
+def planned_model_type(cfg: RunConfig) -> str | None:
+    """The model's `model_type`, known before it exists where a provider builds it (the tiny spec's, the
+    provider's): config.json's, else the planned config's; None when not known before the start (a hub id)."""
+    import json
+
+    from rlstages.engines.models import planned_config
+
+    config = cfg.model.path / "config.json"
+    if config.is_file():
+        try:
+            kind = json.loads(config.read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):  # unreadable: the model checks say so
+            return None
+        return str(kind) if kind is not None else None
+    if cfg.model.provider == "smollm2-vl":
+        return "qwen2_vl"  # SmolLM2 as the text tower of a Qwen2-VL (engines/models/vision.py)
+    tiny = cfg.model.tiny.model_dump() if cfg.model.tiny is not None else None
+    try:
+        planned = planned_config(cfg.model.path, cfg.model.provider, tiny)
+    except Exception:  # noqa: BLE001 - a rehearsal that fails refuses nothing: the worker finds out
+        return None
+    return getattr(planned, "model_type", None) if planned is not None else None
 
 
 def _check_lengths(cfg: RunConfig, rows: list[Any], processor: Any, tokenizer: Any) -> None:

@@ -4,6 +4,11 @@ tests/flows/conftest.py."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,3 +84,74 @@ class Reference:
     def run_dir(self) -> Path:
         """runs/base."""
         return run_dir(self.cfg)
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment without what points a CLI process at another Ray, Prefect API or faults."""
+    drop = {"RAY_ADDRESS", "RLSTAGES_FAULTS", "RLSTAGES_ALLOWED_IMPORTS", "PREFECT_API_URL"}
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+@dataclass(frozen=True)
+class CliRun:
+    """A finished CLI process: its exit code, output, and whether its process group outlived it."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    left_behind: list[str]  # the command lines of its process group's processes alive 10 s after it ended
+
+
+def start_cli(tmp: Path, *args: str, env: dict[str, str], tag: str = "") -> subprocess.Popen[str]:
+    """The CLI started in `tmp` in its own process group, output in files `<command><tag>.out/.err` (a killed
+    driver's Ray children would hold pipes open)."""
+    out, err = tmp / f"{args[0]}{tag}.out", tmp / f"{args[0]}{tag}.err"
+    with out.open("w") as fo, err.open("w") as fe:
+        return subprocess.Popen(
+            [sys.executable, "-m", "rlstages.flows.cli", *args],
+            cwd=tmp,
+            env={**clean_env(), "PREFECT_HOME": str(tmp / ".prefect"), **env},
+            stdin=subprocess.DEVNULL,
+            stdout=fo,
+            stderr=fe,
+            text=True,
+            start_new_session=True,
+        )
+
+
+def wait_cli(proc: subprocess.Popen[str], tmp: Path, tag: str = "") -> CliRun:
+    """Wait for a `start_cli` process; whatever it leaves behind in its group (the local Ray of a killed driver)
+    is noted, then killed with the group."""
+    left: list[str] = []
+    try:
+        proc.wait(timeout=1200)
+        for _ in range(20):  # what the run started gets 10 s to follow it
+            left = group_members(proc.pid)
+            if not left:
+                break
+            time.sleep(0.5)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # only the group we created
+        except ProcessLookupError:
+            pass
+    name = str(proc.args[3]) + tag  # type: ignore[index]  # [python, -m, module, command, ...]
+    return CliRun(proc.returncode, (tmp / f"{name}.out").read_text(), (tmp / f"{name}.err").read_text(), left)
+
+
+def group_members(pgid: int) -> list[str]:
+    """The command lines of the live (not zombie) processes of process group `pgid`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                found.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def cli(tmp: Path, *args: str, env: dict[str, str]) -> CliRun:
+    """The CLI in its own process group, to its end (`start_cli`, `wait_cli`)."""
+    return wait_cli(start_cli(tmp, *args, env=env), tmp)

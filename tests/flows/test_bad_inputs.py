@@ -179,6 +179,26 @@ def _bad_images(work: Path, vlm: Path) -> None:
     rows("img-missing.jsonl", "<image>What colour?", ["nowhere.png"])
     rows("img-count.jsonl", "<image> and <image>: what colours?", ["red.png"])
     rows("img-many.jsonl", "<image>" * 5 + "What colours?", ["red.png"] * 5)
+    Image.new("RGB", (56, 56), (0, 0, 255)).save(work.parent / f"{work.name}-outside.png")  # opens: only refused
+    row = {"prompt": "<image>What colour?", "images": [{"bytes": None, "path": f"../{work.name}-outside.png"}]}
+    (data / "img-climbs.jsonl").write_text(json.dumps({**row, "reward_model": {"ground_truth": "blue"}}) + "\n")
+    (data / "verl").mkdir()  # apart: `datasets-glob` needs data/*.parquet to match nothing
+    _verl_parquet(data / "verl" / "img.parquet", (data / "red.png").read_bytes())
+    _verl_parquet(data / "verl" / "img-bad.parquet", b"not an image at all")
+
+
+def _verl_parquet(path: Path, image: bytes) -> None:
+    """verl's image schema: chat messages with `<image>`, the images' bytes in the cells, the answer in reward_model."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    row = {
+        "data_source": "colors",
+        "prompt": [{"role": "user", "content": "<image>What colour is the square?"}],
+        "images": [{"bytes": image, "path": None}],
+        "reward_model": {"style": "rule", "ground_truth": "red"},
+    }
+    pq.write_table(pa.Table.from_pylist([row, row]), path)
 
 
 def _without_video_pad(vlm: Path, out: Path) -> None:
@@ -203,6 +223,7 @@ D = "data"
 LORA = "model.lora={rank: 4, target_modules: [q_proj, %s]}"
 VLM = "model.path=models/vlm"
 IMAGES = "data.source={kind: datasets, path: data/%s.jsonl}"
+PARQUET = "data.source={kind: datasets, path: data/verl/img.parquet}"
 LOCAL_RAY = {"RAY_ADDRESS": ""}  # the run's Ray starts here (or is the one this test process joined)
 
 # (case id, argv, environment, text the one line must contain)
@@ -494,7 +515,43 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     ("jsonl-is-dir", ["run", B, jsonl_config(Path("data"))], {}, "data.source.train_path: data is a directory"),
     # ... images (verl's schema): one that does not open, placeholders != images, too many, image tokens past the
     # limit, a model without an image processor or without a vision tower, a backend that has no image path yet
-    ("image-broken", ["run", B, VLM, IMAGES % "img-broken"], {}, "image 0 does not open as an image"),
+    (
+        "image-broken",
+        ["run", B, VLM, IMAGES % "img-broken"],
+        {},
+        "column 'images': image 0 (data/broken.png) does not open as an image (not in an image format PIL reads)",
+    ),
+    (
+        "image-bytes-broken",
+        ["run", B, VLM, "data.source={kind: datasets, path: data/verl/img-bad.parquet}"],
+        {},
+        "column 'images': image 0 (bytes in the cell) does not open as an image",
+    ),
+    (
+        "image-path-climbs-out",
+        ["run", B, VLM, IMAGES % "img-climbs"],
+        {},
+        "-outside.png climbs out of the data directory",
+    ),
+    (
+        "image-parquet-text-model-unbuilt",  # verl's image parquet, a text model its provider has not built yet
+        ["run", B, "model.provider=tiny-random", "model.path=models/unbuilt", PARQUET],
+        {},
+        "model.path: models/unbuilt is a qwen2 model, not a vision-language one",
+    ),
+    ("image-parquet-text-model", ["run", B, PARQUET], {}, "is a qwen2 model, not a vision-language one"),
+    (
+        "freeze-vision-tower-text-model",
+        ["run", B, "actor.freeze=[vision_tower]"],
+        {},
+        "actor.freeze: ['vision_tower'] are not parts of model.path",
+    ),
+    (
+        "freeze-every-part",
+        ["run", B, VLM, "actor.freeze=[vision_tower, projector, language_model]"],
+        {},
+        "freezes every part of the qwen2_vl model: nothing trains",
+    ),
     ("image-missing", ["run", B, VLM, IMAGES % "img-missing"], {}, "data/nowhere.png does not exist"),
     ("image-count", ["run", B, VLM, IMAGES % "img-count"], {}, "2 <image> placeholder(s) but 1 image(s)"),
     ("image-many", ["run", B, VLM, IMAGES % "img-many"], {}, "5 images > data.max_images_per_prompt=4"),
@@ -549,6 +606,12 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
         "trainer.profile.stages",
     ),
     ("profile-step-zero", ["run", B, "trainer.profile={steps: [0]}"], {}, "trainer.profile.steps"),
+    (
+        "profile-step-beyond-the-run",
+        ["run", B, "trainer.profile={steps: [99]}"],
+        {},
+        "trainer.profile.steps: [99] beyond trainer.total_steps=2",
+    ),
     ("plan-gpu-unknown", ["plan", B, "--gpu", "B300"], {}, "--gpu B300: expected one of H20, H100, H200, A100-80G"),
     (
         "compare-png-under-file",
@@ -612,6 +675,7 @@ def test_bad_input_exits_2_in_one_line_and_changes_nothing(
     assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert needle in lines[0], lines[0]
+    assert " object at 0x" not in lines[0]  # names the file, cell or field, not an object's address
     assert snapshot(workspace) == before  # nothing created, replaced or removed (run dirs, MLflow DB included)
     assert not {"mlruns", "mlartifacts", "plots"} & {p.name for p in workspace.iterdir()}
 

@@ -26,7 +26,8 @@ def test_config_checks_of_the_235b_preset(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("NCCL_DEBUG", "WARN")
     versions = {"megatron-core": "0.16.1", "vllm": "0.32.0"}
     monkeypatch.setattr(doctor_config, "_version", versions.get)
-    checks = doctor_config.config_checks(load_config(PRESET, []), "H20", Path(sys.executable))
+    no_recompute = load_config(PRESET, ["actor.gradient_checkpointing=false"])  # the preset without verl's recompute
+    checks = doctor_config.config_checks(no_recompute, "H20", Path(sys.executable))
     rows = _rows(checks)
     assert rows["fullest rank"].ok is False and "actor stage 1" in rows["fullest rank"].detail
     assert any(c.name == "change" and "gradient_checkpointing=true" in c.detail for c in checks)

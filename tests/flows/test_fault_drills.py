@@ -11,12 +11,22 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from flow_support import IN_DRIVER, ROOT, Reference, final_weights, mlflow_run, overrides, reward_steps, run_dir, same
+from flow_support import (
+    IN_DRIVER,
+    ROOT,
+    Reference,
+    cli,
+    final_weights,
+    mlflow_run,
+    overrides,
+    reward_steps,
+    run_dir,
+    same,
+)
 from flow_support import tiny_cfg as _tiny_cfg
 from safetensors.torch import load_file
 
@@ -118,36 +128,6 @@ def test_nan_loss_skipped_leaves_the_weights_unchanged(reference, tiny_model_dir
     assert not same(final_weights(ref_cfg), after)  # the reference did learn at step 2
 
 
-def _clean_env() -> dict[str, str]:
-    drop = {"RAY_ADDRESS", "RLSTAGES_FAULTS", "RLSTAGES_ALLOWED_IMPORTS", "PREFECT_API_URL"}
-    return {k: v for k, v in os.environ.items() if k not in drop}
-
-
-def _cli(tmp: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """The CLI in its own process group, output in files (a killed driver's Ray children would hold pipes open);
-    whatever it leaves behind (the local Ray of a killed driver) is killed by that group."""
-    out, err = tmp / f"{args[0]}.out", tmp / f"{args[0]}.err"
-    with out.open("w") as fo, err.open("w") as fe:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rlstages.flows.cli", *args],
-            cwd=tmp,
-            env={**_clean_env(), "PREFECT_HOME": str(tmp / ".prefect"), **env},
-            stdin=subprocess.DEVNULL,
-            stdout=fo,
-            stderr=fe,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            proc.wait(timeout=1200)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # only the group we created
-            except ProcessLookupError:
-                pass
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out.read_text(), err.read_text())
-
-
 @pytest.mark.serial  # a real process SIGKILLed mid-commit: it owns the machine (tests/README.md)
 def test_sigkill_during_a_checkpoint_commit_then_resume(reference, tiny_model_dir: Path, tmp_path: Path) -> None:
     from prefect.settings import PREFECT_API_URL
@@ -157,14 +137,14 @@ def test_sigkill_during_a_checkpoint_commit_then_resume(reference, tiny_model_di
     config = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
     (tmp_path / "drill.yaml").write_text(yaml.safe_dump(config))
     cfg = load_config(tmp_path / "drill.yaml", overrides(tmp_path, tiny_model_dir, "killed", IN_DRIVER))
-    killed = _cli(tmp_path, "run", "drill.yaml", *overrides(tmp_path, tiny_model_dir, "killed", IN_DRIVER),
+    killed = cli(tmp_path, "run", "drill.yaml", *overrides(tmp_path, tiny_model_dir, "killed", IN_DRIVER),
                   env={**api, "RLSTAGES_FAULTS": "checkpoint_commit@2:sigkill"})  # fmt: skip
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     run_dir = cfg.trainer.output_dir / "killed"
     half = run_dir / "checkpoints" / "step_000002"
     assert half.is_dir() and not (half / MANIFEST).exists()  # renamed, never committed
     assert json.loads((run_dir / "run_state.json").read_text())["status"] == "RUNNING"
-    resumed = _cli(tmp_path, "resume", str(run_dir), env={**api, "RLSTAGES_FAULTS": ""})
+    resumed = cli(tmp_path, "resume", str(run_dir), env={**api, "RLSTAGES_FAULTS": ""})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "step_000002: no manifest.json (an interrupted commit); it is ignored" in resumed.stderr
     found = latest_checkpoint(RunHandle("killed", str(run_dir)), verify=True)

@@ -312,3 +312,40 @@ def check_backend_packages(cfg: RunConfig) -> None:
     problem = missing_backend_package(cfg)
     if problem:
         raise PreflightError(problem)
+
+
+def check_freeze(cfg: RunConfig) -> None:
+    """`actor.freeze` / `critic.freeze` name parts the model has: a text model has no vision_tower or projector
+    (freezing them would freeze nothing), and freezing every part would train nothing."""
+    from rlstages.engines.models.vision import COMPONENTS, VISION_MODEL_TYPES
+    from rlstages.tasks.driver.vision_data import planned_model_type
+
+    roles = [("actor", cfg.actor), *([("critic", cfg.critic)] if cfg.critic is not None else [])]
+    asked = [(role, tuple(getattr(train, "freeze", ()))) for role, train in roles]
+    if not any(freeze for _, freeze in asked):
+        return
+    kind = planned_model_type(cfg)
+    if kind is None:
+        return  # not known before the model exists (a hub id)
+    parts = COMPONENTS if kind in VISION_MODEL_TYPES else ("language_model",)
+    for role, freeze in asked:
+        missing = [p for p in freeze if p not in parts]
+        if missing:
+            raise PreflightError(
+                f"{role}.freeze: {missing} are not parts of model.path {cfg.model.path} (a {kind} model, text only: "
+                f"it is all language_model); freeze vision_tower / projector on a vision-language model only"
+            )
+        if set(parts) <= set(freeze):
+            raise PreflightError(
+                f"{role}.freeze: {list(freeze)} freezes every part of the {kind} model: nothing trains"
+            )
+
+
+def check_profile(cfg: RunConfig) -> None:
+    """`trainer.profile.steps` are steps the run has (a later one would profile nothing, silently)."""
+    late = [s for s in cfg.trainer.profile.steps if s > cfg.trainer.total_steps]
+    if late:
+        raise PreflightError(
+            f"trainer.profile.steps: {late} beyond trainer.total_steps={cfg.trainer.total_steps}; those steps never "
+            "run (expected steps 1..total_steps)"
+        )

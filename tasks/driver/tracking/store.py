@@ -104,6 +104,20 @@ def _creatable(path: Path) -> str | None:
     return None
 
 
+_OPENED: set[str] = set()  # SQLite stores this process has opened (created, migrated) once
+
+
 def client(cfg: RunConfig) -> MlflowClient:
-    """A client for the run's tracking URI (see `tracking_uri`)."""
-    return MlflowClient(tracking_uri=tracking_uri(cfg))
+    """A client for the run's tracking URI (see `tracking_uri`). A SQLite store is first opened under a lock
+    beside its file: MLflow creates and migrates the database on first open, and two processes doing that at
+    once race on its alembic table (`Online migration expected to match one row`)."""
+    uri = tracking_uri(cfg)
+    if uri in _OPENED or not uri.startswith("sqlite:///"):
+        return MlflowClient(tracking_uri=uri)
+    from rlstages.tasks.driver.run_lock import file_lock
+
+    with file_lock(Path(uri.removeprefix("sqlite:///") + ".lock")):
+        made = MlflowClient(tracking_uri=uri)
+        made.search_experiments(max_results=1)  # the store is created and migrated here, one process at a time
+    _OPENED.add(uri)
+    return made
