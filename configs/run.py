@@ -13,7 +13,7 @@ from rlstages.configs.algorithm import AlgorithmConfig
 from rlstages.configs.base import StrictModel
 from rlstages.configs.cluster import ClusterConfig
 from rlstages.configs.data import DataConfig
-from rlstages.configs.evaluation import EvalConfig
+from rlstages.configs.evaluation import EvalConfig, EvalWindow
 from rlstages.configs.model import ModelConfig
 from rlstages.configs.reward import RewardConfig
 from rlstages.configs.rollout import RolloutConfig, rollout_tp
@@ -66,6 +66,11 @@ class TrainerConfig(StrictModel):
 
     total_steps: int = Field(ge=1)
     eval_every: int = Field(default=0, ge=0, description="0 = only at start and end.")
+    eval_windows: list[EvalWindow] = Field(
+        default_factory=list,
+        description="Steps evaluated at their own cadence (a window's `every` replaces eval_every inside "
+        "first..last): the demo evaluates every 2 steps where held-out crosses 0.8 and every 6 elsewhere.",
+    )
     eval_at_start: bool = True
     seed: int = 0
     on_nonfinite: Literal["stop", "skip"] = Field(

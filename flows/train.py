@@ -20,6 +20,7 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from rlstages.configs import RunConfig
+from rlstages.configs.evaluation import eval_due
 from rlstages.flows.console import machine_of
 from rlstages.flows.progress import RunProgress, flow_run_name, run_progress
 from rlstages.flows.stages import MAX_PARALLEL_STAGES, Metrics, Stages
@@ -113,7 +114,7 @@ def rl_post_train(cfg: RunConfig) -> str:
                     result = rl_step(s, cfg, run, step, kl_state, ui, ahead)
                     log_step(cfg, mlflow_run_id, step, result.metrics)  # a replayed step is not logged twice
                     ui.step_done(step, result.metrics)
-                    if _due(step, cfg.trainer.eval_every, total):
+                    if eval_due(step, cfg.trainer.eval_every, cfg.trainer.eval_windows, total):
                         ui.stage("evaluate")
                         ui.evaluated(step, s.evaluate(cfg, run, step, mlflow_run_id))
                     if _due(step, cfg.checkpoint.every, total):

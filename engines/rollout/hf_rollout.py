@@ -23,6 +23,7 @@ from rlstages.engines.models.moe_layout import ExpertSlots
 from rlstages.engines.models.vision import is_vision_model, module_name, suppress, vision_token_ids
 from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
 from rlstages.engines.rollout.decode import Picker, decode, picker
+from rlstages.engines.rollout.fast_step import FastLlamaStep, fast_step, rollout_compute_dtype
 from rlstages.engines.rollout.multi_turn import build_runner, multi_turn_enabled
 from rlstages.engines.rollout.slots import HFStep, RowRequest, SlotDecoder, run_rows
 from rlstages.engines.rollout.trajectory import build_trajectory_batch
@@ -53,6 +54,8 @@ class HFRolloutEngine:
         attention: str = "eager",
         multi_turn: Any = None,
         image_pixels: tuple[int | None, int | None] = (None, None),
+        decode_step: str = "auto",
+        fp32_weights: bool | str = "auto",
     ) -> None:
         self.model_path = Path(model_path)
         self.device = worker_device()
@@ -67,6 +70,8 @@ class HFRolloutEngine:
         self.eos_ids = eos_token_ids(self.tokenizer, self.model.generation_config)
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.needs_weights = False
+        self.decode_step = decode_step  # "auto" | "fast" | "eager" (configs.rollout)
+        self.fp32_weights = fp32_weights  # the fast step's weights widened to fp32 (True, False, "auto")
         self.policy_version = 0  # stamped on each sampled token (`types.ROLLOUT_VERSIONS`)
         # KV cache blocks back to the GPU after generating, for another process on it (the hybrid engine turns it
         # off where the trainer shares this process's allocator and no other process shares the GPU)
@@ -161,14 +166,22 @@ class HFRolloutEngine:
     ) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
         """Every row through one `SlotDecoder` of `batch_size` slots, freed slots refilled from the pending rows
         (prompt-major); each row's ids, log-probs and per-token policy versions, in the rows' order."""
-        decoder = SlotDecoder(
-            self.batch_size, HFStep(self.model, self.device), self.eos_ids, self._stop_check(sampling.stop)
-        )
+        columns = max(map(len, rows), default=1) + sampling.max_new_tokens + 1
+        step = self._fast_step(min(self.batch_size, len(rows)), columns) or HFStep(self.model, self.device)
+        decoder = SlotDecoder(min(self.batch_size, len(rows)), step, self.eos_ids, self._stop_check(sampling.stop))
         decoder.version = self.policy_version
         requests = [RowRequest(i, ids, sampling.max_new_tokens) for i, ids in enumerate(rows)]
         done = run_rows(decoder, requests, self._picker(sampling))
         out = [done[i] for i in range(len(rows))]
         return [r.ids for r in out], [r.logprobs for r in out], [r.versions for r in out]
+
+    def _fast_step(self, slots: int, columns: int) -> FastLlamaStep | None:
+        """The fast decode step where it applies (`decode_step`: auto takes it on CPU), in the compute dtype
+        `rollout_compute_dtype` chooses; None: the eager step."""
+        if self.decode_step == "eager" or (self.decode_step == "auto" and self.device.type != "cpu"):
+            return None
+        dtype = rollout_compute_dtype(next(self.model.parameters()).dtype, self.device, self.fp32_weights)
+        return fast_step(self.model, slots, dtype, columns)
 
     def _generate_chunk(
         self, rows: list[list[int]], sampling: SamplingParams, images: list[ImagePrompt] | None = None

@@ -70,6 +70,9 @@ class DecodeStep(Protocol):
     def clear(self) -> None:
         """Drop every row."""
 
+    def weights_changed(self) -> None:
+        """The model's weights changed in place (a step holding its own copy of them takes it again)."""
+
 
 class SlotDecoder:
     """Continuous batching over `slots` rows with a `DecodeStep`; rows end at an EOS id, their limit, or when
@@ -158,6 +161,7 @@ class SlotDecoder:
         if kv not in ("recompute", "keep"):
             raise ValueError(f"on_weights_updated: kv must be 'recompute' or 'keep', got {kv!r}")
         self.version = version
+        self.model_step.weights_changed()
         if not self.rows:
             return
         for row in self.rows:
@@ -253,6 +257,9 @@ class HFStep:
     def clear(self) -> None:
         """Drop every row and the cache."""
         self.cache = self.mask = self.position = None
+
+    def weights_changed(self) -> None:
+        """Nothing to do: the forward reads the model's own parameters."""
 
     def _trim(self, start: int, stop: int) -> None:
         assert self.mask is not None

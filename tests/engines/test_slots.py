@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rlstages.engines.rollout.decode import decode, picker
+from rlstages.engines.rollout.fast_step import FastLlamaStep
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
 from rlstages.engines.rollout.slots import HFStep, RowRequest, SlotDecoder, run_rows
 
@@ -25,7 +26,13 @@ def _prompts(engine: HFRolloutEngine) -> list[list[int]]:
     return [engine.tokenizer(t)["input_ids"] for t in TEXTS]
 
 
-def test_refilled_slots_give_the_one_shot_greedy_tokens(engine: HFRolloutEngine) -> None:
+def _step(kind: str, model: torch.nn.Module, slots: int) -> HFStep | FastLlamaStep:
+    """The eager step or the fast one (static cache; 8 columns: it must make room and grow as rows join)."""
+    return HFStep(model) if kind == "eager" else FastLlamaStep(model, slots, torch.float32, columns=8)
+
+
+@pytest.mark.parametrize("kind", ["eager", "fast"])
+def test_refilled_slots_give_the_one_shot_greedy_tokens(engine: HFRolloutEngine, kind: str) -> None:
     """Two slots for six rows, an "EOS" that some rows emit early: the freed slots take pending rows mid-decode
     (their prefill joins a cache of other widths), and every row's greedy ids and log-probs are those of all six
     decoded in one batch."""
@@ -35,7 +42,7 @@ def test_refilled_slots_give_the_one_shot_greedy_tokens(engine: HFRolloutEngine)
     free = decode(engine.model, enc["input_ids"], enc["attention_mask"], 10, set(), greedy)
     stop_id = free.ids[0][2]  # row 0 ends at its third token: a slot frees early
     one_shot = decode(engine.model, enc["input_ids"], enc["attention_mask"], 10, {stop_id}, greedy)
-    decoder = SlotDecoder(2, HFStep(engine.model), {stop_id})
+    decoder = SlotDecoder(2, _step(kind, engine.model, 2), {stop_id})
     admitted: list[int] = []
     original = decoder.admit
     decoder.admit = lambda reqs: (admitted.append(len(decoder.rows)), original(reqs))[1]  # type: ignore[method-assign]
@@ -72,15 +79,16 @@ def _teacher_forced(model: torch.nn.Module, prompt: list[int], ids: list[int]) -
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0].tolist()
 
 
+@pytest.mark.parametrize("kind", ["eager", "fast"])
 @pytest.mark.parametrize("kv", ["recompute", "keep"])
-def test_stale_kv_after_weight_update(tiny_model_dir: Path, kv: str) -> None:
+def test_stale_kv_after_weight_update(tiny_model_dir: Path, kv: str, kind: str) -> None:
     """Issue 51's stale-KV check: rows interrupted by an in-place weight update continue; with `recompute` the
     tokens sampled after it have exactly the log-probs of a fresh prefill with the new weights; with `keep` the
     old weights' cache is detectably different, and the versions and the interruption are recorded."""
     engine = HFRolloutEngine(tiny_model_dir, dtype="float32", apply_chat_template=False)
     prompts = _prompts(engine)[:3]
     torch.manual_seed(0)
-    decoder = SlotDecoder(4, HFStep(engine.model), set())
+    decoder = SlotDecoder(4, _step(kind, engine.model, 4), set())
     decoder.admit([RowRequest(i, p, 12) for i, p in enumerate(prompts)])
     sample = picker(1.0, 0, 1.0, False)
     for _ in range(5):
