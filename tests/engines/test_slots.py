@@ -111,3 +111,53 @@ def test_stale_kv_after_weight_update(tiny_model_dir: Path, kv: str, kind: str) 
         assert max(gaps) < 1e-4
     else:
         assert max(gaps) > 1e-2  # the cache of the old weights shows
+
+
+def test_fast_step_greedy_equals_model_generate(engine: HFRolloutEngine) -> None:
+    """The engine's default step on CPU (the fast one) decodes greedily what transformers' `generate` does."""
+    from rlstages.engines.types import Prompt, SamplingParams
+
+    assert engine._fast_step(2, 64) is not None  # the tiny qwen2 takes the fast step
+    prompts = [Prompt(f"u{i}", text, "0") for i, text in enumerate(TEXTS)]
+    batch = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=10), seed=0)
+    for row, ids in enumerate(_prompts(engine)):
+        with torch.no_grad():
+            ref = engine.model.generate(
+                torch.tensor([ids]), do_sample=False, max_new_tokens=10, eos_token_id=None, pad_token_id=0
+            )[0, len(ids) :].tolist()
+        got = batch["response_ids"][row][batch["response_mask"][row].bool()].tolist()
+        assert got == ref[: len(got)] and (len(got) == 10 or got[-1] in engine.eos_ids)
+
+
+def test_an_unsupported_model_falls_back_with_one_line(engine: HFRolloutEngine, caplog) -> None:
+    from rlstages.engines.rollout.fast_step import fast_step
+
+    engine.model.config.hidden_act = "gelu"
+    try:
+        with caplog.at_level("WARNING"):
+            assert fast_step(engine.model, 2, torch.float32) is None
+    finally:
+        engine.model.config.hidden_act = "silu"
+    assert [r.getMessage() for r in caplog.records if "fast decode step is off" in r.getMessage()] == [
+        "rollout: the fast decode step is off (hidden_act 'gelu' (silu expected)); decoding with the eager "
+        "transformers step"
+    ]
+
+
+def test_fp32_rollout_weights_of_a_bf16_model(tiny_model_dir: Path) -> None:
+    """A bf16 model decoded on its fp32 copy: the log-probs are those of the fp32 model (the bf16 values
+    widened) and the model's own parameters stay bf16 and untouched."""
+    from rlstages.engines.models import load_causal_lm
+    from rlstages.engines.types import Prompt, SamplingParams
+
+    engine = HFRolloutEngine(tiny_model_dir, dtype="bfloat16", apply_chat_template=False, fp32_weights=True)
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    batch = engine.generate([Prompt("u", TEXTS[1], "0")], SamplingParams(n=3, max_new_tokens=8), seed=1)
+    assert all(torch.equal(v, engine.model.state_dict()[k]) and v.dtype == torch.bfloat16 for k, v in before.items())
+    wide = load_causal_lm(tiny_model_dir, "bfloat16").float()
+    ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], 1)
+    with torch.no_grad():
+        logits = wide(input_ids=ids, attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]).logits
+    p = batch["prompt_ids"].shape[1]
+    lp = torch.log_softmax(logits[:, p - 1 : -1].float(), -1).gather(-1, batch["response_ids"][..., None])[..., 0]
+    assert ((lp - batch["rollout_logprobs"]).abs() * batch["response_mask"]).max() < 1e-4
