@@ -240,7 +240,9 @@ class FastLlamaStep:
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    """The RMSNorm of transformers' Llama: the statistics in fp32 (bf16 steps round as the model's own do)."""
+    wide = x.float()
+    return weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -272,7 +274,8 @@ def _decode(step: FastLlamaStep, ids: torch.Tensor, n: int) -> torch.Tensor:
         step.values[i][:n, :, col] = v
         keys = step.keys[i][:n, :, lo : col + 1]  # [n, hk, W, d]
         scores = torch.matmul(q.view(n, hk, h // hk, d), keys.transpose(-1, -2)) * step.scale + bias
-        out = torch.matmul(torch.softmax(scores, dim=-1), step.values[i][:n, :, lo : col + 1])
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(step.dtype)
+        out = torch.matmul(probs, step.values[i][:n, :, lo : col + 1])
         x = x + F.linear(out.reshape(n, h * d), *layer["o"])
         a = _rms(x, layer["ln2"], w.eps)
         gate, up = F.linear(a, layer["gate_up"][0], layer["gate_up"][1]).chunk(2, dim=-1)
