@@ -65,12 +65,14 @@ def main() -> None:
     fast, eager = _engine("fast"), _engine("eager")
     params = sum(p.numel() for p in fast.model.parameters())
     dtype = fast_step.rollout_compute_dtype(torch.bfloat16, torch.device("cpu"), fast.fp32_weights)
-    peak = matmul_flops("float32" if dtype == torch.float32 else "bfloat16", n=2048)
+    kernel = "float32" if dtype == torch.float32 else "bfloat16"
+    peak = matmul_flops(kernel, n=2048)
     _rollout(fast)  # warm-up (the kernel choice is timed once)
     best = {"fast": float("inf"), "eager": float("inf")}
     for _ in range(2):
         best["fast"] = min(best["fast"], _rollout(fast))
         best["eager"] = min(best["eager"], _rollout(eager))
+    peak = max(peak, matmul_flops(kernel, n=2048))  # the quieter of two: a shared machine's load passes
     machine = measure("auto", True, 2, "auto")
     tok_s = ROWS * NEW / best["fast"]
     bound = peak / (2 * params)
