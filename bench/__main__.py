@@ -27,6 +27,7 @@ from bench.common import RESULTS_ENV, matmul_flops, memory_bandwidth
 BENCHES = [
     "step",
     "rollout",
+    "gen_cpu",
     "sync",
     "flow",
     "convert",

@@ -8,8 +8,7 @@ model (SmolLM2-135M-Instruct) and shapes, each against a baseline measured in th
   (informative: the casts of every weight in each pass).
 - `gen_weight_stream_fraction`: generated tokens/s of the HF rollout engine (bf16, 64 rows x 48 tokens) over
   the weight-streaming bound: rows x copy bandwidth / bytes of weights read per decode step (informative:
-  on CPU a batch of 64 is compute-bound; `gen_compute_fraction` is the same against 2 x params x rows FLOPs
-  per decode step at the bf16 matmul speed).
+  on CPU a batch of 64 is compute-bound; `gen_compute_fraction` is `bench_gen_cpu`'s).
 - `step_matmul_fraction_fp32_kernel`: the same bf16 layers on the fp32 GEMM (`actor.fp32_matmul`) against a
   plain large fp32 matmul, and `fp32_kernel_step_time` its time over the bf16 kernel's (informative).
 - `lora_time_per_step`, `lora_peak_memory`: the demo-shaped update with LoRA adapters (`model.lora` defaults:
@@ -129,20 +128,12 @@ def generation_fraction(bf16_flops: float) -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     bandwidth = memory_bandwidth()
     stream_bound = rows * bandwidth / weight_bytes
-    params = sum(p.numel() for p in engine.model.parameters())
-    compute_bound = rows * bf16_flops / (2 * params * rows)
     record(
         "gen_weight_stream_fraction",
         tok_s / stream_bound,
         None,
         f"{tok_s:.0f} tok/s vs {stream_bound:.0f} (weights {weight_bytes / 1e6:.0f} MB/step, "
         f"{bandwidth / 1e9:.1f} GB/s)",
-    )
-    record(
-        "gen_compute_fraction",
-        tok_s / compute_bound,
-        None,
-        f"{tok_s:.0f} tok/s vs {compute_bound:.0f} (2N FLOPs/token)",
     )
 
 

@@ -21,3 +21,21 @@ class EvalConfig(StrictModel):
     correct_above: float = Field(
         default=0.0, description="A sample counts as correct when its reward is above this (as reward/accuracy)."
     )
+
+
+class EvalWindow(StrictModel):
+    """Steps `first`..`last` evaluated every `every` steps (denser where the curve crosses what is read off it)."""
+
+    first: int = Field(ge=1)
+    last: int = Field(ge=1)
+    every: int = Field(ge=1)
+
+
+def eval_due(step: int, every: int, windows: list[EvalWindow], last: int) -> bool:
+    """Whether step `step` of `last` is evaluated: the last always; inside a window at its cadence, elsewhere
+    every `every` steps (0: none between the start and the end)."""
+    if step == last:
+        return True
+    window = next((w for w in windows if w.first <= step <= w.last), None)
+    cadence = window.every if window is not None else every
+    return cadence > 0 and step % cadence == 0

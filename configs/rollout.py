@@ -93,6 +93,18 @@ class HFRolloutConfig(_RolloutCommon):
         description="transformers attention for generation. eager: plain matmuls, faster for short CPU decodes "
         "(SmolLM2-135M, 64 x 48 tokens: 12.5 s vs 15.6 s with sdpa's CPU flash kernel); sdpa for long prompts or GPUs.",
     )
+    decode_step: Literal["auto", "fast", "eager"] = Field(
+        default="auto",
+        description="The decode step of text prompts. fast: our own Llama-family step over a static KV cache "
+        "(llama, qwen2, mistral without a sliding window; another model falls back to eager with one line); "
+        "eager: the transformers forward (every architecture); auto: fast on CPU, eager on GPU.",
+    )
+    fp32_weights: bool | Literal["auto"] = Field(
+        default="auto",
+        description="The fast step multiplies an fp32 copy of bf16 weights, made at each generation and freed "
+        "after (4 bytes a parameter: 540 MB for SmolLM2-135M). auto: where this CPU's fp32 GEMM timed clearly "
+        "faster than its bf16 one (no native bf16: AVX2-only or AVX-512 without BF16), as actor.fp32_matmul decides.",
+    )
 
 
 class VLLMRolloutConfig(_RolloutCommon):

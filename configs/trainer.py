@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from rlstages.configs.base import StrictModel
+from rlstages.configs.evaluation import EvalWindow
 
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}")
 
@@ -91,6 +92,11 @@ class TrainerConfig(StrictModel):
 
     total_steps: int = Field(ge=1)
     eval_every: int = Field(default=0, ge=0, description="0 = only at start and end.")
+    eval_windows: list[EvalWindow] = Field(
+        default_factory=list,
+        description="Steps evaluated at their own cadence (a window's `every` replaces eval_every inside "
+        "first..last): the demo evaluates every 2 steps where held-out crosses 0.8 and every 6 elsewhere.",
+    )
     eval_at_start: bool = True
     seed: int = 0
     on_nonfinite: Literal["stop", "skip"] = Field(

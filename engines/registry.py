@@ -38,7 +38,7 @@ class TrainingBackend:
 ROLLOUT_BACKENDS: dict[str, RolloutBackend] = {
     "hf": RolloutBackend(
         "rlstages.engines.rollout.hf_rollout:HFRolloutEngine",
-        ("batch_size", "attention", "multi_turn"),
+        ("batch_size", "attention", "multi_turn", "decode_step", "fp32_weights"),
         ("model_type",),
     ),
     "vllm": RolloutBackend(

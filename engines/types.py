@@ -9,6 +9,7 @@ A batch is a TensorDict with batch size [B] (B = prompts x n samples). Shapes, P
     position_ids      [B, P+T]  int64, cumsum(attention_mask) - 1, clamped at 0
     response_mask     [B, T]    float32, 1 on generated tokens up to and including EOS
     rollout_logprobs  [B, T]    float32, log-prob of each sampled token under the rollout engine
+    rollout_versions  [B, T]    int64, the policy version that sampled each token (0 on padding)
     old_logprobs      [B, T]    float32, trainer log-probs before the update
     ref_logprobs      [B, T]    float32, reference-policy log-probs
     values            [B, T]    float32, critic values
@@ -58,6 +59,7 @@ ADVANTAGES = "advantages"
 RETURNS = "returns"
 SCORES = "scores"
 ROLLOUT_IS_WEIGHTS = "rollout_is_weights"
+ROLLOUT_VERSIONS = "rollout_versions"
 ROPE_POSITION_IDS = "rope_position_ids"
 MULTI_MODAL_INPUTS = "multi_modal_inputs"
 _MM_PREFIX = "__mm__."

@@ -130,7 +130,9 @@ def machine_of(cfg: RunConfig):  # noqa: ANN201 - engines' Machine, imported laz
 
     actor = cfg.actor
     bf16 = cfg.model.dtype == "bfloat16" or bool(getattr(actor, "bf16_autocast", False))
-    return measure(getattr(actor, "fp32_matmul", None), bf16, cfg.cluster.threads_per_worker)
+    rollout = getattr(cfg.rollout, "fp32_weights", None)  # the HF rollout's (another backend: None)
+    threads = cfg.cluster.threads_per_worker
+    return measure(getattr(actor, "fp32_matmul", None), bf16, threads, rollout, cfg.rollout.dtype == "bfloat16")
 
 
 def _duration(seconds: float) -> str:

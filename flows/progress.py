@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prefect import get_run_logger
@@ -89,14 +90,35 @@ def step_line(step: int, total: int, metrics: dict[str, float]) -> str:
     )
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What the ETA knows of the run ahead: which steps evaluate and checkpoint, and the start's evaluation
+    time (seconds, where one ran)."""
+
+    evaluates: Callable[[int], bool] = lambda _step: False
+    checkpoints: Callable[[int], bool] = lambda _step: False
+    evaluated_s: tuple[float, ...] = ()
+
+
 class RunProgress:
     """Step progress of one run: on the terminal (`rlstages.flows.console.terminal`: a rich live display, or one
     plain line per step), in Prefect's log pane (the step line) and as a Prefect artifact."""
 
-    def __init__(self, progress: Progress | None, task_id: Any, total: int, start: int, artifact_id: Any) -> None:
+    def __init__(
+        self,
+        progress: Progress | None,
+        task_id: Any,
+        total: int,
+        start: int,
+        artifact_id: Any,
+        plan: Plan | None = None,
+    ) -> None:
         self.progress, self.task_id, self.total, self.artifact_id = progress, task_id, total, artifact_id
-        self._artifact_at = self._started = time.monotonic()
+        self._artifact_at = self._started = self._mark = time.monotonic()
         self._first = start  # steps done before this process started (a resume): not in its step times
+        self.plan = plan or Plan()
+        self._spent: dict[str, list[float]] = {"step": [], "evaluate": list(self.plan.evaluated_s), "checkpoint": []}
+        self._stage_at: tuple[str, float] | None = None
         self._accuracy, self._reward, self._timing = "-", "", ""
         self.log = run_logger()
         self.term = terminal()
@@ -109,7 +131,8 @@ class RunProgress:
             self.term.console.print(line, highlight=False, markup=False, soft_wrap=True)
 
     def stage(self, name: str) -> None:
-        """Show the stage being run."""
+        """Show the stage being run (an evaluation's or a checkpoint's start is timed for the ETA)."""
+        self._stage_at = (name, time.monotonic())
         if self.progress is not None:
             self.progress.update(self.task_id, stage=name)
 
@@ -118,10 +141,32 @@ class RunProgress:
         done = step - self._first
         return (time.monotonic() - self._started) / done if done > 0 else None
 
+    def _timed(self, kind: str) -> None:
+        """The time since the last mark (a step) or since its stage began (an evaluation, a checkpoint)."""
+        now = time.monotonic()
+        began = self._stage_at[1] if self._stage_at is not None and self._stage_at[0] == kind else self._mark
+        self._spent[kind].append(now - began)
+        self._mark = now
+
+    def eta_seconds(self, step: int) -> float:
+        """The rest of the run after step `step`: the steps left at the time of a step (the first one, with its
+        warm-ups, left out once others are measured), plus the evaluations and checkpoints still due (this
+        step's included) at their measured times."""
+        steps, evals, saves = self._spent["step"], self._spent["evaluate"], self._spent["checkpoint"]
+        per_step = sum(steps[1:]) / len(steps[1:]) if len(steps) > 1 else (steps[0] if steps else 0.0)
+        later = range(step, self.total + 1)
+        eta = per_step * (self.total - step)
+        if evals:
+            eta += sum(evals) / len(evals) * sum(self.plan.evaluates(s) for s in later)
+        if saves:
+            eta += sum(saves) / len(saves) * sum(self.plan.checkpoints(s) for s in later)
+        return eta
+
     def step_done(self, step: int, metrics: dict[str, float]) -> None:
         """Advance to `step` with its reward, the last held-out accuracy, time per step and the ETA."""
+        self._timed("step")
         per_step = self.seconds_per_step(step)
-        eta = None if per_step is None else _clock(per_step * (self.total - step))
+        eta = None if per_step is None else _clock(self.eta_seconds(step))
         self._timing = "" if per_step is None else f" | {per_step:.1f} s/step | ETA {eta}"
         self._reward = f"reward {metrics.get('reward/mean', float('nan')):.3f}"
         if self.progress is not None:
@@ -144,6 +189,7 @@ class RunProgress:
 
     def evaluated(self, step: int, metrics: dict[str, float]) -> None:
         """Log a held-out evaluation."""
+        self._timed("evaluate")
         self._accuracy = f"{metrics.get('eval/accuracy', float('nan')):.3f}"
         self._show()
         line = (
@@ -155,6 +201,7 @@ class RunProgress:
 
     def committed(self, step: int, manifest: str) -> None:
         """Log a committed checkpoint."""
+        self._timed("checkpoint")
         self.log.info(f"checkpoint of step {step} committed: {manifest}")
 
     def recovering(self, step: int, lost: BaseException, attempt: int, limit: int) -> None:
@@ -173,7 +220,7 @@ def _clock(seconds: float) -> str:
 
 
 @contextlib.contextmanager
-def run_progress(name: str, total: int, start: int) -> Iterator[RunProgress]:
+def run_progress(name: str, total: int, start: int, plan: Plan | None = None) -> Iterator[RunProgress]:
     """The run's progress for `total` steps starting after `start`: a live display where the terminal is one."""
     try:
         artifact_id = create_progress_artifact(
@@ -184,7 +231,7 @@ def run_progress(name: str, total: int, start: int) -> Iterator[RunProgress]:
     term = terminal()
     term.started()
     if not term.live:
-        yield RunProgress(None, None, total, start, artifact_id)
+        yield RunProgress(None, None, total, start, artifact_id, plan)
         return
     columns = [
         TextColumn("[bold]{task.description}"),
@@ -197,7 +244,7 @@ def run_progress(name: str, total: int, start: int) -> Iterator[RunProgress]:
     ]
     with Progress(*columns, console=term.console, transient=False, refresh_per_second=2, **NO_REDIRECT) as progress:
         task_id = progress.add_task(name, total=total, completed=start, stage="", info="")
-        yield RunProgress(progress, task_id, total, start, artifact_id)
+        yield RunProgress(progress, task_id, total, start, artifact_id, plan)
         progress.update(task_id, stage="")  # the last stage (a checkpoint) is over
 
 

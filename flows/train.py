@@ -23,9 +23,10 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from rlstages.configs import RunConfig
+from rlstages.configs.evaluation import eval_due
 from rlstages.flows.async_train import AsyncFeed, start_feed
 from rlstages.flows.console import machine_of
-from rlstages.flows.progress import RunProgress, flow_run_name, run_progress
+from rlstages.flows.progress import Plan, RunProgress, flow_run_name, run_progress
 from rlstages.flows.stages import MAX_PARALLEL_STAGES, Metrics, Stages
 from rlstages.tasks.driver.context import RunHandle
 from rlstages.tasks.driver.tracking import log_step, set_tags
@@ -118,17 +119,23 @@ def rl_post_train(cfg: RunConfig) -> str:
     try:
         convert_for_training(cfg, run)  # HF -> Megatron-Core, cached; a no-op for other backends
         start = s.start_workers(cfg, run)
+        evaluated_s: tuple[float, ...] = ()
         if start.step == 0 and cfg.trainer.eval_at_start:
-            s.evaluate(cfg, run, 0, mlflow_run_id)
+            evaluated_s = (s.evaluate(cfg, run, 0, mlflow_run_id).get("timing/evaluate_s", 0.0),)
         step, kl_state, recoveries, ahead = start.step + 1, start.kl_state, 0, None
+        plan = Plan(
+            lambda k: eval_due(k, cfg.trainer.eval_every, cfg.trainer.eval_windows, total),
+            lambda k: _due(k, cfg.checkpoint.every, total),
+            evaluated_s,
+        )
         feed = start_feed(s, cfg, run, start.step)  # async: generation runs ahead from here on
-        with run_progress(run.name, total, start.step) as ui:
+        with run_progress(run.name, total, start.step, plan) as ui:
             while step <= total:
                 try:  # a worker lost in any stage of the step, its evaluation or its checkpoint: replay
                     result = rl_step(s, cfg, run, step, kl_state, ui, ahead, feed)
                     log_step(cfg, mlflow_run_id, step, result.metrics)  # a replayed step is not logged twice
                     ui.step_done(step, result.metrics)
-                    if _due(step, cfg.trainer.eval_every, total):
+                    if eval_due(step, cfg.trainer.eval_every, cfg.trainer.eval_windows, total):
                         ui.stage("evaluate")
                         with feed.engines_free() if feed else nullcontext():
                             ui.evaluated(step, s.evaluate(cfg, run, step, mlflow_run_id))

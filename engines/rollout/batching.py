@@ -69,8 +69,10 @@ def build_rollout_batch(
     texts: Sequence[str],
     n: int,
     pad_id: int,
+    versions: Sequence[Sequence[int]] | None = None,
 ) -> TensorDict:
-    """Assemble the rollout batch; `responses`, `logprobs`, `texts` are ordered prompt-major (n per prompt)."""
+    """Assemble the rollout batch; `responses`, `logprobs`, `texts` (and each token's policy `versions`, 0 for
+    every token where not given) are ordered prompt-major (n per prompt)."""
     if len(responses) != len(prompts) * n:
         raise ValueError(
             f"expected {len(prompts) * n} responses ({len(prompts)} prompts x n={n}), got {len(responses)}"
@@ -82,9 +84,12 @@ def build_rollout_batch(
     response_t = T.pad_right(responses, pad_id, width)
     response_mask = torch.zeros(len(responses), width, dtype=torch.float32)
     lp = torch.zeros(len(responses), width, dtype=torch.float32)
+    version_t = torch.zeros(len(responses), width, dtype=torch.int64)
     for i, (r, lps) in enumerate(zip(responses, logprobs, strict=True)):
         response_mask[i, : len(r)] = 1.0
         lp[i, : len(lps)] = torch.as_tensor(list(lps), dtype=torch.float32)
+        if versions is not None:
+            version_t[i, : len(versions[i])] = torch.as_tensor(list(versions[i]), dtype=torch.int64)
     prompt_mask = (
         torch.arange(prompt_t.shape[1]) >= (prompt_t.shape[1] - torch.tensor([len(p) for p in rep_prompts]))[:, None]
     ).long()
@@ -96,6 +101,7 @@ def build_rollout_batch(
         T.POSITION_IDS: T.position_ids_from_mask(attention),
         T.RESPONSE_MASK: response_mask,
         T.ROLLOUT_LOGPROBS: lp,
+        T.ROLLOUT_VERSIONS: version_t,
     }
     rows = {
         "uid": [prompts[i // n].uid for i in range(len(responses))],

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rlstages.engines.rollout.sampling import sample_rows, top_k_top_p
+from rlstages.engines.rollout.sampling import sample_logprobs, sample_rows, top_k_top_p
 
 # (logits [n, V] of the live rows) -> (picked token ids [n], their log-probs [n])
 Picker = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -38,10 +38,17 @@ def picker(temperature: float, top_k: int, top_p: float, greedy: bool) -> Picker
     log-prob reported is of the full tempered distribution, as the trainer recomputes it."""
     scale = temperature if temperature > 0 else 1.0
 
+    plain = top_k <= 0 and top_p >= 1.0
+
     def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scaled = logits.float() / scale
         logprobs = torch.log_softmax(scaled, dim=-1)
-        ids = scaled.argmax(-1) if greedy else sample_rows(top_k_top_p(scaled, top_k, top_p))
+        if greedy:
+            ids = scaled.argmax(-1)
+        elif plain:  # the distribution sampled is the one whose log-probs are reported: one softmax serves both
+            ids = sample_logprobs(logprobs)
+        else:
+            ids = sample_rows(top_k_top_p(scaled, top_k, top_p))
         return ids, logprobs.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
     return pick

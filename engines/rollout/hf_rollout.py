@@ -1,10 +1,11 @@
 """HF transformers rollout engine: batched sampling with our own KV-cache decode loop, the CPU default.
 
-Decoding is `decode.decode`, not `generate`: finished rows leave the batch and the KV cache at once, and the
-log-prob of each sampled token is read from the distribution it was drawn from (`decode.picker`). They match a
-teacher-forced recompute of the trainer.
+Decoding is our own, not `generate`: text prompts go through a `slots.SlotDecoder` (continuous batching: a
+finished row leaves the batch and the KV cache at once and a pending row takes its slot), multi-turn and image
+prompts through `decode.decode` (one-shot batches). The log-prob of each sampled token is read from the
+distribution it was drawn from (`decode.picker`); they match a teacher-forced recompute of the trainer.
 
-Non-goal: continuous batching or paged KV cache (that is what the vLLM/SGLang backends are for).
+Non-goal: paged KV cache (that is what the vLLM/SGLang backends are for).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from rlstages.engines.models.moe_layout import ExpertSlots
 from rlstages.engines.models.vision import is_vision_model, module_name, suppress, vision_token_ids
 from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
 from rlstages.engines.rollout.decode import Picker, decode, picker
+from rlstages.engines.rollout.fast_step import FastLlamaStep, fast_step, rollout_compute_dtype
 from rlstages.engines.rollout.multi_turn import build_runner, multi_turn_enabled
+from rlstages.engines.rollout.slots import HFStep, RowRequest, SlotDecoder, run_rows
 from rlstages.engines.rollout.trajectory import build_trajectory_batch
 from rlstages.engines.rollout.vision_inputs import (
     ImageBatch,
@@ -51,6 +54,8 @@ class HFRolloutEngine:
         attention: str = "eager",
         multi_turn: Any = None,
         image_pixels: tuple[int | None, int | None] = (None, None),
+        decode_step: str = "auto",
+        fp32_weights: bool | str = "auto",
     ) -> None:
         self.model_path = Path(model_path)
         self.device = worker_device()
@@ -65,6 +70,9 @@ class HFRolloutEngine:
         self.eos_ids = eos_token_ids(self.tokenizer, self.model.generation_config)
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.needs_weights = False
+        self.decode_step = decode_step  # "auto" | "fast" | "eager" (configs.rollout)
+        self.fp32_weights = fp32_weights  # the fast step's weights widened to fp32 (True, False, "auto")
+        self.policy_version = 0  # stamped on each sampled token (`types.ROLLOUT_VERSIONS`)
         # KV cache blocks back to the GPU after generating, for another process on it (the hybrid engine turns it
         # off where the trainer shares this process's allocator and no other process shares the GPU)
         self.shares_device = True
@@ -95,18 +103,22 @@ class HFRolloutEngine:
         rows = [ids for ids in prompt_ids for _ in range(sampling.n)]
         row_images = [p for p in encoded for _ in range(sampling.n)] if encoded is not None else None
         torch.manual_seed(seed)
-        responses: list[list[int]] = []
-        logprobs: list[list[float]] = []
-        for start in range(0, len(rows), self.batch_size):
-            chunk = row_images[start : start + self.batch_size] if row_images is not None else None
-            ids, lps = self._generate_chunk(rows[start : start + self.batch_size], sampling, chunk)
-            responses.extend(ids)
-            logprobs.extend(lps)
+        if row_images is None:  # text prompts: continuous batching over the slots (`slots.SlotDecoder`)
+            responses, logprobs, versions = self._generate_slots(rows, sampling)
+        else:  # image prompts keep the one-shot decode per chunk (`decode.decode` with M-RoPE positions)
+            responses, logprobs, versions = [], [], None
+            for start in range(0, len(rows), self.batch_size):
+                chunk = row_images[start : start + self.batch_size]
+                ids, lps = self._generate_chunk(rows[start : start + self.batch_size], sampling, chunk)
+                responses.extend(ids)
+                logprobs.extend(lps)
         if self.shares_device:
             free_cached(self.device)  # the KV cache is gone: its blocks go back to the GPU before the update
         texts = [self._decode(r) for r in responses]
         responses, logprobs, texts = self._apply_stop(responses, logprobs, texts, sampling.stop)
-        batch = build_rollout_batch(prompts, prompt_ids, responses, logprobs, texts, sampling.n, self.pad_id)
+        if versions is not None:  # a stop string may have cut a row: its versions follow
+            versions = [v[: len(r)] for v, r in zip(versions, responses, strict=True)]
+        batch = build_rollout_batch(prompts, prompt_ids, responses, logprobs, texts, sampling.n, self.pad_id, versions)
         if row_images is not None:  # carried to the trainer: unpadded image inputs, positions computed once here
             add_image_fields(batch, row_images)
         return batch
@@ -148,6 +160,28 @@ class HFRolloutEngine:
                 for ids, lps, cap in zip(dec.ids, dec.logprobs, caps, strict=True)
             )
         return out
+
+    def _generate_slots(
+        self, rows: list[list[int]], sampling: SamplingParams
+    ) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
+        """Every row through one `SlotDecoder` of `batch_size` slots, freed slots refilled from the pending rows
+        (prompt-major); each row's ids, log-probs and per-token policy versions, in the rows' order."""
+        columns = max(map(len, rows), default=1) + sampling.max_new_tokens + 1
+        step = self._fast_step(min(self.batch_size, len(rows)), columns) or HFStep(self.model, self.device)
+        decoder = SlotDecoder(min(self.batch_size, len(rows)), step, self.eos_ids, self._stop_check(sampling.stop))
+        decoder.version = self.policy_version
+        requests = [RowRequest(i, ids, sampling.max_new_tokens) for i, ids in enumerate(rows)]
+        done = run_rows(decoder, requests, self._picker(sampling))
+        out = [done[i] for i in range(len(rows))]
+        return [r.ids for r in out], [r.logprobs for r in out], [r.versions for r in out]
+
+    def _fast_step(self, slots: int, columns: int) -> FastLlamaStep | None:
+        """The fast decode step where it applies (`decode_step`: auto takes it on CPU), in the compute dtype
+        `rollout_compute_dtype` chooses; None: the eager step."""
+        if self.decode_step == "eager" or (self.decode_step == "auto" and self.device.type != "cpu"):
+            return None
+        dtype = rollout_compute_dtype(next(self.model.parameters()).dtype, self.device, self.fp32_weights)
+        return fast_step(self.model, slots, dtype, columns)
 
     def _generate_chunk(
         self, rows: list[list[int]], sampling: SamplingParams, images: list[ImagePrompt] | None = None

@@ -260,11 +260,14 @@ def mlflow_endpoint(tracking_uri: str) -> list[Check]:
     return [Check("mlflow", "tracking", None, f"{tracking_uri}: not checked")]
 
 
-# `make demo`'s time per class of CPU, as measured (docs/demo-measured.md); the class is the CPU's bf16 flags
+# `make demo`'s time per class of CPU, as measured (docs/demo-measured.md); the class: the CPU's bf16 flags, else
+# its widest vector unit (`Machine.cpu_class`)
 DEMO_TIMES = {
-    True: "native bf16: `make demo` ~4.5 min (measured on an AMD EPYC with AVX512_BF16, 2 cores)",
-    False: "no native bf16: `make demo` ~26.5 min, set-up 2 min 50 s + run 23 min 40 s, held-out >= 0.8 at step 14 "
-    "(measured on an Intel Xeon with AVX-512 but without AVX512_BF16, 2 cores)",
+    "native-bf16": "native bf16: `make demo` ~4.5 min (measured on an AMD EPYC with AVX512_BF16, 2 cores)",
+    "avx512": "AVX-512 without bf16: `make demo` ~26.5 min, set-up 2 min 50 s + run 23 min 40 s, held-out >= 0.8 at "
+    "step 14 (measured on an Intel Xeon with AVX-512 but without AVX512_BF16, 2 cores)",
+    "avx2": "AVX2 only (no AVX-512, no native bf16): the rollout decodes on an fp32 copy of the weights; no clean "
+    "`make demo` time measured yet (an AMD EPYC Zen 3, 2 cores: ~62 s/step before the fast rollout step)",
 }
 
 
@@ -272,12 +275,14 @@ def machine() -> list[Check]:
     """The CPU, its bf16 flags, the GEMM kernel the demo's bf16 layers take here, and the demo's time for its class."""
     from rlstages.engines.training.machine import measure
 
-    m = measure("auto", True, 2)  # the demo's actor: bf16, fp32_matmul auto, 2 threads per worker
+    m = measure("auto", True, 2, "auto")  # the demo's actor and rollout: bf16, auto, 2 threads per worker
     return [
         Check("machine", "cpu", None, f"{m.cpu}, {m.cpus} CPUs"),
         Check("machine", "native bf16", None, m.bf16_text),
+        Check("machine", "vector unit", None, m.simd_text),
         Check("machine", "bf16 GEMM", None, f"{m.gemm} (2 threads, as the demo's worker)"),
-        Check("machine", "class", None, DEMO_TIMES[m.native_bf16]),
+        Check("machine", "rollout weights", None, m.rollout),
+        Check("machine", "class", None, DEMO_TIMES[m.cpu_class]),
     ]
 
 

@@ -49,6 +49,7 @@ def test_a_wheel_install_finds_the_venv_beside_its_own(tmp_path: Path, monkeypat
 
 XEON = "model name\t: Intel(R) Xeon(R) CPU @ 2.20GHz\nflags\t\t: fpu sse avx2 avx512f avx512bw avx512vl\n"
 EPYC = "model name\t: AMD EPYC 9B14\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n"
+ZEN3 = "model name\t: AMD EPYC\nflags\t\t: fpu sse avx avx2 fma f16c\n"  # AVX2 + FMA, no AVX-512: issue 53's CPU
 
 
 def test_the_cpu_class_comes_from_its_bf16_flags() -> None:
@@ -58,11 +59,27 @@ def test_the_cpu_class_comes_from_its_bf16_flags() -> None:
     assert cpu_model(EPYC) == "AMD EPYC 9B14" and bf16_flags(EPYC) == ("avx512_bf16",)
 
 
+def test_the_avx2_only_class_and_its_rollout_weights() -> None:
+    """Three classes: native bf16, AVX-512 without bf16, AVX2 only; the rollout's weights are said with them."""
+    from rlstages.engines.training.machine import Machine, bf16_flags, rollout_choice, simd_flags
+
+    classes = [
+        Machine("cpu", 2, bf16_flags(info), 2, "bf16", simd_flags(info)).cpu_class for info in (EPYC, XEON, ZEN3)
+    ]
+    assert classes == ["native-bf16", "avx512", "avx2"]
+    zen3 = Machine("AMD EPYC", 2, (), 2, "fp32 kernel", simd_flags(ZEN3), rollout_choice(True, True, 2))
+    assert "AVX2 only (no AVX-512)" in zen3.line() and "rollout fp32 copy of the bf16 weights" in zen3.line()
+    assert zen3.tags()["machine.class"] == "avx2"
+    assert rollout_choice(False, True, 2).startswith("bf16 weights") and rollout_choice(None, True, 2) == ""
+    assert rollout_choice("auto", False, 2) == "fp32 weights (model in float32)"
+    assert set(doctor.DEMO_TIMES) == {"native-bf16", "avx512", "avx2"}
+
+
 def test_doctor_prints_this_machines_class_and_its_demo_time() -> None:
-    from rlstages.engines.training.machine import bf16_flags
+    from rlstages.engines.training.machine import bf16_flags, measure
 
     rows = {c.name: c.detail for c in doctor.machine()}
     native = bool(bf16_flags())
-    assert rows["class"] == doctor.DEMO_TIMES[native]
+    assert rows["class"] == doctor.DEMO_TIMES[measure("auto", True, 2, "auto").cpu_class]
     assert rows["native bf16"].startswith("yes" if native else "no")
     assert re.search(r"(bf16|fp32 kernel).*\(2 threads", rows["bf16 GEMM"]), rows

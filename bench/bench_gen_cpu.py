@@ -1,0 +1,117 @@
+"""The demo's rollout on this CPU against its compute bound, and what each part of the decode costs (issue 53).
+
+- `gen_compute_fraction` (goal >= 0.5): rollout tokens/s of the HF engine as the demo runs it (SmolLM2-135M,
+  bf16 weights, 8 prompts x 8 samples, 48 new tokens each: every row decodes all 48, so the timed work is known;
+  the engine's defaults: the fast step on the rollout's weights as `rollout.fp32_weights: auto` chooses) over the
+  bound 2N FLOPs a token at the measured GEMM peak of the kernel it multiplies on (fp32 for an fp32 copy).
+- `gen_fast_vs_eager` (informative): the same rollout on the eager transformers step over the bf16 weights (the
+  decode before issue 53) over the fast step's time.
+- `gen_profile_*` (informative): shares of the fast rollout's time: the fp32 copy of the weights, the prefill,
+  the decode steps' forwards, the sampling + log-prob (`pick`), the rest (host bookkeeping).
+The detail names the CPU's class (`Machine.cpu_class`). `python -m bench.bench_gen_cpu`
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from bench.common import matmul_flops, record
+
+ROWS, PROMPTS, NEW = 64, 8, 48
+
+
+def _engine(decode_step: str) -> Any:
+    from bench.bench_step import MODEL_DIR
+    from rlstages.engines.models import ensure_model
+    from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
+
+    ensure_model(MODEL_DIR, "smollm2-gguf")
+    engine = HFRolloutEngine(MODEL_DIR, dtype="bfloat16", batch_size=ROWS, decode_step=decode_step)
+    engine.eos_ids = set()  # every row decodes all its tokens: the timed work is known
+    return engine
+
+
+def _rollout(engine: Any) -> float:
+    from rlstages.engines.types import Prompt, SamplingParams
+
+    prompts = [Prompt(f"p{i}", f"What is {i % 20 + 1} + {i % 7 + 3}?", "0") for i in range(PROMPTS)]
+    start = time.perf_counter()
+    engine.generate(prompts, SamplingParams(n=ROWS // PROMPTS, temperature=0.7, max_new_tokens=NEW), seed=0)
+    return time.perf_counter() - start
+
+
+def _timed(spent: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[name] += time.perf_counter() - start
+
+    return wrapper
+
+
+def main() -> None:
+    """Time the fast and the eager rollout (best of 2 each, interleaved), then a profiled fast one."""
+    from rlstages.engines.rollout import fast_step, slots
+    from rlstages.engines.training.machine import measure
+
+    torch.set_num_threads(2)
+    fast, eager = _engine("fast"), _engine("eager")
+    params = sum(p.numel() for p in fast.model.parameters())
+    dtype = fast_step.rollout_compute_dtype(torch.bfloat16, torch.device("cpu"), fast.fp32_weights)
+    peak = matmul_flops("float32" if dtype == torch.float32 else "bfloat16", n=2048)
+    _rollout(fast)  # warm-up (the kernel choice is timed once)
+    best = {"fast": float("inf"), "eager": float("inf")}
+    for _ in range(2):
+        best["fast"] = min(best["fast"], _rollout(fast))
+        best["eager"] = min(best["eager"], _rollout(eager))
+    machine = measure("auto", True, 2, "auto")
+    tok_s = ROWS * NEW / best["fast"]
+    bound = peak / (2 * params)
+    where = f"{machine.cpu} ({machine.cpu_class}), rollout {machine.rollout or dtype}"
+    record(
+        "gen_compute_fraction",
+        tok_s / bound,
+        ">= 0.5",
+        f"{tok_s:.0f} tok/s vs {bound:.0f} (2N FLOPs/token at {peak / 1e9:.0f} GFLOP/s); {where}",
+    )
+    record(
+        "gen_fast_vs_eager",
+        best["eager"] / best["fast"],
+        None,
+        f"eager bf16 step {best['eager']:.1f} s vs fast {best['fast']:.1f} s ({ROWS} x {NEW} tokens); {where}",
+    )
+    spent: dict[str, float] = defaultdict(float)
+    patches = [
+        (fast_step, "RolloutWeights", "weights copy"),
+        (fast_step.FastLlamaStep, "prefill", "prefill"),
+        (fast_step.FastLlamaStep, "forward", "decode forward"),
+    ]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, label in patches:
+        setattr(owner, name, _timed(spent, label, getattr(owner, name)))
+    real_step = slots.SlotDecoder.step
+
+    def step(self: Any, pick: Any) -> Any:
+        return real_step(self, _timed(spent, "pick", pick))
+
+    slots.SlotDecoder.step = step  # type: ignore[method-assign]
+    try:
+        total = _rollout(fast)
+    finally:
+        slots.SlotDecoder.step = real_step  # type: ignore[method-assign]
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+    spent["rest"] = total - sum(spent.values())
+    for label, seconds in spent.items():
+        record(f"gen_profile_{label.replace(' ', '_')}", seconds / total, None, f"{seconds:.2f} s of {total:.2f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+"""The fast decode step of the slot decoder for Llama-family models (llama, qwen2, mistral without a sliding
+window): its own decode over a static KV cache, in the rollout's compute dtype.
+
+Where the CPU has no native bf16 the bf16 weights are widened to fp32 at every GEMM (oneDNN's bf16 path on an
+AVX2 or AVX-512F CPU); here they are widened once per generation into an fp32 copy (`RolloutWeights`: 4 bytes a
+parameter, 540 MB for SmolLM2-135M, held while generating and freed after), with q/k/v and gate/up concatenated
+so that each layer is four GEMMs. The cache is one preallocated buffer per layer, [slots, kv heads, columns,
+head dim], right-aligned as `slots.HFStep`'s (every live row writes its next token at one shared column, a
+row's padding masked); each row keeps its own position. The prefill runs the transformers model itself
+(`decode.prefill`: shared prompts and prefixes once) on the same copies, and its cache is copied into the
+buffers. A model this step cannot decode falls back to the eager step with one line saying why (`fast_step`).
+
+Non-goal: sliding-window and MoE models, q/k norms (Qwen3), multi-token decode steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rlstages.engines.rollout.decode import left_pad, prefill
+
+log = logging.getLogger(__name__)
+
+FAST_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+def unsupported(model: Any) -> str | None:
+    """Why the fast step cannot decode `model` (None: it can)."""
+    cfg = model.config
+    kind = getattr(cfg, "model_type", "?")
+    if kind not in FAST_MODEL_TYPES:
+        return f"model_type {kind!r} is not one of {', '.join(FAST_MODEL_TYPES)}"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r} (silu expected)"
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", kind == "mistral"):
+        return "a sliding attention window"
+    return None
+
+
+class RolloutWeights:
+    """The weights the fast step multiplies, in `dtype`: per layer the fused qkv and gate/up matrices; views of
+    them stand in for the transformers model's parameters while it prefills (`swapped`)."""
+
+    def __init__(self, model: Any, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.views: dict[str, torch.Tensor] = {}
+        self.layers: list[dict[str, Any]] = []
+        inner = model.model
+        for i, layer in enumerate(inner.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            prefix = f"model.layers.{i}."
+            qkv = self._fuse(prefix + "self_attn.", attn, ("q_proj", "k_proj", "v_proj"))
+            gate_up = self._fuse(prefix + "mlp.", mlp, ("gate_proj", "up_proj"))
+            self.layers.append(
+                {
+                    "ln1": self._own(prefix + "input_layernorm.weight", layer.input_layernorm.weight),
+                    "ln2": self._own(prefix + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight),
+                    "qkv": qkv,
+                    "o": self._linear(prefix + "self_attn.o_proj", attn.o_proj),
+                    "gate_up": gate_up,
+                    "down": self._linear(prefix + "mlp.down_proj", mlp.down_proj),
+                }
+            )
+        self.norm = self._own("model.norm.weight", inner.norm.weight)
+        self.embed = self._own("model.embed_tokens.weight", inner.embed_tokens.weight)
+        head = model.lm_head.weight
+        tied = head is inner.embed_tokens.weight or head.data_ptr() == inner.embed_tokens.weight.data_ptr()
+        self.head = self.embed if tied else self._own("lm_head.weight", head)
+        self.eps = float(layer.input_layernorm.variance_epsilon)
+
+    def _own(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        copy = tensor.detach().to(self.dtype, copy=True)
+        self.views[name] = copy
+        return copy
+
+    def _linear(self, name: str, module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        bias = None if module.bias is None else self._own(name + ".bias", module.bias)
+        return self._own(name + ".weight", module.weight), bias
+
+    def _fuse(self, prefix: str, parent: Any, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        mods = [getattr(parent, n) for n in names]
+        weight = torch.cat([m.weight.detach().to(self.dtype) for m in mods])
+        bias = None
+        if mods[0].bias is not None:
+            bias = torch.cat([m.bias.detach().to(self.dtype) for m in mods])
+        start = 0
+        for n, m in zip(names, mods, strict=True):
+            stop = start + m.weight.shape[0]
+            self.views[f"{prefix}{n}.weight"] = weight[start:stop]
+            if bias is not None:
+                self.views[f"{prefix}{n}.bias"] = bias[start:stop]
+            start = stop
+        return weight, bias
+
+    @contextlib.contextmanager
+    def swapped(self, model: Any) -> Iterator[None]:
+        """The model's parameters are these copies inside the block (its own tensors are put back after)."""
+        saved = {}
+        for name, param in model.named_parameters():
+            if name in self.views:
+                saved[name] = param.data
+                param.data = self.views[name]
+        try:
+            yield
+        finally:
+            for name, param in model.named_parameters():
+                if name in saved:
+                    param.data = saved[name]
+
+
+class FastLlamaStep:
+    """A `slots.DecodeStep`: the live rows' KV cache in static per-layer buffers, decoded by `_decode`."""
+
+    def __init__(self, model: Any, slots: int, dtype: torch.dtype, columns: int = 256) -> None:
+        self.model = model
+        cfg = model.config
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.scale = self.head_dim**-0.5
+        self.device = next(model.parameters()).device
+        self.weights = RolloutWeights(model, dtype)
+        self.dtype = dtype
+        self.slots = slots
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self._allocate(columns)
+        self.valid = torch.zeros(slots, columns, dtype=torch.bool, device=self.device)
+        self.position = torch.zeros(slots, dtype=torch.long, device=self.device)
+        self.n = 0  # live rows: buffer rows [0, n)
+        self.start = 0  # the first column a live row may use
+        self.column = 0  # where the next fed token of every live row goes
+
+    def _allocate(self, columns: int) -> None:
+        shape = (self.slots, self.kv_heads, columns, self.head_dim)
+        old_k, old_v = self.keys, self.values
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.model.layers]
+        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.model.layers]
+        for new, old in zip(self.keys + self.values, old_k + old_v, strict=False):  # none the first time
+            new[:, :, : old.shape[2]] = old
+
+    @property
+    def columns(self) -> int:
+        """The buffers' width."""
+        return self.keys[0].shape[2]
+
+    def weights_changed(self) -> None:
+        """The model's weights changed in place: the copies are taken again."""
+        self.weights = RolloutWeights(self.model, self.dtype)
+
+    def prefill(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        """The transformers model prefills the rows on the rollout weights; their cache joins the buffers."""
+        if self.n + len(rows) > self.slots:
+            raise ValueError(f"prefill: {len(rows)} rows for {self.slots - self.n} free slots")
+        ids, mask = left_pad([torch.tensor(list(r), device=self.device) for r in rows], torch.long)
+        with self.weights.swapped(self.model):
+            cache, logits, mask = prefill(self.model, ids, mask)
+        width, k = mask.shape[1], len(rows)
+        if self.n == 0:
+            self.start = self.column = 0
+        if width > self.column:  # the new rows' prompts are wider than the live rows' history: shift that right
+            self._shift(width - self.column)
+        self._room(1)
+        lo, hi = self.column - width, self.column
+        rows_new = slice(self.n, self.n + k)
+        for i, layer in enumerate(cache.layers):
+            self.keys[i][rows_new, :, lo:hi] = layer.keys
+            self.values[i][rows_new, :, lo:hi] = layer.values
+        self.valid[rows_new] = False
+        self.valid[rows_new, lo:hi] = mask.bool()
+        self.position[rows_new] = mask.long().sum(-1)
+        self.n += k
+        self.start = min(self.start, lo) if self.n > k else lo
+        return logits.float()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """One token per live row at the shared column; the next-token logits [n, V] in fp32."""
+        self._room(1)
+        logits = _decode(self, ids, self.n)
+        self.column += 1
+        self.position[: self.n] += 1
+        return logits
+
+    def select(self, keep: list[int]) -> None:
+        """Keep these live rows, moved up to rows [0, len(keep)) in order."""
+        index = torch.tensor(keep, device=self.device)
+        m = len(keep)
+        for buf in (*self.keys, *self.values):
+            buf[:m] = buf[index]
+        self.valid[:m] = self.valid[index]
+        self.position[:m] = self.position[index]
+        self.n = m
+        used = self.valid[:m, self.start : self.column].any(0).nonzero()
+        self.start += int(used[0]) if len(used) else 0
+
+    def rewind(self) -> None:
+        """Forget the last column (every live row's last fed token)."""
+        self.column -= 1
+        self.valid[: self.n, self.column] = False
+        self.position[: self.n] -= 1
+
+    def clear(self) -> None:
+        """No live rows."""
+        self.n = self.start = self.column = 0
+
+    def _shift(self, by: int) -> None:
+        """Move the live rows' columns right by `by` (room for a wider prefill on their left)."""
+        self._room(by + 1)
+        lo, hi, n = self.start, self.column, self.n
+        for buf in (*self.keys, *self.values):
+            buf[:n, :, lo + by : hi + by] = buf[:n, :, lo:hi].clone()
+        self.valid[:n, lo + by : hi + by] = self.valid[:n, lo:hi].clone()
+        self.valid[:n, lo : lo + by] = False
+        self.start, self.column = lo + by, hi + by
+
+    def _room(self, need: int) -> None:
+        """At least `need` free columns after `column`: the unused columns on the left are dropped first, then
+        the buffers grow."""
+        if self.column + need <= self.columns:
+            return
+        lo, hi, n = self.start, self.column, self.n
+        if lo > 0:
+            for buf in (*self.keys, *self.values):
+                buf[:n, :, : hi - lo] = buf[:n, :, lo:hi].clone()
+            self.valid[:n, : hi - lo] = self.valid[:n, lo:hi].clone()
+            self.valid[:, hi - lo :] = False
+            self.start, self.column = 0, hi - lo
+        if self.column + need > self.columns:
+            wider = max(self.columns * 3 // 2, self.column + need)
+            self._allocate(wider)
+            valid = torch.zeros(self.slots, wider, dtype=torch.bool, device=self.device)
+            valid[:, : self.valid.shape[1]] = self.valid
+            self.valid = valid
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The RMSNorm of transformers' Llama: the statistics in fp32 (bf16 steps round as the model's own do)."""
+    wide = x.float()
+    return weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def _decode(step: FastLlamaStep, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """One decode step of rows [0, n): embed, every layer over the static cache, the head."""
+    w = step.weights
+    col, lo = step.column, step.start
+    h, hk, d = step.heads, step.kv_heads, step.head_dim
+    x = w.embed[ids]
+    pos = step.position[:n]
+    cos, sin = step.model.model.rotary_emb(x, pos[:, None])  # [n, 1, d]: the model's own RoPE (its scaling)
+    cos, sin = cos.to(step.dtype), sin.to(step.dtype)
+    step.valid[:n, col] = True
+    bias = torch.zeros(n, 1, 1, col + 1 - lo, dtype=step.dtype, device=x.device)
+    bias.masked_fill_(~step.valid[:n, None, None, lo : col + 1], float("-inf"))
+    for i, layer in enumerate(w.layers):
+        a = _rms(x, layer["ln1"], w.eps)
+        qkv = F.linear(a, *layer["qkv"])
+        q = qkv[:, : h * d].view(n, h, d)
+        k = qkv[:, h * d : (h + hk) * d].view(n, hk, d)
+        v = qkv[:, (h + hk) * d :].view(n, hk, d)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        step.keys[i][:n, :, col] = k
+        step.values[i][:n, :, col] = v
+        keys = step.keys[i][:n, :, lo : col + 1]  # [n, hk, W, d]
+        scores = torch.matmul(q.view(n, hk, h // hk, d), keys.transpose(-1, -2)) * step.scale + bias
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(step.dtype)
+        out = torch.matmul(probs, step.values[i][:n, :, lo : col + 1])
+        x = x + F.linear(out.reshape(n, h * d), *layer["o"])
+        a = _rms(x, layer["ln2"], w.eps)
+        gate, up = F.linear(a, layer["gate_up"][0], layer["gate_up"][1]).chunk(2, dim=-1)
+        x = x + F.linear(F.silu(gate) * up, *layer["down"])
+    return F.linear(_rms(x, w.norm, w.eps), w.head).float()
+
+
+def rollout_compute_dtype(weights: torch.dtype, device: torch.device, setting: bool | str = "auto") -> torch.dtype:
+    """fp32 for bf16 weights on a CPU whose fp32 GEMM is clearly faster than its bf16 one (`setting` "auto":
+    timed once, `training.fp32_matmul.wants_fp32_kernel`; True / False force it), else the weights' dtype."""
+    from rlstages.engines.training.fp32_matmul import wants_fp32_kernel
+
+    if weights == torch.bfloat16 and wants_fp32_kernel(setting, True, device):
+        return torch.float32
+    return weights
+
+
+def fast_step(model: Any, slots: int, dtype: torch.dtype, columns: int = 256) -> FastLlamaStep | None:
+    """The fast step for `model` (None where it cannot be built: one line says why, the eager step decodes)."""
+    reason = unsupported(model)
+    if reason is None:
+        try:
+            return FastLlamaStep(model, slots, dtype, columns)
+        except Exception as exc:  # noqa: BLE001 - an unforeseen layout: the eager step computes the same
+            reason = f"{type(exc).__name__}: {exc}"
+    log.warning("rollout: the fast decode step is off (%s); decoding with the eager transformers step", reason)
+    return None

@@ -1,0 +1,60 @@
+"""The start-up ETA: steps, evaluations and checkpoints timed apart and the ones still due counted from the plan,
+so the first step's figure holds within 25 % where evaluations come in windows (the demo's cadence)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlstages.configs.evaluation import EvalWindow, eval_due
+from rlstages.flows import progress
+from rlstages.flows.progress import Plan, RunProgress
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize(
+    ("step_s", "eval_s", "every", "windows"),
+    [(62.0, 47.0, 2, []), (20.0, 12.0, 6, [EvalWindow(first=8, last=18, every=2)])],
+    ids=["issue-53-avx2-before", "demo-cadence"],
+)
+def test_the_eta_from_the_first_step_holds(
+    monkeypatch: pytest.MonkeyPatch, step_s: float, eval_s: float, every: int, windows: list[EvalWindow]
+) -> None:
+    """A 30-step run (the first step 30 % slower: warm-ups), evaluations at the start and on a cadence, a 3 s
+    checkpoint every 5: the ETA said after step 1 is within 25 % of the time the run then took (the issue's
+    machine: 62 s steps, 47 s evaluations every 2 steps, where steps left x wall time per step was 28 % short),
+    and it is exact once a step after the first and a checkpoint are measured."""
+    clock = Clock()
+    monkeypatch.setattr(progress.time, "monotonic", clock)
+    plan = Plan(lambda k: eval_due(k, every, windows, 30), lambda k: k % 5 == 0 or k == 30, (eval_s,))
+    ui = RunProgress(None, None, 30, 0, None, plan)
+    monkeypatch.setattr(ui, "_say", lambda line: None)
+    monkeypatch.setattr(ui, "log", type("Quiet", (), {"info": lambda *a: None, "warning": lambda *a: None})())
+    said: dict[int, float] = {}
+    ends: dict[int, float] = {}
+    for step in range(1, 31):
+        clock.now += step_s * (1.3 if step == 1 else 1.0)
+        ui.step_done(step, {})
+        said[step] = ui.eta_seconds(step)
+        after_step = clock.now
+        ends[step] = after_step
+        if plan.evaluates(step):
+            ui.stage("evaluate")
+            clock.now += eval_s
+            ui.evaluated(step, {})
+        if plan.checkpoints(step):
+            ui.stage("checkpoint")
+            clock.now += 3.0
+            ui.committed(step, "m")
+        if step == 1:
+            end_of_first = after_step
+    took = clock.now - end_of_first
+    assert abs(said[1] - took) <= 0.25 * took
+    assert said[1] > 29 * step_s  # the evaluations and checkpoints ahead are in it, not only the steps
+    assert said[6] == pytest.approx(clock.now - ends[6])
