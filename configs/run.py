@@ -179,9 +179,14 @@ def check_async(cfg: RunConfig) -> None:
         return
     if a.partial_rollout and not PARTIAL_ROLLOUT.get(cfg.rollout.backend, False):
         raise ValueError(
-            "trainer.async.partial_rollout: continuing sequences across a weight update needs a streaming engine "
-            f"(for hf: the SlotDecoder of issue 53), which rollout.backend={cfg.rollout.backend} does not have in "
-            "this build; set partial_rollout: false"
+            "trainer.async.partial_rollout: continuing sequences across a weight update needs a streaming engine, "
+            f"which rollout.backend={cfg.rollout.backend} does not have in this build (hf has one); set "
+            "partial_rollout: false or rollout.backend: hf"
+        )
+    if a.partial_rollout and cfg.rollout.multi_turn.enabled:
+        raise ValueError(
+            "trainer.async.partial_rollout streams single-turn text prompts only; rollout.multi_turn.enabled is "
+            "true: set partial_rollout: false"
         )
     if a.kv_on_update == "keep" and not a.partial_rollout:
         raise ValueError(

@@ -159,6 +159,6 @@ class TrainerConfig(StrictModel):
 
 
 # Which rollout backends continue sequences across a weight update (the `partial_rollout` capability; issue 50's
-# capability record on the registry entries takes it over). None yet: the version and lag accounting supports it
-# (engines/rollout/async_queue.py), the engines' streaming methods are not wired.
-PARTIAL_ROLLOUT: dict[str, bool] = {"hf": False, "vllm": False, "sglang": False}
+# capability record on the registry entries takes it over): hf through its streaming methods
+# (engines/rollout/streaming.py); vLLM and SGLang have none yet.
+PARTIAL_ROLLOUT: dict[str, bool] = {"hf": True, "vllm": False, "sglang": False}
