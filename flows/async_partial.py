@@ -21,11 +21,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from rlstages.configs import RunConfig
-from rlstages.engines.rollout.streaming import FinishedGroup
 from rlstages.flows.async_train import POLL_S, AsyncFeed
 from rlstages.flows.stages import Metrics, Stages
-from rlstages.tasks.async_stream import Streams
+from rlstages.tasks.driver.async_stream import FinishedGroup, Streams
 from rlstages.tasks.driver.context import RunHandle
+from rlstages.tasks.rollout import sampling
+from rlstages.tasks.stage_workers import stage_workers
 
 PUMP_STEPS = 4  # decode steps per pump: how long a sync may wait for the engines
 
@@ -35,7 +36,7 @@ class PartialFeed(AsyncFeed):
 
     def __init__(self, s: Stages, cfg: RunConfig, run: RunHandle, start_step: int) -> None:
         """Start the rollout streams at the checkpoint's version, then generation (`AsyncFeed`)."""
-        self.streams = Streams(cfg, run, start_step)
+        self.streams = Streams(cfg, run, stage_workers(cfg, run, "generate"), sampling(cfg), start_step)
         self.wanted = threading.Event()  # the flow waits for the engines: generation steps aside
         self.holding = False  # the flow holds the engines (between before_sync and synced)
         self.finished: dict[int, list[FinishedGroup]] = {}
@@ -132,3 +133,13 @@ class PartialFeed(AsyncFeed):
             self.thread.join()
             self.streams.stop()
         self.queue.kill()
+
+
+def start_feed(s: Stages, cfg: RunConfig, run: RunHandle, start_step: int) -> AsyncFeed | None:
+    """The async feed of `trainer.mode: async` (None in the other modes): with partial rollouts the streaming one
+    above, else whole-step generation (flows/async_train.py)."""
+    if cfg.trainer.mode != "async":
+        return None
+    if cfg.trainer.async_.partial_rollout:
+        return PartialFeed(s, cfg, run, start_step)
+    return AsyncFeed(s, cfg, run, start_step)

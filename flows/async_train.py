@@ -137,15 +137,3 @@ class AsyncFeed:
         if wait:
             self.thread.join()
         self.queue.kill()
-
-
-def start_feed(s: Stages, cfg: RunConfig, run: RunHandle, start_step: int) -> AsyncFeed | None:
-    """The async feed of `trainer.mode: async` (None in the other modes); with partial rollouts, the streaming
-    one (flows/async_partial.py)."""
-    if cfg.trainer.mode != "async":
-        return None
-    if cfg.trainer.async_.partial_rollout:
-        from rlstages.flows.async_partial import PartialFeed
-
-        return PartialFeed(s, cfg, run, start_step)
-    return AsyncFeed(s, cfg, run, start_step)

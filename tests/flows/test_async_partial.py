@@ -18,7 +18,7 @@ from test_async_flow import history, rollouts
 
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
 from rlstages.flows.train import rl_post_train
-from rlstages.tasks.async_stream import mixed_rows
+from rlstages.tasks.driver.async_stream import mixed_rows
 
 RUN = ("cluster.hybrid_engine=false", "trainer.total_steps=3", "trainer.eval_every=0", "trainer.eval_at_start=false",
        "checkpoint.every=0", IN_DRIVER, "trainer.mode=async", "trainer.async.max_staleness=1",

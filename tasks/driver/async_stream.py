@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -20,26 +21,24 @@ from rlstages.engines import types as T
 from rlstages.engines.rollout.async_queue import ROLLOUT_VERSIONS, QueueItem
 from rlstages.engines.rollout.batching import build_rollout_batch
 from rlstages.engines.rollout.streaming import FinishedGroup, GroupRequest
-from rlstages.engines.types import Prompt
+from rlstages.engines.types import Prompt, SamplingParams
 from rlstages.tasks.driver.context import RunHandle, derive_seed
 from rlstages.tasks.driver.data import prompts_for_step, tokenizer_path
-from rlstages.tasks.rollout import sampling
-from rlstages.tasks.stage_workers import StageWorkers, stage_workers
 
 
 class Streams:
     """The rollout ranks' streams of one run (or recovery): groups spread over the ranks by number."""
 
-    def __init__(self, cfg: RunConfig, run: RunHandle, start_step: int) -> None:
-        """Start a fresh stream on every rank, at policy version `start_step` (the checkpoint's)."""
-        self.cfg, self.run = cfg, run
-        self.w: StageWorkers = stage_workers(cfg, run, "generate")
+    def __init__(self, cfg: RunConfig, run: RunHandle, w: Any, params: SamplingParams, start_step: int) -> None:
+        """Start a fresh stream on every rank (`w`: the generate stage's `StageWorkers`), sampling with `params`,
+        at policy version `start_step` (the checkpoint's)."""
+        self.cfg, self.run, self.w = cfg, run, w
         self.ranks = self.w.group("rollout").spec.num_workers
         self._prompts: dict[int, list[Prompt]] = {}
         for rank in range(self.ranks):
             self.w.one("rollout", rank).set_policy_version(start_step)
             seed = derive_seed(cfg.trainer.seed, start_step + 1, f"stream-{rank}")
-            self.w.one("rollout", rank).start_stream(sampling(cfg), seed)
+            self.w.one("rollout", rank).start_stream(params, seed)
 
     def prompts(self, step: int) -> list[Prompt]:
         """Step `step`'s prompts (the same as the `generate` task's)."""
