@@ -152,3 +152,12 @@ class StreamingMixin:
         versions = [r.versions[: len(i)] for r, i in zip(out, ids, strict=True)]
         interrupted = sum(r.interrupted > 0 for r in out)
         return FinishedGroup(group, prompt_ids, ids, lps, versions, texts, interrupted, self.pad_id)
+
+
+def stamp_version(engine: Any, version: int) -> None:
+    """Run inside a rollout worker after each weight sync (and at start with the checkpoint's step): the engine's
+    `policy_version`, stamped on every token it samples from now on, is `version`. The engine may sit inside a
+    hybrid worker (`.rollout`); an engine without versions (vLLM, SGLang) is left alone."""
+    target = getattr(engine, "rollout", engine)
+    if hasattr(target, "policy_version"):
+        target.policy_version = version
