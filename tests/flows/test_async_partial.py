@@ -60,3 +60,20 @@ def test_partial_rollouts_mix_versions_within_eta(tmp_path: Path, tiny_model_dir
     assert history(cfg, "async/mixed_version_sequences")[3] == float(mixed)
     assert history(cfg, "async/interrupted_sequences")[3] >= mixed
     assert history(cfg, "async/lag_max")[3] == 1.0 and history(cfg, "async/lag_hist/0")[3] > 0.0
+
+
+def test_partial_rollouts_on_ray_workers(tmp_path: Path, tiny_model_dir: Path, ray_session, prefect_harness) -> None:
+    """The same on Ray (rollout engines in their own actors, the queue an actor): every step trained once on what
+    was generated for it, lags within eta, the versions file is the batch's own field."""
+    cfg = tiny_cfg(tmp_path, tiny_model_dir, "partial-ray", *(r for r in RUN if r != IN_DRIVER))
+    assert cfg.cluster.mode == "ray"
+    rl_post_train(cfg)
+    tokens = history(cfg, "async/tokens")
+    assert sorted(tokens) == [1, 2, 3]
+    for step, n in tokens.items():
+        batch = rollouts(cfg, step)
+        assert n == float(batch["response_mask"].sum()), step
+        versions = load_file(str(run_dir(cfg) / "steps" / f"{step:06d}" / "versions.safetensors"))
+        assert versions["rollout_versions"].equal(batch["rollout_versions"])
+        assert batch["rollout_versions"].max().item() <= step - 1
+    assert max(history(cfg, "async/lag_max").values()) <= 1.0
