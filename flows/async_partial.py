@@ -69,7 +69,7 @@ class PartialFeed(AsyncFeed):
                     self._collect(group)
                 if not flying and next_group >= end:
                     return
-                if not groups and not done:
+                if not flying and not groups:  # nothing to decode until the queue admits more
                     self.stopping.wait(POLL_S)
         except BaseException as exc:  # the flow raises it at its next wait (a WorkerLost replays as usual)
             with self.changed:
