@@ -41,6 +41,7 @@ class PartialFeed(AsyncFeed):
         self.holding = False  # the flow holds the engines (between before_sync and synced)
         self.finished: dict[int, list[FinishedGroup]] = {}
         self.started: dict[int, float] = {}
+        self.unused_s = 0.0  # time the engines had nothing to decode (waiting for admission) since the last batch
         super().__init__(s, cfg, run, start_step)
 
     def _produce(self, first_step: int) -> None:
@@ -70,7 +71,9 @@ class PartialFeed(AsyncFeed):
                 if not flying and next_group >= end:
                     return
                 if not flying and not groups:  # nothing to decode until the queue admits more
+                    start = time.perf_counter()
                     self.stopping.wait(POLL_S)
+                    self.unused_s += time.perf_counter() - start
         except BaseException as exc:  # the flow raises it at its next wait (a WorkerLost replays as usual)
             with self.changed:
                 self.error = exc
@@ -82,7 +85,7 @@ class PartialFeed(AsyncFeed):
         self.finished.setdefault(step, []).append(group)
         if len(self.finished[step]) < self.groups:
             return
-        self.idle[step] = 0.0  # groups are admitted one by one: waits for admission show as queue metrics
+        self.idle[step], self.unused_s = self.unused_s, 0.0  # engines empty since the last batch was queued
         self.queue.put(self.streams.assemble(step, self.finished.pop(step), self.started.pop(step)))
         with self.changed:
             self.generated = max(self.generated, step)

@@ -60,6 +60,8 @@ def test_partial_rollouts_mix_versions_within_eta(tmp_path: Path, tiny_model_dir
     assert history(cfg, "async/mixed_version_sequences")[3] == float(mixed)
     assert history(cfg, "async/interrupted_sequences")[3] >= mixed
     assert history(cfg, "async/lag_max")[3] == 1.0 and history(cfg, "async/lag_hist/0")[3] > 0.0
+    for key in ("async/trainer_idle_fraction", "async/rollout_idle_fraction"):
+        assert all(0.0 <= v <= 1.0 for v in history(cfg, key).values()), key
 
 
 def test_partial_rollouts_on_ray_workers(tmp_path: Path, tiny_model_dir: Path, ray_session, prefect_harness) -> None:
