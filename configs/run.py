@@ -172,6 +172,11 @@ def check_async(cfg: RunConfig) -> None:
         )
     if mode != "async":
         return
+    if a.partial_rollout and cfg.rollout.multi_turn.enabled:
+        raise ValueError(
+            "trainer.async.partial_rollout streams single-turn text prompts only; rollout.multi_turn.enabled is "
+            "true: set partial_rollout: false"
+        )
     if a.kv_on_update == "keep" and not a.partial_rollout:
         raise ValueError(
             "trainer.async.kv_on_update=keep only matters with partial_rollout: true (without it no sequence "

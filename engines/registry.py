@@ -75,6 +75,7 @@ ROLLOUT_BACKENDS: dict[str, RolloutBackend] = {
         ("model_type",),
         images=True,
         multi_turn=True,
+        partial_rollout=True,  # engines/rollout/streaming.py: rows continue across a weight update
     ),
     "vllm": RolloutBackend(
         "rlstages.engines.rollout.vllm_rollout:VLLMRolloutEngine",

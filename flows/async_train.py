@@ -138,8 +138,3 @@ class AsyncFeed:
         if wait:
             self.thread.join()
         self.queue.kill()
-
-
-def start_feed(s: Stages, cfg: RunConfig, run: RunHandle, start_step: int) -> AsyncFeed | None:
-    """The async feed of `trainer.mode: async` (None in the other modes)."""
-    return AsyncFeed(s, cfg, run, start_step) if cfg.trainer.mode == "async" else None

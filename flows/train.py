@@ -24,7 +24,8 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from rlstages.configs import RunConfig
 from rlstages.configs.evaluation import eval_due
-from rlstages.flows.async_train import AsyncFeed, start_feed
+from rlstages.flows.async_partial import start_feed
+from rlstages.flows.async_train import AsyncFeed
 from rlstages.flows.console import machine_of
 from rlstages.flows.interrupts import stop_on_signal
 from rlstages.flows.progress import Plan, RunProgress, flow_run_name, run_progress

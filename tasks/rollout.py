@@ -10,6 +10,7 @@ from tensordict import TensorDict
 
 from rlstages.configs import RunConfig
 from rlstages.engines import types as T
+from rlstages.engines.rollout.streaming import stamp_version
 from rlstages.engines.rollout.trajectory import decoded_table, rollout_metrics, trajectory_infos
 from rlstages.engines.sync.protocol import SyncRound
 from rlstages.engines.tools.registry import isolation_label
@@ -96,4 +97,8 @@ def sync_weights(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
     )
     transport = workers.weight_sync
     assert transport is not None, "build_workers chooses the transport"
-    return guard_workers(lambda: transport.push(round))
+    metrics = guard_workers(lambda: transport.push(round))
+    # the engines now sample with policy `step`: each token's `rollout_versions` says so (the start's sync: the
+    # checkpoint's step)
+    guard_workers(lambda: workers.rollout.each(stamp_version, step, timeout=timeout))
+    return metrics

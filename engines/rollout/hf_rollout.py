@@ -26,6 +26,7 @@ from rlstages.engines.rollout.decode import Picker, decode, picker
 from rlstages.engines.rollout.fast_step import FastLlamaStep, fast_step, rollout_compute_dtype
 from rlstages.engines.rollout.multi_turn import build_runner, multi_turn_enabled
 from rlstages.engines.rollout.slots import HFStep, RowRequest, SlotDecoder, run_rows
+from rlstages.engines.rollout.streaming import StreamingMixin
 from rlstages.engines.rollout.trajectory import build_trajectory_batch
 from rlstages.engines.rollout.vision_inputs import (
     ImageBatch,
@@ -38,9 +39,9 @@ from rlstages.engines.runtime.device import free_cached, to_device, worker_devic
 from rlstages.engines.types import Prompt, SamplingParams
 
 
-class HFRolloutEngine:
+class HFRolloutEngine(StreamingMixin):
     """Sampling with a transformers model through `decode.decode`, on the worker's device (its GPU, else the
-    CPU); weights updated in place by HF name."""
+    CPU); weights updated in place by HF name; streaming for partial rollouts (`streaming.StreamingMixin`)."""
 
     def __init__(
         self,

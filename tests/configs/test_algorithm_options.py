@@ -66,6 +66,15 @@ def test_the_mode_replaces_the_old_flag_which_still_works() -> None:
         (["algorithm.clip_cov.ratio=0"], "algorithm.clip_cov.ratio"),
         (["algorithm.clip_cov.lb=6"], "algorithm.clip_cov.lb=6.0 must be < algorithm.clip_cov.ub"),
         (["trainer.one_step_off_policy=true", "cluster.hybrid_engine=true"], "cluster.hybrid_engine: false"),
+        (
+            [
+                "trainer.mode=async",
+                "trainer.async.partial_rollout=true",
+                "cluster.hybrid_engine=false",
+                "rollout.multi_turn={enabled: true, environment: {tools: [{name: calculator}]}}",
+            ],
+            "trainer.async.partial_rollout streams single-turn text prompts only",
+        ),
         (["trainer.mode=sync", "trainer.one_step_off_policy=true"], "contradicts trainer.mode: sync"),
         (
             ["trainer.mode=async", "cluster.hybrid_engine=false", "trainer.async.max_staleness=-1"],

@@ -1,0 +1,148 @@
+"""`trainer.mode: async` with `trainer.async.partial_rollout: true`: generation never waits for a weight update.
+
+    generation thread:  admit groups (eta) -> submit -> pump a few decode steps -> finished groups -> a step's
+                        batch complete: save it, queue.put                      (while the engines are not synced)
+    flow (per step k):  queue.take(k) -> ... -> update -> hold the engines -> sync -> set_policy_version(k) ->
+                        publish(k) -> release
+
+Prompt groups are admitted one by one as the queue allows (every token they produce is trained within eta
+versions; the queue checks it at every batch) and stream through the rollout engines' slots
+(`engines/rollout/streaming.py`). The sync does not wait for them: it takes the engines between two pumps, the
+rows in flight are interrupted, continue under the new weights (KV recomputed, or kept: `kv_on_update`), and a
+trajectory spanning the update carries both versions, token by token. Which token gets which version depends on
+when the syncs land, so a partial-rollout run is not reproducible bit for bit (the non-partial async mode is).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from rlstages.configs import RunConfig
+from rlstages.flows.async_train import POLL_S, AsyncFeed
+from rlstages.flows.stages import Metrics, Stages
+from rlstages.tasks.driver.async_stream import FinishedGroup, Streams
+from rlstages.tasks.driver.context import RunHandle
+from rlstages.tasks.rollout import sampling
+from rlstages.tasks.stage_workers import stage_workers
+
+PUMP_STEPS = 4  # decode steps per pump: how long a sync may wait for the engines
+
+
+class PartialFeed(AsyncFeed):
+    """The async feed with partial rollouts (module docstring): groups streamed, syncs between two pumps."""
+
+    def __init__(self, s: Stages, cfg: RunConfig, run: RunHandle, start_step: int) -> None:
+        """Start the rollout streams at the checkpoint's version, then generation (`AsyncFeed`)."""
+        self.streams = Streams(cfg, run, stage_workers(cfg, run, "generate"), sampling(cfg), start_step)
+        self.wanted = threading.Event()  # the flow waits for the engines: generation steps aside
+        self.holding = False  # the flow holds the engines (between before_sync and synced)
+        self.finished: dict[int, list[FinishedGroup]] = {}
+        self.started: dict[int, float] = {}
+        self.unused_s = 0.0  # time the engines had nothing to decode (waiting for admission) since the last batch
+        super().__init__(s, cfg, run, start_step)
+
+    def _produce(self, first_step: int) -> None:
+        """Admit, submit and pump until every step's groups have been queued."""
+        b = self.groups
+        next_group, end, flying = (first_step - 1) * b, self.total * b, 0
+        try:
+            while not self.stopping.is_set():
+                if self.wanted.is_set() or not self.engines.acquire(timeout=POLL_S):
+                    time.sleep(POLL_S / 4)
+                    continue
+                try:
+                    admit = min(self.queue.admissible(), end - next_group)
+                    groups = [self.queue.start(1) for _ in range(admit)]
+                    assert groups == list(range(next_group, next_group + admit)), groups
+                    for g in groups:
+                        self.started.setdefault(g // b + 1, time.perf_counter())
+                    if groups:
+                        self.streams.submit(groups)
+                    next_group, flying = next_group + admit, flying + admit
+                    done = self.streams.pump(PUMP_STEPS) if flying else []
+                finally:
+                    self.engines.release()
+                flying -= len(done)
+                for group in done:
+                    self._collect(group)
+                if not flying and next_group >= end:
+                    return
+                if not flying and not groups:  # nothing to decode until the queue admits more
+                    start = time.perf_counter()
+                    self.stopping.wait(POLL_S)
+                    self.unused_s += time.perf_counter() - start
+        except BaseException as exc:  # the flow raises it at its next wait (a WorkerLost replays as usual)
+            with self.changed:
+                self.error = exc
+                self.changed.notify_all()
+
+    def _collect(self, group: FinishedGroup) -> None:
+        """A finished group; its step's batch saved and queued once all of the step's groups have finished."""
+        step = group.group // self.groups + 1
+        self.finished.setdefault(step, []).append(group)
+        if len(self.finished[step]) < self.groups:
+            return
+        self.idle[step], self.unused_s = self.unused_s, 0.0  # engines empty since the last batch was queued
+        self.queue.put(self.streams.assemble(step, self.finished.pop(step), self.started.pop(step)))
+        with self.changed:
+            self.generated = max(self.generated, step)
+            self.changed.notify_all()
+
+    def _hold(self) -> None:
+        self.wanted.set()
+        while not self.engines.acquire(timeout=POLL_S):
+            self._raise()
+        self.wanted.clear()
+        self.holding = True
+
+    def _let_go(self) -> None:
+        if self.holding:
+            self.holding = False
+            self.engines.release()
+
+    def before_sync(self, step: int) -> Metrics:
+        """Take the engines between two pumps (the rows in flight wait, they are not finished first)."""
+        start = time.perf_counter()
+        self._hold()
+        waited = time.perf_counter() - start
+        self.waited += waited
+        return {"timing/wait_generation_s": waited}
+
+    def synced(self, step: int, step_s: float) -> Metrics:
+        """The engines have policy `step`: the interrupted rows continue under it; admit what it allows."""
+        try:
+            self.streams.updated(step)
+        finally:
+            self._let_go()
+        return super().synced(step, step_s)
+
+    @contextmanager
+    def engines_free(self) -> Iterator[None]:
+        """Hold generation back (between two pumps) while the flow uses the rollout engines (evaluation)."""
+        self._hold()
+        try:
+            yield
+        finally:
+            self._let_go()
+
+    def close(self, wait: bool = True) -> None:
+        """Stop generating, drop the streams (what was in flight is generated again by the next feed)."""
+        self.stopping.set()
+        self._let_go()
+        if wait:
+            self.thread.join()
+            self.streams.stop()
+        self.queue.kill()
+
+
+def start_feed(s: Stages, cfg: RunConfig, run: RunHandle, start_step: int) -> AsyncFeed | None:
+    """The async feed of `trainer.mode: async` (None in the other modes): with partial rollouts the streaming one
+    above, else whole-step generation (flows/async_train.py)."""
+    if cfg.trainer.mode != "async":
+        return None
+    if cfg.trainer.async_.partial_rollout:
+        return PartialFeed(s, cfg, run, start_step)
+    return AsyncFeed(s, cfg, run, start_step)

@@ -1,0 +1,121 @@
+"""The driver's side of partial rollouts (`trainer.async.partial_rollout: true`): the rollout engines' streams
+(`engines/rollout/streaming.py`) started, fed prompt groups, pumped, told of each weight update; finished groups
+assembled into a step's rollout batch.
+
+The per-token policy versions have one source: the engine stamps each token with its `policy_version` (set here at
+start from the checkpoint's step and after every sync), the batch carries them (`T.ROLLOUT_VERSIONS`), and the
+versions file beside the batch and the queue's lag accounting are read from that field.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from rlstages.configs import RunConfig
+from rlstages.engines import types as T
+from rlstages.engines.rollout.async_queue import ROLLOUT_VERSIONS, QueueItem
+from rlstages.engines.rollout.batching import build_rollout_batch
+from rlstages.engines.rollout.streaming import FinishedGroup, GroupRequest
+from rlstages.engines.types import Prompt, SamplingParams
+from rlstages.tasks.driver.context import RunHandle, derive_seed
+from rlstages.tasks.driver.data import prompts_for_step, tokenizer_path
+
+
+class Streams:
+    """The rollout ranks' streams of one run (or recovery): groups spread over the ranks by number."""
+
+    def __init__(self, cfg: RunConfig, run: RunHandle, w: Any, params: SamplingParams, start_step: int) -> None:
+        """Start a fresh stream on every rank (`w`: the generate stage's `StageWorkers`), sampling with `params`,
+        at policy version `start_step` (the checkpoint's)."""
+        self.cfg, self.run, self.w = cfg, run, w
+        self.ranks = self.w.group("rollout").spec.num_workers
+        self._prompts: dict[int, list[Prompt]] = {}
+        for rank in range(self.ranks):
+            self.w.one("rollout", rank).set_policy_version(start_step)
+            seed = derive_seed(cfg.trainer.seed, start_step + 1, f"stream-{rank}")
+            self.w.one("rollout", rank).start_stream(params, seed)
+
+    def prompts(self, step: int) -> list[Prompt]:
+        """Step `step`'s prompts (the same as the `generate` task's)."""
+        if step not in self._prompts:
+            cfg = self.cfg
+            self._prompts[step] = prompts_for_step(cfg.data, step, cfg.trainer.seed, tokenizer_path(cfg))
+        return self._prompts[step]
+
+    def submit(self, groups: list[int]) -> None:
+        """Submit these group numbers (group g = prompt g mod B of step g // B + 1)."""
+        b, n = self.cfg.data.prompts_per_step, self.cfg.rollout.n
+        by_rank: dict[int, list[GroupRequest]] = {}
+        for g in groups:
+            prompt = self.prompts(g // b + 1)[g % b]
+            by_rank.setdefault(g % self.ranks, []).append(GroupRequest(g, prompt, n))
+        for rank, requests in by_rank.items():
+            self.w.one("rollout", rank).submit(requests)
+
+    def pump(self, steps: int) -> list[FinishedGroup]:
+        """Up to `steps` decode steps on every rank; the groups finished."""
+        return [g for rank in range(self.ranks) for g in self.w.one("rollout", rank).pump(steps)]
+
+    def updated(self, version: int) -> None:
+        """The weights were just synced to policy `version`: the rows in flight continue under them."""
+        kv = self.cfg.trainer.async_.kv_on_update
+        for rank in range(self.ranks):
+            self.w.one("rollout", rank).set_policy_version(version, kv)
+
+    def stop(self) -> None:
+        """Drop the streams (best effort: a dead worker has none left)."""
+        for rank in range(self.ranks):
+            try:
+                self.w.one("rollout", rank).stop_stream()
+            except Exception:  # noqa: BLE001 - the workers are being replaced
+                pass
+
+    def assemble(self, step: int, groups: list[FinishedGroup], started: float) -> QueueItem:
+        """Step `step`'s rollout batch from its finished groups (in group order): saved as the `generate` task
+        saves it, its versions file written from the batch's own field; the queue item with its metrics."""
+        groups = sorted(groups, key=lambda g: g.group)
+        n = self.cfg.rollout.n
+        batch = build_rollout_batch(
+            self.prompts(step),
+            [g.prompt_ids for g in groups],
+            [ids for g in groups for ids in g.ids],
+            [lps for g in groups for lps in g.logprobs],
+            [t for g in groups for t in g.texts],
+            n,
+            groups[0].pad_id,
+            [v for g in groups for v in g.versions],
+        )
+        T.save_batch(batch, self.run.batch(step, "rollout"))
+        mask, versions = batch[T.RESPONSE_MASK] > 0, batch[T.ROLLOUT_VERSIONS]
+        stamps = TensorDict({ROLLOUT_VERSIONS: versions}, batch_size=batch.batch_size)
+        T.save_batch(stamps, self.run.batch(step, "versions"))
+        counts = Counter(versions[mask].tolist())
+        lengths = mask.sum(-1)
+        elapsed = time.perf_counter() - started
+        metrics = {
+            "response_length/mean": float(lengths.float().mean()),
+            "response_length/max": float(lengths.max()),
+            "response_length/min": float(lengths.min()),
+            "response_length/clip_ratio": float((lengths >= self.cfg.rollout.max_new_tokens).float().mean()),
+            "rollout/tokens": float(lengths.sum()),
+            "async/mixed_version_sequences": float(mixed_rows(versions, mask)),
+            "timing/generate_s": elapsed,
+        }
+        return QueueItem(
+            first=groups[0].group,
+            groups=len(groups),
+            version_tokens={int(v): int(c) for v, c in counts.items()},
+            lengths=[int(x) for x in lengths.tolist()],
+            payload={"step": step, "metrics": metrics},
+            interrupted=sum(g.interrupted for g in groups),
+        )
+
+
+def mixed_rows(versions: torch.Tensor, mask: torch.Tensor) -> int:
+    """Rows whose tokens come from more than one policy version (tests, metrics)."""
+    return int(sum(len(set(row[m > 0].tolist())) > 1 for row, m in zip(versions, mask, strict=True)))
