@@ -9,12 +9,14 @@ row here (docs/new-backend.md).
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from rlstages.engines.imports import import_object
-from rlstages.engines.sync.protocol import WeightSync
+
+if TYPE_CHECKING:  # annotations only: the pre-flight imports this table without torch (the Python 3.12 step)
+    import torch
+
+    from rlstages.engines.sync.protocol import WeightSync
 
 TRANSPORTS: dict[str, str] = {
     "hybrid": "rlstages.engines.sync.in_process:HybridSync",  # trainer and engine in one worker: in-process copy
