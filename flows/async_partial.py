@@ -36,7 +36,7 @@ class PartialFeed(AsyncFeed):
 
     def __init__(self, s: Stages, cfg: RunConfig, run: RunHandle, start_step: int) -> None:
         """Start the rollout streams at the checkpoint's version, then generation (`AsyncFeed`)."""
-        self.streams = Streams(cfg, run, stage_workers(cfg, run, "generate"), sampling(cfg), start_step)
+        self.streams = Streams(cfg, run, stage_workers(cfg, run, "generate").rollout, sampling(cfg), start_step)
         self.wanted = threading.Event()  # the flow waits for the engines: generation steps aside
         self.holding = False  # the flow holds the engines (between before_sync and synced)
         self.finished: dict[int, list[FinishedGroup]] = {}

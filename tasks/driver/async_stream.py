@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -24,21 +23,24 @@ from rlstages.engines.rollout.streaming import FinishedGroup, GroupRequest
 from rlstages.engines.types import Prompt, SamplingParams
 from rlstages.tasks.driver.context import RunHandle, derive_seed
 from rlstages.tasks.driver.data import prompts_for_step, tokenizer_path
+from rlstages.tasks.driver.role_handles import RolloutGroup
 
 
 class Streams:
     """The rollout ranks' streams of one run (or recovery): groups spread over the ranks by number."""
 
-    def __init__(self, cfg: RunConfig, run: RunHandle, w: Any, params: SamplingParams, start_step: int) -> None:
-        """Start a fresh stream on every rank (`w`: the generate stage's `StageWorkers`), sampling with `params`,
+    def __init__(
+        self, cfg: RunConfig, run: RunHandle, rollout: RolloutGroup, params: SamplingParams, start_step: int
+    ) -> None:
+        """Start a fresh stream on every rank (`rollout`: the generate stage's handle), sampling with `params`,
         at policy version `start_step` (the checkpoint's)."""
-        self.cfg, self.run, self.w = cfg, run, w
-        self.ranks = self.w.group("rollout").spec.num_workers
+        self.cfg, self.run, self.rollout = cfg, run, rollout
+        self.ranks = self.rollout.ranks
         self._prompts: dict[int, list[Prompt]] = {}
         for rank in range(self.ranks):
-            self.w.one("rollout", rank).set_policy_version(start_step)
+            self.rollout.set_policy_version(rank, start_step)
             seed = derive_seed(cfg.trainer.seed, start_step + 1, f"stream-{rank}")
-            self.w.one("rollout", rank).start_stream(params, seed)
+            self.rollout.start_stream(rank, params, seed)
 
     def prompts(self, step: int) -> list[Prompt]:
         """Step `step`'s prompts (the same as the `generate` task's)."""
@@ -55,23 +57,23 @@ class Streams:
             prompt = self.prompts(g // b + 1)[g % b]
             by_rank.setdefault(g % self.ranks, []).append(GroupRequest(g, prompt, n))
         for rank, requests in by_rank.items():
-            self.w.one("rollout", rank).submit(requests)
+            self.rollout.submit(rank, requests)
 
     def pump(self, steps: int) -> list[FinishedGroup]:
         """Up to `steps` decode steps on every rank; the groups finished."""
-        return [g for rank in range(self.ranks) for g in self.w.one("rollout", rank).pump(steps)]
+        return [g for rank in range(self.ranks) for g in self.rollout.pump(rank, steps)]
 
     def updated(self, version: int) -> None:
         """The weights were just synced to policy `version`: the rows in flight continue under them."""
         kv = self.cfg.trainer.async_.kv_on_update
         for rank in range(self.ranks):
-            self.w.one("rollout", rank).set_policy_version(version, kv)
+            self.rollout.set_policy_version(rank, version, kv)
 
     def stop(self) -> None:
         """Drop the streams (best effort: a dead worker has none left)."""
         for rank in range(self.ranks):
             try:
-                self.w.one("rollout", rank).stop_stream()
+                self.rollout.stop_stream(rank)
             except Exception:  # noqa: BLE001 - the workers are being replaced
                 pass
 

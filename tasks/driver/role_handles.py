@@ -12,6 +12,7 @@ from typing import Any, cast
 import torch
 from tensordict import TensorDict
 
+from rlstages.engines.rollout.streaming import FinishedGroup, GroupRequest
 from rlstages.engines.types import Prompt, SamplingParams, ScoreResult
 from rlstages.engines.workers.actor_group import ActorGroup
 
@@ -26,6 +27,9 @@ class RoleHandle:
 
     def _call(self, mode: str, method: str, *args: Any, **kwargs: Any) -> Any:
         return self._guard(lambda: self.group.call(mode, method, args, kwargs, self.timeout))
+
+    def _call_rank(self, rank: int, method: str, *args: Any) -> Any:
+        return self._guard(lambda: self.group.call("one", method, args, {}, self.timeout, rank))
 
 
 class RolloutGroup(RoleHandle):
@@ -42,6 +46,32 @@ class RolloutGroup(RoleHandle):
     def wake(self) -> None:
         """Every rank restores what `sleep` freed."""
         self._call("all", "wake")
+
+    # partial rollouts (`engines/rollout/streaming.py`): each rank's stream is driven on its own
+    @property
+    def ranks(self) -> int:
+        """How many rollout engines the group has."""
+        return self.group.spec.num_workers
+
+    def start_stream(self, rank: int, sampling: SamplingParams, seed: int) -> None:
+        """A fresh stream on `rank` (anything in flight there dropped)."""
+        self._call_rank(rank, "start_stream", sampling, seed)
+
+    def submit(self, rank: int, groups: list[GroupRequest]) -> None:
+        """Queue these prompt groups on `rank`'s stream."""
+        self._call_rank(rank, "submit", groups)
+
+    def pump(self, rank: int, max_steps: int) -> list[FinishedGroup]:
+        """Up to `max_steps` decode steps on `rank`; the groups that finished."""
+        return cast(list[FinishedGroup], self._call_rank(rank, "pump", max_steps))
+
+    def set_policy_version(self, rank: int, version: int, kv_on_update: str = "recompute") -> None:
+        """`rank`'s weights are now policy `version`; its rows in flight continue under them."""
+        self._call_rank(rank, "set_policy_version", version, kv_on_update)
+
+    def stop_stream(self, rank: int) -> None:
+        """Drop `rank`'s stream."""
+        self._call_rank(rank, "stop_stream")
 
 
 class TrainerGroup(RoleHandle):

@@ -100,7 +100,9 @@ def test_each_rollout_entry_names_pieces_that_import(name: str) -> None:
     assert isinstance(import_object(entry.memory)(), GeneratedKV)
     for target in (entry.interpreter, entry.image_check, entry.actor_options):
         assert target is None or callable(import_object(target))
-    assert entry.transports <= ALL_TRANSPORTS and entry.partial_rollout is False
+    assert entry.transports <= ALL_TRANSPORTS
+    streams = ("start_stream", "submit", "pump", "set_policy_version", "stop_stream")  # what async_stream calls
+    assert entry.partial_rollout == all(hasattr(import_object(entry.engine), m) for m in streams)
     assert entry.multi_turn == ("multi_turn" in entry.options)  # the engine takes the section it can run
 
 
