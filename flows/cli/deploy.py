@@ -77,7 +77,7 @@ def concurrency_limit(on_overlap: Overlap) -> Any:
 
 def deployment_parameters(cfg: RunConfig) -> dict[str, Any]:
     """The deployment's default parameters: the resolved config as JSON (the UI shows it as a form)."""
-    return {"cfg": cfg.model_dump(mode="json")}
+    return {"cfg": cfg.model_dump(mode="json", by_alias=True)}  # trainer.async: the schema's name for it
 
 
 def zombie_automation(crash_after: int) -> Any:
