@@ -114,7 +114,7 @@ def build_workers(cfg: RunConfig, run: RunHandle) -> Workers:
     workers.weight_sync = build_weight_sync(transport)
     _REGISTRY[run.key] = workers
     if cfg.cluster.use_placement_group and not in_process:  # what runs where, for operators and the cluster tests
-        report(workers.groups(), run.path / "placement.json")
+        report(workers.groups(), run.path / "placement.json", timeout)  # it waits for the constructors too
     return workers
 
 
