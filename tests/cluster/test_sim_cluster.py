@@ -227,10 +227,6 @@ def test_megatron_layout_across_nodes(sim: SimCluster, tiny_model_dir: Path, tmp
     one_actor_rank_per_gpu(rows)
 
 
-# Round 5: failed twice on the AVX2-only EPYC (start_workers: GetTimeoutError ~90 s in, while 8 hybrid ranks were still
-# constructing; placement's report waited 120 s, now the rendezvous timeout). Opt-in (`-m slow`) until it passes there
-# again: the session note says so.
-@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs `pip install .[megatron]`")
 def test_megatron_deepseek_layout_across_nodes(sim: SimCluster, tiny_deepseek_dir: Path, tmp_path: Path) -> None:
     # the scaled-down twin of both MoE presets in one run. configs/deepseek_v3_671b_grpo_megatron.yaml (TP8 x PP12 x
