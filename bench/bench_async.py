@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import record, report, small_model
+from bench.common import record, report, small_model, tiny_run_config
 
 MODES = {"sync": ["trainer.mode=sync"], "one_step_off": ["trainer.mode=one_step_off"],
          "async": ["trainer.mode=async", "trainer.async.max_staleness=2"]}  # fmt: skip
@@ -23,31 +23,20 @@ PROMPTS, N = 8, 4
 
 
 def _config(tmp: Path, model: Path, name: str, steps: int, mode: list[str]):  # type: ignore[no-untyped-def]
-    from rlstages.configs import load_config
-
-    root = Path(__file__).resolve().parents[1]
-    return load_config(
-        root / "configs" / "tiny.yaml",
-        [
-            f"model.path={model}",
-            "model.provider=local",
-            f"trainer.output_dir={tmp}",
-            f"trainer.run_name={name}",
-            f"trainer.total_steps={steps}",
-            *mode,
-            "trainer.eval_every=0",
-            "trainer.eval_at_start=false",
-            "checkpoint.every=0",
-            "cluster.hybrid_engine=false",
-            "cluster.colocate=false",
-            "algorithm.decoupled_loss=true",
-            f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
-            "tracking.log_model=false",
-            f"data.prompts_per_step={PROMPTS}",
-            f"rollout.n={N}",
-            "rollout.max_new_tokens=32",
-            "data.source.num_train=512",
-        ],
+    """The bench's run (`common.tiny_run_config`) with its own settings."""
+    return tiny_run_config(
+        tmp,
+        model,
+        name,
+        steps,
+        *mode,
+        "cluster.hybrid_engine=false",
+        "cluster.colocate=false",
+        "algorithm.decoupled_loss=true",
+        f"data.prompts_per_step={PROMPTS}",
+        f"rollout.n={N}",
+        "rollout.max_new_tokens=32",
+        "data.source.num_train=512",
     )
 
 

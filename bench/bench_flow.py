@@ -12,31 +12,20 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import record, report, small_model
+from bench.common import record, report, small_model, tiny_run_config
 
 
 def _config(tmp: Path, model: Path, name: str, steps: int, tokens: int):  # type: ignore[no-untyped-def]
-    from rlstages.configs import load_config
-
-    root = Path(__file__).resolve().parents[1]
-    return load_config(
-        root / "configs" / "tiny.yaml",
-        [
-            f"model.path={model}",
-            "model.provider=local",
-            f"trainer.output_dir={tmp}",
-            f"trainer.run_name={name}",
-            f"trainer.total_steps={steps}",
-            "trainer.eval_every=0",
-            "trainer.eval_at_start=false",
-            "checkpoint.every=0",
-            f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
-            "tracking.log_model=false",
-            "data.prompts_per_step=8",
-            "rollout.n=4",
-            f"rollout.max_new_tokens={tokens}",
-            "data.source.num_train=512",
-        ],
+    """The bench's run (`common.tiny_run_config`) with its own settings."""
+    return tiny_run_config(
+        tmp,
+        model,
+        name,
+        steps,
+        "data.prompts_per_step=8",
+        "rollout.n=4",
+        f"rollout.max_new_tokens={tokens}",
+        "data.source.num_train=512",
     )
 
 

@@ -16,35 +16,24 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import record, report, small_model
+from bench.common import record, report, small_model, tiny_run_config
 
 
 def _config(tmp: Path, model: Path, name: str, steps: int, off_policy: bool):  # type: ignore[no-untyped-def]
-    from rlstages.configs import load_config
-
-    root = Path(__file__).resolve().parents[1]
-    return load_config(
-        root / "configs" / "tiny.yaml",
-        [
-            f"model.path={model}",
-            "model.provider=local",
-            f"trainer.output_dir={tmp}",
-            f"trainer.run_name={name}",
-            f"trainer.total_steps={steps}",
-            f"trainer.one_step_off_policy={str(off_policy).lower()}",
-            "trainer.eval_every=0",
-            "trainer.eval_at_start=false",
-            "checkpoint.every=0",
-            "cluster.hybrid_engine=false",
-            "cluster.colocate=false",
-            "algorithm.rollout_is.level=token",
-            f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
-            "tracking.log_model=false",
-            "data.prompts_per_step=8",
-            "rollout.n=4",
-            "rollout.max_new_tokens=32",
-            "data.source.num_train=512",
-        ],
+    """The bench's run (`common.tiny_run_config`) with its own settings."""
+    return tiny_run_config(
+        tmp,
+        model,
+        name,
+        steps,
+        f"trainer.one_step_off_policy={str(off_policy).lower()}",
+        "cluster.hybrid_engine=false",
+        "cluster.colocate=false",
+        "algorithm.rollout_is.level=token",
+        "data.prompts_per_step=8",
+        "rollout.n=4",
+        "rollout.max_new_tokens=32",
+        "data.source.num_train=512",
     )
 
 

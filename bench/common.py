@@ -202,3 +202,23 @@ class PssSampler:
                 self.peak, self.peak_breakdown = sum(pss for pss, _ in now), now
                 self.peak_at = time.perf_counter() - start
             self._stop.wait(self.interval)
+
+
+def tiny_run_config(tmp: Path, model: Path, name: str, steps: int, *overrides: str) -> Any:
+    """configs/tiny.yaml on `model`, `steps` steps in `tmp` with no evaluation, checkpoints or logged model (the
+    flow benches' common run), plus each bench's own `overrides`."""
+    from rlstages.configs import load_config
+
+    base = [
+        f"model.path={model}",
+        "model.provider=local",
+        f"trainer.output_dir={tmp}",
+        f"trainer.run_name={name}",
+        f"trainer.total_steps={steps}",
+        "trainer.eval_every=0",
+        "trainer.eval_at_start=false",
+        "checkpoint.every=0",
+        f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
+        "tracking.log_model=false",
+    ]
+    return load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml", [*base, *overrides])
