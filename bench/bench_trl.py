@@ -136,7 +136,7 @@ def run_trl(steps: int, tmp: Path) -> dict[str, float]:
     from trl import GRPOConfig, GRPOTrainer
 
     from rlstages.engines.rewards.functions import last_integer
-    from rlstages.tasks.driver.data import eval_prompts, load_rows
+    from rlstages.tasks.driver.data.loading import eval_prompts, load_rows
 
     gpu = on_gpu()
     device = "cuda" if gpu else "cpu"

@@ -6,7 +6,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 SHIM="$ROOT/.cache/typecheck"
 mkdir -p "$SHIM/rlstages"
 for d in configs engines tasks flows; do ln -sfn "$ROOT/$d" "$SHIM/rlstages/$d"; done
-# a regular package at the top, and no namespace packages: a folder of data (configs/data/) never shadows a module
+# a regular package at the top, and no namespace packages: a folder without __init__.py never shadows a module
 : > "$SHIM/rlstages/__init__.py"
 MYPY="${MYPY:-$ROOT/.venv/bin/mypy}"
 cd "$ROOT"

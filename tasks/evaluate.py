@@ -20,7 +20,7 @@ from rlstages.engines.types import SamplingParams
 from rlstages.tasks import prefect_api
 from rlstages.tasks.driver import tracking
 from rlstages.tasks.driver.context import RunHandle, derive_seed
-from rlstages.tasks.driver.data import eval_prompts, tokenizer_path
+from rlstages.tasks.driver.data.loading import eval_prompts, tokenizer_path
 from rlstages.tasks.reward import score_batch
 from rlstages.tasks.rollout import sampling
 from rlstages.tasks.stage_workers import stage_workers

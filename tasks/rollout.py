@@ -17,7 +17,7 @@ from rlstages.engines.tools.registry import isolation_label
 from rlstages.engines.types import SamplingParams
 from rlstages.tasks.driver import tracking
 from rlstages.tasks.driver.context import RunHandle, derive_seed
-from rlstages.tasks.driver.data import prompts_for_step, tokenizer_path
+from rlstages.tasks.driver.data.loading import prompts_for_step, tokenizer_path
 from rlstages.tasks.driver.faults import maybe_fail
 from rlstages.tasks.driver.workers import get_workers
 from rlstages.tasks.policies import guard_workers

@@ -25,7 +25,7 @@ from rlstages.tasks.checkpoint import restore_engines
 from rlstages.tasks.driver import tracking
 from rlstages.tasks.driver.checkpoints import driver_state, latest_checkpoint, read_manifest
 from rlstages.tasks.driver.context import RUN_STATE, RunHandle
-from rlstages.tasks.driver.data import cursor, data_record
+from rlstages.tasks.driver.data.loading import cursor, data_record
 from rlstages.tasks.driver.preflight import check_import_allowed
 from rlstages.tasks.driver.run_dir import clear_dir, read_state, resolve_run_dir, starts_over
 from rlstages.tasks.driver.run_dir import run_dir as run_dir  # re-exported: flows import it from here

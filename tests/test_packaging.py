@@ -77,6 +77,7 @@ def test_wheel_has_one_top_level_name(wheel: Path) -> None:
         assert f"rlstages/{folder}/__init__.py" in names
     assert "rlstages/configs/demo.yaml" in names  # presets ship as package data
     assert "rlstages/configs/published_models.json" in names  # the memory plan's model sizes
+    assert "rlstages/configs/agentic_multiply_train.jsonl" in names  # a preset's sample data beside it
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "rlstages = rlstages.flows.cli.main:main" in zipfile.ZipFile(wheel).read(entry).decode()
 

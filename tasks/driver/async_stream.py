@@ -22,7 +22,7 @@ from rlstages.engines.rollout.batching import build_rollout_batch
 from rlstages.engines.rollout.streaming import FinishedGroup, GroupRequest
 from rlstages.engines.types import Prompt, SamplingParams
 from rlstages.tasks.driver.context import RunHandle, derive_seed
-from rlstages.tasks.driver.data import prompts_for_step, tokenizer_path
+from rlstages.tasks.driver.data.loading import prompts_for_step, tokenizer_path
 from rlstages.tasks.driver.role_handles import RolloutGroup
 
 

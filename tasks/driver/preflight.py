@@ -36,8 +36,8 @@ from rlstages.tasks.driver.checks.config import (
     check_tool_isolation,
     check_tracking_store,
 )
-from rlstages.tasks.driver.checks.data import check_data_files, check_data_rows, check_images, check_prompt_lengths
 from rlstages.tasks.driver.checks.resources import check_cluster_resources
+from rlstages.tasks.driver.data.checks import check_data_files, check_data_rows, check_images, check_prompt_lengths
 
 __all__ = [
     "CHECKS",

@@ -227,7 +227,7 @@ def test_text_only_micro_batch_runs_a_zero_dummy_vision_pass(tiny_vlm_dir: Path,
 
 def test_preflight_lets_deepspeed_and_megatron_train_on_images() -> None:
     from rlstages.configs.loader import load_config
-    from rlstages.tasks.driver.vision_data import _check_backends
+    from rlstages.tasks.driver.data.vision import _check_backends
 
     tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
     _check_backends(load_config(tiny, ["actor.backend=deepspeed", "actor.zero_stage=3"]))  # no refusal

@@ -112,7 +112,7 @@ def test_trainer_names_become_the_checkpoints(tiny_vlm_dir: Path) -> None:
 def test_preflight_lets_image_data_through(backend: str) -> None:
     from rlstages.configs.loader import load_config
     from rlstages.engines.registry import rollout_backend
-    from rlstages.tasks.driver.vision_data import _check_backends
+    from rlstages.tasks.driver.data.vision import _check_backends
 
     root = Path(__file__).resolve().parents[2]
     gpus = ["cluster.num_gpus=1"] if backend == "sglang" else []  # the pre-flight refuses SGLang without GPUs

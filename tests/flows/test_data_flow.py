@@ -15,7 +15,7 @@ from mlflow import MlflowClient
 
 from rlstages.configs import load_config
 from rlstages.flows.train import rl_post_train
-from rlstages.tasks.driver.data import data_record
+from rlstages.tasks.driver.data.loading import data_record
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = (

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from rlstages.configs.data import DatasetsDataConfig
 from rlstages.flows.train import rl_post_train
-from rlstages.tasks.driver.vision_data import row_images
+from rlstages.tasks.driver.data.vision import row_images
 from tests.flows.flow_support import IN_DRIVER, ROOT, final_weights, mlflow_run, overrides, run_dir, tiny_cfg
 
 COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "yellow": (255, 255, 0)}
@@ -100,7 +100,7 @@ def test_the_demo_config_passes_the_preflight(tmp_path: Path, tiny_vlm_dir: Path
     from rlstages.configs.loader import load_config
     from rlstages.engines.models import load_tokenizer
     from rlstages.engines.rollout.batching import prompt_text
-    from rlstages.tasks.driver.data import load_split
+    from rlstages.tasks.driver.data.loading import load_split
     from rlstages.tasks.driver.preflight import preflight
 
     cfg = load_config(ROOT / "configs" / "vlm_colors.yaml", overrides(tmp_path, tiny_vlm_dir, "demo"))

@@ -15,7 +15,7 @@ import pytest
 from rlstages.configs import RunConfig, load_config
 from rlstages.configs.data import DataConfig
 from rlstages.engines.rollout.batching import format_prompts
-from rlstages.tasks.driver import data as D
+from rlstages.tasks.driver.data import loading as D
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = (

@@ -1,6 +1,7 @@
 """The checks of the pre-flight (`rlstages.tasks.driver.preflight`), by subject: the config and what it names
-(`config`), the data (`data`), the cluster's resources (`resources`). Each check takes the RunConfig, raises
-`PreflightError` (one line: the field or file, and what was expected) and may return warnings."""
+(`config`), the cluster's resources (`resources`); the data's checks live with the data
+(`tasks.driver.data.checks`). Each check takes the RunConfig, raises `PreflightError` (one line: the field or file,
+and what was expected) and may return warnings."""
 
 from __future__ import annotations
 

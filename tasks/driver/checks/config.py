@@ -318,7 +318,7 @@ def check_freeze(cfg: RunConfig) -> None:
     """`actor.freeze` / `critic.freeze` name parts the model has: a text model has no vision_tower or projector
     (freezing them would freeze nothing), and freezing every part would train nothing."""
     from rlstages.engines.models.vision import COMPONENTS, VISION_MODEL_TYPES
-    from rlstages.tasks.driver.vision_data import planned_model_type
+    from rlstages.tasks.driver.data.vision import planned_model_type
 
     roles = [("actor", cfg.actor), *([("critic", cfg.critic)] if cfg.critic is not None else [])]
     asked = [(role, tuple(getattr(train, "freeze", ()))) for role, train in roles]

@@ -130,7 +130,7 @@ def placeholders(text: str, messages: tuple[dict[str, str], ...]) -> int:
 
 
 def check_image_rows(cfg: RunConfig, rows: list[Any]) -> None:
-    """The pre-flight's image checks of the rows (`tasks.driver.data.Row`) of both splits; a no-op without images."""
+    """The pre-flight's image checks of the rows (`data.files.Row`) of both splits; a no-op without images."""
     image_rows = [r for r in rows if r.images or placeholders(r.text, r.messages)]
     if not image_rows:
         return

@@ -2,7 +2,7 @@
 
 Sources: the demo's synthetic addition ("What is a + b?", a and b seeded; held-out prompts from another
 seed), the synthetic colour images, JSONL prompt/answer rows, or anything the Hugging Face `datasets` library
-reads (`data_files`: parquet, JSON, arrow, a saved dataset directory, a cached hub dataset, verl's RL schema).
+reads (`files`: parquet, JSON, arrow, a saved dataset directory, a cached hub dataset, verl's RL schema).
 
 Bad data is a one-line ValueError naming the file, row and column; `check_data` runs every check before
 anything starts. Prompts longer than `data.max_prompt_length` tokens (after the chat template) are dropped
@@ -27,11 +27,11 @@ from rlstages.configs.data import (
     JsonlDataConfig,
 )
 from rlstages.engines.types import Prompt
-from rlstages.tasks.driver.data_files import (
+from rlstages.tasks.driver.data.files import (
     Row,
     dataset_rows,
 )
-from rlstages.tasks.driver.vision_data import colour_task
+from rlstages.tasks.driver.data.vision import colour_task
 
 
 @dataclass(frozen=True)

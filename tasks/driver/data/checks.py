@@ -34,7 +34,7 @@ def check_data_files(cfg: RunConfig) -> None:
 
 def _check_dataset_path(path: str, field: str) -> None:
     """A local data path must name something; anything else is a hub dataset name (read in `check_data_rows`)."""
-    from rlstages.tasks.driver.data_files import DATA_SUFFIXES, is_glob, looks_local
+    from rlstages.tasks.driver.data.files import DATA_SUFFIXES, is_glob, looks_local
 
     expected = f"expected a data file ({', '.join(DATA_SUFFIXES)}), a glob of them or a save_to_disk directory"
     if is_glob(path):
@@ -98,7 +98,7 @@ def check_prompt_lengths(cfg: RunConfig) -> list[str]:
             f"rollout.max_new_tokens: {cfg.rollout.max_new_tokens} leaves no room for a prompt in the model's "
             f"context of {context} tokens"
         )
-    from rlstages.tasks.driver.data import load_rows
+    from rlstages.tasks.driver.data.loading import load_rows
 
     rows = [(split, i, row.text) for split in ("train", "eval") for i, row in enumerate(load_rows(cfg.data, split))]
     system = len((cfg.data.system_prompt or "").encode())
@@ -133,14 +133,14 @@ def _token_lengths(cfg: RunConfig, texts: list[str]) -> list[int]:
 
 def check_data_rows(cfg: RunConfig) -> None:
     """Both splits read and checked row by row: the file, row and column of a bad cell are named."""
-    from rlstages.tasks.driver.data import check_data
+    from rlstages.tasks.driver.data.loading import check_data
 
     check_data(cfg)
 
 
 def check_images(cfg: RunConfig) -> None:
     """Image rows: each opens, placeholders match, within the image and length limits, a VLM with its processor."""
-    from rlstages.tasks.driver.data import load_rows
-    from rlstages.tasks.driver.vision_data import check_image_rows
+    from rlstages.tasks.driver.data.loading import load_rows
+    from rlstages.tasks.driver.data.vision import check_image_rows
 
     check_image_rows(cfg, [r for split in ("train", "eval") for r in load_rows(cfg.data, split)])

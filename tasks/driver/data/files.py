@@ -16,7 +16,7 @@ from typing import Any
 
 from rlstages.configs.data import DatasetsDataConfig
 from rlstages.engines.types import Prompt
-from rlstages.tasks.driver.vision_data import row_images
+from rlstages.tasks.driver.data.vision import row_images
 
 _SUFFIX_BUILDER = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".arrow": "arrow", ".csv": "csv"}
 DATA_SUFFIXES = tuple(_SUFFIX_BUILDER)
