@@ -17,7 +17,7 @@ from rlstages.configs.training import DeepSpeedTrainingConfig, MegatronTrainingC
 TrainingOptions = TorchTrainingConfig | DeepSpeedTrainingConfig | MegatronTrainingConfig
 # every weight transport of `engines.sync.registry.TRANSPORTS` (kept as names: the sync layer imports no registry)
 ALL_TRANSPORTS = frozenset({"hybrid", "in_process", "object_store", "collective"})
-_PLAN = "rlstages.engines.memory_plan.backends"
+_PLAN = "rlstages.engines.memory_models.backends"
 
 
 @dataclass(frozen=True)

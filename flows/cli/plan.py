@@ -39,7 +39,7 @@ def hf_config(cfg: RunConfig) -> dict[str, Any] | None:
 
 def build_plan(cfg: RunConfig, gpu: str | None) -> Any:
     """The `MemoryPlan` of `cfg` against `gpu`."""
-    from rlstages.engines.memory_plan import plan
+    from rlstages.tasks.driver.memory_plan import plan
 
     return plan(cfg, hf_config(cfg), gpu)
 

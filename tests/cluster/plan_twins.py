@@ -29,7 +29,7 @@ def twin_plan(run_dir: Path) -> tuple[Any, Any]:
     """(config, plan) of the run's config.yaml (its model's config.json), planned without offload."""
     from rlstages.configs import load_config
     from rlstages.configs.training import MegatronTrainingConfig
-    from rlstages.engines.memory_plan import plan
+    from rlstages.tasks.driver.memory_plan import plan
 
     cfg = load_config(run_dir / "config.yaml", [])
     if isinstance(cfg.actor, MegatronTrainingConfig):

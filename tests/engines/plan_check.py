@@ -1,4 +1,4 @@
-"""The memory plan (`rlstages plan`, engines/memory_plan/) against what a training rank really holds, for the CPU runs
+"""The memory plan (`rlstages plan`, driver/memory_plan/) against what a training rank really holds, for the CPU runs
 the suite already makes (torch, DeepSpeed, Megatron-Core at TP / PP / EP): `measure_step(engine, batch)` runs one
 train step inside a rank (`ActorGroup.each`, or in-process) and measures
   - state: the bytes of every tensor storage reachable from the engine object (weights, gradients, optimizer
@@ -155,7 +155,7 @@ def planned_rank(model_dir: Path, train: Any, batch: Any, stage: int) -> Any:
     """The plan's actor rank of pipeline stage `stage` for `train` on the tiny model in `model_dir`."""
     import json
 
-    from rlstages.engines.memory_plan import plan
+    from rlstages.tasks.driver.memory_plan import plan
 
     hf = json.loads((Path(model_dir) / "config.json").read_text())
     ranks = [r for r in plan(run_config(model_dir, train, batch), hf).ranks if r.role == "actor"]

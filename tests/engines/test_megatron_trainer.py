@@ -364,7 +364,7 @@ def test_tp1_memory_matches_the_plan(tiny_model_dir: Path, converted, batch) -> 
     import json
 
     from rlstages.configs import load_config
-    from rlstages.engines.memory_plan import plan
+    from rlstages.tasks.driver.memory_plan import plan
 
     engine = megatron(tiny_model_dir, converted["tp1"])  # use_distributed_optimizer=True, DP 1
     engine.train_step(batch)

@@ -13,12 +13,12 @@ import torch
 from rlstages.configs import load_config
 from rlstages.configs.training import OptimConfig, TorchTrainingConfig
 from rlstages.engines import types as T
-from rlstages.engines.memory_plan import load_dims, plan
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
 from rlstages.engines.training import ppo_step as P
 from rlstages.engines.training.core import PPOTrainer
 from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
+from rlstages.tasks.driver.memory_plan import load_dims, plan
 
 ROOT = Path(__file__).resolve().parents[2]
 # Saved activations: the plan counts what fused kernels keep (Megatron / Transformer Engine); transformers' RMSNorm
@@ -140,7 +140,7 @@ def test_a_vision_language_models_sizes_come_from_its_text_config(tiny_vlm_dir: 
     level and failed); the plan counts the language model, not the small vision tower."""
     from transformers import AutoModelForImageTextToText
 
-    from rlstages.engines.memory_plan.model import ModelDims
+    from rlstages.engines.memory_models.model import ModelDims
 
     hf = json.loads((tiny_vlm_dir / "config.json").read_text())
     dims = ModelDims.from_hf(hf)

@@ -13,7 +13,7 @@ import pytest
 
 from rlstages.configs.rollout import RolloutConfig
 from rlstages.engines.imports import import_object
-from rlstages.engines.memory_plan.backends import GeneratedKV, TorchMemory
+from rlstages.engines.memory_models.backends import GeneratedKV, TorchMemory
 from rlstages.engines.registry import ALL_TRANSPORTS, ROLLOUT_BACKENDS, TRAINING_BACKENDS
 from rlstages.engines.sync.registry import TRANSPORTS
 

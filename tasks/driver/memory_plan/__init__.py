@@ -18,19 +18,23 @@ product, each routed copy of a token for MoE), in the activation dtype. Phases o
 gradients + optimizer + activations), rollout (the engine's reservation + whatever offload leaves on the GPU),
 weight sync (weights + rollout weights + one bucket); the GPU's peak is the largest.
 
-Modules, one job each: `gpus` (the GPU table), `model` (the model's sizes), `layout` (TP / PP / EP / DP and the
-layers per stage), `rank` (one rank's bytes by component), `result` (the plan's types), `advice` (what to change
-when it does not fit), `build` (`plan`: every rank, the phases of a colocated GPU, host memory per node).
+Here, what takes the whole RunConfig: `dims` (the run's model sizes), `rank` (one rank's bytes by component),
+`advice` (what to change when it does not fit), `build` (`plan`: every rank, the phases of a colocated GPU, host
+memory per node). Each backend's memory model and the pieces it needs are an engines matter, named by the
+backend's registry entry (`rlstages.engines.memory_models`: `backends`, `gpus` (the GPU table), `model` (the
+model's sizes), `layout` (TP / PP / EP / DP and the layers per stage), `result` (the plan's types)).
 """
 
 from __future__ import annotations
 
-from rlstages.engines.memory_plan.advice import advice
-from rlstages.engines.memory_plan.build import SYNC_BUCKET_BYTES, plan
-from rlstages.engines.memory_plan.gpus import GIB, GPUS, GPUS_PER_NODE, MIB
-from rlstages.engines.memory_plan.layout import Layout
-from rlstages.engines.memory_plan.model import DTYPE_BYTES, PUBLISHED, ModelDims, load_dims
-from rlstages.engines.memory_plan.rank import (
+from rlstages.engines.memory_models.gpus import GIB, GPUS, GPUS_PER_NODE, MIB
+from rlstages.engines.memory_models.layout import Layout
+from rlstages.engines.memory_models.model import DTYPE_BYTES, ModelDims
+from rlstages.engines.memory_models.result import MemoryPlan, RankMemory
+from rlstages.tasks.driver.memory_plan.advice import advice
+from rlstages.tasks.driver.memory_plan.build import SYNC_BUCKET_BYTES, plan
+from rlstages.tasks.driver.memory_plan.dims import PUBLISHED, load_dims
+from rlstages.tasks.driver.memory_plan.rank import (
     DEFAULT_PROMPT_TOKENS,
     StateBytes,
     micro_batch_tokens,
@@ -38,7 +42,6 @@ from rlstages.engines.memory_plan.rank import (
     sequence_tokens,
     state_bytes,
 )
-from rlstages.engines.memory_plan.result import MemoryPlan, RankMemory
 
 __all__ = [
     "DEFAULT_PROMPT_TOKENS",

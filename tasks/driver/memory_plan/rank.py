@@ -9,10 +9,10 @@ from typing import Any
 
 from rlstages.configs.rollout import rollout_tp
 from rlstages.configs.run import RunConfig
-from rlstages.engines.memory_plan.backends import StateBytes, rollout_memory, training_memory
-from rlstages.engines.memory_plan.layout import Layout, stage_params
-from rlstages.engines.memory_plan.model import DTYPE_BYTES, ModelDims
-from rlstages.engines.memory_plan.result import RankMemory
+from rlstages.engines.memory_models.backends import StateBytes, rollout_memory, training_memory
+from rlstages.engines.memory_models.layout import Layout, stage_params
+from rlstages.engines.memory_models.model import DTYPE_BYTES, ModelDims
+from rlstages.engines.memory_models.result import RankMemory
 from rlstages.engines.registry import TrainingOptions
 from rlstages.engines.registry import reference_options as _reference_options
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from rlstages.engines.memory_plan.model import ModelDims
+from rlstages.engines.memory_models.model import ModelDims
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ from typing import Any
 from rlstages.configs.rollout import SGLangRolloutConfig, VLLMRolloutConfig
 from rlstages.configs.training import DeepSpeedTrainingConfig, MegatronTrainingConfig
 from rlstages.engines.imports import import_object
-from rlstages.engines.memory_plan.gpus import GIB
-from rlstages.engines.memory_plan.layout import Layout
-from rlstages.engines.memory_plan.model import DTYPE_BYTES, ModelDims
-from rlstages.engines.memory_plan.result import RankMemory
+from rlstages.engines.memory_models.gpus import GIB
+from rlstages.engines.memory_models.layout import Layout
+from rlstages.engines.memory_models.model import DTYPE_BYTES, ModelDims
+from rlstages.engines.memory_models.result import RankMemory
 from rlstages.engines.registry import rollout_backend, training_backend
 
 # DeepSpeed's default reduce_bucket_size (elements): ZeRO's contiguous-gradient bucket, allocated whole whatever

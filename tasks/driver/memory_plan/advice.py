@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from rlstages.configs.run import RunConfig
-from rlstages.engines.memory_plan.backends import rollout_memory, training_memory
-from rlstages.engines.memory_plan.gpus import GIB
-from rlstages.engines.memory_plan.result import MemoryPlan
+from rlstages.engines.memory_models.backends import rollout_memory, training_memory
+from rlstages.engines.memory_models.gpus import GIB
+from rlstages.engines.memory_models.result import MemoryPlan
 
 
 def advice(cfg: RunConfig, result: MemoryPlan) -> list[str]:

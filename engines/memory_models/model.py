@@ -1,18 +1,13 @@
 """The model's sizes the plan needs (`ModelDims`, from an HF config.json's keys: dense, Qwen3-MoE / Mixtral experts,
-DeepSeek MLA), its parameter counts and the tensors a layer saves per token for backward; `load_dims` reads them
-from the run's model or, for the seed presets whose weights are not here, configs/published_models.json."""
+DeepSeek MLA), its parameter counts and the tensors a layer saves per token for backward; the run's model is read
+by `rlstages.tasks.driver.memory_plan.dims.load_dims`."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from rlstages.configs.run import RunConfig
-
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-PUBLISHED = Path(__file__).resolve().parents[2] / "configs" / "published_models.json"
 
 
 @dataclass(frozen=True)
@@ -140,19 +135,3 @@ class ModelDims:
         norms = 2 * h
         split = (attn + mlp) / tp
         return split + (norms / tp if sequence_parallel else norms)
-
-
-def load_dims(cfg: RunConfig, hf_config: dict[str, Any] | None) -> tuple[ModelDims, str]:
-    """The model's sizes and where they came from: the HF config given (config.json or model.tiny), else the
-    published values in configs/published_models.json under the model directory's name."""
-    if hf_config is not None:
-        return ModelDims.from_hf(hf_config), "config.json" if cfg.model.tiny is None else "model.tiny"
-    table = json.loads(PUBLISHED.read_text())
-    name = Path(str(cfg.model.path)).name
-    if name not in table:
-        known = ", ".join(k for k in table if not k.startswith("_"))
-        raise ValueError(
-            f"model.path {cfg.model.path}: no config.json here and {name!r} is not in {PUBLISHED.name} "
-            f"(known: {known}); give a model directory or add its sizes there"
-        )
-    return ModelDims.from_hf(table[name]), PUBLISHED.name

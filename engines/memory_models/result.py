@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlstages.engines.memory_plan.gpus import GIB
-from rlstages.engines.memory_plan.model import ModelDims
+from rlstages.engines.memory_models.gpus import GIB
+from rlstages.engines.memory_models.model import ModelDims
 
 
 @dataclass

@@ -7,13 +7,13 @@ import math
 from typing import Any
 
 from rlstages.configs.run import RunConfig
-from rlstages.engines.memory_plan.advice import advice
-from rlstages.engines.memory_plan.backends import layout_of, rollout_memory, training_memory
-from rlstages.engines.memory_plan.gpus import GPUS_PER_NODE, capacity
-from rlstages.engines.memory_plan.layout import Layout
-from rlstages.engines.memory_plan.model import load_dims
-from rlstages.engines.memory_plan.rank import reference_options, rollout_gpu, training_rank
-from rlstages.engines.memory_plan.result import MemoryPlan, RankMemory
+from rlstages.engines.memory_models.backends import layout_of, rollout_memory, training_memory
+from rlstages.engines.memory_models.gpus import GPUS_PER_NODE, capacity
+from rlstages.engines.memory_models.layout import Layout
+from rlstages.engines.memory_models.result import MemoryPlan, RankMemory
+from rlstages.tasks.driver.memory_plan.advice import advice
+from rlstages.tasks.driver.memory_plan.dims import load_dims
+from rlstages.tasks.driver.memory_plan.rank import reference_options, rollout_gpu, training_rank
 
 SYNC_BUCKET_BYTES = 256 << 20  # tasks/rollout.BUCKET_BYTES: one bucket in flight per trainer -> rollout transfer
 
