@@ -1,7 +1,7 @@
 """The PPO trainer on the DeepSpeed backend against the torch backend: log-probs, one GRPO step under
 ZeRO 1/2/3 (also with dynamic batching and CPU offload), ZeRO-3 gathered weights and export, save/load that
 continues bitwise from a renamed directory, critic, reference, mixed precision, and a 2-rank ZeRO-2/3
-data-parallel group on Ray.
+data-parallel group on Ray (image batches: test_deepspeed_vlm.py; shared helpers: deepspeed_support.py).
 
 CPU only, real DeepSpeed (skipped when it is not installed): `.venv/bin/python -m pytest -q
 tests/engines/test_deepspeed_trainer.py`. The first run JIT-builds DeepSpeed's `deepspeed_shm_comm` op (~80 s)
@@ -12,61 +12,42 @@ and, for the offload test, `cpu_adam` (~80 s) into TORCH_EXTENSIONS_DIR (default
 from __future__ import annotations
 
 import math
-import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.cpp_extension import get_default_build_root
 
 pytest.importorskip("deepspeed")
 
+from deepspeed_support import (  # noqa: E402
+    EXT_DIR,
+    OPTIM,
+    ds,
+    one_process_group,  # noqa: F401 (the module's autouse fixture)
+    rank_weights,
+    settings,
+    ship_to_ray,
+    snapshot,
+    torch_engine,
+)
 from plan_check import check_group  # noqa: E402
 
-from rlstages.configs.training import DeepSpeedTrainingConfig, OptimConfig, TorchTrainingConfig  # noqa: E402
 from rlstages.engines import algorithms as A  # noqa: E402
 from rlstages.engines import types as T  # noqa: E402
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine  # noqa: E402
 from rlstages.engines.sync.buckets import decode_bucket  # noqa: E402
-from rlstages.engines.training.core import (
-    PPOTrainer,  # noqa: E402
-    without_perf,
-)
-from rlstages.engines.training.settings import TrainerSettings  # noqa: E402
+from rlstages.engines.training.core import without_perf  # noqa: E402
 from rlstages.engines.types import Prompt, SamplingParams  # noqa: E402
 from rlstages.engines.workers.actor_group import ActorGroup, GroupSpec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-EXT_DIR = os.environ.get("TORCH_EXTENSIONS_DIR") or str(  # torch's default, given to the Ray workers alike
-    Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
-)
 PROMPTS = [Prompt(f"u{i}", f"{i}+{i}=", str(2 * i)) for i in range(4)]
-OPTIM = OptimConfig(lr=1e-2, total_steps=10, schedule="cosine")
-DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR")
 
 
 def setup_module() -> None:
     """Ship this module's helper functions to Ray workers by value (test files are not importable there)."""
-    import ray.cloudpickle
-
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_process_group() -> Iterator[None]:
-    """Every in-process engine here shares one world-1 gloo group; the env and group are undone afterwards."""
-    saved = {k: os.environ.get(k) for k in DIST_ENV}
-    os.environ["TORCH_EXTENSIONS_DIR"] = EXT_DIR
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    ship_to_ray(sys.modules[__name__])
 
 
 @pytest.fixture(scope="module")
@@ -115,28 +96,6 @@ def torch_step(batch):
         return cache[path]
 
     return get
-
-
-def settings(
-    path: Path, backend: str, role: str = "actor", dtype: str = "float32", num_mini_batches: int = 1, **options
-) -> TrainerSettings:
-    """Settings of a `backend` engine; `options` are its training config's fields (4 rows per micro-batch)."""
-    options.setdefault("micro_batch_size", 4)
-    config = DeepSpeedTrainingConfig if backend == "deepspeed" else TorchTrainingConfig
-    train = config(optim=OPTIM, **options)
-    return TrainerSettings(str(path), role=role, train=train, dtype=dtype, num_mini_batches=num_mini_batches)  # type: ignore[arg-type]
-
-
-def ds(path: Path, **kw) -> PPOTrainer:
-    return PPOTrainer(settings(path, "deepspeed", **kw))
-
-
-def torch_engine(path: Path, **kw) -> PPOTrainer:
-    return PPOTrainer(settings(path, "torch", **kw))
-
-
-def snapshot(engine) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in engine.named_weights()}
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -288,9 +247,6 @@ def test_mixed_precision_steps(tiny_model_dir: Path, batch, kw: dict) -> None:
 
 
 # ---- two data-parallel ranks on Ray -------------------------------------------------------------------------------
-def rank_weights(engine: PPOTrainer) -> dict[str, torch.Tensor]:
-    """Runs inside each rank (`__ray_call__`): its full weights (a collective under ZeRO-3)."""
-    return {k: v.clone() for k, v in engine.named_weights()}
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -333,102 +289,5 @@ def test_two_ranks_on_ray_stay_in_sync(ray_session, model_for, batch, tmp_path: 
         again = group.all(120).__ray_call__(rank_weights)[0]  # collective under ZeRO-3
         assert all(torch.equal(again[k], after_first[k]) for k in w0)
         check_group(group, path, rows, f"deepspeed zero{stage} dp2")  # last: one more step
-    finally:
-        group.kill()
-
-
-# ---- image batches (a tiny Qwen2-VL) -------------------------------------------------------------------------------
-def png(colour: tuple[int, int, int], size: int) -> bytes:
-    """A PNG of a square of `colour` on grey."""
-    import io
-
-    from PIL import Image
-
-    img = Image.new("RGB", (size, size), (128, 128, 128))
-    img.paste(colour, (8, 8, size - 8, size - 8))
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
-
-
-@pytest.fixture(scope="module")
-def wide_vlm_dir(session_tmp: Path) -> Path:
-    """The tiny Qwen2-VL with a vision tower of width 96, so ZeRO-3 really partitions its patch embedding (113k
-    elements) and projector (147k), above DeepSpeed's 1e5 persistence threshold."""
-    from rlstages.engines.models.vision import build_tiny_vlm
-
-    path = session_tmp / "wide-qwen2-vl"
-    if not (path / "config.json").is_file():
-        build_tiny_vlm(path, vision_width=96)
-    return path
-
-
-@pytest.fixture(scope="module")
-def vlm_batch(wide_vlm_dir: Path):
-    """Two image prompts (4 and 16 image tokens), then two text prompts, 2 samples each: rows 0-3 hold images,
-    rows 4-7 are text only (split over 2 ranks in order: rank 1's rows are all text)."""
-    rollout = HFRolloutEngine(wide_vlm_dir, dtype="float32", apply_chat_template=False)
-    prompts = [
-        Prompt("i0", "<image>What colour?", "red", images=(png((255, 0, 0), 56),)),
-        Prompt("i1", "Which <image>?", "blue", images=(png((0, 0, 255), 112),)),
-        Prompt("t0", "2+2=", "4"),
-        Prompt("t1", "3+3=", "6"),
-    ]
-    b = rollout.generate(prompts, SamplingParams(n=2, max_new_tokens=6), seed=0)
-    token = A.outcome_to_token_rewards(torch.tensor([1.0, 0.0] * 4), b[T.RESPONSE_MASK])
-    b[T.ADVANTAGES], b[T.RETURNS] = A.compute_advantages("grpo", token, b[T.RESPONSE_MASK], T.get_rows(b, "uid"))
-    return b
-
-
-def test_image_batch_step_with_frozen_vision_tower(wide_vlm_dir: Path, vlm_batch) -> None:
-    """One process, ZeRO-2: pixel values concatenated per micro-batch and M-RoPE positions passed (trainer
-    log-probs = rollout log-probs), `actor.freeze` and `optim.group_lr` as in the torch backend."""
-    from rlstages.engines.models.vision import component
-
-    optim = OptimConfig(lr=1e-2, total_steps=10, group_lr={"projector": 0.5})
-    engine = PPOTrainer(
-        TrainerSettings(
-            str(wide_vlm_dir),
-            train=DeepSpeedTrainingConfig(optim=optim, micro_batch_size=2, zero_stage=2, freeze=("vision_tower",)),
-        )
-    )
-    before = snapshot(engine)
-    metrics = engine.train_step(vlm_batch)
-    assert metrics["logprob_diff"] < 1e-4 and metrics["grad_norm"] > 0
-    moved = {component(k) for k, v in engine.named_weights() if not torch.equal(before[k], v)}
-    assert moved == {"projector", "language_model"}
-    assert {g["name"]: g["lr"] for g in engine.backend.optimizer.param_groups} == {
-        "projector": 0.5,
-        "language_model": 1e-2,
-    }
-
-
-def test_two_ranks_zero3_with_a_text_only_rank(ray_session, wide_vlm_dir: Path, vlm_batch) -> None:
-    """ZeRO-3 over 2 ranks on Ray, rank 0's rows with images and rank 1's text only: each forward gathers the
-    vision tower's partitioned weights and each backward reduces its gradients, so rank 1 runs the zero-weighted
-    dummy vision pass; without it the ranks hang (the timeouts turn a hang into a failure). Log-probs equal the
-    rollout's; after a step the vision tower and projector moved and are equal on both ranks."""
-    from rlstages.engines.models.vision import component, has_images
-
-    assert [has_images(r) for r in T.chunk_for_ranks(vlm_batch, 2)] == [True, False]
-    spec = GroupSpec(
-        name="ds-dp2-z3-vlm",
-        engine="rlstages.engines.training.core:PPOTrainer",
-        kwargs={"settings": settings(wide_vlm_dir, "deepspeed", micro_batch_size=2, zero_stage=3)},
-        num_workers=2,
-        env={"TORCH_EXTENSIONS_DIR": EXT_DIR, "DS_ACCELERATOR": "cpu"},
-    )
-    group = ActorGroup(spec, namespace="rlstages-tests")
-    try:
-        logp = group.dp(300).logprobs(vlm_batch)["logprobs"]
-        diff = (logp - vlm_batch[T.ROLLOUT_LOGPROBS]).abs() * vlm_batch[T.RESPONSE_MASK]
-        assert diff.max() < 1e-4
-        per_rank = group.dp(120).train_step(vlm_batch)
-        assert per_rank[0]["grad_norm"] == per_rank[1]["grad_norm"] > 0
-        w0, w1 = group.all(120).__ray_call__(rank_weights)
-        assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
-        start = dict(torch_engine(wide_vlm_dir).named_weights())
-        moved = {component(k) for k in start if not torch.equal(w0[k], start[k])}
-        assert moved == {"vision_tower", "projector", "language_model"}
     finally:
         group.kill()

@@ -1,5 +1,6 @@
 """The `python` tool as an isolation boundary, attacked with its default settings: each attack fails and the
-host is unchanged. Runs as root, and (last test) the same file again as an ordinary user (uid 65534)."""
+host is unchanged. Runs as root, and (last test) the same file and test_tools_isolation_layers.py again as an
+ordinary user (uid 65534)."""
 
 from __future__ import annotations
 
@@ -15,31 +16,16 @@ import time
 import uuid
 from pathlib import Path
 
+import isolation_support
 import pytest
+from isolation_support import ROOT, run_code
 
-from rlstages.engines.tools import isolation, jail
 from rlstages.engines.tools.sandbox import PythonSandbox
 from rlstages.engines.tools.sandbox_run import SandboxLimits, run_python
 
-ROOT = os.geteuid() == 0
+backend = isolation_support.backend  # the fixture: each case against bubblewrap and the launcher
 
-
-_BACKEND = ["auto"]
-
-
-@pytest.fixture(params=["bwrap", "launcher"])
-def backend(request: pytest.FixtureRequest) -> str:
-    """Each attack against both backends: bubblewrap and the fallback launcher (`jail.py`)."""
-    _BACKEND[0] = request.param
-    yield request.param
-    _BACKEND[0] = "auto"
-
-
-def _run(code: str, **limits) -> object:
-    """Run with the defaults (isolation required; the backend under test), generous time limits (the machine
-    may be loaded)."""
-    limits = {"timeout_s": 30.0, "cpu_s": 20, "isolation_backend": _BACKEND[0], **limits}
-    return asyncio.run(run_python(code, SandboxLimits(**limits)))
+LAYERS = Path(__file__).resolve().with_name("test_tools_isolation_layers.py")  # run as that user too
 
 
 @pytest.fixture
@@ -63,7 +49,7 @@ def test_ordinary_program_works_and_its_start_is_measured(backend: str) -> None:
     mounts = set(Path(tempfile.gettempdir()).glob("rlstages-jail-*"))
     for _ in range(3):
         start = time.perf_counter()
-        run = _run(code)
+        run = run_code(code)
         starts.append(time.perf_counter() - start)
         assert run.output == "3628800\n" and run.error is None and run.isolated, run
     print(f"{backend}: a call, start to exit: {min(starts):.3f} s (best of 3)")  # a report, not a timed assert
@@ -71,7 +57,7 @@ def test_ordinary_program_works_and_its_start_is_measured(backend: str) -> None:
 
 
 def test_never_root_no_new_privs_seccomp_on(backend: str) -> None:
-    run = _run(
+    run = run_code(
         "import os\nst = dict(l.split(':\\t') for l in open('/proc/self/status').read().splitlines() if ':\\t' in l)\n"
         "print(os.getuid(), os.getgid(), os.geteuid(), st['NoNewPrivs'], st['Seccomp'], st['CapEff'], st['CapPrm'])"
     )
@@ -83,7 +69,7 @@ def test_reading_planted_files_fails(planted: list[Path], backend: str) -> None:
     code += (
         "    try:\n        print('LEAK', open(p).read())\n    except OSError as e:\n        print(type(e).__name__)\n"
     )
-    run = _run(code)
+    run = run_code(code)
     assert "LEAK" not in run.output and "secret-" not in run.output, run
     assert run.output.split() == ["FileNotFoundError"] * len(planted), run
     assert all(p.read_text().startswith("secret-") for p in planted)
@@ -97,7 +83,7 @@ def test_writing_or_deleting_outside_scratch_fails(planted: list[Path], backend:
     for target in (run_dir / "new.txt", Path("/usr/rlstages-new"), Path("/") / "rlstages-new"):
         code += f"try:\n    open({str(target)!r}, 'w').write('x')\n    print('WROTE')\n"
         code += "except OSError as e:\n    print(type(e).__name__)\n"
-    run = _run(code)
+    run = run_code(code)
     assert "DELETED" not in run.output and "WROTE" not in run.output, run
     assert all(p.read_text().startswith("secret-") for p in planted)
     assert not (run_dir / "new.txt").exists() and not Path("/usr/rlstages-new").exists()
@@ -105,7 +91,7 @@ def test_writing_or_deleting_outside_scratch_fails(planted: list[Path], backend:
 
 
 def test_root_home_tmp_and_ray_are_not_there(backend: str) -> None:
-    run = _run(
+    run = run_code(
         "import os, glob\nprint(sorted(os.listdir('/')))\n"
         "print(os.listdir('/tmp'), os.path.exists('/root/.pyenv/shims'))\n"
         "print(glob.glob('/tmp/ray*') + glob.glob('/home/*') + glob.glob('/etc/*') + glob.glob('/work*'))\n"
@@ -143,14 +129,14 @@ def test_ray_token_is_out_of_reach(backend: str, monkeypatch: pytest.MonkeyPatch
         f"for path in glob.glob('/proc/*/environ') + [{str(state / 'auth_token')!r}]:\n"
         "    try:\n        print(open(path, 'rb').read())\n    except OSError as e:\n        print(type(e).__name__)"
     )
-    run = _run(code)
+    run = run_code(code)
     assert token not in run.output and run.output.startswith("None\n"), run
     assert "FileNotFoundError" in run.output.splitlines()[-1], run
 
 
 def test_proc_shows_only_the_call(backend: str) -> None:
     host_init = Path("/proc/1/cmdline").read_bytes() if os.access("/proc/1/cmdline", os.R_OK) else b""
-    run = _run(
+    run = run_code(
         "import os\npids = [p for p in os.listdir('/proc') if p.isdigit()]\nprint(len(pids))\n"
         "print(open('/proc/1/cmdline', 'rb').read()[:200])\n"
         "try:\n    print(os.listdir('/proc/1/root'))\nexcept OSError as e:\n    print(type(e).__name__)"
@@ -170,7 +156,7 @@ def test_symlinks_and_proc_root_do_not_lead_out(planted: list[Path], backend: st
         "    except OSError as e:\n        print(type(e).__name__)\n"
         "os.symlink('/', 'up')\nprint(sorted(os.listdir('up')) == sorted(os.listdir('/')))"
     )
-    run = _run(code)
+    run = run_code(code)
     assert "LEAK" not in run.output and "secret-" not in run.output, run
     assert run.output.splitlines()[-1] == "True", run
     assert planted[0].read_text().startswith("secret-")
@@ -194,12 +180,12 @@ def test_symlinks_and_proc_root_do_not_lead_out(planted: list[Path], backend: st
 def test_forbidden_system_calls_are_refused(call: str, backend: str) -> None:
     if "syscall(" in call and os.uname().machine != "x86_64":
         pytest.skip("x86-64 system call numbers")
-    run = _run(f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nprint({call}, ctypes.get_errno())")
+    run = run_code(f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nprint({call}, ctypes.get_errno())")
     assert run.output == "-1 1\n", run  # -1, EPERM
 
 
 def test_unshare_command_and_nested_sandbox_fail(backend: str) -> None:
-    run = _run(
+    run = run_code(
         "import subprocess\nfor argv in (['unshare', '-r', 'id'], ['bwrap', '--bind', '/', '/', 'id']):\n"
         "    try:\n        p = subprocess.run(argv, capture_output=True, text=True)\n"
         "        print(p.returncode, p.stdout)\n"
@@ -215,14 +201,14 @@ def test_fork_bomb_is_bounded(backend: str) -> None:
         f"            os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)  # {mark}'])\n"
         "        n += 1\nexcept OSError as e:\n    print(n, type(e).__name__)"
     )
-    run = _run(code, max_processes=16)
+    run = run_code(code, max_processes=16)
     n, err = run.output.split()
     assert int(n) < 16 and err == "BlockingIOError", run  # EAGAIN from RLIMIT_NPROC
     assert not _marked(mark)  # every child died with the call
 
 
 def test_memory_bomb_is_bounded(backend: str) -> None:
-    run = _run("x = bytearray(8 * 1024 ** 3)\nprint('allocated')", memory_mb=512)
+    run = run_code("x = bytearray(8 * 1024 ** 3)\nprint('allocated')", memory_mb=512)
     assert "allocated" not in run.output and run.error == "memory limit reached (MemoryError)", run
 
 
@@ -233,10 +219,10 @@ def test_ten_gigabyte_write_is_bounded(backend: str) -> None:
         "    except OSError as e:\n        print(name, e.strerror)\n        break\n"
         "print(sum(os.path.getsize(n) for n in os.listdir('.')) // (1 << 20))"
     )
-    run = _run(code, max_file_mb=16, scratch_mb=48)
+    run = run_code(code, max_file_mb=16, scratch_mb=48)
     assert "No space left on device" in run.output or "File too large" in run.output, run
     assert int(run.output.split()[-1]) <= 48, run  # the tmpfs size, never the host's disk
-    big = _run("open('big', 'wb').write(b'x' * (20 << 20))", max_file_mb=4)
+    big = run_code("open('big', 'wb').write(b'x' * (20 << 20))", max_file_mb=4)
     assert "File too large" in big.output, big
 
 
@@ -280,7 +266,7 @@ def test_setsid_and_double_fork_do_not_outlive_the_call(backend: str) -> None:
 def test_host_loopback_is_unreachable(backend: str) -> None:
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
-        run = _run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=3)\nprint('connected')")
+        run = run_code(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=3)\nprint('connected')")
     assert "connected" not in run.output and ("Connection refused" in run.output or "unreachable" in run.output), run
 
 
@@ -294,41 +280,11 @@ def test_ro_binds_are_readable_not_writable(tmp_path: Path, backend: str) -> Non
         f"print(open({str(data / 'input.txt')!r}).read())\n"
         f"try:\n    open({str(data / 'input.txt')!r}, 'w')\nexcept OSError as e:\n    print(type(e).__name__)"
     )
-    run = _run(code, ro_binds=(str(data),))
+    run = run_code(code, ro_binds=(str(data),))
     assert run.output.split() == ["hello", "OSError"] or run.output.split() == ["hello", "PermissionError"], run
     assert (data / "input.txt").read_text() == "hello"
     with pytest.raises(ValueError, match="ro_binds: '/no/such/dir' is not an existing absolute path"):
         PythonSandbox(ro_binds=["/no/such/dir"])
-
-
-def test_missing_layer_refuses_the_call(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """No bwrap: `auto` falls back to the launcher; where the kernel refuses the launcher a step (here
-    pivot_root, made to fail), or bwrap is named and missing, the call is refused in one line, nothing runs."""
-    isolation.probe.cache_clear()
-    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on this PATH
-    try:
-        fallback = _run("print('ran')", isolation_backend="auto")
-        isolation.probe.cache_clear()
-        named = _run("print('ran')", isolation_backend="bwrap")
-        monkeypatch.setitem(jail._PIVOT_ROOT, os.uname().machine, -1)
-        isolation.probe.cache_clear()
-        neither = _run("print('ran')", isolation_backend="auto")
-        result = asyncio.run(PythonSandbox(timeout_s=30.0).call({"code": "print('ran')"}))
-    finally:
-        isolation.probe.cache_clear()
-    assert fallback.output == "ran\n" and fallback.isolated and fallback.error is None, fallback
-    assert named.output == "" and named.error == (
-        "isolation required but unavailable: bwrap not found (install Debian's bubblewrap: apt-get install -y "
-        "bubblewrap)"
-    )
-    assert neither.output == "" and neither.error.startswith(
-        "isolation required but unavailable: bwrap not found (install Debian's bubblewrap: apt-get install -y "
-        "bubblewrap) and launcher refused the sandbox (sandbox setup failed: pivot_root: "
-    ), neither
-    assert "\n" not in neither.error
-    assert result.error == neither.error and result.text == f"Error: {neither.error}"
-    opted_out = _run("print('ran')", require_isolation=False)
-    assert opted_out.output == "ran\n" and not opted_out.isolated
 
 
 def _exposing(paths: list[str], scratch: str) -> str:
@@ -355,7 +311,8 @@ def _exposing(paths: list[str], scratch: str) -> str:
 
 @pytest.mark.skipif(not ROOT or not shutil.which("unshare"), reason="runs itself again as uid 65534 from root")
 def test_as_ordinary_user() -> None:
-    """This file again, as uid 65534 (a user namespace per call instead of setpriv): all of it passes."""
+    """This file and test_tools_isolation_layers.py again, as uid 65534 (a user namespace per call instead of
+    setpriv): all of it passes."""
     as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "unshare", "--user", "true"]
     if subprocess.run(as_nobody, capture_output=True).returncode != 0:  # there, every call is refused in one line
         pytest.skip("this kernel gives an ordinary user no user namespaces")
@@ -367,7 +324,8 @@ def test_as_ordinary_user() -> None:
     env = f"HOME={home} PYTHONDONTWRITEBYTECODE=1 PATH=/usr/bin:/bin PYTHONPATH={os.pathsep.join(pyroot)}"
     script = (
         f"set -e\n{_exposing(needed, home)}\ncd {repo}\nexec setpriv --reuid=65534 --regid=65534 --clear-groups "
-        f"env {env} {sys.executable} -m pytest -q -p no:cacheprovider --noconftest -x {Path(__file__).resolve()} "
+        f"env {env} {sys.executable} -m pytest -q -p no:cacheprovider --noconftest -x "
+        f"{Path(__file__).resolve()} {LAYERS} "
         "-k 'not as_ordinary_user'"
     )
     try:
@@ -384,46 +342,3 @@ def test_as_ordinary_user() -> None:
     )
     passed = re.search(r"(\d+) passed", done.stdout)
     assert passed and int(passed.group(1)) >= 45, done.stdout  # every case (both backends) ran as that user
-
-
-def test_preflight_reports_layers_refuses_a_missing_one_and_an_opt_out_is_recorded(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    from rlstages.configs import flatten, load_config
-    from rlstages.engines.tools.registry import isolation_label
-    from rlstages.tasks.driver.preflight import PreflightError, check_tool_isolation
-
-    tiny = Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml"
-    tools = "rollout.multi_turn={enabled: true, environment: {tools: [{name: python%s}]}}"
-    default = load_config(tiny, [tools % ""])
-    opted_out = load_config(tiny, [tools % ", kwargs: {require_isolation: false}"])
-    (report,) = check_tool_isolation(default)
-    assert report.startswith("python tool isolation on this machine: file system: bubblewrap"), report
-    assert "seccomp: libseccomp" in report and "identity: uid 65534, no_new_privs" in report
-    (note,) = check_tool_isolation(opted_out)
-    assert note.startswith("rollout.multi_turn.environment.tools.0.kwargs.require_isolation=false: ")
-    # recorded: the MLflow params are the flattened config; the trajectory table gets a `sandbox` column
-    assert (
-        flatten(opted_out.model_dump(mode="json"))["rollout.multi_turn.environment.tools.0.kwargs.require_isolation"]
-        == "False"
-    )
-    assert isolation_label(opted_out.rollout.multi_turn.environment) == "UNISOLATED (require_isolation: false)"
-    assert isolation_label(default.rollout.multi_turn.environment) == "isolated"
-    monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setitem(jail._PIVOT_ROOT, os.uname().machine, -1)  # nor the launcher
-    with pytest.raises(
-        PreflightError,
-        match=r"^rollout\.multi_turn\.environment\.tools\.0\.kwargs\.require_isolation: "
-        r"this machine cannot isolate the python tool: bwrap not found",
-    ) as err:
-        check_tool_isolation(default)
-    assert "\n" not in str(err.value)
-    with pytest.raises(ValueError, match="require_isolation: expected true or false, got 'no'"):
-        PythonSandbox(require_isolation="no")
-
-
-@pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="runs from a venv")
-def test_default_interpreter_is_the_base_one_and_a_named_venv_runs_as_itself(backend: str) -> None:
-    code = "import sys\nprint(sys.prefix)"
-    assert _run(code).output == f"{os.path.realpath(sys.base_prefix)}\n"
-    assert _run(code, python=sys.executable).output == f"{sys.prefix}\n"
