@@ -80,9 +80,10 @@ test: setup-test test-py312
 
 # Daily work, under 5 minutes: configs, engines' unit tests, tasks, the bad-input table; nothing that starts Ray,
 # Prefect or a server (RLSTAGES_TEST_TIER=fast, tests/conftest.py) and not the Megatron/DeepSpeed/vLLM backends.
-FAST_IGNORE := $(foreach f,test_megatron_trainer.py test_megatron_moe.py test_deepspeed_trainer.py test_deepspeed_vlm.py \
-  test_vllm_rollout.py test_vllm_moe.py convert/test_convert_parity.py convert/test_convert_moe_parity.py \
-  convert/test_convert_real_model.py,--ignore=tests/engines/$(f))
+FAST_IGNORE := $(foreach f,megatron/test_megatron_trainer.py megatron/test_megatron_moe.py \
+  training/test_deepspeed_trainer.py training/test_deepspeed_vlm.py rollout/test_vllm_rollout.py rollout/test_vllm_moe.py \
+  convert/test_convert_parity.py convert/test_convert_moe_parity.py convert/test_convert_real_model.py,\
+  --ignore=tests/engines/$(f))
 test-fast: $(VENV)/.installed-test
 	RLSTAGES_TEST_TIER=fast $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=10 $(FAST_IGNORE) \
 	  tests/configs tests/engines tests/tasks tests/flows/test_bad_inputs.py tests/test_dependency_rule.py

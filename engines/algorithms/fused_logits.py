@@ -5,7 +5,7 @@ sum; then upcast, exp, scale, scatter and the cast back in the backward): memory
 update 0.91x plain transformers' on a Qwen2-1.5B shape (issue 41). Compiled, the forward reads the bf16 logits
 in two reductions and writes only per-token values, and the backward is one pointwise kernel from the bf16
 logits to the bf16 gradient: no float32 copy of a chunk is ever written. The functions are the same math as
-`logits._ChunkedLogprobsEntropy` (tests/engines/test_chunked_logits.py checks them against it on the CPU);
+`logits._ChunkedLogprobsEntropy` (tests/engines/algorithms/test_chunked_logits.py checks them against it on the CPU);
 only CUDA tensors take the compiled path (`KERNELS`, an `engines.compiled.CompiledFunctions`), and a compiler
 failure falls back to the eager chunks with a warning.
 """

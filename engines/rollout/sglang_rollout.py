@@ -1,7 +1,7 @@
 """SGLang rollout engine: `sglang.Engine` sampling from token ids, `update_weights_from_tensor`, memory release.
 
 GPU only: SGLang ships no CPU build, so this backend cannot run on a CPU machine; it is written against the
-`sglang.Engine` API of sglang 0.5.23 (keyword names are checked by tests/engines/test_sglang_rollout.py
+`sglang.Engine` API of sglang 0.5.23 (keyword names are checked by tests/engines/rollout/test_sglang_rollout.py
 wherever sglang imports). sglang is imported lazily, so this module imports without it.
 
 Sleep releases the KV cache, weights and CUDA graphs (`release_memory_occupation`), with the weights backed

@@ -4,7 +4,7 @@ A worker resolves its device once, where it starts: the engine an actor is built
 engine, the reward model, `HybridEngine`, which passes its device to the trainer and rollout it holds) calls
 `worker_device()` in its constructor unless it was handed one, and passes it down to everything it builds (step
 backends, Megatron's set-up, weight-sync receivers, RNG restore, profilers); nothing else in `engines/` decides
-between CUDA and the CPU (`tests/engines/test_device.py` checks where `worker_device` is called).
+between CUDA and the CPU (`tests/engines/runtime/test_device.py` checks where `worker_device` is called).
 The rules (verl `Worker`, OpenRLHF, slime `get_local_gpu_id`):
 
 - `RLSTAGES_DEVICE` (cpu, cuda, cuda:N) overrides everything (a test comparing CPU and GPU in one process).

@@ -236,7 +236,8 @@ def test_megatron_deepseek_layout_across_nodes(sim: SimCluster, tiny_deepseek_di
     # experts whole, EP2 x expert-DP2), its last stage holding 2 of the 3 layers, over all 8 fake GPUs of both
     # nodes, hybrid engine, a colocated torch reference for the KL loss (the offload flags are no-ops without CUDA).
     # The tiny Qwen3-MoE at this layout: tests/engines/convert/test_convert_moe_parity.py (TP2 x PP2 x EP2),
-    # tests/engines/test_megatron_moe.py (TP2 x EP2 x ETP1 on Ray), tests/flows/test_moe_flows.py (the flow at EP2)
+    # tests/engines/megatron/test_megatron_moe.py (TP2 x EP2 x ETP1 on Ray), tests/flows/test_moe_flows.py (the flow
+    # at EP2)
     cmd = flow(
         sim,
         tmp_path,

@@ -1,5 +1,5 @@
 """The training flow with the GSPO and KL-Cov policy losses (2 steps, with rollout IS weights and token-sum; every
-loss is trained at engine level in tests/engines/test_trainer_policy_losses.py), and
+loss is trained at engine level in tests/engines/training/test_trainer_policy_losses.py), and
 one-step-off-policy generation on the split layout (rollout and trainer in different Ray workers), on the tiny
 preset with real Prefect (no server), Ray and an MLflow SQLite store. CPU only, a few minutes."""
 
@@ -53,7 +53,7 @@ def changed_tensors(cfg: RunConfig, model_dir: Path) -> int:
     return sum(not torch.equal(initial[k], final[k]) for k in initial)
 
 
-# Each policy loss trains at engine level (tests/engines/test_trainer_policy_losses.py: every loss moves the
+# Each policy loss trains at engine level (tests/engines/training/test_trainer_policy_losses.py: every loss moves the
 # parameters, with and without IS weights) and its options reach the loss (tests/configs/test_algorithm_options.py).
 # Through the flow, two runs carry every flow-level option: KL-Cov with token-sum and token-level IS weights (was
 # the vanilla case's), GSPO with sequence-level masked IS weights; the vanilla, CISPO and Clip-Cov flows were merged

@@ -1,7 +1,7 @@
 """MoE parity gate: megatron-core's GPTModel loaded from a converted qwen3_moe / mixtral / deepseek_v3 checkpoint
 gives the HF model's logits (scale-aware tolerance, argmax equal), at EP1 TP1 PP1 and at TP2 x PP2 x EP2 with expert
 TP 1 (four gloo processes, the allgather token dispatcher) for every type; a dist checkpoint written at EP2 loads at
-EP1. (EP2 at TP1: tests/engines/test_megatron_moe.py, against the torch backend.)
+EP1. (EP2 at TP1: tests/engines/megatron/test_megatron_moe.py, against the torch backend.)
 
 Run: .venv/bin/python -m pytest tests/engines/convert/test_convert_moe_parity.py -q
 Hardware: CPU; megatron-core installed (skipped otherwise); up to 4 local gloo processes; ~1-2 min on 2 quiet cores.

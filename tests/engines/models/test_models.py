@@ -16,7 +16,7 @@ from rlstages.engines.models import build_tiny_model, ensure_model, load_causal_
 from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
 
-ASSETS = Path(__file__).resolve().parents[1] / "assets"
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Reward functions, the registry and the process-pool scorer (real pebble pool, real Ray actor).
 
-Run: `.venv/bin/pytest tests/engines/test_rewards.py -q` (CPU only, about 10-20 s; uses a tmp user module).
+Run: `.venv/bin/pytest tests/engines/rewards/test_rewards.py -q` (CPU only, about 10-20 s; uses a tmp user module).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the DeepSpeed trainer tests share (tests/engines/test_deepspeed_trainer.py, test_deepspeed_vlm.py): the
+"""What the DeepSpeed trainer tests share (tests/engines/training/test_deepspeed_trainer.py, test_deepspeed_vlm.py): the
 extensions directory and process-group environment, one world-1 gloo group per module (`one_process_group`), the
 settings of a DeepSpeed or torch engine, and `rank_weights` that runs inside a Ray rank. Test files ship this module
 to Ray workers by value (`ship_to_ray`): they cannot import it."""

@@ -7,7 +7,7 @@ SGLang has no CPU build, so the engine cannot run on a CPU machine. Where `sglan
 `inspect` against that install; elsewhere those tests skip with the import error as the reason. The
 argument-mapping tests run everywhere. Run:
 
-    .venv/bin/python -m pytest -q tests/engines/test_sglang_rollout.py
+    .venv/bin/python -m pytest -q tests/engines/rollout/test_sglang_rollout.py
 """
 
 from __future__ import annotations

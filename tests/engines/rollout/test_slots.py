@@ -1,6 +1,6 @@
 """The slot decoder (continuous batching) on a tiny random model: refilled slots decode as a one-shot batch does,
 per-token versions, and the KV cache after a weight update (recomputed: the new policy's exact log-probs; kept:
-detectably stale). CPU only: `pytest tests/engines/test_slots.py`."""
+detectably stale). CPU only: `pytest tests/engines/rollout/test_slots.py`."""
 
 from __future__ import annotations
 

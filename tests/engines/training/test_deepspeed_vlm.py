@@ -3,7 +3,7 @@ vision tower): one process under ZeRO-2 with a frozen vision tower, and 2 ZeRO-3
 are text only (the dummy vision pass keeps the collectives matched).
 
 CPU only, real DeepSpeed (skipped when it is not installed): `.venv/bin/python -m pytest -q
-tests/engines/test_deepspeed_vlm.py` (the JIT-built ops as in test_deepspeed_trainer.py).
+tests/engines/training/test_deepspeed_vlm.py` (the JIT-built ops as in test_deepspeed_trainer.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Tests for engines/algorithms.py, part 1: masked statistics, log-probs and entropy, outcome rewards and every
 advantage estimator, each against a slow Python loop (algorithm_refs.py) and the reference fixtures.
 
-Run: `.venv/bin/pytest -q tests/engines/test_algorithms.py` (CPU only, one thread, a few seconds).
+Run: `.venv/bin/pytest -q tests/engines/algorithms/test_algorithms.py` (CPU only, one thread, a few seconds).
 """
 
 import math

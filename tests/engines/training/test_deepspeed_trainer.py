@@ -4,7 +4,7 @@ continues bitwise from a renamed directory, critic, reference, mixed precision, 
 data-parallel group on Ray (image batches: test_deepspeed_vlm.py; shared helpers: deepspeed_support.py).
 
 CPU only, real DeepSpeed (skipped when it is not installed): `.venv/bin/python -m pytest -q
-tests/engines/test_deepspeed_trainer.py`. The first run JIT-builds DeepSpeed's `deepspeed_shm_comm` op (~80 s)
+tests/engines/training/test_deepspeed_trainer.py`. The first run JIT-builds DeepSpeed's `deepspeed_shm_comm` op (~80 s)
 and, for the offload test, `cpu_adam` (~80 s) into TORCH_EXTENSIONS_DIR (default: torch's own cache,
 `~/.cache/torch_extensions/py3X_cpu`, shared by every clone); later runs load the cached builds.
 """
@@ -41,7 +41,7 @@ from rlstages.engines.training.core import without_perf  # noqa: E402
 from rlstages.engines.types import Prompt, SamplingParams  # noqa: E402
 from rlstages.engines.workers.actor_group import ActorGroup, GroupSpec  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PROMPTS = [Prompt(f"u{i}", f"{i}+{i}=", str(2 * i)) for i in range(4)]
 
 

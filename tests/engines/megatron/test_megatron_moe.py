@@ -12,7 +12,7 @@ A 1-rank EP1 checkpoint of a tiny DeepSeek-V3 loads into a 4-rank TP2 x PP2 x EP
 experts (an empty expert optimizer there). In this process at EP=1: the router options reach megatron-core (aux /
 z-loss tracked, their gradient reaching the router), and a dense model at EP > 1 is refused.
 
-Run: .venv/bin/python -m pytest tests/engines/test_megatron_moe.py -q
+Run: .venv/bin/python -m pytest tests/engines/megatron/test_megatron_moe.py -q
 Hardware: CPU only (megatron-core local spec, SequentialMLP experts, gloo); 2-rank and 4-rank Ray groups; ~2 min.
 Skipped without megatron-core.
 """
@@ -188,7 +188,7 @@ def test_router_options_reach_megatron(tiny_moe_dir: Path, batch) -> None:
 def test_dense_model_at_ep2_is_refused(tiny_model_dir: Path) -> None:
     from rlstages.configs import load_config
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     overrides = [f"model.path={tiny_model_dir}", "model.provider=local", "model.tiny=null"]
     overrides += ["actor.backend=megatron", "actor.num_workers=2", "actor.expert_model_parallel_size=2"]
     with pytest.raises(ValueError, match="expert_model_parallel_size=2: the model is dense"):

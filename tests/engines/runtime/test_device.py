@@ -85,7 +85,7 @@ def test_on_cuda_follows_the_worker_not_the_process(monkeypatch: pytest.MonkeyPa
 def test_the_device_is_decided_in_one_place() -> None:
     """Only engines/runtime/device.py asks torch whether CUDA exists; everything else in engines/ and tasks/
     tests the device it was given (`device.type`) or asks `runtime.device` (issue #43)."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     askers = sorted(
         str(f.relative_to(root))
         for pkg in ("engines", "tasks")
@@ -145,7 +145,7 @@ def device_lookups(path: Path, root: Path) -> list[tuple[str, str, str]]:
 def test_the_device_is_resolved_only_where_a_worker_starts() -> None:
     """`worker_device()` only where a worker starts (`WORKER_STARTS`), every engine below is handed the device;
     `on_cuda` always asks about a device it was given; the driver's `local_device` only for machine reports."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     calls = [
         c for pkg in ("engines", "tasks", "flows") for f in (root / pkg).rglob("*.py") for c in device_lookups(f, root)
     ]
