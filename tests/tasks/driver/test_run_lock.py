@@ -59,7 +59,7 @@ OPEN_STORE = (
 
 
 def test_a_fresh_sqlite_store_opened_by_three_processes_at_once(tmp_path: Path) -> None:
-    config = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+    config = Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml"
     db = tmp_path / "mlflow.db"
     procs = [
         subprocess.Popen(

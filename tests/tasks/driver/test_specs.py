@@ -12,7 +12,7 @@ from rlstages.engines.registry import ROLLOUT_BACKENDS, TRAINING_ENGINE
 from rlstages.tasks.driver.context import RunHandle
 from rlstages.tasks.driver.specs import rollout_spec, trainer_settings, training_spec
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 RUN = RunHandle("specs", "/tmp/specs")
 
 

@@ -1,6 +1,6 @@
 """Pre-flight of `rollout.multi_turn`: each bad setting is refused in one line naming its field, before
 anything starts; a template that rewrites history is refused unless `new_row` is chosen.
-CPU only, no Ray: `pytest tests/tasks/test_multi_turn_preflight.py`."""
+CPU only, no Ray: `pytest tests/tasks/driver/test_multi_turn_preflight.py`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from rlstages.configs import RunConfig, load_config
 from rlstages.tasks.driver.preflight import PreflightError, check_multi_turn
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CHAT = (
     "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"

@@ -17,7 +17,7 @@ from rlstages.configs.data import DataConfig
 from rlstages.engines.rollout.batching import format_prompts
 from rlstages.tasks.driver.data import loading as D
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}|{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"

@@ -20,7 +20,7 @@ from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
 from rlstages.tasks.driver.memory_plan import load_dims, plan
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 # Saved activations: the plan counts what fused kernels keep (Megatron / Transformer Engine); transformers' RMSNorm
 # and RoPE are unfused and keep a few more tensors per layer, so an HF forward measures up to 30% above the plan.
 ACTIVATION_TOLERANCE = (1.0, 1.3)

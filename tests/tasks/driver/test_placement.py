@@ -12,7 +12,7 @@ from rlstages.tasks.driver.context import RunHandle
 from rlstages.tasks.driver.placement import pg_name
 from rlstages.tasks.driver.workers import build_workers, forget_workers
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def cfg_for(tmp: Path, model: Path, *overrides: str):
