@@ -10,7 +10,8 @@ Two generation schedules, the two the flows run:
   worker with the fewest rows that has `slots` free; with `partial_rollout` a sync holds the workers for its time
   (and a prefill per row in flight: the KV recomputed) and rows continue with the new version, without it the sync
   stops admissions and waits until every row in flight has finished.
-A weight sync always holds every worker and the trainer for `sync_s`.
+A worker decodes at most `slots` rows at once (its KV room; None: no limit); in whole steps the rest of its rows
+wait for a slot. A weight sync always holds every worker and the trainer for `sync_s`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
+from collections import deque
 from dataclasses import dataclass, field
 
 from rlstages.engines.async_sim.profile import EngineProfile
@@ -89,6 +91,7 @@ class Worker:
         self.rows: list[tuple[float, int, Row]] = []  # (finish mark, tie, row), a heap
         self.mark, self.last, self.hold, self.idle, self.epoch = 0.0, 0.0, 0.0, 0.0, 0
         self.versions: list[tuple[float, int]] = [(0.0, 0)]  # (mark, version from there on)
+        self.backlog: deque[tuple[int, int]] = deque()  # (group, length) of rows waiting for a slot
 
     def advance(self, now: float) -> None:
         """Run the clock to `now`: token steps while not held, idle time while empty."""
@@ -170,14 +173,23 @@ class Simulation:
             self.schedule(at, f"worker:{w.epoch}", wid)
 
     def start_group(self, group: int, wid: int, now: float) -> None:
-        """Group `group`'s rows start on worker `wid` with the engines' version (prefill first)."""
+        """Group `group`'s rows go to worker `wid` (lengths drawn now), and start as its slots allow."""
         w = self.workers[wid]
-        w.hold_for(now, self.p.prefill_s * self.c.samples_per_group)
-        version = w.versions[-1][1]  # the weights the worker has (the queue's version, or newer during a sync)
-        for _ in range(self.c.samples_per_group):
-            length = self.p.lengths.sample(self.rng)
-            heapq.heappush(w.rows, (w.mark + length, next(self.tie), Row(group, length, w.mark, version)))
+        w.backlog.extend((group, self.p.lengths.sample(self.rng)) for _ in range(self.c.samples_per_group))
         self.pending[group] = [self.c.samples_per_group, {}, [], 0]
+        self.fill(wid, now)
+
+    def fill(self, wid: int, now: float) -> None:
+        """Start waiting rows on worker `wid` while it has free slots (prefill first), with the weights it has."""
+        w = self.workers[wid]
+        started = 0
+        version = w.versions[-1][1]  # the queue's version, or the newer one during a sync
+        while w.backlog and (self.c.slots is None or len(w.rows) < self.c.slots):
+            group, length = w.backlog.popleft()
+            heapq.heappush(w.rows, (w.mark + length, next(self.tie), Row(group, length, w.mark, version)))
+            started += 1
+        if started:
+            w.hold_for(now, self.p.prefill_s * started)
         self.reschedule(wid, now)
 
     def admit(self, now: float) -> None:
@@ -199,7 +211,7 @@ class Simulation:
             free = [
                 (len(w.rows), i)
                 for i, w in enumerate(self.workers)
-                if self.c.slots is None or len(w.rows) + n <= max(self.c.slots, n) or not w.rows
+                if self.c.slots is None or len(w.rows) + len(w.backlog) + n <= max(self.c.slots, n) or not w.rows
             ]
             if not free:
                 return
@@ -224,7 +236,7 @@ class Simulation:
             self.interrupted += int(spans)
             if left[0] == 0:
                 self.group_done(row.group, now)
-        self.reschedule(wid, now)
+        self.fill(wid, now)
 
     def group_done(self, group: int, now: float) -> None:
         """A group finished: queued at once (stream), or with the rest of its step (whole steps)."""
@@ -278,7 +290,7 @@ class Simulation:
         if self.c.partial_rollout:
             return True
         if self.c.stream:
-            return not any(w.rows for w in self.workers)
+            return not any(w.rows or w.backlog for w in self.workers)
         return self.generated_step >= min(self.k + self.ahead, self.c.steps)
 
     def record(self, items: list[QueueItem], metrics: dict[str, float]) -> None:
