@@ -33,21 +33,23 @@ def reference_of(
                 f"plan --async: no GPU profile for model {cfg.model.path.name!r} (verl's table has "
                 f"{', '.join(VERL_TABLE)}): give --generate-s and --step-s, a synchronous step's seconds"
             )
-        gpus, length, generate_s, step_s = row[0], row[1] if response_length is None else response_length, *row[2:]
-        source = f"verl's table: generation {generate_s:g} s of a {step_s:g} s step on {gpus} GPUs"
+        gpus, generate, step = row[0], row[2], row[3]
+        length = float(row[1] if response_length is None else response_length)
+        source = f"verl's table: generation {generate:g} s of a {step:g} s step on {gpus} GPUs"
     else:
+        generate, step = generate_s, step_s
         length = response_length if response_length is not None else cfg.rollout.max_new_tokens / 2
-        source = f"given: generation {generate_s:g} s of a {step_s:g} s step on {gpus} GPUs"
+        source = f"given: generation {generate:g} s of a {step:g} s step on {gpus} GPUs"
     if gpus < 2 or cfg.rollout.num_workers < 2:
         raise ValueError(
             f"plan --async: cluster.num_gpus={gpus} and rollout.num_workers={cfg.rollout.num_workers}: a split "
             "needs at least 2 GPUs and 2 rollout workers (one stays with the trainer's side)"
         )
-    if not 0 < generate_s < step_s:
-        raise ValueError(f"plan --async: --generate-s {generate_s:g} must be > 0 and below --step-s {step_s:g}")
+    if not 0 < generate < step:
+        raise ValueError(f"plan --async: --generate-s {generate:g} must be > 0 and below --step-s {step:g}")
     lengths = LengthModel(float(length), cfg.rollout.max_new_tokens)
-    ref = Reference(gpus, cfg.rollout.num_workers, cfg.data.prompts_per_step, cfg.rollout.n, lengths, generate_s,
-                    step_s, sync_seconds(params))  # fmt: skip
+    ref = Reference(gpus, cfg.rollout.num_workers, cfg.data.prompts_per_step, cfg.rollout.n, lengths, generate,
+                    step, sync_seconds(params))  # fmt: skip
     return ref, source
 
 
