@@ -10,7 +10,7 @@ trainer's share is the memory plan's question); a weight sync between disjoint G
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rlstages.engines.async_sim.profile import LengthModel, gpu_profile
 from rlstages.engines.async_sim.sim import SimConfig, simulate
@@ -77,9 +77,11 @@ def candidates(ref: Reference, etas: tuple[int, ...] = ETAS, steps: int = STEPS,
     simulated; and the synchronous reference (the same lengths, all GPUs for each phase) for the speed-up."""
     rows = ref.groups_per_step * ref.samples_per_group
     per_worker = -(-rows // ref.rollout_workers)
-    base = gpu_profile(ref.generate_s, ref.step_s + ref.sync_s, per_worker, ref.lengths, ref.sync_s, seed=seed)
+    base = gpu_profile(ref.generate_s, ref.step_s + ref.sync_s, per_worker, ref.lengths, ref.sync_s, seed=seed,
+                       workers=ref.rollout_workers)  # fmt: skip
     sync_cfg = SimConfig(ref.groups_per_step, ref.samples_per_group, 0, steps, ref.rollout_workers, seed=seed)
-    sync_rate = simulate(base.scaled(), sync_cfg).steady_samples_per_s(rows, skip=2)
+    colocated = replace(base, sync_s=0.0)  # its own sync (resharding in place) is inside its measured step
+    sync_rate = simulate(colocated, sync_cfg).steady_samples_per_s(rows, skip=2)
     found = []
     for workers in range(1, ref.rollout_workers):
         rollout_gpus = workers * ref.gpus_per_worker

@@ -79,4 +79,6 @@ def fit_profile(
     times = [stage_times(m) for m in steps]
     generate, train, sync = (fmean(t[i] for t in times) for i in range(3))
     lengths = fit_lengths(steps, shape)
-    return matched_profile(generate, shape.rows_per_worker, lengths, train, sync, memory_bound_share)
+    return matched_profile(
+        generate, shape.rows_per_worker, lengths, train, sync, memory_bound_share, workers=shape.rollout_workers
+    )

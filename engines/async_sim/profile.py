@@ -83,13 +83,14 @@ def gpu_profile(
     sync_s: float,
     memory_bound_share: float = 0.5,
     seed: int = 0,
+    workers: int = 1,
 ) -> EngineProfile:
     """A profile from a synchronous step's figures (e.g. verl's table: generation 60 s of a 120 s step): the trainer
     gets the rest of the step less the sync; decode costs as `matched_profile`."""
     if not 0 < generate_s < step_s or sync_s < 0 or generate_s + sync_s >= step_s:
         raise ValueError(f"generate_s={generate_s}, sync_s={sync_s} must be > 0 and together below step_s={step_s}")
     train_s = step_s - generate_s - sync_s
-    return matched_profile(generate_s, rows_per_worker, lengths, train_s, sync_s, memory_bound_share, seed)
+    return matched_profile(generate_s, rows_per_worker, lengths, train_s, sync_s, memory_bound_share, seed, workers)
 
 
 def matched_profile(
@@ -100,15 +101,20 @@ def matched_profile(
     sync_s: float,
     memory_bound_share: float = 0.5,
     seed: int = 0,
+    workers: int = 1,
 ) -> EngineProfile:
-    """Decode costs scaled so that a worker's batch of `rows_per_worker` rows (all at once, lengths drawn from
-    `lengths`) takes `generate_s` on average; at that full batch `memory_bound_share` of a token step does not
-    depend on the rows. Prefill is folded into the decode cost (0): per-step figures cannot tell them apart."""
+    """Decode costs scaled so that a step -- `workers` workers each with a batch of `rows_per_worker` rows (all at
+    once, lengths drawn from `lengths`), the slowest one setting the time -- takes `generate_s` on average; at that
+    full batch `memory_bound_share` of a token step does not depend on the rows. Prefill is folded into the decode
+    cost (0): per-step figures cannot tell them apart."""
     if generate_s <= 0 or rows_per_worker < 1:
         raise ValueError(f"generate_s={generate_s} must be > 0 and rows_per_worker={rows_per_worker} >= 1")
     share = min(max(memory_bound_share, 0.0), 1.0)
     unit = EngineProfile(lengths, share, (1 - share) / rows_per_worker, 0.0, train_s, 0.0, sync_s)
     rng = random.Random(seed)
-    trials = [batch_decode_s(unit, [lengths.sample(rng) for _ in range(rows_per_worker)]) for _ in range(16)]
+    trials = [
+        max(batch_decode_s(unit, [lengths.sample(rng) for _ in range(rows_per_worker)]) for _ in range(workers))
+        for _ in range(16)
+    ]
     scale = generate_s / (sum(trials) / len(trials))
     return replace(unit, decode_s=unit.decode_s * scale, decode_row_s=unit.decode_row_s * scale)

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
-from rlstages.engines.async_sim.advise import Suggestion, suggest
+from rlstages.engines.async_sim.advise import Reference, Suggestion, candidates, suggest
+from rlstages.engines.async_sim.profile import LengthModel
 from rlstages.flows.cli.main import app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,3 +58,14 @@ def test_the_suggestion_is_the_least_stale_of_the_nearly_fastest() -> None:
     found.append(layout(1, True, 1.78))
     best = suggest(found)
     assert (best.eta, best.partial_rollout, best.speedup) == (1, True, 1.78)  # within 3 %: less staleness
+
+
+def test_the_synchronous_reference_is_the_step_it_was_given() -> None:
+    """The speed-up's denominator: simulated at eta 0 on all GPUs, the reference makes its batch in step_s (the
+    slowest of its workers' batches fitted to generate_s), so sync samples/s = samples per step / step_s."""
+    ref = Reference(12, 3, 8, 4, LengthModel(300, 2048, 0.8), 70.0, 100.0, 2.0)
+    found = candidates(ref, etas=(0, 1), steps=8)
+    assert len(found) == 2 * 2 * 2  # splits of 1 and 2 workers x eta x partial
+    assert found[0].sync_samples_per_s == pytest.approx(8 * 4 / 100.0, rel=0.08)
+    assert {(s.rollout_gpus, s.trainer_gpus) for s in found} == {(4, 8), (8, 4)}
+    assert all(s.lag_max <= s.eta for s in found)
