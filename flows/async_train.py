@@ -72,6 +72,7 @@ class AsyncFeed:
                 with self.engines:
                     metrics = self.s.generate(self.cfg, self.run, step)
                 item = stamp_versions(self.run, step, version, first, self.groups)
+                metrics["rollout/generate_wall_s"] = time.perf_counter() - start - self.idle[step]  # admitted->queued
                 item.payload = {"step": step, "metrics": metrics}
                 self.queue.put(item)
                 with self.changed:

@@ -1,4 +1,5 @@
-"""`rlstages plan CONFIG [--gpu H20|H100|H200|A100-80G]`: the memory plan of a config before launch.
+"""`rlstages plan CONFIG [--gpu H20|H100|H200|A100-80G] [--async]`: the memory plan of a config before launch
+(with --async also the async simulator's split and eta: flows/cli/plan_async.py).
 
 Per distinct rank of each role (one row per pipeline stage): weights, gradients, optimizer states, activations,
 logits, reference, rollout engine, sync bucket (GiB), each phase of the GPU (train, reference, rollout, sync) and
@@ -90,17 +91,32 @@ def plan_command(
     overrides: Annotated[list[str] | None, typer.Argument(help="Dotted overrides: actor.micro_batch_size=2")] = None,
     gpu: GpuOption = None,
     debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")] = False,
+    async_: Annotated[
+        bool, typer.Option("--async", help="Also the rollout:trainer split and eta the async simulator suggests.")
+    ] = False,
+    generate_s: Annotated[float | None, typer.Option(help="--async: a synchronous step's generation seconds.")] = None,
+    step_s: Annotated[float | None, typer.Option(help="--async: that step's seconds.")] = None,
+    response_length: Annotated[float | None, typer.Option(help="--async: mean reply tokens.")] = None,
 ) -> None:
-    """Per-rank GPU and host memory of CONFIG's layout, the fullest rank, whether it fits --gpu, what to change."""
+    """Per-rank GPU and host memory of CONFIG's layout, the fullest rank, whether it fits --gpu, what to change;
+    with --async, the split and eta the simulator suggests and its predicted speed-up (docs/async.md)."""
     from rlstages.configs import ConfigError, load_config
+    from rlstages.flows.cli.plan_async import reference_of
 
     try:
-        result = build_plan(load_config(config, overrides or []), gpu)
+        cfg = load_config(config, overrides or [])
+        result = build_plan(cfg, gpu)
+        if async_:  # its bad input refused before anything prints
+            reference_of(cfg, result.dims.total_params(), generate_s, step_s, response_length)
     except (ConfigError, ValueError, OSError) as exc:
         if debug:
             raise
         Console(stderr=True).print(f"[bold red]error:[/] {escape(one_line(str(exc)))}", soft_wrap=True, highlight=False)
         raise typer.Exit(2) from None
     print_plan(result)
+    if async_:
+        from rlstages.flows.cli.plan_async import print_async
+
+        print_async(cfg, result, generate_s, step_s, response_length, out)
     if result.fits is False:
         raise typer.Exit(3)

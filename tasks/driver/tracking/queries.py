@@ -71,6 +71,16 @@ def metric_series(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, f
     return sorted(seen.items())
 
 
+def step_metrics(tracking_uri: str, run_id: str, prefixes: tuple[str, ...]) -> dict[int, dict[str, float]]:
+    """Every metric of the run whose key starts with one of `prefixes`, by step (the first value per step)."""
+    c = MlflowClient(tracking_uri=tracking_uri)
+    steps: dict[int, dict[str, float]] = {}
+    for key in (k for k in c.get_run(run_id).data.metrics if k.startswith(prefixes)):
+        for m in c.get_metric_history(run_id, key):
+            steps.setdefault(int(m.step), {}).setdefault(key, float(m.value))
+    return steps
+
+
 def compare_link(tracking_uri: str, exp_id: str, run_ids: list[str]) -> str | None:
     """The MLflow UI's compare view of these runs (only for an HTTP tracking server)."""
     if not tracking_uri.startswith("http"):
