@@ -13,7 +13,7 @@ from rlstages.engines.async_sim.advise import Reference, Suggestion, candidates,
 from rlstages.engines.async_sim.profile import LengthModel
 from rlstages.flows.cli.main import app
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 QWEN2 = str(ROOT / "configs" / "qwen2_7b_grpo_megatron.yaml")
 SMALL = ["data.prompts_per_step=16", "actor.mini_batch_size=16", "rollout.max_new_tokens=256"]
 
