@@ -21,6 +21,7 @@ import threading
 import time
 
 from rlstages.configs import RunConfig
+from rlstages.engines.registry import rollout_backend
 from rlstages.flows.async_train import POLL_S, AsyncFeed
 from rlstages.flows.stages import Metrics, Stages
 from rlstages.tasks.driver.async_replay import ReplayClock, ReplayDiverged
@@ -193,7 +194,7 @@ def start_feed(s: Stages, cfg: RunConfig, run: RunHandle, start_step: int) -> As
         return None
     clock = None
     if (path := cfg.trainer.async_.replay) is not None:  # `rlstages replay`: the recorded order, not the clock's
-        clock = ReplayClock(path, read_schedule(path))
+        clock = ReplayClock(path, read_schedule(path), rollout_backend(cfg.rollout.backend).bitwise_replay)
         if clock.events[0]["start_step"] != start_step:
             raise ScheduleError(f"{path} line 1: the run started after step {clock.events[0]['start_step']}, "
                                 f"this one after {start_step}: replay needs the same start")  # fmt: skip

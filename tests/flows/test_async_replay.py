@@ -7,14 +7,17 @@ in one line naming the file and the entry. CPU, a minute or two."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from flow_support import IN_DRIVER, run_dir, tiny_cfg
+from test_cli import invoke
 
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
 from rlstages.flows.train import rl_post_train
+from rlstages.tasks.driver.async_replay import ReplayClock, ReplayDiverged
 from rlstages.tasks.driver.async_schedule import SCHEDULE, ScheduleError
 from rlstages.tasks.driver.replay_check import differences, replay_config
 
@@ -92,3 +95,41 @@ def test_a_tampered_schedule_is_refused(tmp_path: Path, tiny_model_dir: Path, pr
         replay_config(run_dir(cfg))
     line = str(refused.value)
     assert "\n" not in line and str(path) in line and f"line {at + 1}" in line and f"sample {gone}" in line
+    out = invoke("replay", str(run_dir(cfg)), cwd=tmp_path)  # the command: the same line, exit 2, nothing started
+    lines = [x for x in out.stderr.splitlines() if x.strip()]
+    assert out.exit_code == 2 and len(lines) == 1 and f"sample {gone}" in lines[0], out.stderr
+    assert not (run_dir(cfg).parent / "tampered-replay").exists()
+
+
+def test_the_clock_imposes_the_recorded_order(tmp_path: Path) -> None:
+    """Turns come in the recorded order whatever the threads' timing; a replayed event that differs is refused
+    naming the line; a non-bitwise engine's replay compares the schedule without token counts."""
+    path = tmp_path / SCHEDULE
+    recorded = [
+        {"seq": 0, "kind": "put", "actor": "rollout", "step": 1},
+        {"seq": 1, "kind": "take", "actor": "trainer", "step": 1, "versions": [[[0, 5]]]},
+    ]
+    clock = ReplayClock(path, recorded)
+    with pytest.raises(ReplayDiverged, match="did a 'sync' where the schedule has line 2 \\(take\\)"):
+        with clock.turn("trainer", "sync"):
+            pass
+    order: list[str] = []
+
+    def take() -> None:
+        with clock.turn("trainer", "take"):
+            order.append("take")
+
+    trainer = threading.Thread(target=take)
+    trainer.start()  # waits: the rollout's put comes first
+    time.sleep(0.1)
+    assert order == []
+    with clock.turn("rollout", "put"):
+        order.append("put")
+    trainer.join(5)
+    assert order == ["put", "take"]
+    other = {**recorded[1], "versions": [[[0, 6]]]}
+    with pytest.raises(ReplayDiverged, match=f"{path} line 2: the replay wrote take"):
+        clock.expect(other)
+    ReplayClock(path, recorded, bitwise=False).expect(other)  # vLLM: same versions, other lengths: accepted
+    with pytest.raises(ReplayDiverged):
+        ReplayClock(path, recorded, bitwise=False).expect({**other, "versions": [[[1, 6]]]})
