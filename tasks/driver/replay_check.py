@@ -20,7 +20,8 @@ from rlstages.configs import RunConfig, load_config
 from rlstages.engines.registry import rollout_backend
 from rlstages.tasks.driver.async_schedule import SCHEDULE, read_schedule
 from rlstages.tasks.driver.context import RUN_STATE
-from rlstages.tasks.driver.tracking.store import client
+from rlstages.tasks.driver.tracking.queries import metric_histories
+from rlstages.tasks.driver.tracking.store import tracking_uri
 
 TIMING_PREFIXES = ("timing/", "throughput/", "perf/")
 TIMING_KEYS = frozenset(
@@ -72,9 +73,7 @@ def bitwise(cfg: RunConfig) -> bool:
 
 def _metrics(cfg: RunConfig, run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     run_id = json.loads((run_dir / RUN_STATE).read_text())["mlflow_run_id"]
-    c = client(cfg)
-    keys = sorted(c.get_run(run_id).data.metrics)
-    return {k: sorted((int(m.step), float(m.value)) for m in c.get_metric_history(run_id, k)) for k in keys}
+    return metric_histories(tracking_uri(cfg), run_id)
 
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""Experiment comparison (`rlstages compare`): read-only queries by tracking URI, no RunConfig needed."""
+"""Experiment comparison (`rlstages compare`, `rlstages replay`): read-only queries by tracking URI, no RunConfig
+needed."""
 
 from __future__ import annotations
 
@@ -69,6 +70,13 @@ def metric_series(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, f
     for m in MlflowClient(tracking_uri=tracking_uri).get_metric_history(run_id, key):
         seen.setdefault(int(m.step), float(m.value))
     return sorted(seen.items())
+
+
+def metric_histories(tracking_uri: str, run_id: str) -> dict[str, list[tuple[int, float]]]:
+    """Every metric of a run with every (step, value) it logged, sorted (`rlstages replay` compares two runs)."""
+    c = MlflowClient(tracking_uri=tracking_uri)
+    keys = sorted(c.get_run(run_id).data.metrics)
+    return {k: sorted((int(m.step), float(m.value)) for m in c.get_metric_history(run_id, k)) for k in keys}
 
 
 def compare_link(tracking_uri: str, exp_id: str, run_ids: list[str]) -> str | None:
