@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from flow_support import IN_DRIVER, run_dir, tiny_cfg
+from flow_support import IN_DRIVER, mlflow_run, run_dir, tiny_cfg
 from test_cli import invoke
 
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
@@ -83,6 +83,8 @@ def test_a_recorded_async_run_replays_bitwise(
 def test_a_tampered_schedule_is_refused(tmp_path: Path, tiny_model_dir: Path, prefect_harness) -> None:
     cfg = tiny_cfg(tmp_path, tiny_model_dir, "tampered", *RUN, "trainer.total_steps=2")
     rl_post_train(cfg)
+    client, run = mlflow_run(cfg)  # the schedule is in MLflow too
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "async")] == [f"async/{SCHEDULE}"]
     path = run_dir(cfg) / SCHEDULE
     lines = path.read_text().splitlines()
     at = next(i for i, line in enumerate(lines) if json.loads(line)["kind"] == "take")
