@@ -83,6 +83,11 @@ class AsyncConfig(StrictModel):
         description="Finished prompt groups the queue holds; None = (max_staleness + 1) x data.prompts_per_step, "
         "the most admission control can let in.",
     )
+    replay: Path | None = Field(
+        default=None,
+        description="A recorded run's schedule.jsonl to follow instead of the real clock (set by `rlstages "
+        "replay`, docs/async.md): the same samples enter the same updates with the same versions.",
+    )
 
 
 class TrainerConfig(StrictModel):

@@ -33,6 +33,7 @@ class RolloutBackend:
     multi_turn: bool = False  # runs `rollout.multi_turn` (tool calls between policy turns)
     sleep_wake: bool = False  # `sleep` frees its device memory while the trainers work (colocated)
     partial_rollout: bool = False  # can stop mid-generation and resume a row later (the async pipeline)
+    bitwise_replay: bool = False  # same calls, same bits (`rlstages replay`); vLLM's / SGLang's batching is not
     needs_gpu: bool = False  # no CPU build
     separate_processes: bool = False  # its own worker processes on the GPU (NCCL settings must match the trainer's)
     transports: frozenset[str] = ALL_TRANSPORTS  # weight transports (`engines.sync.registry`) it receives from
@@ -76,6 +77,7 @@ ROLLOUT_BACKENDS: dict[str, RolloutBackend] = {
         images=True,
         multi_turn=True,
         partial_rollout=True,  # engines/rollout/streaming.py: rows continue across a weight update
+        bitwise_replay=True,  # CPU, the same calls in the same order: the same tokens (docs/async.md, Replay)
     ),
     "vllm": RolloutBackend(
         "rlstages.engines.rollout.vllm_rollout:VLLMRolloutEngine",

@@ -10,19 +10,22 @@ versions; the queue checks it at every batch) and stream through the rollout eng
 (`engines/rollout/streaming.py`). The sync does not wait for them: it takes the engines between two pumps, the
 rows in flight are interrupted, continue under the new weights (KV recomputed, or kept: `kv_on_update`), and a
 trajectory spanning the update carries both versions, token by token. Which token gets which version depends on
-when the syncs land, so a partial-rollout run is not reproducible bit for bit (the non-partial async mode is).
+when the syncs land, so two live partial-rollout runs differ; the schedule records where each sync landed (which
+rows were in flight, with how many tokens) and every pump between, and `rlstages replay` re-executes those calls in
+that order (`_follow`): the same tokens, the same versions, bit for bit on the HF backend on CPU.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from rlstages.configs import RunConfig
+from rlstages.engines.registry import rollout_backend
 from rlstages.flows.async_train import POLL_S, AsyncFeed
 from rlstages.flows.stages import Metrics, Stages
+from rlstages.tasks.driver.async_replay import ReplayClock, ReplayDiverged
+from rlstages.tasks.driver.async_schedule import ScheduleError, read_schedule
 from rlstages.tasks.driver.async_stream import FinishedGroup, Streams
 from rlstages.tasks.driver.context import RunHandle
 from rlstages.tasks.rollout import sampling
@@ -34,7 +37,11 @@ PUMP_STEPS = 4  # decode steps per pump: how long a sync may wait for the engine
 class PartialFeed(AsyncFeed):
     """The async feed with partial rollouts (module docstring): groups streamed, syncs between two pumps."""
 
-    def __init__(self, s: Stages, cfg: RunConfig, run: RunHandle, start_step: int) -> None:
+    PUMP_STEPS = PUMP_STEPS
+
+    def __init__(
+        self, s: Stages, cfg: RunConfig, run: RunHandle, start_step: int, clock: ReplayClock | None = None
+    ) -> None:
         """Start the rollout streams at the checkpoint's version, then generation (`AsyncFeed`)."""
         self.streams = Streams(cfg, run, stage_workers(cfg, run, "generate").rollout, sampling(cfg), start_step)
         self.wanted = threading.Event()  # the flow waits for the engines: generation steps aside
@@ -42,10 +49,15 @@ class PartialFeed(AsyncFeed):
         self.finished: dict[int, list[FinishedGroup]] = {}
         self.started: dict[int, float] = {}
         self.unused_s = 0.0  # time the engines had nothing to decode (waiting for admission) since the last batch
-        super().__init__(s, cfg, run, start_step)
+        super().__init__(s, cfg, run, start_step, clock)
+
+    def _ranks(self) -> int:
+        return self.streams.ranks
 
     def _produce(self, first_step: int) -> None:
         """Admit, submit and pump until every step's groups have been queued."""
+        if self.clock is not None:
+            return self._follow()
         b = self.groups
         next_group, end, flying = (first_step - 1) * b, self.total * b, 0
         try:
@@ -55,7 +67,11 @@ class PartialFeed(AsyncFeed):
                     continue
                 try:
                     admit = min(self.queue.admissible(), end - next_group)
-                    groups = [self.queue.start(1) for _ in range(admit)]
+                    with self.schedule.atomic():
+                        groups = [self.queue.start(1) for _ in range(admit)]
+                        if groups:
+                            version = self.queue.state()["version"]
+                            self.schedule.record("rollout", "admit", first=groups[0], groups=admit, version=version)
                     assert groups == list(range(next_group, next_group + admit)), groups
                     for g in groups:
                         self.started.setdefault(g // b + 1, time.perf_counter())
@@ -63,6 +79,8 @@ class PartialFeed(AsyncFeed):
                         self.streams.submit(groups)
                     next_group, flying = next_group + admit, flying + admit
                     done = self.streams.pump(PUMP_STEPS) if flying else []
+                    if flying:
+                        self.schedule.pumped(PUMP_STEPS, [g.group for g in done])
                 finally:
                     self.engines.release()
                 flying -= len(done)
@@ -79,6 +97,36 @@ class PartialFeed(AsyncFeed):
                 self.error = exc
                 self.changed.notify_all()
 
+    def _follow(self) -> None:
+        """Replay: admit and pump exactly as the schedule recorded, each at its turn (the syncs take theirs)."""
+        assert self.clock is not None
+        try:
+            while (event := self.clock.peek("rollout")) is not None:
+                done: list[FinishedGroup] = []
+                if event["kind"] == "admit":
+                    with self._turn("rollout", "admit"), self.engines, self.schedule.atomic():
+                        groups = [self.queue.start(1) for _ in range(int(event["groups"]))]
+                        version = self.queue.state()["version"]
+                        self.schedule.record("rollout", "admit", first=groups[0], groups=len(groups), version=version)
+                        for g in groups:
+                            self.started.setdefault(g // self.groups + 1, time.perf_counter())
+                        self.streams.submit(groups)
+                elif event["kind"] == "pump":
+                    with self._turn("rollout", "pump"), self.engines:
+                        for _ in range(int(event["calls"])):
+                            finished = self.streams.pump(int(event["steps"]))
+                            self.schedule.pumped(int(event["steps"]), [g.group for g in finished])
+                            done += finished
+                else:
+                    raise ReplayDiverged(f"{self.clock.path} line {event['seq'] + 1}: a {event['kind']!r} comes "
+                                         "before the pump that should lead to it")  # fmt: skip
+                for group in done:
+                    self._collect(group)
+        except BaseException as exc:  # the flow raises it at its next wait
+            with self.changed:
+                self.error = exc
+                self.changed.notify_all()
+
     def _collect(self, group: FinishedGroup) -> None:
         """A finished group; its step's batch saved and queued once all of the step's groups have finished."""
         step = group.group // self.groups + 1
@@ -86,7 +134,7 @@ class PartialFeed(AsyncFeed):
         if len(self.finished[step]) < self.groups:
             return
         self.idle[step], self.unused_s = self.unused_s, 0.0  # engines empty since the last batch was queued
-        self.queue.put(self.streams.assemble(step, self.finished.pop(step), self.started.pop(step)))
+        self._put(self.streams.assemble(step, self.finished.pop(step), self.started.pop(step)), step)
         with self.changed:
             self.generated = max(self.generated, step)
             self.changed.notify_all()
@@ -104,9 +152,12 @@ class PartialFeed(AsyncFeed):
             self.engines.release()
 
     def before_sync(self, step: int) -> Metrics:
-        """Take the engines between two pumps (the rows in flight wait, they are not finished first)."""
+        """Take the engines between two pumps (the rows in flight wait, they are not finished first); the rows in
+        flight, interrupted by this sync, recorded with their token counts."""
         start = time.perf_counter()
-        self._hold()
+        with self._turn("trainer", "sync"):
+            self._hold()
+            self.schedule.record("trainer", "sync", version=step, in_flight=self.streams.in_flight())
         waited = time.perf_counter() - start
         self.waited += waited
         return {"timing/wait_generation_s": waited}
@@ -119,14 +170,11 @@ class PartialFeed(AsyncFeed):
             self._let_go()
         return super().synced(step, step_s)
 
-    @contextmanager
-    def engines_free(self) -> Iterator[None]:
-        """Hold generation back (between two pumps) while the flow uses the rollout engines (evaluation)."""
+    def _take_engines(self) -> None:
         self._hold()
-        try:
-            yield
-        finally:
-            self._let_go()
+
+    def _free_engines(self) -> None:
+        self._let_go()
 
     def close(self, wait: bool = True) -> None:
         """Stop generating, drop the streams (what was in flight is generated again by the next feed)."""
@@ -135,6 +183,7 @@ class PartialFeed(AsyncFeed):
         if wait:
             self.thread.join()
             self.streams.stop()
+        self._end_schedule(wait)
         self.queue.kill()
 
 
@@ -143,6 +192,12 @@ def start_feed(s: Stages, cfg: RunConfig, run: RunHandle, start_step: int) -> As
     above, else whole-step generation (flows/async_train.py)."""
     if cfg.trainer.mode != "async":
         return None
+    clock = None
+    if (path := cfg.trainer.async_.replay) is not None:  # `rlstages replay`: the recorded order, not the clock's
+        clock = ReplayClock(path, read_schedule(path), rollout_backend(cfg.rollout.backend).bitwise_replay)
+        if clock.events[0]["start_step"] != start_step:
+            raise ScheduleError(f"{path} line 1: the run started after step {clock.events[0]['start_step']}, "
+                                f"this one after {start_step}: replay needs the same start")  # fmt: skip
     if cfg.trainer.async_.partial_rollout:
-        return PartialFeed(s, cfg, run, start_step)
-    return AsyncFeed(s, cfg, run, start_step)
+        return PartialFeed(s, cfg, run, start_step, clock)
+    return AsyncFeed(s, cfg, run, start_step, clock)

@@ -126,6 +126,13 @@ class StreamingMixin:
             return 0
         return len(stream.pending) + len(stream.decoder.rows)
 
+    def in_flight_rows(self) -> list[tuple[int, int, int]]:
+        """The rows decoding now (group, sample, tokens so far), in slot order: what a weight update interrupts."""
+        stream = self._stream
+        if stream is None:
+            return []
+        return [(int(r.key[0]), int(r.key[1]), len(r.ids)) for r in stream.decoder.rows]
+
     def set_policy_version(self, version: int, kv_on_update: KvOnUpdate = "recompute") -> None:
         """The weights were just updated to policy `version`: later tokens carry it, and the rows in flight
         continue under the new weights (`SlotDecoder.on_weights_updated`: KV recomputed, or kept)."""

@@ -1,4 +1,4 @@
-"""The `rlstages` command line: run, resume, eval, config show, convert and export.
+"""The `rlstages` command line: run, resume, replay, eval, config show, convert and export.
 
 Bad input is a one-line error naming the file or field and a non-zero exit; `--debug` shows tracebacks.
 """
@@ -218,6 +218,37 @@ def resume(
         return
     _guard(debug, lambda: _precheck(cfg))
     _train(cfg, debug, verbose, log_format, shlex.join(["rlstages", "resume", str(run_dir)]))
+
+
+@app.command()
+def replay(
+    run: Annotated[str, typer.Argument(help="An async run: its run directory, or its name under --output-dir.")],
+    name: Annotated[str | None, typer.Option("--name", help="The replay's run name (default <RUN>-replay).")] = None,
+    output_dir: Annotated[Path, typer.Option("--output-dir", help="Where run names are looked up.")] = Path("runs"),
+    debug: Debug = False,
+) -> None:
+    """Re-execute an async run on its recorded schedule (docs/async.md, Replay): bit for bit on the HF backend
+    (final weights, every metric but wall-clock ones, the schedule); on vLLM/SGLang the schedule only."""
+    from rlstages.tasks.driver.replay_check import bitwise, differences, find_run, replay_config
+
+    recorded = _guard(debug, lambda: find_run(run, output_dir))
+    assert isinstance(recorded, Path)
+    cfg = _guard(debug, lambda: replay_config(recorded, name))
+    assert isinstance(cfg, RunConfig)
+    if not (exact := bitwise(cfg)):
+        out.print(f"rollout.backend={cfg.rollout.backend} is not bitwise-stable (its batching): the replay "
+                  "reproduces the schedule (samples, updates, versions), not the bits", soft_wrap=True)  # fmt: skip
+    _guard(debug, lambda: _precheck(cfg))
+    _train(cfg, debug, False, LogFormat.auto)
+    replayed = cfg.trainer.output_dir / str(cfg.trainer.run_name)
+    found = _guard(debug, lambda: differences(cfg, recorded, replayed)) if exact else ([], 0, 0)
+    assert isinstance(found, tuple)
+    for line in found[0]:
+        err.print(f"[red]differs[/]: {escape(line)}", soft_wrap=True, highlight=False)
+    if found[0]:
+        raise typer.Exit(1)
+    what = f"{found[1]} weight tensors, {found[2]} metrics (wall-clock ones excluded) and the schedule equal"
+    out.print(f"[green]replayed[/]: {what if exact else 'the schedule reproduced'}", soft_wrap=True)
 
 
 @app.command("eval")

@@ -15,7 +15,8 @@ from tensordict import TensorDict
 
 from rlstages.configs import RunConfig
 from rlstages.engines import types as T
-from rlstages.engines.rollout.async_queue import ROLLOUT_VERSIONS, QueueItem, RolloutQueue
+from rlstages.engines.rollout.async_queue import ROLLOUT_VERSIONS, Batch, QueueItem, RolloutQueue
+from rlstages.tasks.driver.async_schedule import row_runs
 from rlstages.tasks.driver.context import RunHandle
 
 
@@ -79,3 +80,19 @@ def stamp_versions(run: RunHandle, step: int, version: int, first: int, groups: 
         lengths=[int(n) for n in mask.sum(-1).tolist()],
         payload=step,
     )
+
+
+def take_record(run: RunHandle, step: int, taken: Batch) -> dict[str, Any]:
+    """The schedule's `take` event of update `step`: its samples [group, member] in row order (the batch is group
+    major, `rollout.n` rows a group), each row's per-token versions (from the versions file), the queue depth."""
+    mask = T.load_batch(run.batch(step, "rollout"))[T.RESPONSE_MASK]
+    versions = T.load_batch(run.batch(step, "versions"))[ROLLOUT_VERSIONS]
+    first = taken.items[0].first
+    groups = sum(item.groups for item in taken.items)
+    n = mask.shape[0] // groups
+    return {
+        "step": step,
+        "samples": [[first + r // n, r % n] for r in range(mask.shape[0])],
+        "versions": row_runs(versions, mask),
+        "depth": int(taken.metrics["async/queue_depth"]),
+    }

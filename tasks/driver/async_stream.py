@@ -63,6 +63,10 @@ class Streams:
         """Up to `steps` decode steps on every rank; the groups finished."""
         return [g for rank in range(self.ranks) for g in self.rollout.pump(rank, steps)]
 
+    def in_flight(self) -> list[list[int]]:
+        """Every rank's rows decoding now, [group, sample, tokens so far], sorted (the schedule's interrupt points)."""
+        return sorted([g, m, t] for rank in range(self.ranks) for g, m, t in self.rollout.in_flight_rows(rank))
+
     def updated(self, version: int) -> None:
         """The weights were just synced to policy `version`: the rows in flight continue under them."""
         kv = self.cfg.trainer.async_.kv_on_update

@@ -65,6 +65,10 @@ class RolloutGroup(RoleHandle):
         """Up to `max_steps` decode steps on `rank`; the groups that finished."""
         return cast(list[FinishedGroup], self._call_rank(rank, "pump", max_steps))
 
+    def in_flight_rows(self, rank: int) -> list[tuple[int, int, int]]:
+        """`rank`'s rows decoding now: (group, sample, tokens so far)."""
+        return cast(list[tuple[int, int, int]], self._call_rank(rank, "in_flight_rows"))
+
     def set_policy_version(self, rank: int, version: int, kv_on_update: str = "recompute") -> None:
         """`rank`'s weights are now policy `version`; its rows in flight continue under them."""
         self._call_rank(rank, "set_policy_version", version, kv_on_update)

@@ -102,6 +102,12 @@ CONFIG_CASES: list[tuple[str, list[str], dict[str, str], str]] = [
         {},
         "trainer.async.queue_capacity=1 is smaller than one step's",
     ),
+    (
+        "async-replay-without-schedule",
+        ["run", B, "trainer.mode=async", "cluster.hybrid_engine=false", "trainer.async.replay=nope/schedule.jsonl"],
+        {},
+        "nope/schedule.jsonl: no schedule file (only runs with trainer.mode: async record one)",
+    ),
     ("micro-batch", ["run", B, "actor.micro_batch_size=5"], {}, "actor.micro_batch_size=5 must divide"),
     ("resume-mode", ["run", B, "checkpoint.resume=sometimes"], {}, "checkpoint.resume"),
     ("on-corrupt", ["run", B, "checkpoint.on_corrupt=maybe"], {}, "checkpoint.on_corrupt"),

@@ -131,6 +131,7 @@ def test_resume_of_a_finished_run_is_a_no_op_that_succeeds(reference_run: Refere
         (("run", "configs/tiny.yaml", "rollout.n=one"), "rollout.n: Input should be a valid integer", 2),
         (("resume", "not-a-run"), "not a run directory", 2),
         (("eval", "not-a-run"), "not a run directory", 2),
+        (("replay", "not-a-run"), "not-a-run: neither a run directory (with config.yaml) nor a run under runs", 2),
         (  # refused before Ray or Prefect start, with the install command (rich markup must not eat "[sglang]")
             ("run", "configs/tiny.yaml", "rollout.backend=sglang", "cluster.num_gpus=1"),
             "rollout.backend=sglang: package 'sglang' is not installed here; install it with pip install "

@@ -94,6 +94,21 @@ def check_faults(cfg: RunConfig | None = None) -> None:
         raise PreflightError(str(exc)) from None
 
 
+def check_replay(cfg: RunConfig) -> None:
+    """`trainer.async.replay` (set by `rlstages replay`): a whole schedule of a run with this step's shape."""
+    path = cfg.trainer.async_.replay
+    if path is None:
+        return
+    from rlstages.tasks.driver.async_schedule import read_schedule
+
+    head = read_schedule(path)[0]
+    if (head["groups_per_step"], head["n"]) != (cfg.data.prompts_per_step, cfg.rollout.n):
+        raise PreflightError(
+            f"trainer.async.replay: {path} records {head['groups_per_step']} prompts x {head['n']} samples a step, "
+            f"this config {cfg.data.prompts_per_step} x {cfg.rollout.n}: replay the run with its own config"
+        )
+
+
 def check_models(cfg: RunConfig) -> None:
     """The policy's directory (a provider may build it on first use) and the reward model's."""
     try:  # the files' check is the reward model engine's too (`engines.model_files`)

@@ -1,4 +1,5 @@
-"""Experiment comparison (`rlstages compare`): read-only queries by tracking URI, no RunConfig needed."""
+"""Experiment comparison (`rlstages compare`, `rlstages replay`): read-only queries by tracking URI, no RunConfig
+needed."""
 
 from __future__ import annotations
 
@@ -79,6 +80,13 @@ def step_metrics(tracking_uri: str, run_id: str, prefixes: tuple[str, ...]) -> d
         for m in c.get_metric_history(run_id, key):
             steps.setdefault(int(m.step), {}).setdefault(key, float(m.value))
     return steps
+
+
+def metric_histories(tracking_uri: str, run_id: str) -> dict[str, list[tuple[int, float]]]:
+    """Every metric of a run with every (step, value) it logged, sorted (`rlstages replay` compares two runs)."""
+    c = MlflowClient(tracking_uri=tracking_uri)
+    keys = sorted(c.get_run(run_id).data.metrics)
+    return {k: sorted((int(m.step), float(m.value)) for m in c.get_metric_history(run_id, k)) for k in keys}
 
 
 def compare_link(tracking_uri: str, exp_id: str, run_ids: list[str]) -> str | None:
