@@ -34,6 +34,8 @@ PUMP_STEPS = 4  # decode steps per pump: how long a sync may wait for the engine
 class PartialFeed(AsyncFeed):
     """The async feed with partial rollouts (module docstring): groups streamed, syncs between two pumps."""
 
+    elastic_fleet = False  # the streams are per rank: a fixed fleet (a lost worker: the flow's recovery)
+
     def __init__(self, s: Stages, cfg: RunConfig, run: RunHandle, start_step: int) -> None:
         """Start the rollout streams at the checkpoint's version, then generation (`AsyncFeed`)."""
         self.streams = Streams(cfg, run, stage_workers(cfg, run, "generate").rollout, sampling(cfg), start_step)
