@@ -11,6 +11,18 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
+from rich.markup import escape
+
+from rlstages.flows.cli.quiet import one_line
+
+err = Console(stderr=True)
+
+
+def fail(message: str, code: int = 2) -> None:
+    """One line on stderr, exit `code`."""
+    err.print(f"[bold red]error:[/] {escape(one_line(message))}", soft_wrap=True, highlight=False)
+    raise typer.Exit(code)
 
 
 def scale_command(
@@ -21,7 +33,6 @@ def scale_command(
 ) -> None:
     """Ask a running async run for N rollout workers; it applies the change between two steps."""
     from rlstages.configs import ConfigError, load_config
-    from rlstages.flows.cli.main import err, fail
     from rlstages.tasks.driver.fleet_control import request_scale
 
     saved = run_dir / "config.yaml"

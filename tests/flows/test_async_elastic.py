@@ -82,8 +82,8 @@ def test_scale_changes_the_fleet_between_steps(
     assert [(e["kind"], e["rollout_workers"]) for e in log] == [("worker_join", 2), ("worker_leave", 1)]
     assert log[1]["reason"] == "scale" and log[0]["step"] <= log[1]["step"] < 4
     assert all(e["policy_version"] == e["step"] for e in log)  # between steps: the engines' version is the step's
-    sizes = history(cfg, "fleet/rollout_workers")
-    assert 2.0 in sizes.values() and sizes[4] == 1.0
+    assert history(cfg, "fleet/rollout_workers")[4] == 1.0
+    assert sum(history(cfg, "fleet/joined").values()) == 1 and sum(history(cfg, "fleet/left").values()) == 1
 
 
 def test_scale_refuses_what_cannot_resize(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -100,3 +100,13 @@ def test_scale_refuses_what_cannot_resize(tmp_path: Path, tiny_model_dir: Path) 
     assert not (sync_dir / "fleet.json").exists() and cfg.trainer.mode == "sync"
     with pytest.raises(ValueError, match="--rollout-workers: expected an integer >= 1"):
         request_scale(sync_dir, 0)
+
+
+def test_the_rl_scale_flow_writes_the_control_file(tmp_path: Path, prefect_harness) -> None:
+    """The `rl-scale` Prefect flow (a deployment's `rollout_workers` parameter) asks the run for N workers."""
+    from rlstages.flows.scale import scale_rollout
+    from rlstages.tasks.driver.fleet_control import requested
+
+    (tmp_path / "run").mkdir()
+    written = scale_rollout(run_dir=str(tmp_path / "run"), rollout_workers=3)
+    assert Path(written) == tmp_path / "run" / "fleet.json" and requested(tmp_path / "run") == 3
