@@ -136,9 +136,11 @@ class Fleet:
         if not elastic(self.cfg):
             return False
         gone = self._gone()
+        if not gone or len(gone) == len(self.group.handles):  # the group stays whole for the rebuild
+            return False
         for index, reason in reversed(gone):
             self._remove(index, step, version, reason)
-        return bool(gone) and bool(self.group.handles)
+        return True
 
     def rescale(self, step: int, version: int) -> None:
         """Bring the group to the asked-for size (module docstring); the trainer's weights must be `version`."""
@@ -146,14 +148,15 @@ class Fleet:
             return
         self.wanted = requested(self.run.path) or self.wanted
         self._nodes()
-        for index, reason in reversed(self._gone()):
+        gone = self._gone()
+        if gone and len(gone) == len(self.group.handles):  # the group stays whole for the flow's rebuild
+            raise WorkerLost(f"fleet: every rollout worker is gone at step {step}")
+        for index, reason in reversed(gone):
             self._remove(index, step, version, reason)
         while len(self.group.handles) > self.wanted:
             self._remove(len(self.group.handles) - 1, step, version, "scale")
         while len(self.group.handles) < self.wanted and self._join(step, version):
             pass
-        if not self.group.handles:
-            raise WorkerLost(f"fleet: no rollout worker left at step {step} and none could join")
 
     def _join(self, step: int, version: int) -> bool:
         """Start one rollout worker where it fits, give it the current weights; False when none fits now."""
