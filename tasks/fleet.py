@@ -59,19 +59,17 @@ class Fleet:
         return get_workers(self.run).rollout
 
     def _nodes(self) -> None:
+        """Learn the node of every rank not yet known (a rank that does not answer is left to `_gone`)."""
         import ray
 
-        group, known = self.group, self.where
-        todo = [i for i, n in enumerate(names(group)) if n not in known]
-        if todo:
-
-            def node(engine: Any) -> str:  # runs inside the actor
-                import ray as r
-
-                return str(r.get_runtime_context().get_node_id())
-
-            found = ray.get([group.handles[i].__ray_call__.remote(node) for i in todo], timeout=60)
-            known.update({names(group)[i]: n for i, n in zip(todo, found, strict=True)})
+        group = self.group
+        for name, handle in zip(names(group), group.handles, strict=True):
+            if name not in self.where:
+                try:
+                    self.where[name] = ray.get(handle.__ray_call__.remote(_node_id), timeout=60)
+                except Exception as exc:  # noqa: BLE001 - dead or unreachable: `_gone` removes it
+                    if not (is_worker_death(exc) or type(exc).__name__ == "GetTimeoutError"):
+                        raise
 
     def _gone(self) -> list[tuple[int, str]]:
         """Ranks on a node Ray says is dead (`node_lost`), or whose actor does not answer (`died`)."""
@@ -204,6 +202,13 @@ class Fleet:
         }
         self.joined = self.left = 0
         return out
+
+
+def _node_id(engine: Any) -> str:
+    """Runs inside a rank: the Ray node id it lives on."""
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id())
 
 
 def _fits(group: ActorGroup) -> bool:
