@@ -324,8 +324,8 @@ def test_node_lost_mid_run_is_rebuilt_on_a_new_node(sim: SimCluster, tiny_model_
 
 def test_elastic_fleet_a_node_leaves_and_one_joins(sim: SimCluster, tiny_model_dir: Path, tmp_path: Path) -> None:
     """An async run (eta 1) with 3 rollout workers of 2 fake GPUs: the trainer pinned to node 1, so node 1 holds
-    it and one rollout worker, node 2 the other two. Node 2 is killed and node 3 added while the driver holds
-    still: the two workers of node 2 leave (their prompts generated again by the one left), two join on node 3 in
+    it and one rollout worker, node 2 the other two. Node 2 is killed (the driver held still meanwhile), then
+    node 3 added: the two workers of node 2 leave (their prompts generated again by the one left), two join on node 3 in
     the bundles Ray placed there, each with the current weights, and the run completes without a recovery: every
     step trained once, on what was generated for it, with lag <= eta (tasks/fleet.py)."""
     from safetensors.torch import load_file
