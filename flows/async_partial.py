@@ -37,6 +37,7 @@ PUMP_STEPS = 4  # decode steps per pump: how long a sync may wait for the engine
 class PartialFeed(AsyncFeed):
     """The async feed with partial rollouts (module docstring): groups streamed, syncs between two pumps."""
 
+    elastic_fleet = False  # the streams are per rank: a fixed fleet (a lost worker: the flow's recovery)
     PUMP_STEPS = PUMP_STEPS
 
     def __init__(

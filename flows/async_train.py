@@ -35,6 +35,8 @@ from rlstages.tasks.driver.async_replay import ReplayClock, ReplayDiverged
 from rlstages.tasks.driver.async_schedule import open_schedule
 from rlstages.tasks.driver.context import RunHandle
 from rlstages.tasks.driver.tracking.runs import log_file
+from rlstages.tasks.fleet import Fleet, elastic
+from rlstages.tasks.policies import WorkerLost, stage_logger
 
 POLL_S = 0.02  # how often a waiting side looks at the queue again
 
@@ -42,6 +44,7 @@ POLL_S = 0.02  # how often a waiting side looks at the queue again
 class AsyncFeed:
     """The generation stage and the trainer's side of the queue, for one run from `start_step` on."""
 
+    elastic_fleet = True  # rollout workers join and leave between steps (tasks/fleet.py)
     PUMP_STEPS = 0  # decode steps per stream pump (partial rollouts only)
 
     def __init__(
@@ -63,6 +66,8 @@ class AsyncFeed:
         self.waited = 0.0  # the trainer's wait of this step: for its batch, then for generations before the sync
         with self._turn("trainer", "start"):
             self.schedule = open_schedule(cfg, run, start_step, self._ranks(), self.PUMP_STEPS, clock)
+        self.fleet = Fleet(cfg, run) if self.elastic_fleet and elastic(cfg) and clock is None else None  # replay: fixed
+        self._rescale(start_step)  # the control file of a resumed run, the nodes there are now
         self.thread = threading.Thread(
             target=contextvars.copy_context().run,
             args=(self._produce, start_step + 1),
@@ -87,7 +92,7 @@ class AsyncFeed:
                     version = self.queue.state()["version"]  # the engines' weights: no sync runs while we generate
                     self.schedule.record("rollout", "admit", first=first, groups=self.groups, version=version)
                 with self.engines:
-                    metrics = self.s.generate(self.cfg, self.run, step)
+                    metrics = self._generate(step, version)
                 item = stamp_versions(self.run, step, version, first, self.groups)
                 metrics["rollout/generate_wall_s"] = time.perf_counter() - start - self.idle[step]  # admitted->queued
                 item.payload = {"step": step, "metrics": metrics}
@@ -99,6 +104,28 @@ class AsyncFeed:
             with self.changed:
                 self.error = exc
                 self.changed.notify_all()
+
+    def _generate(self, step: int, version: int) -> Metrics:
+        """Step `step`'s generation; a rollout worker lost in it leaves the fleet and the step's prompts (same
+        seeds; nothing of them was queued) go to the workers left. No worker left: the flow's recovery."""
+        while True:
+            try:
+                return self.s.generate(self.cfg, self.run, step)
+            except WorkerLost:
+                if self.fleet is None or not self.fleet.heal(step, version):
+                    raise
+
+    def _rescale(self, step: int) -> None:
+        """Between two steps (no generation in flight, the trainer's weights = the engines' version `step`): the
+        fleet brought to the size asked for. A join that fails is tried again next step; the run goes on."""
+        if self.fleet is None:
+            return
+        try:
+            self.fleet.rescale(step, step)
+        except WorkerLost:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a fleet change never fails the run
+            stage_logger().warning(f"fleet: rescale at step {step} failed, the fleet stays as it is: {exc}")
 
     def _raise(self) -> None:
         if self.error is not None:
@@ -174,11 +201,16 @@ class AsyncFeed:
         return {"timing/wait_generation_s": waited}
 
     def synced(self, step: int, step_s: float) -> Metrics:
-        """The rollout engines have policy `step` now: admit what it allows; the trainer's idle share of the step."""
+        """The rollout engines have policy `step` now: the fleet resized (`_rescale`), then the queue admits what
+        the new version allows; the trainer's idle share of the step and the fleet's size."""
+        if self.fleet is not None:
+            with self.engines:
+                self._rescale(step)
         with self._turn("trainer", "publish"), self.schedule.atomic():
             self.queue.publish(step)
             self.schedule.record("trainer", "publish", version=step)
-        return {"async/trainer_idle_fraction": self.waited / max(step_s, 1e-9)}
+        fleet = self.fleet.counts() if self.fleet is not None else {}
+        return {"async/trainer_idle_fraction": self.waited / max(step_s, 1e-9)} | fleet
 
     def _take_engines(self) -> None:
         self.engines.acquire()

@@ -1,4 +1,4 @@
-"""Operations commands on the `rlstages` app: deploy, server up|down|status, doctor, plan, compare.
+"""Operations commands on the `rlstages` app: deploy, server up|down|status, doctor, plan, scale, compare.
 
 Each lives in its own module (`deploy`, `servers`, `doctor`, `compare` beside this one), which
 imports nothing heavy at import time, so `rlstages --help` stays fast; `flows/cli.py` calls `register`.
@@ -15,6 +15,7 @@ def register(app: typer.Typer) -> None:
     from rlstages.flows.cli.deploy import deploy_command
     from rlstages.flows.cli.doctor import doctor_command
     from rlstages.flows.cli.plan import plan_command
+    from rlstages.flows.cli.scale import scale_command
     from rlstages.flows.cli.servers import server_app
 
     app.command("deploy", help="Serve the training flow as a scheduled Prefect deployment (concurrency 1).")(
@@ -27,6 +28,7 @@ def register(app: typer.Typer) -> None:
     app.command("plan", help="Memory per rank of a config's layout before launch, and whether it fits a GPU.")(
         plan_command
     )
+    app.command("scale", help="Resize a running async run's rollout fleet (applied between two steps).")(scale_command)
     app.command("compare", help="Runs of an MLflow experiment side by side; optional PNG of their curves.")(
         compare_command
     )

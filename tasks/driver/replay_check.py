@@ -18,8 +18,9 @@ from safetensors.torch import load_file
 
 from rlstages.configs import RunConfig, load_config
 from rlstages.engines.registry import rollout_backend
-from rlstages.tasks.driver.async_schedule import SCHEDULE, read_schedule
+from rlstages.tasks.driver.async_schedule import SCHEDULE, ScheduleError, read_schedule
 from rlstages.tasks.driver.context import RUN_STATE
+from rlstages.tasks.driver.fleet_control import EVENTS
 from rlstages.tasks.driver.tracking.queries import metric_histories
 from rlstages.tasks.driver.tracking.store import tracking_uri
 
@@ -52,6 +53,9 @@ def replay_config(run_dir: Path, name: str | None = None) -> RunConfig:
     into `name` (default `<run>-replay`) beside it; that directory must not hold a run yet."""
     schedule = run_dir / SCHEDULE
     read_schedule(schedule)
+    fleet = run_dir / EVENTS
+    if fleet.is_file() and fleet.read_text().strip():
+        raise ScheduleError(f"{fleet}: the rollout fleet changed during the run; replay covers a fixed fleet")
     name = name or f"{run_dir.name}-replay"
     if (run_dir.parent / name).exists():
         raise FileExistsError(f"{run_dir.parent / name} exists: remove it or choose another --name")
