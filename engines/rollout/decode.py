@@ -33,25 +33,40 @@ class Decoded:
     logprobs: list[list[float]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class FusedPick:
+    """What a compiled decode step needs to pick the next token itself: the temperature and greedy (plain
+    sampling only: no top-k / top-p)."""
+
+    scale: float
+    greedy: bool
+
+
+class _Pick:
+    """A `Picker` with `fused`: its `FusedPick` where a compiled step may sample for it, else None."""
+
+    def __init__(self, temperature: float, top_k: int, top_p: float, greedy: bool) -> None:
+        self.scale = temperature if temperature > 0 else 1.0
+        self.top_k, self.top_p, self.greedy = top_k, top_p, greedy
+        self.plain = top_k <= 0 and top_p >= 1.0
+        self.fused = FusedPick(self.scale, greedy) if greedy or self.plain else None
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scaled = logits.float() / self.scale
+        logprobs = torch.log_softmax(scaled, dim=-1)
+        if self.greedy:
+            ids = scaled.argmax(-1)
+        elif self.plain:  # the distribution sampled is the one whose log-probs are reported: one softmax serves both
+            ids = sample_logprobs(logprobs)
+        else:
+            ids = sample_rows(top_k_top_p(scaled, self.top_k, self.top_p))
+        return ids, logprobs.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+
 def picker(temperature: float, top_k: int, top_p: float, greedy: bool) -> Picker:
     """Sample from softmax(logits / T) restricted by top-k / top-p (or take the argmax when `greedy`); the
     log-prob reported is of the full tempered distribution, as the trainer recomputes it."""
-    scale = temperature if temperature > 0 else 1.0
-
-    plain = top_k <= 0 and top_p >= 1.0
-
-    def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scaled = logits.float() / scale
-        logprobs = torch.log_softmax(scaled, dim=-1)
-        if greedy:
-            ids = scaled.argmax(-1)
-        elif plain:  # the distribution sampled is the one whose log-probs are reported: one softmax serves both
-            ids = sample_logprobs(logprobs)
-        else:
-            ids = sample_rows(top_k_top_p(scaled, top_k, top_p))
-        return ids, logprobs.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-
-    return pick
+    return _Pick(temperature, top_k, top_p, greedy)
 
 
 @torch.no_grad()
