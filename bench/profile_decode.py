@@ -1,8 +1,8 @@
-"""Where one demo-shaped rollout's decode step spends its time on this CPU (issue 53): torch.profiler over one
-`generate` (SmolLM2-135M, bf16 weights, 8 prompts x 8 samples, 48 new tokens each, every row decoding all 48),
-its self CPU time split into GEMMs, attention, sampling + log-prob, KV-cache bookkeeping, the fp32 weight copy,
-and the rest (Python, dispatch, host syncs: wall time not inside any op). Informative: prints shares and
-ms per decode step. `python -m bench.profile_decode [fast|compiled|eager]`
+"""Where one demo-shaped rollout's decode step spends its time on this CPU (issue 53): torch.profiler over
+decode steps 10-17 of one `generate` (SmolLM2-135M, bf16 weights, 8 prompts x 8 samples, 48 new tokens each,
+every row decoding all 48), their self CPU time split into GEMMs, attention, sampling + log-prob, copies (KV
+cache, indexing), host syncs, other ops, and the rest (Python and dispatch: wall time inside no op).
+Informative: prints shares and ms per decode step. `python -m bench.profile_decode [fast|compiled|eager]`
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from collections import defaultdict
 
 import torch
 
-from bench.bench_gen_cpu import NEW, _engine, _rollout
+from bench.bench_gen_cpu import _engine, _rollout
+
+FIRST, STEPS = 10, 8  # the profiled decode steps (the prefill and the first steps' warm-up left out)
 
 GROUPS = {
     "gemm": ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "mkldnn", "aten::bmm"),
@@ -49,15 +51,35 @@ GROUPS = {
 
 
 def main() -> None:
-    """One warm rollout, then one profiled: shares of wall time by op group, and per decode step."""
+    """One rollout with decode steps FIRST .. FIRST + STEPS profiled: shares of their wall time by op group, and
+    per decode step (all 64 rows live: every row decodes all 48 tokens)."""
+    from rlstages.engines.rollout import slots
+
     torch.set_num_threads(2)
     kind = sys.argv[1] if len(sys.argv) > 1 else "fast"
     engine = _engine(kind)
-    _rollout(engine)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
+    if kind == "compiled":
+        _rollout(engine)  # the compilation out of the window
+    real_step, count, marks = slots.SlotDecoder.step, [0], {}
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+
+    def step(self: object, pick: object) -> object:
+        count[0] += 1
+        if count[0] == FIRST:
+            prof.start()
+            marks["start"] = time.perf_counter()
+        out = real_step(self, pick)  # type: ignore[arg-type]
+        if count[0] == FIRST + STEPS - 1:
+            marks["stop"] = time.perf_counter()
+            prof.stop()
+        return out
+
+    slots.SlotDecoder.step = step  # type: ignore[method-assign]
+    try:
         _rollout(engine)
-        wall = time.perf_counter() - start
+    finally:
+        slots.SlotDecoder.step = real_step  # type: ignore[method-assign]
+    wall = marks["stop"] - marks["start"]
     spent: dict[str, float] = defaultdict(float)
     top = []
     for ev in prof.key_averages():
@@ -68,10 +90,9 @@ def main() -> None:
         spent[group] += seconds
         top.append((seconds, ev.key, ev.count))
     spent["python/dispatch (outside ops)"] = wall - sum(spent.values())
-    per_step = wall / NEW * 1e3
-    print(f"{kind}: one rollout {wall:.2f} s wall, {NEW} decode steps ({per_step:.0f} ms a step, prefill incl.)")
+    print(f"{kind}: {STEPS} decode steps of 64 rows, {wall:.2f} s wall ({wall / STEPS * 1e3:.0f} ms a step)")
     for group, seconds in sorted(spent.items(), key=lambda kv: -kv[1]):
-        print(f"  {group:32s} {seconds:7.2f} s  {seconds / wall:6.1%}  {seconds / NEW * 1e3:7.1f} ms/step")
+        print(f"  {group:32s} {seconds:7.2f} s  {seconds / wall:6.1%}  {seconds / STEPS * 1e3:7.1f} ms/step")
     print("top ops by self CPU time:")
     for seconds, key, count in sorted(top, reverse=True)[:14]:
         print(f"  {key:40s} {seconds:7.3f} s  x{count}")

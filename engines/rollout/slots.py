@@ -23,7 +23,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from rlstages.engines.rollout.decode import Picker, left_pad, prefill
+from rlstages.engines.rollout.decode import Picker, cache_arg, left_pad, prefill
 
 KvOnUpdate = Literal["recompute", "keep"]
 
@@ -252,7 +252,7 @@ class HFStep:
             input_ids=ids.unsqueeze(-1),
             attention_mask=self.mask,
             position_ids=self.position.unsqueeze(-1),
-            past_key_values=self.cache,
+            **cache_arg(self.model, self.cache),
             use_cache=True,
         )
         self.position = self.position + 1
