@@ -1,5 +1,5 @@
 """Where one demo-shaped rollout's decode step spends its time on this CPU (issue 53): torch.profiler over
-decode steps 10-17 of one `generate` (SmolLM2-135M, bf16 weights, 8 prompts x 8 samples, 48 new tokens each,
+decode steps 4-9 of one `generate` (SmolLM2-135M, bf16 weights, 8 prompts x 8 samples, 48 new tokens each,
 every row decoding all 48), their self CPU time split into GEMMs, attention, sampling + log-prob, copies (KV
 cache, indexing), host syncs, other ops, and the rest (Python and dispatch: wall time inside no op).
 Informative: prints shares and ms per decode step. `python -m bench.profile_decode [fast|compiled|eager]`
@@ -15,7 +15,7 @@ import torch
 
 from bench.bench_gen_cpu import _engine, _rollout
 
-FIRST, STEPS = 10, 8  # the profiled decode steps (the prefill and the first steps' warm-up left out)
+FIRST, STEPS = 4, 6  # the profiled decode steps (the prefill and the first steps' warm-up left out)
 
 GROUPS = {
     "gemm": ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "mkldnn", "aten::bmm"),
@@ -50,6 +50,10 @@ GROUPS = {
 }
 
 
+class _Done(Exception):
+    """The profiled window is over."""
+
+
 def main() -> None:
     """One rollout with decode steps FIRST .. FIRST + STEPS profiled: shares of their wall time by op group, and
     per decode step (all 64 rows live: every row decodes all 48 tokens)."""
@@ -72,11 +76,14 @@ def main() -> None:
         if count[0] == FIRST + STEPS - 1:
             marks["stop"] = time.perf_counter()
             prof.stop()
+            raise _Done  # the rest of the rollout is not needed
         return out
 
     slots.SlotDecoder.step = step  # type: ignore[method-assign]
     try:
         _rollout(engine)
+    except _Done:
+        pass
     finally:
         slots.SlotDecoder.step = real_step  # type: ignore[method-assign]
     wall = marks["stop"] - marks["start"]
