@@ -17,6 +17,7 @@ The detail names the CPU's class (`Machine.cpu_class`). `python -m bench.bench_g
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -27,6 +28,8 @@ import torch
 from bench.common import matmul_flops, record
 
 ROWS, PROMPTS, NEW = 64, 8, 48
+# the demo worker's 2; RLSTAGES_BENCH_THREADS=1 on a machine too loaded for two threads to meet at each barrier
+THREADS = int(os.environ.get("RLSTAGES_BENCH_THREADS", "2"))
 
 
 def _engine(decode_step: str) -> Any:
@@ -66,7 +69,7 @@ def main() -> None:
     from rlstages.engines.rollout import fast_step, hf_rollout, slots
     from rlstages.engines.training.machine import measure
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     fast, compiled, eager = _engine("fast"), _engine("compiled"), _engine("eager")
     params = sum(p.numel() for p in fast.model.parameters())
     dtype = fast_step.rollout_compute_dtype(torch.bfloat16, torch.device("cpu"), fast.fp32_weights)

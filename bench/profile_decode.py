@@ -13,7 +13,7 @@ from collections import defaultdict
 
 import torch
 
-from bench.bench_gen_cpu import _engine, _rollout
+from bench.bench_gen_cpu import THREADS, _engine, _rollout
 
 FIRST, STEPS = 4, 6  # the profiled decode steps (the prefill and the first steps' warm-up left out)
 
@@ -59,7 +59,7 @@ def main() -> None:
     per decode step (all 64 rows live: every row decodes all 48 tokens)."""
     from rlstages.engines.rollout import slots
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     kind = sys.argv[1] if len(sys.argv) > 1 else "fast"
     engine = _engine(kind)
     if kind == "compiled":

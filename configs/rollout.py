@@ -104,8 +104,9 @@ class HFRolloutConfig(_RolloutCommon):
         "(llama, qwen2, mistral without a sliding window; another model falls back to eager with one line); "
         "compiled: the fast step's per-token function, sampling and log-prob included, compiled once per engine "
         "by torch.compile (inductor's C++ code on CPU; needs a C++ compiler, else or on a compile error the fast "
-        "step, with one line); eager: the transformers forward (every architecture); auto: fast on CPU (the "
-        "compiled step measured slower to pay back its compile time, docs/benchmarks.md), eager on GPU.",
+        "step, with one line); eager: the transformers forward (every architecture); auto: fast on CPU (at the "
+        "demo's shape a step is GEMM-bound: the compiled step can save at most the ~17% outside the GEMMs and must "
+        "pay back its compilation first, docs/benchmarks.md), eager on GPU.",
     )
     fp32_weights: bool | Literal["auto"] = Field(
         default="auto",
