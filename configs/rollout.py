@@ -98,11 +98,15 @@ class HFRolloutConfig(_RolloutCommon):
         description="transformers attention for generation. eager: plain matmuls, faster for short CPU decodes "
         "(SmolLM2-135M, 64 x 48 tokens: 12.5 s vs 15.6 s with sdpa's CPU flash kernel); sdpa for long prompts or GPUs.",
     )
-    decode_step: Literal["auto", "fast", "eager"] = Field(
+    decode_step: Literal["auto", "compiled", "fast", "eager"] = Field(
         default="auto",
         description="The decode step of text prompts. fast: our own Llama-family step over a static KV cache "
         "(llama, qwen2, mistral without a sliding window; another model falls back to eager with one line); "
-        "eager: the transformers forward (every architecture); auto: fast on CPU, eager on GPU.",
+        "compiled: the fast step's per-token function, sampling and log-prob included, compiled once per engine "
+        "by torch.compile (inductor's C++ code on CPU; needs a C++ compiler, else or on a compile error the fast "
+        "step, with one line); eager: the transformers forward (every architecture); auto: fast on CPU (at the "
+        "demo's shape a step is GEMM-bound: the compiled step can save at most the ~17% outside the GEMMs and must "
+        "pay back its compilation first, docs/benchmarks.md), eager on GPU.",
     )
     fp32_weights: bool | Literal["auto"] = Field(
         default="auto",

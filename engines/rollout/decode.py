@@ -12,6 +12,8 @@ Non-goal: continuous batching of new prompts into freed slots (vLLM/SGLang do th
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,25 +35,40 @@ class Decoded:
     logprobs: list[list[float]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class FusedPick:
+    """What a compiled decode step needs to pick the next token itself: the temperature and greedy (plain
+    sampling only: no top-k / top-p)."""
+
+    scale: float
+    greedy: bool
+
+
+class _Pick:
+    """A `Picker` with `fused`: its `FusedPick` where a compiled step may sample for it, else None."""
+
+    def __init__(self, temperature: float, top_k: int, top_p: float, greedy: bool) -> None:
+        self.scale = temperature if temperature > 0 else 1.0
+        self.top_k, self.top_p, self.greedy = top_k, top_p, greedy
+        self.plain = top_k <= 0 and top_p >= 1.0
+        self.fused = FusedPick(self.scale, greedy) if greedy or self.plain else None
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scaled = logits.float() / self.scale
+        logprobs = torch.log_softmax(scaled, dim=-1)
+        if self.greedy:
+            ids = scaled.argmax(-1)
+        elif self.plain:  # the distribution sampled is the one whose log-probs are reported: one softmax serves both
+            ids = sample_logprobs(logprobs)
+        else:
+            ids = sample_rows(top_k_top_p(scaled, self.top_k, self.top_p))
+        return ids, logprobs.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+
 def picker(temperature: float, top_k: int, top_p: float, greedy: bool) -> Picker:
     """Sample from softmax(logits / T) restricted by top-k / top-p (or take the argmax when `greedy`); the
     log-prob reported is of the full tempered distribution, as the trainer recomputes it."""
-    scale = temperature if temperature > 0 else 1.0
-
-    plain = top_k <= 0 and top_p >= 1.0
-
-    def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scaled = logits.float() / scale
-        logprobs = torch.log_softmax(scaled, dim=-1)
-        if greedy:
-            ids = scaled.argmax(-1)
-        elif plain:  # the distribution sampled is the one whose log-probs are reported: one softmax serves both
-            ids = sample_logprobs(logprobs)
-        else:
-            ids = sample_rows(top_k_top_p(scaled, top_k, top_p))
-        return ids, logprobs.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-
-    return pick
+    return _Pick(temperature, top_k, top_p, greedy)
 
 
 @torch.no_grad()
@@ -108,7 +125,7 @@ def decode(
             input_ids=ids.unsqueeze(-1),
             attention_mask=mask,
             position_ids=position.unsqueeze(-1) if images is None else position.unsqueeze(-1).expand(3, -1, -1),
-            past_key_values=cache,
+            **cache_arg(model, cache),
             use_cache=True,
         )
         logits = step.logits[:, -1]
@@ -135,22 +152,39 @@ def prefill(
         step = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
     else:
         head = model(input_ids=tokens[0][None, :shared], use_cache=True, logits_to_keep=1)
-        head.past_key_values.batch_repeat_interleave(len(tokens))
+        head_cache = output_cache(head)
+        head_cache.batch_repeat_interleave(len(tokens))
         suffix_ids, suffix_mask = left_pad([t[shared:] for t in tokens], mask.dtype)
         mask = torch.cat([mask.new_ones(len(tokens), shared), suffix_mask], dim=1)
         step = model(
             input_ids=suffix_ids,
             attention_mask=mask,
             position_ids=shared + (suffix_mask.long().cumsum(-1) - 1).clamp(min=0),
-            past_key_values=head.past_key_values,
+            **cache_arg(model, head_cache),
             use_cache=True,
             logits_to_keep=1,
         )
-    cache, logits = step.past_key_values, step.logits[:, -1]
+    cache, logits = output_cache(step), step.logits[:, -1]
     if len(tokens) < rows:  # each row takes its prompt's cache, logits and mask
         cache.batch_select_indices(inverse)
         logits, mask = logits[inverse], mask[inverse]
     return cache, logits, mask
+
+
+def cache_arg(model: Any, cache: Any) -> dict[str, Any]:
+    """The KV cache as the model's forward takes it: `cache` (transformers 5.24 on; `past_key_values` warns
+    there) or `past_key_values` (before)."""
+    return {_cache_name(type(model)): cache}
+
+
+@functools.cache
+def _cache_name(kind: type) -> str:
+    return "cache" if "cache" in inspect.signature(kind.forward).parameters else "past_key_values"
+
+
+def output_cache(out: Any) -> Any:
+    """A forward's KV cache, under either name (`cache_arg`)."""
+    return out["cache"] if "cache" in out else out.past_key_values
 
 
 MIN_SHARED_PREFIX = 8  # shorter shared prefixes are not worth a forward of their own

@@ -131,7 +131,7 @@ class FastLlamaStep:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self._allocate(columns)
-        self.valid = torch.zeros(slots, columns, dtype=torch.bool, device=self.device)
+        self.valid = torch.zeros(slots, self.columns, dtype=torch.bool, device=self.device)
         self.position = torch.zeros(slots, dtype=torch.long, device=self.device)
         self.n = 0  # live rows: buffer rows [0, n)
         self.start = 0  # the first column a live row may use
@@ -234,7 +234,7 @@ class FastLlamaStep:
         if self.column + need > self.columns:
             wider = max(self.columns * 3 // 2, self.column + need)
             self._allocate(wider)
-            valid = torch.zeros(self.slots, wider, dtype=torch.bool, device=self.device)
+            valid = torch.zeros(self.slots, self.columns, dtype=torch.bool, device=self.device)
             valid[:, : self.valid.shape[1]] = self.valid
             self.valid = valid
 
@@ -293,13 +293,19 @@ def rollout_compute_dtype(weights: torch.dtype, device: torch.device, setting: b
     return weights
 
 
-def fast_step(model: Any, slots: int, dtype: torch.dtype, columns: int = 256) -> FastLlamaStep | None:
-    """The fast step for `model` (None where it cannot be built: one line says why, the eager step decodes)."""
+def fast_step(
+    model: Any, slots: int, dtype: torch.dtype, columns: int = 256, said: set[str] | None = None
+) -> FastLlamaStep | None:
+    """The fast step for `model` (None where it cannot be built: one line says why, once per `said` set, and
+    the eager step decodes)."""
     reason = unsupported(model)
     if reason is None:
         try:
             return FastLlamaStep(model, slots, dtype, columns)
         except Exception as exc:  # noqa: BLE001 - an unforeseen layout: the eager step computes the same
             reason = f"{type(exc).__name__}: {exc}"
-    log.warning("rollout: the fast decode step is off (%s); decoding with the eager transformers step", reason)
+    if said is None or reason not in said:
+        log.warning("rollout: the fast decode step is off (%s); decoding with the eager transformers step", reason)
+    if said is not None:
+        said.add(reason)
     return None

@@ -22,8 +22,9 @@ from rlstages.engines.models import eos_token_ids, load_causal_lm, load_tokenize
 from rlstages.engines.models.moe_layout import ExpertSlots
 from rlstages.engines.models.vision import is_vision_model, module_name, suppress, vision_token_ids
 from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
+from rlstages.engines.rollout.compiled_step import CompiledDecode, compiled_step
 from rlstages.engines.rollout.decode import Picker, decode, picker
-from rlstages.engines.rollout.fast_step import FastLlamaStep, fast_step, rollout_compute_dtype
+from rlstages.engines.rollout.fast_step import FastLlamaStep, fast_step, rollout_compute_dtype, unsupported
 from rlstages.engines.rollout.multi_turn import build_runner, multi_turn_enabled
 from rlstages.engines.rollout.slots import HFStep, RowRequest, SlotDecoder, run_rows
 from rlstages.engines.rollout.streaming import StreamingMixin
@@ -37,6 +38,8 @@ from rlstages.engines.rollout.vision_inputs import (
 )
 from rlstages.engines.runtime.device import free_cached, to_device, worker_device
 from rlstages.engines.types import Prompt, SamplingParams
+
+AUTO_CPU_STEP = "fast"  # `decode_step: auto` on CPU (docs/benchmarks.md: the compiled step measured against it)
 
 
 class HFRolloutEngine(StreamingMixin):
@@ -72,7 +75,9 @@ class HFRolloutEngine(StreamingMixin):
         self.eos_ids = eos_token_ids(self.tokenizer, self.model.generation_config)
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.needs_weights = False
-        self.decode_step = decode_step  # "auto" | "fast" | "eager" (configs.rollout)
+        self.decode_step = decode_step  # "auto" | "compiled" | "fast" | "eager" (configs.rollout)
+        self.compiled = CompiledDecode()  # the compiled decode function: kept across generations and updates
+        self.said: set[str] = set()  # the fallback lines already logged (once per engine, not per generate)
         self.fp32_weights = fp32_weights  # the fast step's weights widened to fp32 (True, False, "auto")
         self.policy_version = 0  # stamped on each sampled token (`types.ROLLOUT_VERSIONS`)
         # KV cache blocks back to the GPU after generating, for another process on it (the hybrid engine turns it
@@ -178,12 +183,19 @@ class HFRolloutEngine(StreamingMixin):
         return [r.ids for r in out], [r.logprobs for r in out], [r.versions for r in out]
 
     def _fast_step(self, slots: int, columns: int) -> FastLlamaStep | None:
-        """The fast decode step where it applies (`decode_step`: auto takes it on CPU), in the compute dtype
-        `rollout_compute_dtype` chooses; None: the eager step."""
-        if self.decode_step == "eager" or (self.decode_step == "auto" and self.device.type != "cpu"):
+        """The static-cache step where it applies (`decode_step`: auto takes `AUTO_CPU_STEP` on CPU): compiled
+        (falling back to the fast eager one) or fast, in the compute dtype `rollout_compute_dtype` chooses;
+        None: the eager transformers step."""
+        kind = AUTO_CPU_STEP if self.decode_step == "auto" and self.device.type == "cpu" else self.decode_step
+        if kind not in ("fast", "compiled"):
             return None
         dtype = rollout_compute_dtype(next(self.model.parameters()).dtype, self.device, self.fp32_weights)
-        return fast_step(self.model, slots, dtype, columns)
+        reason = unsupported(self.model)
+        if kind == "compiled" and reason is None:
+            step = compiled_step(self.model, slots, dtype, columns, self.compiled)
+            if step is not None:
+                return step
+        return fast_step(self.model, slots, dtype, columns, self.said)
 
     def _generate_chunk(
         self, rows: list[list[int]], sampling: SamplingParams, images: list[ImagePrompt] | None = None

@@ -23,7 +23,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from rlstages.engines.rollout.decode import Picker, left_pad, prefill
+from rlstages.engines.rollout.decode import Picker, cache_arg, left_pad, prefill
 
 KvOnUpdate = Literal["recompute", "keep"]
 
@@ -93,6 +93,9 @@ class SlotDecoder:
         self.version = version
         self.rows: list[SlotRow] = []
         self.logits: torch.Tensor | None = None  # the next token's logits of each live row
+        # a compiled step's own picks of the next tokens (ids, log-probs), made with the logits (`forward_pick`)
+        self.picked: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.pending: torch.Tensor | None = None  # the logits of rows admitted after those picks
 
     def free_slots(self) -> int:
         """Slots not holding a live row."""
@@ -112,14 +115,17 @@ class SlotDecoder:
             raise ValueError("admit: every row needs prompt ids and a limit of at least one token")
         logits = self.model_step.prefill([r.prompt_ids for r in requests])
         self.rows.extend(SlotRow(r.key, list(r.prompt_ids), r.limit) for r in requests)
-        self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
+        if self.picked is not None:  # the live rows' next tokens are picked: these rows' are picked at the step
+            self.pending = logits if self.pending is None else torch.cat([self.pending, logits])
+        else:
+            self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
 
     def step(self, pick: Picker) -> list[SlotRow]:
         """One decode step for every live row: a token sampled (stamped with `self.version` and its log-prob)
         for each; the rows that end leave and are returned, the others' tokens are fed to the model."""
         if not self.rows or self.logits is None:
             return []
-        ids, logprobs = pick(self.logits)
+        ids, logprobs = self._pick(pick)
         # one device read per step: tokens and log-probs together (float64 holds every token id exactly)
         picked = torch.stack([ids.to(torch.float64), logprobs.to(torch.float64)]).tolist()
         finished: list[SlotRow] = []
@@ -137,15 +143,29 @@ class SlotDecoder:
             else:
                 keep.append(i)
         if not keep:
-            self.rows, self.logits = [], None
+            self.rows, self.logits, self.picked, self.pending = [], None, None, None
             self.model_step.clear()
             return finished
         if len(keep) < len(self.rows):
             self.rows = [self.rows[i] for i in keep]
             self.model_step.select(keep)
             ids = ids[torch.tensor(keep, device=ids.device)]
-        self.logits = self.model_step.forward(ids)
+        fused = getattr(self.model_step, "forward_pick", None)  # a compiled step picks inside its forward
+        self.picked = fused(ids, getattr(pick, "fused", None)) if fused is not None else None
+        self.logits = self.model_step.forward(ids) if self.picked is None else ids  # (logits unread then)
         return finished
+
+    def _pick(self, pick: Picker) -> tuple[torch.Tensor, torch.Tensor]:
+        """The live rows' next tokens: the compiled step's picks (rows admitted since then picked here), else
+        `pick` of the logits."""
+        if self.picked is None:
+            return pick(self.logits)
+        ids, logprobs = self.picked
+        if self.pending is not None:
+            new_ids, new_lps = pick(self.pending)
+            ids, logprobs = torch.cat([ids, new_ids]), torch.cat([logprobs, new_lps])
+        self.picked = self.pending = None
+        return ids, logprobs
 
     def drain(self, pick: Picker) -> list[SlotRow]:
         """Step until no row is live; the finished rows in the order they ended."""
@@ -161,6 +181,7 @@ class SlotDecoder:
         if kv not in ("recompute", "keep"):
             raise ValueError(f"on_weights_updated: kv must be 'recompute' or 'keep', got {kv!r}")
         self.version = version
+        self.picked = self.pending = None
         self.model_step.weights_changed()
         if not self.rows:
             return
@@ -231,7 +252,7 @@ class HFStep:
             input_ids=ids.unsqueeze(-1),
             attention_mask=self.mask,
             position_ids=self.position.unsqueeze(-1),
-            past_key_values=self.cache,
+            **cache_arg(self.model, self.cache),
             use_cache=True,
         )
         self.position = self.position + 1

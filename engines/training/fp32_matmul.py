@@ -136,6 +136,11 @@ def wants_fp32_kernel(setting: bool | str, computes_in_bf16: bool, device: torch
         return False
     speedup = fp32_kernel_speedup(torch.get_num_threads())
     chosen = speedup >= CLEARLY_FASTER
-    kernel = "fp32" if chosen else "bf16"
-    log.info("fp32_matmul auto: the fp32 GEMM is %.2fx as fast as the bf16 one here -> %s", speedup, kernel)
+    _say_choice(speedup, "fp32" if chosen else "bf16")
     return chosen
+
+
+@functools.cache
+def _say_choice(speedup: float, kernel: str) -> None:
+    """The auto choice's line, once per process and outcome (the rollout asks at every generation)."""
+    log.info("fp32_matmul auto: the fp32 GEMM is %.2fx as fast as the bf16 one here -> %s", speedup, kernel)
