@@ -28,6 +28,7 @@ TIMING_PREFIXES = ("timing/", "throughput/", "perf/")
 TIMING_KEYS = frozenset(
     {
         "rollout/generate_ahead_s",
+        "rollout/generate_wall_s",
         "async/queue_wait_s",
         "async/rollout_idle_fraction",
         "async/trainer_idle_fraction",
