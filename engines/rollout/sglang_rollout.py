@@ -36,6 +36,7 @@ from tensordict import TensorDict
 from rlstages.engines.base import NamedTensors
 from rlstages.engines.models.vision import VISION_MODEL_TYPES, checkpoint_name, vision_token_ids
 from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
+from rlstages.engines.rollout.sglang_streaming import SGLangStreamingMixin
 from rlstages.engines.rollout.vision_inputs import (
     ImagePrompt,
     add_image_fields,
@@ -51,8 +52,9 @@ from rlstages.engines.utils import torch_dtype
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
 
 
-class SGLangRolloutEngine:
-    """`RolloutEngine` on `sglang.Engine`: n samples per prompt with the sampled tokens' log-probs."""
+class SGLangRolloutEngine(SGLangStreamingMixin):
+    """`RolloutEngine` on `sglang.Engine`: n samples per prompt with the sampled tokens' log-probs; streams (partial
+    rollouts, `sglang_streaming.py`: written against SGLang's API, not run)."""
 
     wakes_weights_alone = True  # update_weights wakes only the weights; the KV cache waits for generate
 

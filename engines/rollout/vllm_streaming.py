@@ -55,6 +55,7 @@ class _VStream:
     done: dict[int, set[int]] = field(default_factory=dict)  # group -> finished samples
     sizes: dict[int, int] = field(default_factory=dict)  # group -> n
     serial: int = field(default_factory=lambda: next(_SERIALS))  # request ids unique across streams
+    ready: list[FinishedGroup] = field(default_factory=list)  # groups finished while interrupting, for the next pump
 
 
 class VLLMStreamingMixin:
@@ -78,26 +79,20 @@ class VLLMStreamingMixin:
         if self.multi_turn is not None or self.image_model is not None:
             raise ValueError("streaming generation takes text prompts only (no multi-turn, no images)")
         self.stop_stream()
-        self._vstream = _VStream(sampling, seed)
+        self._vstream = new_stream(sampling, seed)
 
     def submit(self, groups: list[GroupRequest]) -> None:
         """Queue these groups' rows (sample-major within a group); they become vLLM requests at the next pump."""
         stream = self._live()
         ids = format_prompts(self.tokenizer, [g.prompt for g in groups], self.apply_chat_template, self.system_prompt)
-        for g, prompt_ids in zip(groups, ids, strict=True):
-            if g.group in stream.sizes:
-                raise ValueError(f"submit: group {g.group} is already in flight")
-            stream.sizes[g.group], stream.done[g.group] = g.n, set()
-            for i in range(g.n):
-                stream.rows[(g.group, i)] = _Row(list(prompt_ids))
-                stream.pending.append((g.group, i))
+        stream_rows(stream, groups, ids)
 
     def pump(self, max_steps: int = 1) -> list[FinishedGroup]:
         """Resume vLLM, take up to `max_steps` engine steps' outputs, pause it again (requests and KV kept); the
         groups whose every row has finished, in the order they finished."""
         stream = self._live()
         self.wake()  # type: ignore[attr-defined]  # what `sleep` freed
-        finished: list[FinishedGroup] = []
+        finished, stream.ready = stream.ready, []
         self._submit_pending(stream)
         self._resume()
         try:
@@ -112,9 +107,9 @@ class VLLMStreamingMixin:
         return finished
 
     def in_flight(self) -> int:
-        """Rows submitted and not yet finished (waiting to be submitted, or requests in vLLM)."""
-        stream = self._vstream
-        return 0 if stream is None else len(stream.pending) + len(stream.live)
+        """Rows submitted and not yet handed back (waiting to be submitted, requests in vLLM, finished groups that
+        the next pump returns)."""
+        return rows_in_flight(self._vstream)
 
     def set_policy_version(self, version: int, kv_on_update: str = "recompute") -> None:
         """The weights were just updated to policy `version`: later requests carry it; the rows interrupted by the
@@ -211,15 +206,14 @@ class VLLMStreamingMixin:
         if not out.finished:
             return []
         del stream.live[out.request_id]
-        ended = bool(row.ids) and row.ids[-1] in self.eos_ids or len(row.ids) >= stream.sampling.max_new_tokens
-        if sample.finish_reason == "abort" and not ended:
+        if sample.finish_reason == "abort" and not row_done(row, self.eos_ids, stream.sampling.max_new_tokens):
             stream.pending.append(key)  # interrupted: resubmitted at the next pump
             return []
         group = key[0]
         stream.done[group].add(key[1])
         if len(stream.done[group]) < stream.sizes[group]:
             return []
-        return [self._finish(stream, group)]
+        return [finish_group(stream, group, self.tokenizer, self.eos_ids, self.pad_id)]
 
     def _interrupt(self) -> None:
         """Abort every request of the stream through vLLM's pause API and drain their last outputs; the unfinished
@@ -233,24 +227,54 @@ class VLLMStreamingMixin:
         stream.pending.clear()
         while stream.live:
             for out in self.llm.llm_engine.step():
-                self._take(stream, out)  # an abort ends no group: finished groups are not lost
+                stream.ready += self._take(stream, out)  # rows that ended just before the abort: kept
         stream.pending = deque(sorted(stream.pending))  # the interrupted rows first, then those not yet submitted
         stream.pending.extend(waiting)
 
-    def _finish(self, stream: _VStream, group: int) -> FinishedGroup:
-        n, stop = stream.sizes.pop(group), stream.sampling.stop
-        stream.done.pop(group)
-        rows = [stream.rows.pop((group, i)) for i in range(n)]
-        ids, lps, versions, texts = [], [], [], []
-        for row in rows:
-            cut, cut_lps = truncate_response(row.ids, row.logprobs, self.eos_ids, stream.sampling.max_new_tokens)
-            cut, cut_lps, text = _cut_at_stop(self.tokenizer, cut, cut_lps, stop)
-            ids.append(cut)
-            lps.append(cut_lps)
-            versions.append(row.versions[: len(cut)])
-            texts.append(text)
-        interrupted = sum(r.interrupted > 0 for r in rows)
-        return FinishedGroup(group, rows[0].prompt_ids, ids, lps, versions, texts, interrupted, self.pad_id)
+
+def new_stream(sampling: SamplingParams, seed: int) -> _VStream:
+    """An empty stream's bookkeeping (shared with the SGLang stream)."""
+    return _VStream(sampling, seed)
+
+
+def stream_rows(stream: _VStream, groups: list[GroupRequest], prompt_ids: list[list[int]]) -> None:
+    """The groups' rows (sample-major), waiting to be submitted; a group already in flight is refused."""
+    for g, ids in zip(groups, prompt_ids, strict=True):
+        if g.group in stream.sizes:
+            raise ValueError(f"submit: group {g.group} is already in flight")
+        stream.sizes[g.group], stream.done[g.group] = g.n, set()
+        for i in range(g.n):
+            stream.rows[(g.group, i)] = _Row(list(ids))
+            stream.pending.append((g.group, i))
+
+
+def rows_in_flight(stream: _VStream | None) -> int:
+    """Rows submitted to `stream` and not yet handed back by a pump."""
+    if stream is None:
+        return 0
+    return len(stream.pending) + len(stream.live) + sum(len(g.ids) for g in stream.ready)
+
+
+def row_done(row: _Row, eos_ids: set[int], limit: int) -> bool:
+    """Whether a row has ended (EOS, or its token budget), whatever its last request's finish reason says."""
+    return bool(row.ids) and row.ids[-1] in eos_ids or len(row.ids) >= limit
+
+
+def finish_group(stream: _VStream, group: int, tokenizer: Any, eos_ids: set[int], pad_id: int) -> FinishedGroup:
+    """A finished group's rows in sample order, cut after EOS and stop strings, with their versions."""
+    n, stop, limit = stream.sizes.pop(group), stream.sampling.stop, stream.sampling.max_new_tokens
+    stream.done.pop(group)
+    rows = [stream.rows.pop((group, i)) for i in range(n)]
+    ids, lps, versions, texts = [], [], [], []
+    for row in rows:
+        cut, cut_lps = truncate_response(row.ids, row.logprobs, eos_ids, limit)
+        cut, cut_lps, text = _cut_at_stop(tokenizer, cut, cut_lps, stop)
+        ids.append(cut)
+        lps.append(cut_lps)
+        versions.append(row.versions[: len(cut)])
+        texts.append(text)
+    interrupted = sum(r.interrupted > 0 for r in rows)
+    return FinishedGroup(group, rows[0].prompt_ids, ids, lps, versions, texts, interrupted, pad_id)
 
 
 def _cut_at_stop(
