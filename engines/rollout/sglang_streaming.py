@@ -145,8 +145,6 @@ class SGLangStreamingMixin:
 
     def _submit_pending(self, stream: Any) -> None:
         """Each waiting row as a streamed request: prompt + tokens so far, the rest of the budget, its own seed."""
-        from rlstages.engines.rollout.sglang_rollout import request_params
-
         while stream.pending:
             key = stream.pending.popleft()
             row = stream.rows[key]
@@ -196,6 +194,23 @@ class SGLangStreamingMixin:
         stream.ready += self._collect(stream)  # rows that ended just before the abort: kept for the next pump
         stream.pending = deque(sorted(stream.pending))
         stream.pending.extend(waiting)
+
+
+def request_params(sampling: SamplingParams, seed: int, banned: list[int] | tuple[int, ...] = ()) -> dict[str, Any]:
+    """One request's `sampling_params` dict for `sglang.Engine.generate` (one sample per request); `banned` token
+    ids (a VLM's vision tokens) get a -100 logit bias."""
+    out: dict[str, Any] = {
+        "n": 1,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1,  # SGLang: -1 disables
+        "max_new_tokens": sampling.max_new_tokens,
+        "stop": list(sampling.stop) or None,
+        "sampling_seed": seed,
+    }
+    if banned:
+        out["logit_bias"] = {str(t): -100.0 for t in banned}
+    return out
 
 
 async def _last_chunk(chunks: Any) -> dict[str, Any]:
