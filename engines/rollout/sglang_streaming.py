@@ -20,10 +20,11 @@ its tokenizer manager: `async_generate(..., stream=True, rid=...)`, `pause_gener
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
-from rlstages.engines.base import NamedTensors
 from rlstages.engines.rollout.batching import format_prompts
 from rlstages.engines.rollout.streaming import FinishedGroup, GroupRequest
 from rlstages.engines.rollout.vllm_streaming import (
@@ -33,9 +34,30 @@ from rlstages.engines.rollout.vllm_streaming import (
     rows_in_flight,
     stream_rows,
 )
-from rlstages.engines.types import Prompt, SamplingParams
+from rlstages.engines.types import SamplingParams
 
 PUMP_SLICE_S = 0.02  # event-loop time per decode step asked for (SGLang's scheduler decodes on its own)
+
+
+_QUIESCE = (
+    "update_weights",
+    "begin_weight_group_update",
+    "generate",
+    "sleep",
+)  # the engine's methods that interrupt the stream first
+
+
+def _interrupting(method: Callable[..., Any], resume: bool) -> Callable[..., Any]:
+    """`method`, preceded by an interruption of the stream (and, with `resume`, the scheduler running again)."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self._interrupt()
+        if resume:
+            self._resume()
+        return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 class SGLangStreamingMixin:
@@ -53,6 +75,13 @@ class SGLangStreamingMixin:
     _sstream: Any = None
     _tasks: dict[str, asyncio.Task[Any]]
     _paused: bool = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """The engine's own methods that need the engine idle (it defines them, so they come first in the MRO) are
+        wrapped here: each interrupts the stream first (`generate` and `sleep` also let the scheduler run again)."""
+        super().__init_subclass__(**kwargs)
+        for name in _QUIESCE:
+            setattr(cls, name, _interrupting(getattr(cls, name), resume=name in ("generate", "sleep")))
 
     def start_stream(self, sampling: SamplingParams, seed: int) -> None:
         """A fresh stream (anything in flight aborted and dropped)."""
@@ -110,28 +139,6 @@ class SGLangStreamingMixin:
         self._interrupt()
         self._sstream = None
         self._resume()
-
-    def update_weights(self, named_tensors: NamedTensors) -> None:
-        """Interrupt the stream (its rows continue after the update), then load the tensors."""
-        self._interrupt()
-        super().update_weights(named_tensors)  # type: ignore[misc]
-
-    def begin_weight_group_update(self, name: str) -> None:
-        """Interrupt the stream, then open the collective sync's weight-update session."""
-        self._interrupt()
-        super().begin_weight_group_update(name)  # type: ignore[misc]
-
-    def generate(self, prompts: list[Prompt], sampling: SamplingParams, seed: int) -> Any:
-        """Whole-batch generation between two pumps: the stream waits, interrupted."""
-        self._interrupt()
-        self._resume()
-        return super().generate(prompts, sampling, seed)  # type: ignore[misc]
-
-    def sleep(self) -> None:
-        """Interrupt the stream, then release memory as `SGLangRolloutEngine.sleep` does."""
-        self._interrupt()
-        self._resume()
-        super().sleep()  # type: ignore[misc]
 
     def _live(self) -> Any:
         if self._sstream is None:

@@ -22,15 +22,16 @@ is found there). Non-goal: multi-turn and image prompts (refused), as for the HF
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlstages.engines.base import NamedTensors
 from rlstages.engines.rollout.batching import format_prompts, truncate_response
 from rlstages.engines.rollout.streaming import FinishedGroup, GroupRequest
-from rlstages.engines.types import Prompt, SamplingParams
+from rlstages.engines.types import SamplingParams
 
 _SERIALS = itertools.count()
 
@@ -58,6 +59,27 @@ class _VStream:
     ready: list[FinishedGroup] = field(default_factory=list)  # groups finished while interrupting, for the next pump
 
 
+_QUIESCE = (
+    "update_weights",
+    "receive_weight_group",
+    "generate",
+    "sleep",
+)  # the engine's methods that interrupt the stream first
+
+
+def _interrupting(method: Callable[..., Any], resume: bool) -> Callable[..., Any]:
+    """`method`, preceded by an interruption of the stream (and, with `resume`, the scheduler running again)."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self._interrupt()
+        if resume:
+            self._resume()
+        return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class VLLMStreamingMixin:
     """The stream methods of `VLLMRolloutEngine` (module docstring); the engine's own methods that touch weights or
     the scheduler interrupt the stream first."""
@@ -73,6 +95,13 @@ class VLLMStreamingMixin:
     policy_version: int = 0
     _vstream: _VStream | None = None
     _paused: bool = False  # the stream paused vLLM's scheduler (between two pumps, or after an interruption)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """The engine's own methods that need the engine idle (it defines them, so they come first in the MRO) are
+        wrapped here: each interrupts the stream first (`generate` and `sleep` also let the scheduler run again)."""
+        super().__init_subclass__(**kwargs)
+        for name in _QUIESCE:
+            setattr(cls, name, _interrupting(getattr(cls, name), resume=name in ("generate", "sleep")))
 
     def start_stream(self, sampling: SamplingParams, seed: int) -> None:
         """A fresh stream (anything in flight is aborted and dropped), sampling with `sampling`, seeds from `seed`."""
@@ -132,29 +161,6 @@ class VLLMStreamingMixin:
         self._interrupt()
         self._vstream = None
         self._resume()
-
-    # the engine's methods that need vLLM idle: the stream's requests are interrupted first
-    def update_weights(self, named_tensors: NamedTensors) -> None:
-        """Interrupt the stream (its rows continue after the update, KV recomputed), then load the tensors."""
-        self._interrupt()
-        super().update_weights(named_tensors)  # type: ignore[misc]
-
-    def receive_weight_group(self, name: str) -> int:
-        """Interrupt the stream, then receive the trainer's broadcast (collective sync)."""
-        self._interrupt()
-        return super().receive_weight_group(name)  # type: ignore[misc]
-
-    def generate(self, prompts: list[Prompt], sampling: SamplingParams, seed: int) -> Any:
-        """Whole-batch generation (evaluation, the other modes) between two pumps: the stream waits, interrupted."""
-        self._interrupt()
-        self._resume()
-        return super().generate(prompts, sampling, seed)  # type: ignore[misc]
-
-    def sleep(self) -> None:
-        """Interrupt the stream, then free memory as `VLLMRolloutEngine.sleep` does."""
-        self._interrupt()
-        self._resume()  # wake_up restores scheduling only with every tag; a level-0 pause is not left behind
-        super().sleep()  # type: ignore[misc]
 
     def _live(self) -> _VStream:
         if self._vstream is None:
