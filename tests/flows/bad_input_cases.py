@@ -84,17 +84,18 @@ CONFIG_CASES: list[tuple[str, list[str], dict[str, str], str]] = [
         "trainer.async.kv_on_update=keep only matters with partial_rollout: true",
     ),
     (
-        "async-partial-rollout-unsupported",
+        "async-kv-keep-on-vllm",
         [
             "run",
             B,
             "trainer.mode=async",
             "cluster.hybrid_engine=false",
             "trainer.async.partial_rollout=true",
+            "trainer.async.kv_on_update=keep",
             "rollout.backend=vllm",
         ],
         {},
-        "trainer.async.partial_rollout: continuing sequences across a weight update needs a streaming engine",
+        "trainer.async.kv_on_update=keep: rollout.backend=vllm continues an interrupted sequence by prefilling",
     ),  # fmt: skip
     (
         "async-queue-below-a-step",

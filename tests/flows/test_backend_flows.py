@@ -86,3 +86,24 @@ def test_flow_with_megatron_actor(tmp_path: Path, ray_session, prefect_harness) 
     )
     assert_trained(client, run)
     assert max(m.value for m in client.get_metric_history(run.info.run_id, "rollout/logprob_diff")) < 1e-4
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not (DEFAULT_VLLM_VENV / "bin" / "python").exists(), reason="needs `make vllm-env` (.venv-vllm)")
+def test_flow_with_vllm_partial_rollouts(tmp_path: Path, ray_session, prefect_harness) -> None:
+    """`trainer.mode: async` with partial rollouts on the vLLM stream (engines/rollout/vllm_streaming.py)."""
+    client, run = run_two_steps(
+        tmp_path,
+        "vllm-partial",
+        "rollout.backend=vllm",
+        "rollout.dtype=float32",
+        "rollout.max_model_len=512",
+        "cluster.colocate=false",
+        "cluster.hybrid_engine=false",
+        "trainer.mode=async",
+        "trainer.async.max_staleness=1",
+        "trainer.async.partial_rollout=true",
+    )
+    assert_trained(client, run)
+    lags = [m.value for m in client.get_metric_history(run.info.run_id, "async/lag_max")]
+    assert len(lags) == 2 and max(lags) <= 1

@@ -47,6 +47,13 @@ def check_backends(cfg: RunConfig) -> None:
             + (f" (use rollout.backend: {' or '.join(streaming)})" if streaming else " in this build")
             + "; or set partial_rollout: false"
         )
+    if cfg.trainer.mode == "async" and cfg.trainer.async_.kv_on_update == "keep" and not rollout.keeps_kv:
+        keeping = sorted(name for name, entry in ROLLOUT_BACKENDS.items() if entry.keeps_kv)
+        raise PreflightError(
+            f"trainer.async.kv_on_update=keep: rollout.backend={cfg.rollout.backend} continues an interrupted "
+            "sequence by prefilling its prefix under the new weights, it keeps no KV across an update; set "
+            f"kv_on_update: recompute (keep needs rollout.backend: {' or '.join(keeping)})"
+        )
     placement = "hybrid" if cfg.cluster.hybrid_engine else "split"
     transport = choose_transport(placement, cfg.cluster.mode, cfg.cluster.weight_sync)
     if transport not in rollout.transports:

@@ -109,3 +109,11 @@ def test_engine_has_the_rollout_protocol_methods() -> None:
         ours = inspect.signature(getattr(SGLangRolloutEngine, name))
         proto = inspect.signature(getattr(RolloutEngine, name))
         assert list(ours.parameters) == list(proto.parameters), name
+
+
+def test_stream_calls_match(sglang_api) -> None:
+    """The partial-rollout stream (engines/rollout/sglang_streaming.py) uses these, written against SGLang's API."""
+    engine = sglang_api["Engine"]
+    assert {"input_ids", "sampling_params", "return_logprob", "stream", "rid"} <= params(engine.async_generate)
+    assert "mode" in params(engine.pause_generation)
+    assert callable(engine.continue_generation)

@@ -12,6 +12,7 @@ call is well under a second.
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from rlstages.engines.rollout.batching import format_prompts
+from rlstages.engines.rollout.streaming import GroupRequest
 from rlstages.engines.rollout.vllm_rollout import DEFAULT_VLLM_VENV
 from rlstages.engines.types import Prompt, SamplingParams, get_rows
 from tests.engines.rollout.vllm_support import call, vllm_actor
@@ -349,4 +351,50 @@ def test_collective_sync_into_the_vllm_workers(engine, hf, model_dir: Path, ray_
         assert len(sync._groups) == 1
     finally:
         trainer.kill()
+        call(engine, "update_weights", list(model.state_dict().items()))  # the module's other tests expect these
+
+
+def _gaps(model, prompt: list[int], ids: list[int], lps: list[float]) -> list[float]:
+    """|rollout log-prob - teacher-forced log-prob under `model` at temperature 1| per token."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
+    forced = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+    return (forced - torch.tensor(lps)).abs().tolist()
+
+
+def test_stream_interrupted_by_a_weight_update_continues_under_the_new_weights(engine, hf) -> None:
+    """Partial rollouts on vLLM (engines/rollout/vllm_streaming.py): rows paused between pumps, a weight update
+    aborts them, they continue from their prefix; the tokens after the update are a fresh prefill's under the new
+    weights (no stale KV), those before it the old weights', and each token carries its version."""
+    model, _ = hf
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in new.named_parameters():
+            if name.endswith(("mlp.down_proj.weight", "self_attn.v_proj.weight")):
+                p.mul_(-1.5)
+    call(engine, "set_policy_version", 3)
+    call(engine, "start_stream", SamplingParams(n=2, temperature=1.0, max_new_tokens=64), 5)
+    call(engine, "submit", [GroupRequest(g, p, 2) for g, p in enumerate(PROMPTS[:3])])
+    try:
+        finished = call(engine, "pump", 1) + call(engine, "pump", 1)
+        assert call(engine, "in_flight") > 0  # rows left mid-sequence (a row that ended is no longer in flight)
+        call(engine, "update_weights", list(new.state_dict().items()))
+        call(engine, "set_policy_version", 4)
+        while call(engine, "in_flight"):
+            finished += call(engine, "pump", 8)
+        assert sorted(g.group for g in finished) == [0, 1, 2]
+        after, before, stale, spanned = [], [], [], 0
+        for g in finished:
+            for ids, lps, versions in zip(g.ids, g.logprobs, g.versions, strict=True):
+                assert len(versions) == len(ids) == len(lps) and versions == sorted(versions)
+                switch = versions.index(4) if 4 in versions else len(ids)
+                spanned += 0 < switch < len(ids)
+                after += _gaps(new, g.prompt_ids, ids, lps)[switch:]
+                old = _gaps(model, g.prompt_ids, ids, lps)
+                before, stale = before + old[:switch], stale + old[switch:]
+            assert g.interrupted == sum(v[0] == 3 and v[-1] == 4 for v in g.versions)
+        print(f"{spanned} rows span the update; max |diff| after it {max(after):.1e}, before {max(before):.1e}")
+        assert spanned >= 1 and max(after) < 1e-4 and max(before) < 1e-4 and max(stale) > 1e-2
+    finally:
+        call(engine, "stop_stream")
         call(engine, "update_weights", list(model.state_dict().items()))  # the module's other tests expect these
