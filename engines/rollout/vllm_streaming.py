@@ -12,7 +12,7 @@ built on vLLM's own continuous batching and its pause API.
   (`LLM.sleep(level=0, mode="abort")`), the aborted requests' last outputs are drained, and each unfinished row waits
   to be resubmitted as a new request: prompt + its tokens so far, the remaining budget, a fresh seed. vLLM prefills
   that prefix under whatever weights are loaded then, so the KV is recomputed: a continued row's next tokens are
-  the new policy's exactly (tests/engines/test_vllm_streaming.py). `kv_on_update: keep` is not offered (refused).
+  the new policy's exactly (tests/engines/rollout/test_vllm_rollout.py). `kv_on_update: keep` is not offered (refused).
 - Every token keeps the policy version its request was submitted under (`policy_version`, set by the sync) and its
   behaviour log-prob (vLLM's `processed_logprobs`, as in `generate`).
 

@@ -1,7 +1,7 @@
 """The compiled decode step (`rollout.decode_step: compiled`, `engines/rollout/compiled_step.py`) on a tiny
 random Qwen2: greedy equals transformers' `generate`, its fused sampling's log-probs equal a recompute, a weight
 update reuses the compiled code, and where it cannot be built the fast step decodes with one line. CPU only
-(inductor's C++ code: g++ on PATH): `pytest tests/engines/test_compiled_step.py`."""
+(inductor's C++ code: g++ on PATH): `pytest tests/engines/rollout/test_compiled_step.py`."""
 
 from __future__ import annotations
 
