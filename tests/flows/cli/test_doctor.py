@@ -1,6 +1,6 @@
 """`rlstages doctor` finds the vLLM environment where the rollout's actors find it (beside the repository, or
 beside the running interpreter's venv when installed from a wheel), not inside the package. CPU only, ~2 s.
-Run: pytest tests/flows/test_doctor.py
+Run: pytest tests/flows/cli/test_doctor.py
 """
 
 from __future__ import annotations

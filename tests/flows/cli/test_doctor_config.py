@@ -14,7 +14,7 @@ from rlstages.configs import load_config
 from rlstages.flows.cli import doctor_config
 from rlstages.flows.cli.main import app
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PRESET = ROOT / "configs" / "qwen3_235b_grpo_megatron.yaml"
 
 
