@@ -147,6 +147,8 @@ def has_compiler() -> bool:
 class CompiledLlamaStep(FastLlamaStep):
     """The fast step with its per-token function compiled (`CompiledDecode`); `forward_pick` samples inside it."""
 
+    kv: torch.Tensor  # [2, layers, slots, kv heads, width, head dim]: `keys` / `values` view it
+
     def __init__(self, model: Any, slots: int, dtype: torch.dtype, columns: int, kernel: CompiledDecode) -> None:
         self.kernel = kernel
         super().__init__(model, slots, dtype, columns)
@@ -158,7 +160,7 @@ class CompiledLlamaStep(FastLlamaStep):
         """One [2, layers, slots, kv heads, width, head dim] buffer (width bucketed); `keys` / `values` view it."""
         layers = len(self.model.model.layers)
         shape = (2, layers, self.slots, self.kv_heads, _bucket(columns), self.head_dim)
-        kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        kv: torch.Tensor = torch.zeros(shape, dtype=self.dtype, device=self.device)
         if self.keys:
             kv[..., : self.columns, :] = self.kv
         self.kv = kv

@@ -12,7 +12,6 @@ Non-goal: continuous batching of new prompts into freed slots (vLLM/SGLang do th
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -174,12 +173,14 @@ def prefill(
 def cache_arg(model: Any, cache: Any) -> dict[str, Any]:
     """The KV cache as the model's forward takes it: `cache` (transformers 5.24 on; `past_key_values` warns
     there) or `past_key_values` (before)."""
-    return {_cache_name(type(model)): cache}
+    kind = type(model)
+    if kind not in _CACHE_NAMES:
+        takes = "cache" in inspect.signature(kind.forward).parameters
+        _CACHE_NAMES[kind] = "cache" if takes else "past_key_values"
+    return {_CACHE_NAMES[kind]: cache}
 
 
-@functools.cache
-def _cache_name(kind: type) -> str:
-    return "cache" if "cache" in inspect.signature(kind.forward).parameters else "past_key_values"
+_CACHE_NAMES: dict[type, str] = {}  # per model class: the name its forward takes the KV cache by
 
 
 def output_cache(out: Any) -> Any:

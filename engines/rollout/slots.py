@@ -159,6 +159,7 @@ class SlotDecoder:
         """The live rows' next tokens: the compiled step's picks (rows admitted since then picked here), else
         `pick` of the logits."""
         if self.picked is None:
+            assert self.logits is not None, "a step before any prefill"
             return pick(self.logits)
         ids, logprobs = self.picked
         if self.pending is not None:

@@ -8,6 +8,7 @@ from rlstages.engines.async_sim.fit import RunShape, fit_profile
 from rlstages.engines.async_sim.profile import EngineProfile
 from rlstages.tasks.driver.context import RunHandle
 from rlstages.tasks.driver.tracking.queries import step_metrics
+from rlstages.tasks.driver.tracking.store import tracking_uri
 
 STEP_KEYS = ("timing/", "rollout/", "response_length/", "async/")
 
@@ -24,7 +25,7 @@ def recorded_steps(cfg: RunConfig) -> list[dict[str, float]]:
     run_id = run.mlflow_run_id()
     if run_id is None:
         raise ValueError(f"{run.path}: no recorded MLflow run to fit the simulator from (run_state.json)")
-    steps = step_metrics(cfg.tracking.tracking_uri, run_id, STEP_KEYS)
+    steps = step_metrics(tracking_uri(cfg), run_id, STEP_KEYS)
     return [steps[s] for s in sorted(steps) if s >= 1 and "timing/step_s" in steps[s]]
 
 
