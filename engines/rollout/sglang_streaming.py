@@ -33,6 +33,7 @@ from rlstages.engines.rollout.vllm_streaming import (
     row_done,
     rows_in_flight,
     stream_rows,
+    unfinished_rows,
 )
 from rlstages.engines.types import SamplingParams
 
@@ -119,6 +120,10 @@ class SGLangStreamingMixin:
     def in_flight(self) -> int:
         """Rows submitted and not yet handed back by a pump."""
         return rows_in_flight(self._sstream)
+
+    def in_flight_rows(self) -> list[tuple[int, int, int]]:
+        """The rows a weight update interrupts (group, sample, tokens so far): the schedule records them."""
+        return unfinished_rows(self._sstream)
 
     def set_policy_version(self, version: int, kv_on_update: str = "recompute") -> None:
         """Weights now at policy `version`: the interrupted rows continue from their prefix, prefilled anew."""

@@ -140,6 +140,10 @@ class VLLMStreamingMixin:
         the next pump returns)."""
         return rows_in_flight(self._vstream)
 
+    def in_flight_rows(self) -> list[tuple[int, int, int]]:
+        """The rows a weight update interrupts (group, sample, tokens so far): the schedule records them."""
+        return unfinished_rows(self._vstream)
+
     def set_policy_version(self, version: int, kv_on_update: str = "recompute") -> None:
         """The weights were just updated to policy `version`: later requests carry it; the rows interrupted by the
         update (aborted before it) continue from their tokens so far, prefilled under the new weights."""
@@ -259,6 +263,19 @@ def rows_in_flight(stream: _VStream | None) -> int:
     if stream is None:
         return 0
     return len(stream.pending) + len(stream.live) + sum(len(g.ids) for g in stream.ready)
+
+
+def unfinished_rows(stream: _VStream | None) -> list[tuple[int, int, int]]:
+    """The rows a weight update would interrupt now (group, sample, tokens so far), in (group, sample) order:
+    unfinished rows that are requests in the engine or have tokens (not those only queued, never started)."""
+    if stream is None:
+        return []
+    live = {key for key, _ in stream.live.values()}
+    return sorted(
+        (g, m, len(r.ids))
+        for (g, m), r in stream.rows.items()
+        if m not in stream.done.get(g, set()) and ((g, m) in live or r.ids)
+    )
 
 
 def row_done(row: _Row, eos_ids: set[int], limit: int) -> bool:
