@@ -20,9 +20,7 @@ its tokenizer manager: `async_generate(..., stream=True, rid=...)`, `pause_gener
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 from rlstages.engines.rollout.batching import format_prompts
@@ -34,6 +32,7 @@ from rlstages.engines.rollout.vllm_streaming import (
     rows_in_flight,
     stream_rows,
     unfinished_rows,
+    wrap_quiescing,
 )
 from rlstages.engines.types import SamplingParams
 
@@ -46,19 +45,6 @@ _QUIESCE = (
     "generate",
     "sleep",
 )  # the engine's methods that interrupt the stream first
-
-
-def _interrupting(method: Callable[..., Any], resume: bool) -> Callable[..., Any]:
-    """`method`, preceded by an interruption of the stream (and, with `resume`, the scheduler running again)."""
-
-    @functools.wraps(method)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        self._interrupt()
-        if resume:
-            self._resume()
-        return method(self, *args, **kwargs)
-
-    return wrapper
 
 
 class SGLangStreamingMixin:
@@ -81,8 +67,7 @@ class SGLangStreamingMixin:
         """The engine's own methods that need the engine idle (it defines them, so they come first in the MRO) are
         wrapped here: each interrupts the stream first (`generate` and `sleep` also let the scheduler run again)."""
         super().__init_subclass__(**kwargs)
-        for name in _QUIESCE:
-            setattr(cls, name, _interrupting(getattr(cls, name), resume=name in ("generate", "sleep")))
+        wrap_quiescing(cls, _QUIESCE)
 
     def start_stream(self, sampling: SamplingParams, seed: int) -> None:
         """A fresh stream (anything in flight aborted and dropped)."""

@@ -80,6 +80,13 @@ def _interrupting(method: Callable[..., Any], resume: bool) -> Callable[..., Any
     return wrapper
 
 
+def wrap_quiescing(cls: type, names: tuple[str, ...]) -> None:
+    """Wrap `cls`'s own methods `names` (those that need the engine idle) so each interrupts the stream first;
+    `generate` and `sleep` also let the scheduler run again. The vLLM and SGLang streams' `__init_subclass__`."""
+    for name in names:
+        setattr(cls, name, _interrupting(getattr(cls, name), resume=name in ("generate", "sleep")))
+
+
 class VLLMStreamingMixin:
     """The stream methods of `VLLMRolloutEngine` (module docstring); the engine's own methods that touch weights or
     the scheduler interrupt the stream first."""
@@ -100,8 +107,7 @@ class VLLMStreamingMixin:
         """The engine's own methods that need the engine idle (it defines them, so they come first in the MRO) are
         wrapped here: each interrupts the stream first (`generate` and `sleep` also let the scheduler run again)."""
         super().__init_subclass__(**kwargs)
-        for name in _QUIESCE:
-            setattr(cls, name, _interrupting(getattr(cls, name), resume=name in ("generate", "sleep")))
+        wrap_quiescing(cls, _QUIESCE)
 
     def start_stream(self, sampling: SamplingParams, seed: int) -> None:
         """A fresh stream (anything in flight is aborted and dropped), sampling with `sampling`, seeds from `seed`."""
