@@ -66,13 +66,16 @@ def init_model_parallel(
     apply_torch_norm_sp_shim()  # sequence parallelism with torch norms (no Transformer Engine / Apex)
     os.environ.setdefault("MASTER_ADDR", master_addr)
     os.environ.setdefault("MASTER_PORT", str(master_port))
-    if not torch.distributed.is_initialized():
+    fresh = not torch.distributed.is_initialized()
+    if fresh:
         torch.distributed.init_process_group(
             backend or dist_backend(device),
             init_method=f"tcp://{master_addr}:{master_port}",
             rank=rank,
             world_size=world_size,
         )
+        if parallel_state.model_parallel_is_initialized():  # groups of a world destroyed without them: stale
+            parallel_state.destroy_model_parallel()
     vpp = vpp if vpp and vpp > 1 else None
     if parallel_state.model_parallel_is_initialized():
         current = _layout_now()

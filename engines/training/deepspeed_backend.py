@@ -68,8 +68,20 @@ def init_distributed(device: torch.device) -> torch.device:
     import deepspeed
 
     if not torch.distributed.is_initialized():  # plain nccl on GPUs: every DeepSpeed collective is on the device
+        _forget_destroyed_groups()
         deepspeed.init_distributed(dist_backend=dist_backend(device, cpu_collectives=False))
     return device
+
+
+def _forget_destroyed_groups() -> None:
+    """Drop DeepSpeed's cached clones of process groups from an earlier group in this process (destroyed through
+    torch, not `deepspeed.comm`): DeepSpeed would hand the dead clone to the new engine ("Group ... is not
+    registered")."""
+    from deepspeed.utils import groups
+
+    release = getattr(groups, "_release_process_group_references", None)  # DeepSpeed ≥ 0.17; WORLD teardown
+    if release is not None:
+        release()
 
 
 def deepspeed_config(

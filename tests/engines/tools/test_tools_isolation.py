@@ -43,17 +43,19 @@ def planted(tmp_path: Path) -> list[Path]:
         path.unlink(missing_ok=True)
 
 
-def test_ordinary_program_works_and_its_start_is_measured(backend: str) -> None:
+def test_ordinary_program_works_and_its_start_is_measured(
+    backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     code = "import math, json\nopen('notes.txt', 'w').write(str(math.factorial(10)))\nprint(open('notes.txt').read())"
     starts = []
-    mounts = set(Path(tempfile.gettempdir()).glob("rlstages-jail-*"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # our mount points alone (other tests make theirs in /tmp)
     for _ in range(3):
         start = time.perf_counter()
         run = run_code(code)
         starts.append(time.perf_counter() - start)
         assert run.output == "3628800\n" and run.error is None and run.isolated, run
     print(f"{backend}: a call, start to exit: {min(starts):.3f} s (best of 3)")  # a report, not a timed assert
-    assert set(Path(tempfile.gettempdir()).glob("rlstages-jail-*")) == mounts  # the launcher's mount point is gone
+    assert not list(tmp_path.glob("rlstages-jail-*"))  # the launcher's mount point is gone
 
 
 def test_never_root_no_new_privs_seccomp_on(backend: str) -> None:
