@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = os.environ.get("RLSTAGES_TEST_WORKERS", "2")
 BUDGET_S = 90.0
+DURATIONS_FILE = ".test-durations.json"  # every test's seconds from the last `make test` (git-ignored)
 # A test that hangs fails after this many seconds (pytest-timeout) instead of holding its tier until CI's limit;
 # a test's own `pytest.mark.timeout` (the simulated cluster's) wins.
 TIMEOUT = ["--timeout", os.environ.get("RLSTAGES_TEST_TIMEOUT", "900")]
@@ -82,6 +83,7 @@ def main(extra: list[str]) -> int:
         exempt.update(entry["exempt"])
         for key, n in entry["counts"].items():
             counts[key] = counts.get(key, 0) + n
+    (ROOT / DURATIONS_FILE).write_text(json.dumps(dict(sorted(durations.items())), indent=0))  # every test's time
     say("\n" + "=" * 30 + " slowest 25 tests (all tiers; setup + call + teardown) " + "=" * 30)
     for nodeid, seconds in sorted(durations.items(), key=lambda kv: kv[1], reverse=True)[:25]:
         say(f"{seconds:8.2f}s {nodeid}")
