@@ -154,6 +154,20 @@ def _accuracy_story(history: list[tuple[int, float]]) -> str:
     )
 
 
+def _eval_time_story(cfg: RunConfig, run_id: str) -> str:
+    """The held-out evaluations' share of the run (`time/eval_fraction`, logged at its end)."""
+    from rlstages.tasks.driver import tracking
+
+    share = {key: tracking.metric_history(cfg, run_id, f"time/{key}") for key in ("eval_fraction", "eval_total_s")}
+    count = tracking.metric_history(cfg, run_id, "time/eval_s")
+    if not share["eval_fraction"] or not share["eval_total_s"]:
+        return "not measured"
+    spent = share["eval_total_s"][-1][1]
+    return (
+        f"{len(count)} evaluations, {_duration(spent)} in all: {100 * share['eval_fraction'][-1][1]:.1f} % of the run"
+    )
+
+
 def prefect_ui_command() -> str:
     """How to open the Prefect UI on the flow runs this machine recorded."""
     api = os.environ.get("PREFECT_API_URL")
@@ -176,6 +190,7 @@ def summary_rows(cfg: RunConfig, policy: str, wall_s: float) -> list[tuple[str, 
         ("steps", str(cfg.trainer.total_steps)),
         ("wall time", _duration(wall_s)),
         ("held-out accuracy", _accuracy_story(history)),
+        ("evaluation time", _eval_time_story(cfg, run_id) if run_id else "not measured"),
         ("reward curve", str(curve) if curve.is_file() else "(none)"),
         ("run directory", str(run)),
         ("final model", policy),

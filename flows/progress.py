@@ -24,6 +24,7 @@ from rlstages.flows.console import NO_REDIRECT, terminal
 from rlstages.tasks.prefect_api import best_effort
 
 ARTIFACT_EVERY_S = 10.0  # each Prefect artifact update is an API round trip (~50 ms): throttle it
+ONE_OFF = "perf/compile_s"  # a step's seconds spent compiling (`perf/compile_s/actor`): not paid again, not in the ETA
 KL_KEYS = ("actor/kl_loss", "actor/reward_kl_in_reward", "actor/ppo_kl")  # the KL a run is steered by, first found
 
 
@@ -141,17 +142,18 @@ class RunProgress:
         done = step - self._first
         return (time.monotonic() - self._started) / done if done > 0 else None
 
-    def _timed(self, kind: str) -> None:
-        """The time since the last mark (a step) or since its stage began (an evaluation, a checkpoint)."""
+    def _timed(self, kind: str, one_off: float = 0.0) -> None:
+        """The time since the last mark (a step) or since its stage began (an evaluation, a checkpoint), less
+        `one_off` seconds that will not come again (compiling)."""
         now = time.monotonic()
         began = self._stage_at[1] if self._stage_at is not None and self._stage_at[0] == kind else self._mark
-        self._spent[kind].append(now - began)
+        self._spent[kind].append(max(now - began - one_off, 0.0))
         self._mark = now
 
     def eta_seconds(self, step: int) -> float:
-        """The rest of the run after step `step`: the steps left at the time of a step (the first one, with its
-        warm-ups, left out once others are measured), plus the evaluations and checkpoints still due (this
-        step's included) at their measured times."""
+        """The rest of the run after step `step`: the steps left at the time of a step (its compiling left out;
+        the first one, with its other warm-ups, left out once others are measured), plus the evaluations and
+        checkpoints still due (this step's included) at their measured times."""
         steps, evals, saves = self._spent["step"], self._spent["evaluate"], self._spent["checkpoint"]
         per_step = sum(steps[1:]) / len(steps[1:]) if len(steps) > 1 else (steps[0] if steps else 0.0)
         later = range(step, self.total + 1)
@@ -162,9 +164,13 @@ class RunProgress:
             eta += sum(saves) / len(saves) * sum(self.plan.checkpoints(s) for s in later)
         return eta
 
+    def evaluation_seconds(self) -> list[float]:
+        """Each held-out evaluation's wall time in this process (the start's included), logging and plot too."""
+        return list(self._spent["evaluate"])
+
     def step_done(self, step: int, metrics: dict[str, float]) -> None:
         """Advance to `step` with its reward, the last held-out accuracy, time per step and the ETA."""
-        self._timed("step")
+        self._timed("step", sum(v for k, v in metrics.items() if k.startswith(ONE_OFF)))
         per_step = self.seconds_per_step(step)
         eta = None if per_step is None else _clock(self.eta_seconds(step))
         self._timing = "" if per_step is None else f" | {per_step:.1f} s/step | ETA {eta}"
@@ -212,6 +218,18 @@ class RunProgress:
         )
         self.log.warning(line)
         self._say(line)
+
+
+def eval_share(evaluations_s: list[float], run_s: float) -> dict[str, float]:
+    """The run's evaluation cost as logged at its end: evaluations, their seconds, the run's, and the share
+    (issue 53's figure: at most 0.15 in the demo)."""
+    spent = sum(evaluations_s)
+    return {
+        "time/evaluations": float(len(evaluations_s)),
+        "time/eval_total_s": spent,
+        "time/run_s": run_s,
+        "time/eval_fraction": spent / run_s if run_s > 0 else 0.0,
+    }
 
 
 def _clock(seconds: float) -> str:

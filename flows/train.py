@@ -15,6 +15,7 @@ With `trainer.mode: async`, generation runs ahead as far as `trainer.async.max_s
 takes its rollouts from a queue (flows/async_train.py); the rest of the DAG is the same.
 """
 
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -28,10 +29,10 @@ from rlstages.flows.async_partial import start_feed
 from rlstages.flows.async_train import AsyncFeed
 from rlstages.flows.console import machine_of
 from rlstages.flows.interrupts import stop_on_signal
-from rlstages.flows.progress import Plan, RunProgress, flow_run_name, run_progress
+from rlstages.flows.progress import Plan, RunProgress, eval_share, flow_run_name, run_progress
 from rlstages.flows.stages import MAX_PARALLEL_STAGES, Metrics, Stages
 from rlstages.tasks.driver.context import RunHandle
-from rlstages.tasks.driver.tracking import log_step, set_tags
+from rlstages.tasks.driver.tracking import log_run_metrics, log_step, set_tags
 from rlstages.tasks.policies import WorkerLost, failed_stage
 from rlstages.tasks.run import close_run, convert_for_training, driver_snapshot, link_mlflow_run
 
@@ -111,6 +112,7 @@ def _due(step: int, every: int, last: int) -> bool:
 )
 def rl_post_train(cfg: RunConfig) -> str:
     """Train a policy with RL as configured; resumes its run directory's last checkpoint. Returns the policy dir."""
+    began = time.monotonic()  # the run's time, against which its evaluations' share is logged (`time/`)
     s = Stages.configured(cfg)
     run = s.prepare_run(cfg)
     mlflow_run_id = s.start_tracking(cfg, run)
@@ -124,7 +126,10 @@ def rl_post_train(cfg: RunConfig) -> str:
         start = s.start_workers(cfg, run)
         evaluated_s: tuple[float, ...] = ()
         if start.step == 0 and cfg.trainer.eval_at_start:
-            evaluated_s = (s.evaluate(cfg, run, 0, mlflow_run_id).get("timing/evaluate_s", 0.0),)
+            at = time.monotonic()
+            s.evaluate(cfg, run, 0, mlflow_run_id)
+            evaluated_s = (time.monotonic() - at,)  # its logging and plot included, as the ETA counts them
+            log_run_metrics(cfg, mlflow_run_id, 0, {"time/eval_s": evaluated_s[0]})
         step, kl_state, recoveries, ahead = start.step + 1, start.kl_state, 0, None
         plan = Plan(
             lambda k: eval_due(k, cfg.trainer.eval_every, cfg.trainer.eval_windows, total),
@@ -142,6 +147,7 @@ def rl_post_train(cfg: RunConfig) -> str:
                         ui.stage("evaluate")
                         with feed.engines_free() if feed else nullcontext():
                             ui.evaluated(step, s.evaluate(cfg, run, step, mlflow_run_id))
+                        log_run_metrics(cfg, mlflow_run_id, step, {"time/eval_s": ui.evaluation_seconds()[-1]})
                     if _due(step, cfg.checkpoint.every, total) or stop.checkpoint_now():
                         ui.stage("checkpoint")
                         state = driver_snapshot(cfg, step, result.kl_state, mlflow_run_id)
@@ -164,6 +170,7 @@ def rl_post_train(cfg: RunConfig) -> str:
         if feed is not None:
             feed.close()
         policy = s.export_policy(cfg, run, mlflow_run_id)
+        log_run_metrics(cfg, mlflow_run_id, total, eval_share(ui.evaluation_seconds(), time.monotonic() - began))
     except BaseException as exc:
         if feed is not None:
             feed.close(wait=False)

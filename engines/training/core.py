@@ -27,6 +27,7 @@ from rlstages.engines.base import Readout, StepBackend
 from rlstages.engines.imports import import_object
 from rlstages.engines.registry import training_backend
 from rlstages.engines.runtime import device as D
+from rlstages.engines.runtime.compile_time import compile_seconds
 from rlstages.engines.sync.buckets import bucketize
 from rlstages.engines.training import flops as F
 from rlstages.engines.training import ppo_step as P
@@ -109,12 +110,13 @@ class PPOTrainer:
         if not s.trainable:
             raise RuntimeError("the reference engine is frozen: train_step is not available")
         D.reset_peak_memory(self.device)
-        start = time.perf_counter()
+        start, compiled = time.perf_counter(), compile_seconds()
         batch = D.to_device(batch, self.device)
         with self.backend.resident(train=True):
             out = P.epochs_loop(batch, s.train.ppo_epochs, s.num_mini_batches, self._mini_step)
         D.synchronize(self.device)
         out.update(self._perf(batch, time.perf_counter() - start))
+        out["perf/compile_s"] = compile_seconds() - compiled  # one-off (first steps): the ETA leaves it out
         self._release_cache()  # the update's activations and gradients' blocks, before generation
         self.steps_done += 1
         out["lr"] = self.backend.lr()

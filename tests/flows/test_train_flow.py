@@ -17,6 +17,7 @@ from mlflow import MlflowClient
 from safetensors.torch import load_file
 
 from rlstages.configs import RunConfig
+from rlstages.flows.console import summary_rows
 from rlstages.flows.train import rl_post_train
 from rlstages.tasks.driver.checkpoints import latest_checkpoint
 from rlstages.tasks.driver.context import RunHandle
@@ -54,12 +55,24 @@ def test_two_steps_learn_and_are_recorded(base, tiny_model_dir: Path) -> None:
         "rollout/logprob_diff",
         "throughput/tokens_per_s",
         "perf/throughput/actor",  # the engine's perf/* metrics reach MLflow named per role
+        "perf/compile_s/actor",  # the update's compiling, left out of the ETA
     ):
         steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
         assert steps == [1, 2], key
     assert max(m.value for m in client.get_metric_history(run.info.run_id, "rollout/logprob_diff")) < 1e-4
     assert not client.get_metric_history(run.info.run_id, "perf/mfu/actor")  # no peak known for a CPU: no MFU
     assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/reward_mean")] == [0, 1, 2]
+    evals = client.get_metric_history(run.info.run_id, "time/eval_s")  # each evaluation's wall time, logging too
+    assert [m.step for m in evals] == [0, 1, 2] and all(m.value > 0 for m in evals)
+    share = {
+        k: client.get_metric_history(run.info.run_id, f"time/{k}") for k in ("eval_total_s", "run_s", "eval_fraction")
+    }
+    assert [m.step for m in share["eval_fraction"]] == [2]  # the run's evaluation share, at its end
+    total, run_s = share["eval_total_s"][0].value, share["run_s"][0].value
+    assert total == pytest.approx(sum(m.value for m in evals)) and 0 < total < run_s
+    assert share["eval_fraction"][0].value == pytest.approx(total / run_s)
+    shown = dict(summary_rows(cfg, str(policy), 60.0))["evaluation time"]
+    assert shown.startswith("3 evaluations") and f"{100 * total / run_s:.1f} % of the run" in shown, shown
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")}
     assert {"checkpoints/step_000001", "checkpoints/step_000002"} <= artifacts
     assert {a.path for a in client.list_artifacts(run.info.run_id, "plots")} == {"plots/reward_curve.png"}

@@ -222,6 +222,18 @@ def log_eval_metrics(cfg: RunConfig, run_id: str, step: int, metrics: dict[str, 
         client(cfg).log_batch(run_id, metrics=rows)
 
 
+def log_run_metrics(cfg: RunConfig, run_id: str, step: int, metrics: dict[str, float]) -> None:
+    """Metrics about the run itself at `step` (an evaluation's seconds, the run's evaluation share): journaled
+    without a step of their own, so a step's or an evaluation's own entry is never taken for them."""
+    now = int(time.time() * 1000)
+    rows = [Metric(k, float(v), now, step) for k, v in metrics.items() if _finite(v)]
+    box = outbox_of(run_id)
+    if box is not None:
+        box.post(run_id, "metrics", {"metrics": [[m.key, m.value, m.timestamp, m.step] for m in rows]})
+    else:
+        client(cfg).log_batch(run_id, metrics=rows)
+
+
 def _journal_complete(run_id: str) -> bool:
     """Whether the run's journal holds every metric the run logged (it was created with the run)."""
     journal = journal_of(run_id)
