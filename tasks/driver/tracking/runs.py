@@ -224,14 +224,25 @@ def log_eval_metrics(cfg: RunConfig, run_id: str, step: int, metrics: dict[str, 
 
 def log_run_metrics(cfg: RunConfig, run_id: str, step: int, metrics: dict[str, float]) -> None:
     """Metrics about the run itself at `step` (an evaluation's seconds, the run's evaluation share): journaled
-    without a step of their own, so a step's or an evaluation's own entry is never taken for them."""
+    without a step of their own, so a step's or an evaluation's own entry is never taken for them; a key
+    already logged at `step` (a replayed evaluation) is not logged again."""
     now = int(time.time() * 1000)
-    rows = [Metric(k, float(v), now, step) for k, v in metrics.items() if _finite(v)]
+    rows = [Metric(k, float(v), now, step) for k, v in metrics.items() if _finite(v) and not _has(cfg, run_id, k, step)]
+    if not rows:
+        return
     box = outbox_of(run_id)
     if box is not None:
         box.post(run_id, "metrics", {"metrics": [[m.key, m.value, m.timestamp, m.step] for m in rows]})
     else:
         client(cfg).log_batch(run_id, metrics=rows)
+
+
+def _has(cfg: RunConfig, run_id: str, key: str, step: int) -> bool:
+    """Whether metric `key` has a point at `step` (in the run's journal when it holds the whole run, else MLflow)."""
+    journal = journal_of(run_id)
+    if journal is not None and _journal_complete(run_id):
+        return step in journal.points(run_id, key)
+    return any(int(m.step) == step for m in client(cfg).get_metric_history(run_id, key))
 
 
 def _journal_complete(run_id: str) -> bool:

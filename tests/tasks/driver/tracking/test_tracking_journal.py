@@ -78,3 +78,17 @@ def test_an_attempted_step_the_store_already_holds_is_not_sent_again(
     box.close()
     assert [m.step for m in c.get_metric_history(rid, "reward/mean")] == [1, 2]
     assert journal.points(rid, "reward/mean") == {1: 0.1, 2: 0.2}
+
+
+def test_run_metrics_are_logged_at_their_step_once(store: tuple[str, MlflowClient, str]) -> None:
+    """`log_run_metrics` (an evaluation's seconds, the run's evaluation share): a replayed evaluation's second
+    time is not logged again, and no step entry of the journal is taken for them."""
+    from rlstages.configs.loader import load_config
+    from rlstages.tasks.driver.tracking import log_run_metrics
+
+    uri, c, rid = store
+    cfg = load_config("configs/tiny.yaml", [f"tracking.tracking_uri={uri}"])
+    log_run_metrics(cfg, rid, 2, {"time/eval_s": 3.5})
+    log_run_metrics(cfg, rid, 2, {"time/eval_s": 4.0, "time/eval_fraction": 0.1})  # step 2 replayed
+    assert [(m.step, m.value) for m in c.get_metric_history(rid, "time/eval_s")] == [(2, 3.5)]
+    assert [(m.step, m.value) for m in c.get_metric_history(rid, "time/eval_fraction")] == [(2, 0.1)]
