@@ -25,6 +25,9 @@ from rlstages.tasks.prefect_api import best_effort
 
 ARTIFACT_EVERY_S = 10.0  # each Prefect artifact update is an API round trip (~50 ms): throttle it
 ONE_OFF = "perf/compile_s"  # a step's seconds spent compiling (`perf/compile_s/actor`): not paid again, not in the ETA
+# the ETA's time per step is the mean of the last few steps: a step's cost follows its replies' length, which
+# halves over the demo's first 6 steps as the policy learns to answer with the number alone (docs/observability.md)
+RECENT_STEPS = 5
 KL_KEYS = ("actor/kl_loss", "actor/reward_kl_in_reward", "actor/ppo_kl")  # the KL a run is steered by, first found
 
 
@@ -151,11 +154,13 @@ class RunProgress:
         self._mark = now
 
     def eta_seconds(self, step: int) -> float:
-        """The rest of the run after step `step`: the steps left at the time of a step (its compiling left out;
-        the first one, with its other warm-ups, left out once others are measured), plus the evaluations and
-        checkpoints still due (this step's included) at their measured times."""
+        """The rest of the run after step `step`: the steps left at the mean time of the last `RECENT_STEPS`
+        steps (their compiling left out; the first one, with its other warm-ups, left out once others are
+        measured), plus the evaluations and checkpoints still due (this step's included) at their measured
+        times."""
         steps, evals, saves = self._spent["step"], self._spent["evaluate"], self._spent["checkpoint"]
-        per_step = sum(steps[1:]) / len(steps[1:]) if len(steps) > 1 else (steps[0] if steps else 0.0)
+        recent = (steps[1:] if len(steps) > 1 else steps)[-RECENT_STEPS:]
+        per_step = sum(recent) / len(recent) if recent else 0.0
         later = range(step, self.total + 1)
         eta = per_step * (self.total - step)
         if evals:
