@@ -28,7 +28,10 @@ def servers(session_tmp: Path) -> Iterator[Servers]:
     ports = [srv.free_port(), srv.free_port()]
     cmd = [RLSTAGES, "server", "up", "--dir", str(state), "--prefect-port", str(ports[0])]
     cmd += ["--mlflow-port", str(ports[1]), "--mlflow-backend", f"sqlite:///{state / 'mlflow.db'}"]
-    proc = subprocess.run(cmd, env=base_env(), capture_output=True, text=True, timeout=400, check=False)
+    # the scheduler service makes a deployment's scheduled runs every 5 s instead of Prefect's 60: the `nightly`
+    # deployment's first tick fires on time, not up to a minute late (tests/integration/test_deployments.py)
+    env = base_env(PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="5")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, check=False)
     recorded = srv.read_state(state)
     if proc.returncode != 0:
         for server in recorded.values():
