@@ -62,12 +62,12 @@ def tiny_model_dir(session_tmp: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_vlm_dir(session_tmp: Path) -> Path:
     """A random-init Qwen2-VL (text: hidden 64, 2 layers; vision: one block of width 32) with a char tokenizer
-    plus the vision tokens and its image processor (56x56..112x112 pixels), saved once."""
+    plus the vision tokens and its image processor (56x56..112x112 pixels), saved once (in the directory the tiers
+    share, if set)."""
     from rlstages.engines.models import build_tiny_model
 
-    path = session_tmp / "tiny-qwen2-vl"
-    if not (path / "config.json").is_file():
-        build_tiny_model(path, model_type="qwen2_vl")
+    path = shared_or("tiny-qwen2-vl", session_tmp / "tiny-qwen2-vl")
+    built_once(path, lambda p: build_tiny_model(p, model_type="qwen2_vl"))  # type: ignore[arg-type]
     return path
 
 
