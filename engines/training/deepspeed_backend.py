@@ -82,7 +82,9 @@ def _skip_shm_all_reduce_build() -> None:
     torch.distributed's."""
     import deepspeed.ops
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # read by deepspeed.comm's build_shm_op
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)  # probed on first read; build_shm_op asks it
+    if isinstance(compatible, dict):
+        compatible["deepspeed_shm_comm"] = False
 
 
 def _forget_destroyed_groups() -> None:
