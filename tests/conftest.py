@@ -62,12 +62,12 @@ def tiny_model_dir(session_tmp: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_vlm_dir(session_tmp: Path) -> Path:
     """A random-init Qwen2-VL (text: hidden 64, 2 layers; vision: one block of width 32) with a char tokenizer
-    plus the vision tokens and its image processor (56x56..112x112 pixels), saved once."""
+    plus the vision tokens and its image processor (56x56..112x112 pixels), saved once (in the directory the tiers
+    share, if set)."""
     from rlstages.engines.models import build_tiny_model
 
-    path = session_tmp / "tiny-qwen2-vl"
-    if not (path / "config.json").is_file():
-        build_tiny_model(path, model_type="qwen2_vl")
+    path = shared_or("tiny-qwen2-vl", session_tmp / "tiny-qwen2-vl")
+    built_once(path, lambda p: build_tiny_model(p, model_type="qwen2_vl"))  # type: ignore[arg-type]
     return path
 
 
@@ -169,6 +169,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """The xdist group suffixes (`_xdist_group_suffix`); with RLSTAGES_TEST_TIER=fast, deselect every test that is
     serial or starts Ray, Prefect or a server."""
     _xdist_group_suffix(config, items)
+    _heavy_singletons_first(config, items)
     if os.environ.get(TIER_ENV) != "fast":
         return
     heavy = [
@@ -182,6 +183,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.hook.pytest_deselected(items=heavy)
         left = set(heavy)
         items[:] = [i for i in items if i not in left]
+
+
+# a load-balanced test that starts Ray, Prefect or a backend engine runs for tens of seconds, a unit test for less
+# than one: the long ones are handed out first, so the tier does not end on one worker's long test
+_LONG_FIXTURES = {"ray_session", "prefect_harness", "tiny_vlm_dir"}
+_LONG_PATHS = ("megatron", "deepspeed", "vllm", "sglang", "tests/flows/")
+
+
+def _heavy_singletons_first(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under loadgroup, xdist hands out its groups first (largest first), then each remaining test alone, in
+    collection order: move the long ones among those (`_LONG_FIXTURES`, `_LONG_PATHS`) to the front of them, each
+    in its own slot among the grouped tests, which keep their places (a module's fixture is set up once)."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    slots = [n for n, item in enumerate(items) if item.get_closest_marker("xdist_group") is None]
+
+    def long_first(item: pytest.Item) -> bool:
+        path = item.nodeid.split("::", 1)[0]
+        uses = set(getattr(item, "fixturenames", ()))
+        return not (uses & _LONG_FIXTURES or any(part in path for part in _LONG_PATHS))
+
+    ordered = sorted((items[n] for n in slots), key=long_first)  # stable: collection order within each kind
+    for n, item in zip(slots, ordered, strict=True):
+        items[n] = item
 
 
 def _xdist_group_suffix(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -35,3 +35,25 @@ def built_once(path: Path, build: Callable[[Path], object]) -> dict:
             info = build(path)
             stamp.write_text(json.dumps(info if isinstance(info, dict) else {}))
     return json.loads(stamp.read_text())
+
+
+def mlflow_store(folder: Path) -> str:
+    """`sqlite:///FOLDER/mlflow.db`, the file first copied from an empty MLflow store built once (per `make test`,
+    else per session): a new SQLite store runs MLflow's whole chain of schema migrations when it is first opened
+    (6-35 s of one core, per flow run), a copy of a migrated one opens in under a second. A store already there (a
+    resumed run's) is kept."""
+    db = folder / "mlflow.db"
+    if not db.exists():
+        template = shared_or("mlflow-store", None) or Path(os.environ["RLSTAGES_TESTS_TMP"]) / "mlflow-store"
+        built_once(template, _empty_mlflow_store)
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(template / "mlflow.db", db)
+    return f"sqlite:///{db}"
+
+
+def _empty_mlflow_store(path: Path) -> None:
+    """An MLflow SQLite store at the schema's head revision, with nothing in it but MLflow's Default experiment."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    store = SqlAlchemyStore(f"sqlite:///{path / 'mlflow.db'}", str(path / "artifacts"))
+    store.engine.dispose()

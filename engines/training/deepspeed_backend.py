@@ -69,8 +69,22 @@ def init_distributed(device: torch.device) -> torch.device:
 
     if not torch.distributed.is_initialized():  # plain nccl on GPUs: every DeepSpeed collective is on the device
         _forget_destroyed_groups()
+        if device.type != "cuda":
+            _skip_shm_all_reduce_build()
         deepspeed.init_distributed(dist_backend=dist_backend(device, cpu_collectives=False))
     return device
+
+
+def _skip_shm_all_reduce_build() -> None:
+    """Keep DeepSpeed's CPU backend from JIT-building its shared-memory all-reduce op (`deepspeed_shm_comm`, ~80 s
+    of C++ on two cores per fresh venv, again whenever its torch-extensions cache was built by another venv) when
+    the process group starts: only DeepSpeed's inference all-reduce uses it; ZeRO's collectives are
+    torch.distributed's."""
+    import deepspeed.ops
+
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)  # probed on first read; build_shm_op asks it
+    if isinstance(compatible, dict):
+        compatible["deepspeed_shm_comm"] = False
 
 
 def _forget_destroyed_groups() -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from plan_twins import PROFILE, check_twin
+from session_cache import mlflow_store
 from sim_support import BIN, REPO, SimCluster, run_driver
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(3600)]
@@ -56,7 +57,7 @@ def flow(cluster: SimCluster, tmp: Path, model: Path, name: str, *overrides: str
         "model.provider=local",
         f"trainer.output_dir={tmp / 'runs'}",
         f"trainer.run_name={name}",
-        f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
+        f"tracking.tracking_uri={mlflow_store(tmp)}",
         "tracking.log_model=false",
         "trainer.eval_at_start=false",
         "cluster.num_gpus=8",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from flow_support import Reference, run_dir, tiny_cfg
-from session_cache import built_once, shared_or
+from session_cache import built_once, mlflow_store, shared_or
 
 
 @pytest.fixture(scope="session")
@@ -27,6 +27,7 @@ def reference_run(
         from rlstages.flows.train import rl_post_train
 
         request.getfixturevalue("ray_session")
+        mlflow_store(tmp)  # again: `built_once` emptied the folder
         return {"policy": str(rl_post_train(cfg))}
 
     done = built_once(tmp, train)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from mlflow import MlflowClient
 from safetensors.torch import load_file
+from session_cache import mlflow_store
 
 from rlstages.configs import RunConfig, load_config
 
@@ -29,7 +30,7 @@ def overrides(tmp: Path, model_dir: Path, name: str, *extra: str) -> list[str]:
         "model.provider=local",
         f"trainer.output_dir={tmp / 'runs'}",
         f"trainer.run_name={name}",
-        f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
+        f"tracking.tracking_uri={mlflow_store(tmp)}",
         "tracking.log_model=false",
         "prefect.default.retry_delay_seconds=0",
         *extra,

@@ -12,6 +12,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 from safetensors.torch import load_file
+from session_cache import mlflow_store
 
 from rlstages.configs import RunConfig, load_config
 from rlstages.flows.train import rl_post_train
@@ -31,7 +32,7 @@ def cheap_cfg(tmp: Path, model_dir: Path, name: str, *extra: str) -> RunConfig:
             "trainer.eval_at_start=false",
             "trainer.eval_every=0",
             "checkpoint.every=0",
-            f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
+            f"tracking.tracking_uri={mlflow_store(tmp)}",
             "tracking.log_model=false",
             "prefect.default.retry_delay_seconds=0",
             *extra,

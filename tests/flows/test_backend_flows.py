@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
+from session_cache import mlflow_store
 
 from rlstages.configs import load_config
 from rlstages.engines.rollout.vllm_rollout import DEFAULT_VLLM_VENV
@@ -27,7 +28,7 @@ def run_two_steps(tmp: Path, name: str, *overrides: str):
             f"trainer.output_dir={tmp / 'runs'}",
             f"trainer.run_name={name}",
             "trainer.eval_every=0",
-            f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
+            f"tracking.tracking_uri={mlflow_store(tmp)}",
             "tracking.log_model=false",
             *overrides,
         ],

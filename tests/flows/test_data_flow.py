@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from mlflow import MlflowClient
+from session_cache import mlflow_store
 
 from rlstages.configs import load_config
 from rlstages.flows.train import rl_post_train
@@ -65,7 +66,7 @@ def test_verl_parquet_and_hub_model_id_run_and_are_recorded(
             "reward.functions=[{name: by_data_source}, {name: digit_ratio}]",
             f"trainer.output_dir={tmp_path / 'runs'}",
             "trainer.run_name=verl",
-            f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            f"tracking.tracking_uri={mlflow_store(tmp_path)}",
             "tracking.log_model=false",
             "evaluation.k=4",
             "evaluation.greedy=true",
@@ -120,7 +121,7 @@ def test_lora_actor_with_kl_to_its_frozen_base(
             f"trainer.output_dir={tmp_path / 'runs'}",
             "trainer.run_name=lora",
             "cluster.mode=in_process",
-            f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            f"tracking.tracking_uri={mlflow_store(tmp_path)}",
             "tracking.log_model=false",
         ],
     )

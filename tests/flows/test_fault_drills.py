@@ -128,7 +128,6 @@ def test_nan_loss_skipped_leaves_the_weights_unchanged(reference, tiny_model_dir
     assert not same(final_weights(ref_cfg), after)  # the reference did learn at step 2
 
 
-@pytest.mark.serial  # a real process SIGKILLed mid-commit: it owns the machine (tests/README.md)
 def test_sigkill_during_a_checkpoint_commit_then_resume(reference, tiny_model_dir: Path, tmp_path: Path) -> None:
     from prefect.settings import PREFECT_API_URL
 

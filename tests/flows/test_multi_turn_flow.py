@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
+from session_cache import mlflow_store
 
 from rlstages.configs import load_config
 from rlstages.flows.train import rl_post_train
@@ -55,7 +56,7 @@ def test_two_grpo_steps_with_the_calculator_log_the_multi_turn_metrics(
             "model.provider=local",
             f"trainer.output_dir={tmp_path / 'runs'}",
             "trainer.run_name=mt",
-            f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            f"tracking.tracking_uri={mlflow_store(tmp_path)}",
             "tracking.log_model=false",
             "checkpoint.every=0",
             "data.apply_chat_template=true",

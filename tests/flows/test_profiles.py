@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from mlflow import MlflowClient
+from session_cache import mlflow_store
 
 from rlstages.configs import config_hash, load_config
 from rlstages.flows.train import rl_post_train
@@ -32,7 +33,7 @@ def test_profiled_stages_leave_traces_in_mlflow(tmp_path: Path, tiny_model_dir: 
         "trainer.eval_every=0",
         f"trainer.output_dir={tmp_path / 'runs'}",
         "trainer.run_name=profiled",
-        f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        f"tracking.tracking_uri={mlflow_store(tmp_path)}",
         "tracking.log_model=false",
         "trainer.profile={steps: [1], stages: [update_actor, generate], record_shapes: true}",
     ]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from integration_support import BIN, RLSTAGES, PrefectAPI, RayCluster, Servers, base_env, wait_for_line
+from session_cache import mlflow_store
 
 from rlstages.flows.cli import servers as srv
 
@@ -25,10 +26,14 @@ from rlstages.flows.cli import servers as srv
 def servers(session_tmp: Path) -> Iterator[Servers]:
     """`rlstages server up` once per session; `rlstages server down` at the end must leave nothing running."""
     state = session_tmp / "servers"
+    mlflow_store(state)  # a migrated empty store: the server opens it without running MLflow's migrations
     ports = [srv.free_port(), srv.free_port()]
     cmd = [RLSTAGES, "server", "up", "--dir", str(state), "--prefect-port", str(ports[0])]
     cmd += ["--mlflow-port", str(ports[1]), "--mlflow-backend", f"sqlite:///{state / 'mlflow.db'}"]
-    proc = subprocess.run(cmd, env=base_env(), capture_output=True, text=True, timeout=400, check=False)
+    # the scheduler service makes a deployment's scheduled runs every 5 s instead of Prefect's 60: the `nightly`
+    # deployment's first tick fires on time, not up to a minute late (tests/integration/test_deployments.py)
+    env = base_env(PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="5")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, check=False)
     recorded = srv.read_state(state)
     if proc.returncode != 0:
         for server in recorded.values():

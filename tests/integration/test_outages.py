@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from integration_support import RLSTAGES, TINY, PrefectAPI, base_env, tiny_overrides
 from mlflow import MlflowClient
+from session_cache import mlflow_store
 
 from rlstages.flows.cli import servers as srv
 
@@ -60,6 +61,7 @@ class Killable:
 def killable(session_tmp: Path) -> Iterator[dict[str, Killable]]:
     """One MLflow server (SQLite store) and one Prefect server (SQLite in its PREFECT_HOME) for the drills."""
     root = session_tmp / "outage-servers"
+    mlflow_store(root)  # a migrated empty store (session_cache.py): the first start runs no migrations
     ml_port, pf_port = srv.free_port(), srv.free_port()
     backend = f"sqlite:///{root / 'mlflow.db'}"
     starts = {
@@ -123,6 +125,9 @@ def _drill(victim: Killable, other: Killable, tmp: Path, model_dir: Path, name: 
     return run_dir, text
 
 
+# `make test`'s integration tier: this drill runs beside the servers' tests (with its own `killable` servers, set
+# up once more there), the other two after the simulated cluster's; so neither worker waits on all three at the end
+@pytest.mark.xdist_group("servers")
 def test_mlflow_down_longer_than_its_retries_then_back(
     killable: dict[str, Killable], tiny_model_dir: Path, tmp_path: Path
 ) -> None:

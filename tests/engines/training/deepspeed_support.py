@@ -5,6 +5,7 @@ to Ray workers by value (`ship_to_ray`): they cannot import it."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from collections.abc import Iterator
@@ -19,8 +20,12 @@ from rlstages.configs.training import DeepSpeedTrainingConfig, OptimConfig, Torc
 from rlstages.engines.training.core import PPOTrainer
 from rlstages.engines.training.settings import TrainerSettings
 
-EXT_DIR = os.environ.get("TORCH_EXTENSIONS_DIR") or str(  # torch's default, given to the Ray workers alike
-    Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
+# torch's default root, one folder per venv (given to the Ray workers alike): torch's own `pyXY_cpu` is shared by
+# every venv of the machine, and ninja rebuilds an op (cpu_adam: ~80 s on two cores) whenever another venv, whose
+# include paths differ, built it last
+EXT_DIR = os.environ.get("TORCH_EXTENSIONS_DIR") or str(
+    Path(get_default_build_root())
+    / f"py{sys.version_info.major}{sys.version_info.minor}_cpu-{hashlib.sha1(sys.prefix.encode()).hexdigest()[:8]}"
 )
 OPTIM = OptimConfig(lr=1e-2, total_steps=10, schedule="cosine")
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR")

@@ -4,9 +4,10 @@ continues bitwise from a renamed directory, critic, reference, mixed precision, 
 data-parallel group on Ray (image batches: test_deepspeed_vlm.py; shared helpers: deepspeed_support.py).
 
 CPU only, real DeepSpeed (skipped when it is not installed): `.venv/bin/python -m pytest -q
-tests/engines/training/test_deepspeed_trainer.py`. The first run JIT-builds DeepSpeed's `deepspeed_shm_comm` op (~80 s)
-and, for the offload test, `cpu_adam` (~80 s) into TORCH_EXTENSIONS_DIR (default: torch's own cache,
-`~/.cache/torch_extensions/py3X_cpu`, shared by every clone); later runs load the cached builds.
+tests/engines/training/test_deepspeed_trainer.py`. The first run JIT-builds DeepSpeed's `cpu_adam` (~80 s) for the
+offload tests into TORCH_EXTENSIONS_DIR (default: torch's own cache, one folder per venv,
+`~/.cache/torch_extensions/py3X_cpu-HASH`: deepspeed_support.py); later runs load the cached build. The product
+skips `deepspeed_shm_comm` on CPUs (engines/training/deepspeed_backend.py): it is never built.
 """
 
 from __future__ import annotations

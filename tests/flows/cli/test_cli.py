@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import Result
 from flow_support import ROOT, Reference
+from session_cache import mlflow_store
 from typer.testing import CliRunner
 
 
@@ -48,6 +49,7 @@ def finished_run(tmp_path_factory, tiny_model_dir: Path, session_env: dict[str, 
     """`rlstages run` in its own process: one step, the checkpoint evaluated at its end (the 2-step run is the
     session's reference)."""
     work = tmp_path_factory.mktemp("cli")
+    mlflow_store(work)  # the default store, ./mlflow.db, from the session's migrated copy
     done = rlstages(
         "run",
         str(ROOT / "configs" / "tiny.yaml"),

@@ -10,12 +10,13 @@ from mlflow import MlflowClient
 from mlflow.data.code_dataset_source import CodeDatasetSource
 from mlflow.data.meta_dataset import MetaDataset
 from mlflow.entities import DatasetInput, InputTag
+from session_cache import mlflow_store
 
 from rlstages.tasks.driver.tracking.runs import log_inputs_once_stored
 
 
 def test_concurrent_runs_log_one_dataset(tmp_path: Path) -> None:
-    c = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    c = MlflowClient(mlflow_store(tmp_path))
     exp = c.create_experiment("race")
     barrier, errors, runs = threading.Barrier(2), [], []
 

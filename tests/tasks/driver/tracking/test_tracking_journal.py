@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 from mlflow.entities import Metric
+from session_cache import mlflow_store
 
 from rlstages.flows.cli.servers import free_port
 from rlstages.tasks.driver.tracking.journal import Journal
@@ -22,7 +23,7 @@ def _metrics(step: int, ts: int) -> dict[str, list[list[object]]]:
 
 @pytest.fixture
 def store(tmp_path: Path) -> tuple[str, MlflowClient, str]:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store(tmp_path)
     c = MlflowClient(uri)
     return uri, c, c.create_run(c.create_experiment("journal")).info.run_id
 
