@@ -59,7 +59,8 @@ class PartialFeed(AsyncFeed):
     ) -> None:
         """Start the rollout streams at the checkpoint's version, then generation (`AsyncFeed`)."""
         rollout = stage_workers(cfg, run, "generate").rollout
-        self.streams = Streams(cfg, run, rollout, sampling(cfg), start_step, restartable=elastic(cfg) and clock is None)
+        dead = (WorkerLost,) if elastic(cfg) and clock is None else ()  # Ray, rollout workers of their own: restart
+        self.streams = Streams(cfg, run, rollout, sampling(cfg), start_step, dead)
         self.wanted = threading.Event()  # the flow waits for the engines: generation steps aside
         self.holding = False  # the flow holds the engines (between before_sync and synced)
         self.finished: dict[int, list[FinishedGroup]] = {}

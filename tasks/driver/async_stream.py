@@ -6,10 +6,11 @@ The per-token policy versions have one source: the engine stamps each token with
 start from the checkpoint's step and after every sync), the batch carries them (`T.ROLLOUT_VERSIONS`), and the
 versions file beside the batch and the queue's lag accounting are read from that field.
 
-A rank whose worker dies (`restartable`: Ray, rollout workers of their own) is set aside (`lost`): the other ranks go
-on, the groups it had in flight stay on its books, and `restarted` (the feed, once a fresh worker with the trainer's
-weights is in its place) starts its stream and submits those groups again, from their prompts: the tokens they had
-died with the worker, so they are generated again, under the version the fresh worker has.
+A rank whose worker dies (`dead`: what its calls then raise, where the feed restarts ranks -- Ray, rollout workers
+of their own) is set aside (`lost`): the other ranks go on, the groups it had in flight stay on its books, and
+`restarted` (the feed, once a fresh worker with the trainer's weights is in its place) starts its stream and submits
+those groups again, from their prompts: the tokens they had died with the worker, so they are generated again, under
+the version the fresh worker has.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from rlstages.engines.types import Prompt, SamplingParams
 from rlstages.tasks.driver.context import RunHandle, derive_seed
 from rlstages.tasks.driver.data.loading import prompts_for_step, tokenizer_path
 from rlstages.tasks.driver.role_handles import RolloutGroup
-from rlstages.tasks.policies import WorkerLost
 
 
 class Streams:
@@ -42,12 +42,13 @@ class Streams:
         rollout: RolloutGroup,
         params: SamplingParams,
         start_step: int,
-        restartable: bool = False,
+        dead: tuple[type[BaseException], ...] = (),
     ) -> None:
         """Start a fresh stream on every rank (`rollout`: the generate stage's handle), sampling with `params`,
-        at policy version `start_step` (the checkpoint's); `restartable`: a dead rank is set aside, not raised."""
+        at policy version `start_step` (the checkpoint's); `dead`: what a rank's call raises when its worker died
+        (the feed's `WorkerLost` where it restarts ranks): that rank is set aside, not raised."""
         self.cfg, self.run, self.rollout, self.params = cfg, run, rollout, params
-        self.ranks, self.restartable = self.rollout.ranks, restartable
+        self.ranks, self.dead = self.rollout.ranks, dead
         self._prompts: dict[int, list[Prompt]] = {}
         self.on: dict[int, int] = {}  # group -> the rank decoding it (submitted, not finished)
         self.lost: set[int] = set()  # ranks whose worker died, until `restarted`
@@ -67,11 +68,6 @@ class Streams:
     def _live(self) -> list[int]:
         return [r for r in range(self.ranks) if r not in self.lost]
 
-    def _lose(self, rank: int, exc: WorkerLost) -> None:
-        if not self.restartable:
-            raise exc
-        self.lost.add(rank)
-
     def submit(self, groups: list[int]) -> None:
         """Submit these group numbers (group g = prompt g mod B of step g // B + 1) to rank g mod ranks, or, that
         rank lost, to a live one (none live: they wait for a restart)."""
@@ -89,8 +85,8 @@ class Streams:
         for rank, requests in by_rank.items():
             try:
                 self.rollout.submit(rank, requests)
-            except WorkerLost as exc:  # its groups stay on its books
-                self._lose(rank, exc)
+            except self.dead:  # its groups stay on its books
+                self.lost.add(rank)
 
     def pump(self, steps: int) -> list[FinishedGroup]:
         """Up to `steps` decode steps on every live rank; the groups finished."""
@@ -98,8 +94,8 @@ class Streams:
         for rank in self._live():
             try:
                 finished = self.rollout.pump(rank, steps)
-            except WorkerLost as exc:
-                self._lose(rank, exc)
+            except self.dead:
+                self.lost.add(rank)
                 continue
             for group in finished:
                 self.on.pop(group.group, None)
