@@ -13,6 +13,15 @@ trajectory spanning the update carries both versions, token by token. Which toke
 when the syncs land, so two live partial-rollout runs differ; the schedule records where each sync landed (which
 rows were in flight, with how many tokens) and every pump between, and `rlstages replay` re-executes those calls in
 that order (`_follow`): the same tokens, the same versions, bit for bit on the HF backend on CPU.
+
+A rollout worker that dies mid-stream (Ray, rollout workers of their own) does not stop the run: the other ranks go
+on, and at the flow's next point where the trainer's weights are a known version -- waiting for a batch (the
+engines' version), or just before a sync (the version about to be synced) -- a fresh worker takes the dead rank's
+place, gets those weights (`tasks/fleet.push_weights`), and the groups the dead one had in flight are submitted to it
+again (`_restart`). Their partial tokens are regenerated, not kept: they lived in the dead worker's memory (the
+driver sees a group only when it finishes), so no checkpoint is reloaded and nothing is counted twice; the
+regenerated tokens carry the fresh worker's (newer) version, so the lag bound still holds. A run with a restart
+records it in the schedule (`restart`) and is not replayable (the death's timing is not reproducible).
 """
 
 from __future__ import annotations
@@ -22,12 +31,17 @@ import time
 
 from rlstages.configs import RunConfig
 from rlstages.engines.registry import rollout_backend
+from rlstages.engines.workers.elastic import replace_rank
 from rlstages.flows.async_train import POLL_S, AsyncFeed
 from rlstages.flows.stages import Metrics, Stages
 from rlstages.tasks.driver.async_replay import ReplayClock, ReplayDiverged
 from rlstages.tasks.driver.async_schedule import ScheduleError, read_schedule
 from rlstages.tasks.driver.async_stream import FinishedGroup, Streams
 from rlstages.tasks.driver.context import RunHandle
+from rlstages.tasks.driver.faults import maybe_fail
+from rlstages.tasks.driver.workers import get_workers
+from rlstages.tasks.fleet import elastic, joiner_id, push_weights
+from rlstages.tasks.policies import WorkerLost, stage_logger
 from rlstages.tasks.rollout import sampling
 from rlstages.tasks.stage_workers import stage_workers
 
@@ -44,7 +58,9 @@ class PartialFeed(AsyncFeed):
         self, s: Stages, cfg: RunConfig, run: RunHandle, start_step: int, clock: ReplayClock | None = None
     ) -> None:
         """Start the rollout streams at the checkpoint's version, then generation (`AsyncFeed`)."""
-        self.streams = Streams(cfg, run, stage_workers(cfg, run, "generate").rollout, sampling(cfg), start_step)
+        rollout = stage_workers(cfg, run, "generate").rollout
+        dead = (WorkerLost,) if elastic(cfg) and clock is None else ()  # Ray, rollout workers of their own: restart
+        self.streams = Streams(cfg, run, rollout, sampling(cfg), start_step, dead)
         self.wanted = threading.Event()  # the flow waits for the engines: generation steps aside
         self.holding = False  # the flow holds the engines (between before_sync and synced)
         self.finished: dict[int, list[FinishedGroup]] = {}
@@ -78,6 +94,7 @@ class PartialFeed(AsyncFeed):
                         self.started.setdefault(g // b + 1, time.perf_counter())
                     if groups:
                         self.streams.submit(groups)
+                        self._faults(groups)
                     next_group, flying = next_group + admit, flying + admit
                     done = self.streams.pump(PUMP_STEPS) if flying else []
                     if flying:
@@ -87,6 +104,8 @@ class PartialFeed(AsyncFeed):
                 flying -= len(done)
                 for group in done:
                     self._collect(group)
+                if self.streams.lost:  # the flow restarts the dead ranks at its next safe point
+                    self.stopping.wait(POLL_S)
                 if not flying and next_group >= end:
                     return
                 if not flying and not groups:  # nothing to decode until the queue admits more
@@ -97,6 +116,13 @@ class PartialFeed(AsyncFeed):
             with self.changed:
                 self.error = exc
                 self.changed.notify_all()
+
+    def _faults(self, groups: list[int]) -> None:
+        """`RLSTAGES_FAULTS` for `generate@N`, once step N's first group is streaming (tests: a rollout worker
+        killed mid-stream, `kill-rollout`)."""
+        for g in groups:
+            if g % self.groups == 0:
+                maybe_fail(self.run, "generate", g // self.groups + 1, get_workers(self.run))
 
     def _follow(self) -> None:
         """Replay: admit and pump exactly as the schedule recorded, each at its turn (the syncs take theirs)."""
@@ -152,12 +178,40 @@ class PartialFeed(AsyncFeed):
             self.holding = False
             self.engines.release()
 
+    def _tend(self, version: int) -> None:
+        """Waiting for a batch (the trainer's weights are the engines' `version`): restart lost ranks."""
+        if self.streams.lost:
+            self._hold()
+            try:
+                self._restart(version)
+            finally:
+                self._let_go()
+
+    def _restart(self, version: int) -> None:
+        """The engines held, the trainer's weights policy `version`: a fresh worker in every lost rank's place,
+        with those weights, its groups in flight submitted again (module docstring); recorded as `restart`."""
+        group = get_workers(self.run).rollout
+        timeout = float(self.cfg.cluster.rendezvous_timeout_seconds)
+        for rank in sorted(self.streams.lost):
+            try:
+                handle = replace_rank(group, rank, joiner_id(), timeout)
+                push_weights(self.cfg, self.run, handle, version)
+                again = self.streams.restarted(rank, version)
+            except Exception as exc:  # no fresh worker: the flow's recovery (rebuild from the last checkpoint)
+                raise WorkerLost(f"rollout rank {rank} died mid-stream and could not be restarted: {exc}") from exc
+            self.schedule.record("trainer", "restart", rank=rank, version=version, resubmitted=again)
+            stage_logger().warning(f"rollout rank {rank} died mid-stream: restarted with policy {version}, "
+                                   f"{len(again)} prompt groups submitted again")  # fmt: skip
+
     def before_sync(self, step: int) -> Metrics:
-        """Take the engines between two pumps (the rows in flight wait, they are not finished first); the rows in
-        flight, interrupted by this sync, recorded with their token counts."""
+        """Take the engines between two pumps (the rows in flight wait, they are not finished first), restart lost
+        ranks (with the weights about to be synced); the rows in flight, interrupted by this sync, recorded with
+        their token counts."""
         start = time.perf_counter()
         with self._turn("trainer", "sync"):
             self._hold()
+            if self.streams.lost:
+                self._restart(step)
             self.schedule.record("trainer", "sync", version=step, in_flight=self.streams.in_flight())
         waited = time.perf_counter() - start
         self.waited += waited

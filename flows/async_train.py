@@ -127,6 +127,10 @@ class AsyncFeed:
         except Exception as exc:  # noqa: BLE001 - a fleet change never fails the run
             stage_logger().warning(f"fleet: rescale at step {step} failed, the fleet stays as it is: {exc}")
 
+    def _tend(self, version: int) -> None:
+        """While the trainer waits for a batch (its weights: policy `version`): repair the rollout side (partial
+        rollouts restart dead ranks; nothing here)."""
+
     def _raise(self) -> None:
         if self.error is not None:
             raise self.error
@@ -169,6 +173,7 @@ class AsyncFeed:
         else:
             while (taken := self._take(step)) is None:
                 self._raise()
+                self._tend(step - 1)
                 time.sleep(POLL_S)
         self.waited = time.perf_counter() - start
         (item,) = taken.items
@@ -199,6 +204,19 @@ class AsyncFeed:
         waited = time.perf_counter() - start
         self.waited += waited
         return {"timing/wait_generation_s": waited}
+
+    def sync(self, step: int) -> Metrics:
+        """Weight sync `step` (the flow's `sync_weights` task). A rollout worker lost during it (its node gone, or
+        its actor dead: a collective round fails in the trainer too) leaves the fleet and the rest get the weights
+        again; no generation is in flight then, so nothing is resubmitted. Without an elastic fleet, or with no
+        worker left, the failure stands (the flow's recovery)."""
+        while True:
+            try:
+                return self.s.sync_weights(self.cfg, self.run, step)
+            except Exception:
+                if self.fleet is None or not self.fleet.drop_lost(step, step - 1):
+                    raise
+                stage_logger().warning(f"fleet: weight sync {step} lost a rollout worker; pushed again to the rest")
 
     def synced(self, step: int, step_s: float) -> Metrics:
         """The rollout engines have policy `step` now: the fleet resized (`_rescale`), then the queue admits what

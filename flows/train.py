@@ -91,7 +91,7 @@ def rl_step(
     next_metrics = next_rollout.result() if next_rollout is not None else None  # sync only after it finished
     if feed is not None:
         metrics.update(feed.before_sync(step))  # likewise: no generation sees its weights change
-    metrics.update(s.sync_weights(cfg, run, step))
+    metrics.update(feed.sync(step) if feed is not None else s.sync_weights(cfg, run, step))  # async: elastic
     timing = sum(v for k, v in metrics.items() if k.startswith("timing/"))
     metrics["timing/step_s"] = timing
     if feed is not None:

@@ -8,6 +8,8 @@ in flight, the rollout group is brought to the size the run asks for (`cluster.m
                                                                                pushed to it alone and its version
                                                                                stamped, then it joins (worker_join)
     heal(step):     a rank died during a generation -> removed; the step's prompts go to the survivors
+    drop_lost(step): a weight sync failed: the ranks Ray reports dead (their node, or the actor) -> removed; the
+                    sync is pushed again to the rest (no generation is in flight during a sync)
 
 Called where the trainer's weights are the rollout engines' version (right after a sync, and at the feed's start),
 so a joiner starts at the current policy version. The queue's admission counts prompt groups, not workers, so the
@@ -32,6 +34,7 @@ from rlstages.tasks.driver.workers import get_workers
 from rlstages.tasks.policies import WorkerLost, is_worker_death, stage_logger
 
 BUCKET_BYTES = 256 << 20
+LOST_WAIT_S = 90.0  # how long a failed sync waits for Ray to report the worker it lost (node death detection)
 _IDS = itertools.count()  # joiner ids, never reused in this process
 
 
@@ -129,12 +132,38 @@ class Fleet:
         return free[0] if free else None
 
     def heal(self, step: int, version: int) -> bool:
-        """After a generation lost a worker: drop the dead ranks; True when some are left to take the step's
+        """After a generation lost a worker: drop the ranks Ray reports dead (`drop_lost`: not a ping, which a
+        survivor still generating its share would not answer in time); True when some are left to take the step's
         prompts again (False: nothing was dropped, or nothing is left; the flow's recovery takes over)."""
+        return self.drop_lost(step, version)
+
+    def _dead(self) -> list[tuple[int, str]]:
+        """Ranks Ray reports dead, without calling them (a live rank may still be busy in a broken collective):
+        their node is not alive (`node_lost`), or their actor is DEAD in Ray's actor table (`died`)."""
+        import ray
+        from ray._private.state import state
+
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        out = []
+        for i, handle in enumerate(self.group.handles):
+            info = state.actor_table(handle._actor_id.hex()) or {}
+            node = info.get("Address", {}).get("NodeID") or self.where.get(names(self.group)[i], "")
+            if node and node not in alive:
+                out.append((i, "node_lost"))
+            elif info.get("State") == "DEAD":
+                out.append((i, "died"))
+        return out
+
+    def drop_lost(self, step: int, version: int) -> bool:
+        """After a failed generation or weight sync: wait (up to `LOST_WAIT_S`) for Ray to report the ranks it lost
+        and remove them; True when some were removed and some are left (the call is then made again on those).
+        False: none is reported dead (the failure was something else) or none is left; the caller re-raises."""
         if not elastic(self.cfg):
             return False
-        gone = self._gone()
-        if not gone or len(gone) == len(self.group.handles):  # the group stays whole for the rebuild
+        deadline = time.monotonic() + LOST_WAIT_S
+        while not (gone := self._dead()) and time.monotonic() < deadline:
+            time.sleep(1.0)
+        if not gone or len(gone) == len(self.group.handles):
             return False
         for index, reason in reversed(gone):
             self._remove(index, step, version, reason)
@@ -161,7 +190,7 @@ class Fleet:
         group, bundle = self.group, self._free_bundle()
         if bundle is None and not _fits(group):
             return False
-        worker_id = f"{os.getpid()}-{next(_IDS)}"
+        worker_id = joiner_id()
         timeout = float(self.cfg.cluster.rendezvous_timeout_seconds)
         try:
             handle = add_rank(group, worker_id, timeout, None if bundle is None else (str(self.pg), bundle))
@@ -182,16 +211,7 @@ class Fleet:
         return True
 
     def _sync(self, handle: Any, version: int) -> None:
-        """The trainer's weights (policy `version`) pushed to the joiner alone, and its version stamped."""
-        import ray
-
-        workers = get_workers(self.run)
-        actor, transport = workers.actor, workers.weight_sync
-        assert transport is not None, "build_workers chooses the transport"
-        timeout = self.cfg.prefect.policy("sync_weights").timeout_seconds or 600.0
-        source = actor.collect_ranks()[0]
-        transport.push(SyncRound(actor.handles, source, [handle], BUCKET_BYTES, self.cfg.rollout.dtype, timeout))
-        ray.get(handle.__ray_call__.remote(stamp_version, version), timeout=timeout)
+        push_weights(self.cfg, self.run, handle, version)
 
     def counts(self) -> dict[str, float]:
         """The step's fleet metrics: its size now and the joins and leaves since the last call."""
@@ -202,6 +222,25 @@ class Fleet:
         }
         self.joined = self.left = 0
         return out
+
+
+def joiner_id() -> str:
+    """A rollout worker id never used before in this run's driver (`elastic.add_rank`'s `worker_id`)."""
+    return f"{os.getpid()}-{next(_IDS)}"
+
+
+def push_weights(cfg: RunConfig, run: RunHandle, handle: Any, version: int) -> None:
+    """The trainer's weights (policy `version`) pushed to one new rollout rank alone (the run's transport, a
+    `SyncRound` of that rank), and its version stamped: a joiner's, or a restarted rank's, before its first prompt."""
+    import ray
+
+    workers = get_workers(run)
+    actor, transport = workers.actor, workers.weight_sync
+    assert transport is not None, "build_workers chooses the transport"
+    timeout = cfg.prefect.policy("sync_weights").timeout_seconds or 600.0
+    source = actor.collect_ranks()[0]
+    transport.push(SyncRound(actor.handles, source, [handle], BUCKET_BYTES, cfg.rollout.dtype, timeout))
+    ray.get(handle.__ray_call__.remote(stamp_version, version), timeout=timeout)
 
 
 def _node_id(engine: Any) -> str:

@@ -4,6 +4,8 @@ A group built by `ActorGroup` names its ranks `<group>:<rank>`; a rank added lat
 reused), so a later rebuild of the configured ranks never finds a joiner by name. A joiner is scheduled outside the
 run's placement groups, with the group's per-rank resources (`num_cpus`, `num_gpus`, custom ones): Ray puts it on
 any node that has them free. Only groups of one actor per data-parallel rank (tp = pp = 1, the rollout's) resize.
+`replace_rank` puts a fresh actor in a dead rank's place (same index, same placement-group bundle): partial
+rollouts' streams are per rank.
 """
 
 from __future__ import annotations
@@ -91,3 +93,21 @@ def remove_rank(group: ActorGroup, index: int) -> str:
     kept = tuple(b for i, b in enumerate(bundles) if i != index) if len(bundles) == len(group.handles) + 1 else None
     _resized(group, kept)
     return name
+
+
+def replace_rank(group: ActorGroup, index: int, worker_id: str, timeout: float) -> Any:
+    """Kill rank `index` (dead) and start a fresh rank of the group's engine at the same index, in the same bundle
+    of the group's placement group where it had one (`<group>:j<worker_id>`); returns its handle. Raises what
+    `add_rank` raises (the group is then one rank short)."""
+    placement = group.spec.placement
+    bundles = placement.bundle_indices
+    placed = placement.group_name is not None and len(bundles) == len(group.handles)
+    remove_rank(group, index)
+    bundle = (str(placement.group_name), bundles[index]) if placed else None
+    handle = add_rank(group, worker_id, timeout, bundle)
+    current = names(group)
+    group.handles.insert(index, group.handles.pop())
+    current.insert(index, current.pop())
+    group.names = current  # type: ignore[attr-defined]
+    _resized(group, tuple(bundles) if placed else None)
+    return handle

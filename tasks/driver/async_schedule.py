@@ -42,7 +42,7 @@ from rlstages.tasks.driver.context import RunHandle, derive_seed
 
 SCHEDULE = "schedule.jsonl"
 FORMAT = 1
-KINDS = ("start", "admit", "pump", "put", "take", "sync", "publish", "hold", "end")
+KINDS = ("start", "admit", "pump", "put", "take", "sync", "publish", "hold", "restart", "end")
 
 
 class ScheduleError(ValueError):
@@ -176,6 +176,11 @@ def check_schedule(path: Path, events: list[dict[str, Any]]) -> None:
         raise ScheduleError(
             f"{path} {where}: expected exactly one 'start' event, first (a resumed or recovered run is not "
             "replayable: replay covers one uninterrupted run)"
+        )
+    if restart := next((i for i, e in enumerate(events) if e["kind"] == "restart"), None):
+        raise ScheduleError(
+            f"{path} line {restart + 1}: a rollout worker died and was restarted during this run; its timing is not "
+            "reproducible, so the run is not replayable"
         )
     if events[-1]["kind"] != "end":
         raise ScheduleError(f"{path} line {len(events)}: the run did not end (no 'end' event): nothing to replay")

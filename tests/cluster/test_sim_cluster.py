@@ -324,7 +324,7 @@ def test_node_lost_mid_run_is_rebuilt_on_a_new_node(sim: SimCluster, tiny_model_
     assert victim not in {r["node_ip"] for r in builds[-1]}
 
 
-@pytest.mark.slow  # opt-in (-m slow) until it passes: a node lost during the collective weight sync fails the run
+@pytest.mark.slow  # opt-in (-m slow) until it has passed (the sync fix, docs/async.md, is not yet proven here)
 def test_elastic_fleet_a_node_leaves_and_one_joins(sim: SimCluster, tiny_model_dir: Path, tmp_path: Path) -> None:
     """An async run (eta 1) with 3 rollout workers of 2 fake GPUs: the trainer pinned to node 1, so node 1 holds
     it and one rollout worker, node 2 the other two. Node 2 is killed (the driver held still meanwhile), then

@@ -6,6 +6,7 @@ checkpoint); on Ray, a rollout worker killed mid-stream is replaced and every st
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -76,11 +77,32 @@ def test_a_crashed_async_run_resumes_like_one_step_off(
     assert rollouts(run, 3)["rollout_versions"][mask].unique().tolist() == [2]
 
 
+def schedule_events(cfg: RunConfig) -> list[dict]:
+    """The run's recorded schedule (schedule.jsonl), every line."""
+    return [json.loads(line) for line in (run_dir(cfg) / "schedule.jsonl").read_text().splitlines()]
+
+
+def taken_once(cfg: RunConfig, eta: int) -> list[dict]:
+    """From the schedule: since the feed's last start, every step taken once, with every sample of it once, each
+    token within eta of the trainer's version; those `take` events."""
+    events = schedule_events(cfg)
+    last = max(i for i, e in enumerate(events) if e["kind"] == "start")
+    takes = [e for e in events[last:] if e["kind"] == "take"]
+    assert [e["step"] for e in takes] == list(range(events[last]["start_step"] + 1, cfg.trainer.total_steps + 1))
+    b, n = cfg.data.prompts_per_step, cfg.rollout.n
+    for e in takes:
+        first = (e["step"] - 1) * b
+        assert sorted(map(tuple, e["samples"])) == [(g, m) for g in range(first, first + b) for m in range(n)]
+        assert all(e["step"] - 1 - v <= eta for row in e["versions"] for v, _ in row), e["step"]
+    return takes
+
+
 def test_a_rollout_worker_killed_mid_stream(tmp_path: Path, tiny_model_dir: Path, ray_session, prefect_harness,
                                             monkeypatch) -> None:  # fmt: skip
     """Step 3's generation runs during step 2 (eta 1) on a Ray rollout worker that is killed as it starts: the
     flow replaces the workers, replays from checkpoint 1 with a fresh queue, and trains every step once, each on
-    the rollouts it generated (the queue an actor of its own)."""
+    the rollouts it generated (the queue an actor of its own). With partial rollouts the dead worker is restarted
+    in place instead: test_async_partial.py::test_partial_rollouts_on_ray_workers."""
     monkeypatch.setenv("RLSTAGES_FAULTS", "generate@3:kill-rollout")
     cfg = tiny_cfg(tmp_path, tiny_model_dir, "killed", "trainer.mode=async", *RUN, "checkpoint.every=1")
     assert cfg.cluster.mode == "ray"
@@ -91,6 +113,8 @@ def test_a_rollout_worker_killed_mid_stream(tmp_path: Path, tiny_model_dir: Path
     for step, n in tokens.items():  # what each step trained on is what was generated for it
         assert n == float(rollouts(cfg, step)["response_mask"].sum()), step
     assert max(history(cfg, "async/lag_max").values()) <= 1.0
+    assert [e["kind"] for e in schedule_events(cfg)].count("start") == 2  # the recovery's fresh queue
+    taken_once(cfg, 1)
 
 
 def test_eta_two_runs_two_steps_ahead(tmp_path: Path, tiny_model_dir: Path, prefect_harness) -> None:

@@ -1,7 +1,8 @@
 """`trainer.async.partial_rollout: true` through the real flow (tiny preset, 3 steps, eta 1, engines in the driver;
 real Prefect and MLflow): prompt groups stream through 4 slots, the sync interrupts the rows in flight and they
 continue under the new weights, so step 3's trajectories carry two versions; every token lags at most eta, every
-step trains on what was generated for it, once; the versions file is the batch's own field. CPU, seconds.
+step trains on what was generated for it, once; the versions file is the batch's own field; on Ray, a rollout
+worker killed mid-stream is restarted in place. CPU, seconds (Ray: a minute or more).
 
 Which token a sync lands on depends on timing; to make the interruption certain, the engine's `pump` holds step
 3's rows (after they have sampled a token under version 1) until the sync to version 2 has happened -- it only
@@ -12,12 +13,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 from flow_support import IN_DRIVER, run_dir, tiny_cfg
 from safetensors.torch import load_file
-from test_async_flow import history, rollouts
+from test_async_flow import history, rollouts, schedule_events, taken_once
 
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
 from rlstages.flows.train import rl_post_train
+from rlstages.tasks.driver.async_schedule import ScheduleError, read_schedule
 from rlstages.tasks.driver.async_stream import mixed_rows
 
 RUN = ("cluster.hybrid_engine=false", "trainer.total_steps=3", "trainer.eval_every=0", "trainer.eval_at_start=false",
@@ -64,12 +67,19 @@ def test_partial_rollouts_mix_versions_within_eta(tmp_path: Path, tiny_model_dir
         assert all(0.0 <= v <= 1.0 for v in history(cfg, key).values()), key
 
 
-def test_partial_rollouts_on_ray_workers(tmp_path: Path, tiny_model_dir: Path, ray_session, prefect_harness) -> None:
-    """The same on Ray (rollout engines in their own actors, the queue an actor): every step trained once on what
-    was generated for it, lags within eta, the versions file is the batch's own field."""
+def test_partial_rollouts_on_ray_workers(tmp_path: Path, tiny_model_dir: Path, ray_session, prefect_harness,
+                                        monkeypatch) -> None:  # fmt: skip
+    """The same on Ray (rollout engines in their own actors, the queue an actor), with the rollout worker killed as
+    step 3's first group enters its stream (during step 2, beside step 2's unfinished rows): a fresh worker takes
+    its place with the trainer's weights and the groups it had in flight are submitted again -- no recovery from a
+    checkpoint (there is none), their tokens regenerated under the fresh worker's version. Every step trained once
+    on what was generated for it, every sample once, lags within eta, the versions file is the batch's own field;
+    the run is refused by replay (a death's timing cannot be reproduced)."""
+    monkeypatch.setenv("RLSTAGES_FAULTS", "generate@3:kill-rollout")
     cfg = tiny_cfg(tmp_path, tiny_model_dir, "partial-ray", *(r for r in RUN if r != IN_DRIVER))
     assert cfg.cluster.mode == "ray"
     rl_post_train(cfg)
+    assert (run_dir(cfg) / ".faults" / "generate@3-kill-rollout").exists()  # the fault fired
     tokens = history(cfg, "async/tokens")
     assert sorted(tokens) == [1, 2, 3]
     for step, n in tokens.items():
@@ -79,3 +89,11 @@ def test_partial_rollouts_on_ray_workers(tmp_path: Path, tiny_model_dir: Path, r
         assert versions["rollout_versions"].equal(batch["rollout_versions"])
         assert batch["rollout_versions"].max().item() <= step - 1
     assert max(history(cfg, "async/lag_max").values()) <= 1.0
+    events = schedule_events(cfg)
+    (restart,) = [e for e in events if e["kind"] == "restart"]  # restarted in place, once
+    assert [e["kind"] for e in events].count("start") == 1 and restart["resubmitted"]  # no recovery; it had work
+    for take in taken_once(cfg, 1):  # every sample once; the resubmitted groups' tokens regenerated, not kept
+        for (g, _), row in zip(take["samples"], take["versions"], strict=True):
+            assert g not in restart["resubmitted"] or all(v >= restart["version"] for v, _ in row), g
+    with pytest.raises(ScheduleError, match="line .*restarted"):
+        read_schedule(run_dir(cfg) / "schedule.jsonl")

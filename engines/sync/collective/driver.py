@@ -143,7 +143,10 @@ class CollectiveSync:
             ray.get(receives, timeout=timeout)
             ray.get(in_rollouts(protocol.end), timeout=timeout)
         except BaseException:
-            self._groups = {}  # a broken round leaves the group's streams out of step: the next sync builds anew
+            # a broken round (a member died) leaves the group's streams out of step: every member that lives drops
+            # it -- the source's sockets close, so a receiver still waiting in it fails now instead of at the
+            # group's timeout -- and the next sync builds anew
+            self.close()
             raise
         return {**out, "timing/sync_weights_s": time.perf_counter() - start}
 
