@@ -3,9 +3,10 @@ directory of its own), and the comparison of the two runs: final weights tensor 
 logged metric at every step (MLflow histories), and the two schedule files line by line.
 
 Metrics excluded from "equal", and why: they measure the real clock, which a replay does not reproduce (it
-reproduces the order of events, not their durations) -- every `timing/*` (seconds), `throughput/*` (per second),
-`rollout/generate_ahead_s` (seconds), `async/queue_wait_s` (seconds in the queue), `async/rollout_idle_fraction`
-and `async/trainer_idle_fraction` (shares of wall-clock time), `perf/*` (tokens per second).
+reproduces the order of events, not their durations) -- every `timing/*` and `time/*` (seconds; the evaluations'
+share of the run), `throughput/*` (per second), `rollout/generate_ahead_s` (seconds), `async/queue_wait_s`
+(seconds in the queue), `async/rollout_idle_fraction` and `async/trainer_idle_fraction` (shares of wall-clock
+time), `perf/*` (tokens per second).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from rlstages.tasks.driver.fleet_control import EVENTS
 from rlstages.tasks.driver.tracking.queries import metric_histories
 from rlstages.tasks.driver.tracking.store import tracking_uri
 
-TIMING_PREFIXES = ("timing/", "throughput/", "perf/")
+TIMING_PREFIXES = ("timing/", "time/", "throughput/", "perf/")
 TIMING_KEYS = frozenset(
     {
         "rollout/generate_ahead_s",

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from click.testing import Result
 from mlflow import MlflowClient
 from safetensors.torch import load_file
 from session_cache import mlflow_store
+from typer.testing import CliRunner
 
 from rlstages.configs import RunConfig, load_config
 
@@ -156,3 +158,15 @@ def group_members(pgid: int) -> list[str]:
 def cli(tmp: Path, *args: str, env: dict[str, str]) -> CliRun:
     """The CLI in its own process group, to its end (`start_cli`, `wait_cli`)."""
     return wait_cli(start_cli(tmp, *args, env=env), tmp)
+
+
+def invoke(*args: str, cwd: Path) -> Result:
+    """The CLI in this process (typer's CliRunner) in `cwd`; stdout and stderr apart."""
+    from rlstages.flows.cli.main import app
+
+    old = Path.cwd()
+    os.chdir(cwd)
+    try:
+        return CliRunner().invoke(app, list(args), env={"RLSTAGES_FAULTS": "", "COLUMNS": "2000"})
+    finally:
+        os.chdir(old)

@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from flow_support import IN_DRIVER, mlflow_run, run_dir, tiny_cfg
-from test_cli import invoke
+from flow_support import IN_DRIVER, invoke, mlflow_run, run_dir, tiny_cfg
 
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
 from rlstages.flows.train import rl_post_train

@@ -13,10 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import Result
-from flow_support import ROOT, Reference
+from flow_support import ROOT, Reference, invoke
 from session_cache import mlflow_store
-from typer.testing import CliRunner
 
 
 @pytest.fixture(scope="module")
@@ -103,18 +101,6 @@ def test_eval_reports_greedy_pass_at_1(finished_run: Path, session_env: dict[str
     out = rlstages("eval", str(finished_run), cwd=finished_run.parent.parent, env=session_env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "eval/reward_mean" in out.stdout and "step 1" in out.stdout
-
-
-def invoke(*args: str, cwd: Path) -> Result:
-    """The CLI in this process (typer's CliRunner) in `cwd`; stdout and stderr apart."""
-    from rlstages.flows.cli.main import app
-
-    old = Path.cwd()
-    os.chdir(cwd)
-    try:
-        return CliRunner().invoke(app, list(args), env={"RLSTAGES_FAULTS": "", "COLUMNS": "2000"})
-    finally:
-        os.chdir(old)
 
 
 def test_resume_of_a_finished_run_is_a_no_op_that_succeeds(reference_run: Reference) -> None:
