@@ -67,8 +67,8 @@ def init_distributed(device: torch.device) -> torch.device:
         os.environ["MASTER_PORT"] = str(free_port())
     import deepspeed
 
+    _forget_destroyed_groups()
     if not torch.distributed.is_initialized():  # plain nccl on GPUs: every DeepSpeed collective is on the device
-        _forget_destroyed_groups()
         if device.type != "cuda":
             _skip_shm_all_reduce_build()
         deepspeed.init_distributed(dist_backend=dist_backend(device, cpu_collectives=False))
@@ -88,12 +88,20 @@ def _skip_shm_all_reduce_build() -> None:
 
 
 def _forget_destroyed_groups() -> None:
-    """Drop DeepSpeed's cached clones of process groups from an earlier group in this process (destroyed through
-    torch, not `deepspeed.comm`): DeepSpeed would hand the dead clone to the new engine ("Group ... is not
-    registered")."""
+    """Drop DeepSpeed's cached clones of process groups when they belong to a world destroyed earlier in this
+    process (through torch, not `deepspeed.comm`): DeepSpeed would hand the dead clone to the new engine ("Group ...
+    is not registered"), whether or not another world has started since."""
     from deepspeed.utils import groups
 
-    release = getattr(groups, "_release_process_group_references", None)  # DeepSpeed ≥ 0.17; WORLD teardown
+    cached = getattr(groups, "_WORLD_GROUP", None)
+    if cached is None:
+        return
+    try:
+        torch.distributed.get_process_group_ranks(cached)  # raises for a group of no live world
+        return
+    except (ValueError, RuntimeError, KeyError):
+        pass
+    release = getattr(groups, "_release_process_group_references", None)  # DeepSpeed >= 0.17; WORLD teardown
     if release is not None:
         release()
 
