@@ -18,7 +18,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from tensordict import TensorDict
 
-from rlstages.engines.types import Bucket, NamedTensors, Prompt, SamplingParams, ScoreResult
+from rlstages.engines.score_result import ScoreResult
+from rlstages.engines.types import Bucket, NamedTensors, Prompt, SamplingParams
 
 
 @runtime_checkable

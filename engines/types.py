@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -68,16 +68,6 @@ ROW_FIELDS = ("uid", "prompt", "response", "ground_truth", "data_source", "extra
 # The types every engine layer shares (here, at the bottom, so that no import points up the layers):
 NamedTensors = Iterable[tuple[str, torch.Tensor]]  # HF-named weights, streamed one tensor at a time
 Bucket = list[tuple[str, str, np.ndarray]]  # an object-store weight bucket: (name, dtype, encoded array)
-
-
-@dataclass
-class ScoreResult:
-    """Scores of one batch: weighted totals, per-function (and extra-key) columns, and metrics (the names:
-    `rlstages.engines.rewards.scorer`)."""
-
-    scores: list[float]
-    components: dict[str, list[float]] = field(default_factory=dict)
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

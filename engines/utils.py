@@ -1,6 +1,6 @@
 """Small helpers every part of `engines/` shares, defined once: a free port, import by "module:Name" (the
 one importer of such strings, with its one error type),
-an atomic text write and the dtype table.
+an atomic text write and the dtype names (torch imported only where a dtype is asked for).
 
 Non-goal: anything that knows about models, batches or Ray.
 """
@@ -10,17 +10,23 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a config dtype name ("float32", "bfloat16", "float16")."""
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
-    return DTYPES[name]
+    """The torch dtype of a config dtype name ("float32", "bfloat16", "float16"); torch is imported here, not at
+    the module's import: the torch-free processes (the reward scorer's actor and pool) import this module."""
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPE_NAMES)}")
+    import torch
+
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -34,7 +34,7 @@ from typing import Any
 from pebble import ProcessPool
 
 from rlstages.engines.rewards.registry import RewardFn, call_reward_fn, resolve_reward_fn
-from rlstages.engines.types import ScoreResult
+from rlstages.engines.score_result import ScoreResult
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from rlstages.engines.types import Bucket
-from rlstages.engines.utils import DTYPES
+from rlstages.engines.utils import torch_dtype
 
 V = TypeVar("V")
 DEFAULT_BUCKET_BYTES = 512 * 2**20  # a colocated engine's push into its own worker processes
@@ -55,15 +55,15 @@ def tensor_buckets(
 
 def encode_tensor(tensor: torch.Tensor, dtype: str) -> tuple[str, np.ndarray]:
     """A tensor cast to `dtype` as a numpy array (half types as an int16 view), copied off a GPU first."""
-    t = tensor.detach().to(device="cpu", dtype=DTYPES[dtype]).contiguous()
+    t = tensor.detach().to(device="cpu", dtype=torch_dtype(dtype)).contiguous()
     view = _VIEW.get(t.dtype)
     return dtype, (t.view(view) if view is not None else t).numpy()
 
 
 def decode_tensor(dtype: str, array: np.ndarray) -> torch.Tensor:
     """Inverse of `encode_tensor` (no copy; the result may be read-only)."""
-    t = torch.from_numpy(np.asarray(array))
-    return t.view(DTYPES[dtype]) if DTYPES[dtype] in _VIEW else t
+    t, kind = torch.from_numpy(np.asarray(array)), torch_dtype(dtype)
+    return t.view(kind) if kind in _VIEW else t
 
 
 def bucketize(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: str) -> Iterator[Bucket]:

@@ -13,7 +13,8 @@ import torch
 from tensordict import TensorDict
 
 from rlstages.engines.rollout.streaming import FinishedGroup, GroupRequest
-from rlstages.engines.types import Prompt, SamplingParams, ScoreResult
+from rlstages.engines.score_result import ScoreResult
+from rlstages.engines.types import Prompt, SamplingParams
 from rlstages.engines.workers.actor_group import ActorGroup
 
 Guard = Callable[[Callable[[], Any]], Any]  # runs a call into the workers (`policies.guard_workers`)

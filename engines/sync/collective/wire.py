@@ -16,7 +16,7 @@ from rlstages.engines.sync.buckets import tensor_buckets
 from rlstages.engines.sync.collective.flat import FlatSender
 from rlstages.engines.sync.collective.membership import SYNC_GROUPS, SyncGroup
 from rlstages.engines.sync.collective.shared_region import align, shared_region, unlink_mapped
-from rlstages.engines.utils import DTYPES
+from rlstages.engines.utils import torch_dtype
 
 
 def _broadcast(group: Any, tensor: torch.Tensor) -> None:
@@ -84,7 +84,7 @@ def send_weights(engine: Any, name: str | None, bucket_bytes: int, dtype: str) -
             "sync/shared_memory": 0.0,
             "timing/sync_source_s": time.perf_counter() - start,
         }
-    kind = DTYPES[dtype]
+    kind = torch_dtype(dtype)
     sender = SENDERS[member.protocol](member, name, kind)
     buckets = tensors = 0
     for bucket in tensor_buckets(stream, bucket_bytes, kind):
