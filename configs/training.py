@@ -101,8 +101,9 @@ class TorchTrainingConfig(_HFModelTraining):
     )
     fp32_matmul: bool | Literal["auto"] = Field(
         default="auto",
-        description="Where the model computes in bf16 on CPU: run each linear layer's matmuls on the fp32 kernel "
-        "(operands upcast, result cast back: the same products and fp32 sums, bf16 memory). Faster on some CPUs "
+        description="Where the model computes in bf16 on CPU: run each linear layer's matmuls, and the eager or "
+        "sdpa attention's, on the fp32 kernel (operands upcast, result cast back: the same products and fp32 sums, "
+        "bf16 weights and activations). Faster on some CPUs "
         "without AMX, 4x slower on others; auto = timed once at start-up (a 512 x 1024 GEMM each way), the fp32 "
         "kernel where it is 1.25x faster or more, never with AMX.",
     )

@@ -5,6 +5,11 @@ and calling the fp32 GEMM computes the same sums (in another order); only the ke
 outputs, saved activations and gradients stay bf16, so memory is unchanged: each weight is upcast where it
 is used (forward, and again in backward), a block of rows at a time, and freed at once.
 
+The attention's own products (scores and the weighted sum of values: batched matmuls over activations, no
+weights) go the same way: the model's eager or sdpa attention is called on fp32 copies of q, k, v and its
+output cast back (`FP32_ATTENTION`). On an AVX2 EPYC they were a quarter of a demo update's time in bf16
+(8.8 of 37.4 s of CPU for attention's ~3 % of the FLOPs, docs/demo-measured.md).
+
 Which kernel is faster depends on the CPU, and its flags do not tell: two AVX-512-BF16 machines without AMX
 measured fp32 327 vs bf16 168 GFLOP/s (an Intel VM) and fp32 203 vs bf16 798 (an AMD EPYC). So `auto` times
 both on a layer-sized GEMM once per process (`fp32_kernel_speedup`) and takes the fp32 kernel only when it is
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -79,13 +85,64 @@ class Fp32KernelLinear(torch.nn.Linear):
         return _Fp32KernelLinearFn.apply(x, self.weight, self.bias)
 
 
+FP32_ATTENTION = {"eager": "rlstages_fp32_eager", "sdpa": "rlstages_fp32_sdpa"}  # transformers name -> ours
+
+
+def _eager_of(module: torch.nn.Module) -> Any:
+    """The eager attention function of the model file that defines `module` (each transformers model has its
+    own `eager_attention_forward`: softcapping, sinks), or None."""
+    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+
+
+def _fp32_attention(base: str) -> Any:
+    """A transformers attention function that runs `base` ("eager" or "sdpa") on fp32 copies of q, k, v (and of
+    an additive mask) and returns its output in q's dtype; autograd takes the gradients back through the casts."""
+
+    def attention(
+        module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, None]:
+        if base == "sdpa":
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
+        else:
+            fn = _eager_of(module)
+        if mask is not None and mask.is_floating_point():
+            mask = mask.float()
+        out, _ = fn(module, query.float(), key.float(), value.float(), mask, **kwargs)
+        return out.to(query.dtype), None
+
+    return attention
+
+
+def use_fp32_attention(model: torch.nn.Module) -> str | None:
+    """Switch a transformers model's eager or sdpa attention to its fp32 variant (`FP32_ATTENTION`), in place;
+    returns the new name, or None where the model has another attention or no eager function of its own."""
+    config = getattr(model, "config", None)
+    current = getattr(config, "_attn_implementation", None)
+    switch = getattr(model, "set_attn_implementation", None)
+    if current not in FP32_ATTENTION or not callable(switch):
+        return None
+    if current == "eager" and not any(_eager_of(m) for m in model.modules() if type(m).__name__.endswith("Attention")):
+        return None
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    name = FP32_ATTENTION[current]
+    AttentionInterface.register(name, _fp32_attention(current))
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[current])  # the same masks as the native one
+    switch(name)
+    return name
+
+
 def use_fp32_kernel(model: torch.nn.Module) -> int:
-    """Make every `nn.Linear` of `model` an `Fp32KernelLinear`, in place (weights untouched); returns how many."""
+    """Make every `nn.Linear` of `model` an `Fp32KernelLinear` and its attention fp32 (`use_fp32_attention`), in
+    place (weights untouched); returns how many layers were swapped."""
     count = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear:
             module.__class__ = Fp32KernelLinear
             count += 1
+    attention = use_fp32_attention(model)
+    log.info("fp32 kernel: %d linear layers, attention %s", count, attention or "unchanged")
     return count
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlstages.configs.training import OptimConfig, TorchTrainingConfig
 from rlstages.engines import algorithms as A
@@ -138,3 +139,47 @@ def test_trainer_swaps_the_layers_and_trains_alike(tiny_model_dir: Path) -> None
     m = [t.train_step(batch) for t in (native, upcast)]
     assert m[1]["pg_loss"] == pytest.approx(m[0]["pg_loss"], abs=0.02)
     assert m[1]["grad_norm"] == pytest.approx(m[0]["grad_norm"], rel=0.05)
+
+
+class _MatmulDtypes(TorchDispatchMode):
+    """Records the input dtype of every batched matmul (attention's scores and weighted values) run inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in (torch.ops.aten.bmm.default, torch.ops.aten.bmm.out):
+            self.dtypes.add(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_attention_runs_in_fp32_and_matches_the_native_one(tiny_model_dir: Path, attention: str) -> None:
+    """With the fp32 kernel a bf16 model's eager (or sdpa) attention multiplies fp32 copies of q, k, v: no
+    bf16 batched matmul is left (they were a quarter of an AVX2 update), the same masks apply (left padding
+    included), and log-probs and gradients match the native attention's to bf16's resolution."""
+    from transformers import AutoModelForCausalLM
+
+    def model(fp32: bool) -> torch.nn.Module:
+        m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+        m.set_attn_implementation(attention)
+        if fp32:
+            assert fp32_matmul.use_fp32_attention(m) == fp32_matmul.FP32_ATTENTION[attention]
+        return m
+
+    ids = torch.randint(3, 100, (3, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # a left-padded row: the mask must reach the fp32 attention
+    native, upcast = model(False), model(True)
+    outs = []
+    for m in (native, upcast):
+        with _MatmulDtypes() as seen:
+            logits = m(input_ids=ids, attention_mask=mask).logits.float()
+            logp = torch.log_softmax(logits, -1)[mask.bool()]
+            logp.mean().backward()
+        outs.append((logp.detach(), m.model.layers[0].self_attn.q_proj.weight.grad.float(), seen.dtypes))
+    if attention == "eager":  # sdpa's CPU kernel is not a bmm: only the values are compared
+        assert outs[0][2] == {torch.bfloat16} and outs[1][2] == {torch.float32}
+    assert (outs[0][0] - outs[1][0]).abs().mean() < 0.02
+    assert torch.nn.functional.cosine_similarity(outs[0][1].flatten(), outs[1][1].flatten(), dim=0) > 0.99

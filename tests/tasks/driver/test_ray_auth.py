@@ -1,5 +1,6 @@
 """A Ray we start is closed: token authentication on (a 0600 token file is created), every server of its process
-tree listens on 127.0.0.1, and a client with a wrong token is refused. Real Ray in a subprocess (~30 s)."""
+tree listens on 127.0.0.1, and a client with a wrong token is refused; no idle worker is started ahead of need
+(`NO_PRESTART`). Real Ray in a subprocess (~30 s)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,16 @@ SCRIPT = r"""
 import json, os, subprocess, sys
 import psutil, ray
 from rlstages.tasks.driver.ray_auth import init_local_ray
-init_local_ray(num_cpus=1, include_dashboard=False, log_to_driver=False)
+init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
+me = psutil.Process()
+import time; time.sleep(5)  # Ray's prestart, where on, has begun by now
+idle = [p.pid for p in me.children(recursive=True) if p.name() == "ray::IDLE"]  # 2 with Ray's prestart
 
 @ray.remote
 def probe():
     return os.environ.get("RAY_AUTH_MODE"), ray.util.get_node_ip_address()
 
 mode, ip = ray.get(probe.remote())
-me = psutil.Process()
 tree = {me.pid} | {p.pid for p in me.children(recursive=True)}
 listening = sorted({c.laddr.ip for c in psutil.net_connections("inet") if c.status == "LISTEN" and c.pid in tree})
 address = ray.get_runtime_context().gcs_address
@@ -32,7 +35,7 @@ intruder = subprocess.run(
     capture_output=True, text=True, timeout=120, env=env,
 )
 tail = intruder.stdout + intruder.stderr
-print(json.dumps({"mode": mode, "ip": ip, "listening": listening, "intruder": tail}))
+print(json.dumps({"mode": mode, "ip": ip, "listening": listening, "intruder": tail, "idle": idle}))
 ray.shutdown()
 """
 
@@ -48,3 +51,4 @@ def test_local_ray_has_token_auth_and_listens_on_loopback_only(tmp_path: Path) -
     assert report["listening"] and all(ip in {"127.0.0.1", "::ffff:127.0.0.1"} for ip in report["listening"]), report
     assert "CONNECTED" not in report["intruder"] and "auth" in report["intruder"].lower(), report["intruder"]
     assert stat.S_IMODE(token.stat().st_mode) == 0o600 and len(token.read_text()) == 64
+    assert report["idle"] == [], f"worker processes started before any task or actor: {report['idle']}"
