@@ -115,13 +115,15 @@ def _fp32_attention(base: str) -> Any:
 
 def use_fp32_attention(model: torch.nn.Module) -> str | None:
     """Switch a transformers model's eager or sdpa attention to its fp32 variant (`FP32_ATTENTION`), in place;
-    returns the new name, or None where the model has another attention or no eager function of its own."""
+    returns the new name, or None where the model has another attention or an attention module whose file has no
+    eager function of its own."""
     config = getattr(model, "config", None)
     current = getattr(config, "_attn_implementation", None)
     switch = getattr(model, "set_attn_implementation", None)
     if current not in FP32_ATTENTION or not callable(switch):
         return None
-    if current == "eager" and not any(_eager_of(m) for m in model.modules() if type(m).__name__.endswith("Attention")):
+    attentions = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+    if current == "eager" and not all(_eager_of(m) for m in attentions):  # each is called with its own file's
         return None
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
