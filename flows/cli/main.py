@@ -353,7 +353,7 @@ def config_schema() -> None:
 
 
 def _register_conversion() -> None:
-    from rlstages.flows.convert import convert_command, export_command
+    from rlstages.flows.cli.convert import convert_command, export_command
 
     app.command("convert", help="Convert an HF directory to Megatron-Core (TP/PP shards, optional parity gate).")(
         convert_command

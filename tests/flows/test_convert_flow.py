@@ -17,13 +17,8 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import rlstages.tasks.convert as convert_tasks
-from rlstages.flows.convert import (
-    convert_command,
-    convert_flow,
-    convert_hf_to_mcore,
-    convert_mcore_to_hf,
-    export_command,
-)
+from rlstages.flows.cli.convert import convert_command, export_command
+from rlstages.flows.convert import convert_flow, convert_hf_to_mcore, convert_mcore_to_hf
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
