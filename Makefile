@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed's JIT-built ops (shm comm, cpu_adam: ~80 s each) are built once into torch's own cache
 # (~/.cache/torch_extensions/py3X_cpu, keyed by their sources and flags), shared by every clone of the repo.
 
-.PHONY: setup setup-test browser-env sandbox-env demo test test-fast test-py312 test-all lint smoke bench clean
+.PHONY: setup setup-test browser-env sandbox-env demo demo-async test test-fast test-py312 test-all lint smoke bench clean
 
 # On a CPU machine pip is held to the local CPU wheel of torch; a GPU machine keeps its own CUDA build.
 TORCH_PIN := $(if $(shell command -v nvidia-smi 2>/dev/null),,-c constraints-cpu.txt)
@@ -67,6 +67,14 @@ setup-test: $(VENV)/.installed-test browser-env sandbox-env
 demo: setup
 	@echo "run: rlstages run configs/demo.yaml"
 	@$(BIN)/rlstages run configs/demo.yaml
+
+# The demo trained asynchronously (docs/async.md): generation runs one policy version ahead (eta 1) in its own
+# worker beside the trainer's, one thread each, decoupled PPO for the stale tokens.
+ASYNC := trainer.mode=async trainer.async.max_staleness=1 cluster.hybrid_engine=false cluster.colocate=false \
+	algorithm.decoupled_loss=true cluster.threads_per_worker=1 trainer.run_name=demo-async
+demo-async: setup
+	@echo "run: rlstages run configs/demo.yaml $(ASYNC)"
+	@$(BIN)/rlstages run configs/demo.yaml $(ASYNC)
 
 smoke: setup
 	$(BIN)/rlstages run configs/tiny.yaml

@@ -135,6 +135,17 @@ def test_openmp_spins_only_for_a_lone_hybrid_worker() -> None:
     assert forced.omp_passive
 
 
+def test_make_demo_async_is_the_demo_trained_asynchronously() -> None:
+    # the Makefile's `demo-async` overrides, read from the Makefile: a valid async run of the demo's task and model
+    makefile = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    overrides = next(line for line in makefile.splitlines() if line.startswith("ASYNC :=")).split(":=")[1].split()
+    cfg, demo = load_config(ROOT / "configs" / "demo.yaml", overrides), load_config(ROOT / "configs" / "demo.yaml")
+    assert cfg.trainer.mode == "async" and cfg.trainer.async_.max_staleness == 1 and not cfg.cluster.hybrid_engine
+    assert cfg.algorithm.decoupled_loss and cfg.omp_passive  # two workers compute at once: idle threads sleep
+    same = (cfg.model, cfg.data, cfg.rollout, cfg.actor.optim)
+    assert same == (demo.model, demo.data, demo.rollout, demo.actor.optim)
+
+
 def test_colocated_gpus_fit() -> None:
     data = tiny()
     data["cluster"] = {"num_gpus": 2, "colocate": True}
