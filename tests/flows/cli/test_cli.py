@@ -138,7 +138,7 @@ def test_bad_input_is_one_line_and_non_zero(args: tuple[str, ...], needle: str, 
 
 def test_the_command_line_starts_without_the_heavy_libraries() -> None:
     # `rlstages --help`, a config error or `config show` must not wait for torch, Prefect, MLflow or Ray to import
-    # (8 s of the 9 s a bad config took before `convert`'s options moved out of the module that imports torch)
+    # (7 of the 8 s a bad config took before `convert`'s options moved out of the module that imports torch)
     heavy = ("torch", "prefect", "mlflow", "ray", "transformers", "tensordict")
     probe = f"import sys, rlstages.flows.cli.main; print(sorted(set({heavy!r}) & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT)
