@@ -2,8 +2,8 @@
 per-token policy versions of a step's rollouts.
 
 `engines.rollout.async_queue.RolloutQueue` is a plain class; here it becomes a named Ray actor (no CPU reserved:
-it only counts) so that generation and training talk to one queue, or stays an object in the driver when the
-engines do (`cluster.mode: in_process`).
+it only counts; on the driver's node) so that generation and training talk to one queue, or stays an
+object in the driver when the engines do (`cluster.mode: in_process`).
 """
 
 from __future__ import annotations
@@ -55,13 +55,16 @@ def open_queue(cfg: RunConfig, run: RunHandle, start_step: int) -> QueueClient:
         return QueueClient(RolloutQueue(*args), remote=False)
     import ray
 
+    from rlstages.engines.workers.actor_group import beside_driver
+
     actor = ray.remote(num_cpus=0, max_restarts=0)(RolloutQueue)
     name = f"rollout-queue-{run.key}"
     try:  # a queue left by an earlier attempt of this run (recovery): its counts are stale
         ray.kill(ray.get_actor(name, namespace=cfg.cluster.namespace))
     except ValueError:
         pass
-    handle = actor.options(name=name, namespace=cfg.cluster.namespace).remote(*args)  # type: ignore[attr-defined]
+    where = beside_driver()  # the queue outlives any rollout node leaving (the elastic fleet)
+    handle = actor.options(name=name, namespace=cfg.cluster.namespace, scheduling_strategy=where).remote(*args)  # type: ignore[attr-defined]
     return QueueClient(handle, remote=True)
 
 

@@ -4,7 +4,7 @@ error, not a hang) and colocated roles share bundles.
 Colocated: one placement group, bundle i shared by rank i of every trainer/rollout role (each takes an
 equal fraction of the bundle's CPUs and GPUs, verl's colocated layout); a rollout worker of tensor-parallel
 width t sits on bundle i x t, the first of its t GPU slots. Split: one placement group per role (a rollout
-bundle holds its worker's t GPUs). The reward scorer stays outside (it needs no reserved resources).
+bundle holds its worker's t GPUs). The reward scorer stays outside (it reserves nothing): on the driver's node.
 Placement groups are on whenever GPUs are requested (`ClusterConfig.use_placement_group`).
 """
 

@@ -230,7 +230,7 @@ def training_spec(cfg: RunConfig, run: RunHandle, role: Role) -> GroupSpec:
 
 
 def reward_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
-    """The reward-function scorer (a process pool inside one actor)."""
+    """The reward-function scorer (a process pool inside one actor), on the driver's node."""
     fns = [(f.name, f.weight, dict(f.kwargs)) for f in cfg.reward.functions]
     kwargs = {
         "functions": fns,
@@ -239,7 +239,10 @@ def reward_spec(cfg: RunConfig, run: RunHandle) -> GroupSpec:
         "num_processes": cfg.reward.num_processes,
     }
     return GroupSpec(
-        name=f"{run.name}-{run.key}-reward", engine=engine_path(REWARD_ENGINES, "functions"), kwargs=kwargs
+        name=f"{run.name}-{run.key}-reward",
+        engine=engine_path(REWARD_ENGINES, "functions"),
+        kwargs=kwargs,
+        beside_driver=True,  # (it reserves nothing, so Ray would put it on any node, one a spot reclaim can take)
     )
 
 

@@ -62,6 +62,28 @@ class SimCluster:
         """Address of worker node `index` (1-based)."""
         return f"{self.subnet}.{index + 1}"
 
+    def node_index(self, ip: str) -> int:
+        """The index of the worker node at address `ip` (`node_ip`'s inverse)."""
+        return int(ip.rsplit(".", 1)[1]) - 1
+
+    def live_nodes(self) -> list[int]:
+        """Indices of the worker nodes whose namespace still runs processes (a killed node's namespace stays)."""
+        return [i for i in self._namespaces() if _run(["ip", "netns", "pids", f"{self.prefix}n{i}"]).split()]
+
+    def next_node(self) -> int:
+        """The first index no node has used yet (`add-node` cannot reuse a killed node's namespace): tests of one
+        session share the cluster, so each picks its nodes from what earlier tests left."""
+        used = set(self._namespaces())
+        return next(i for i in range(1, 100) if i not in used)
+
+    def _namespaces(self) -> list[int]:
+        names = [n for n in _run(["ip", "netns", "list"]).split() if n.startswith(f"{self.prefix}n")]
+        return sorted(int(n[len(self.prefix) + 1 :]) for n in names if n[len(self.prefix) + 1 :].isdigit())
+
+
+def _run(cmd: list[str]) -> str:
+    return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+
 
 def _sim_env(prefix: str, subnet: str) -> dict[str, str]:
     return {"SIM_PREFIX": prefix, "SIM_SUBNET": subnet, "RAY": str(BIN / "ray"), "SIM_NODES": "2"}

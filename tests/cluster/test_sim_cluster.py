@@ -9,8 +9,8 @@ committed to the run dir on the host filesystem); the scaled-down twin of both M
 DeepSeek-V3's), a tiny DeepSeek-V3 (MLA, a shared expert) at TP2 x PP2 x EP2 with expert TP 1 (attention TP2 x PP2
 x DP2 = 8 ranks, hybrid engine, its last stage a layer longer, offload on), runs across both nodes with the
 rollout's log-probs within 1e-4 of the trainer's (opt-in with -m slow: the same layout dense); killing a worker
-node mid-run is recovered on the capacity left plus a node added meanwhile; (opt-in, -m slow) an async run's elastic
-rollout fleet loses a node's workers during a weight sync and gains two on a node added, with no recovery.
+node mid-run is recovered on the capacity left plus a node added meanwhile; an async run's elastic rollout fleet
+loses a node's workers during a weight sync and gains two on a node added, with no recovery.
 Flow runs are `rlstages run` subprocesses (the pytest process's own Ray is never touched) that report to the
 session's Prefect API (`sim`: no temporary Prefect server per run).
 """
@@ -304,12 +304,12 @@ def test_node_lost_mid_run_is_rebuilt_on_a_new_node(sim: SimCluster, tiny_model_
         try:
             (before,) = placements(tmp_path, "lost")
             victim = next(r["node_ip"] for r in before if r["role"] == "actor")
-            index = 1 if victim == sim.node_ip(1) else 2
-            killed = sim.script("kill-node", str(index))
+            killed = sim.script("kill-node", str(sim.node_index(victim)))
             assert killed.returncode == 0, killed.stderr
         finally:
             proc.send_signal(signal.SIGCONT)
-        added = sim.script("add-node", "3", timeout=900)
+        new = sim.next_node()  # (3 on a fresh cluster; the elastic-fleet test may have added one already)
+        added = sim.script("add-node", str(new), timeout=900)
         assert added.returncode == 0, added.stderr
         proc.wait(timeout=2400)
     finally:
@@ -321,26 +321,25 @@ def test_node_lost_mid_run_is_rebuilt_on_a_new_node(sim: SimCluster, tiny_model_
     assert [m.step for m in client.get_metric_history(found.info.run_id, "reward/mean")] == [1, 2]
     builds = placements(tmp_path, "lost")
     assert len(builds) >= 2  # the recovery placed the layout again
-    assert sim.node_ip(3) in {r["node_ip"] for r in builds[-1]}  # ... using the node added later
+    assert sim.node_ip(new) in {r["node_ip"] for r in builds[-1]}  # ... using the node added later
     assert victim not in {r["node_ip"] for r in builds[-1]}
 
 
-# opt-in (-m slow): passed alone once (2026-11-29), but not reliably: the run's unpinned actors (the reward scorer, the
-# rollout queue) may land on the node it kills, which is the flow's recovery, not the fleet's; and in the suite's
-# shared cluster the node-loss test above has already added node 3 and killed node 1 or 2 (docs/async.md)
-@pytest.mark.slow
 def test_elastic_fleet_a_node_leaves_and_one_joins(sim: SimCluster, tiny_model_dir: Path, tmp_path: Path) -> None:
-    """An async run (eta 1) with 3 rollout workers of 2 fake GPUs: the trainer pinned to node 1, so node 1 holds
-    it and one rollout worker, node 2 the other two. Node 2 is killed (the driver held still meanwhile), then
-    node 3 added: the two workers of node 2 leave (their prompts generated again by the one left), two join on node 3 in
-    the bundles Ray placed there, each with the current weights, and the run completes without a recovery: every
-    step trained once, on what was generated for it, with lag <= eta (tasks/fleet.py)."""
+    """An async run (eta 1) with 3 rollout workers of 2 fake GPUs on two live nodes A < B: the trainer pinned to A,
+    so A holds it and one rollout worker, B the other two (the reward scorer and the rollout queue beside the
+    driver, on the head). B is killed (the driver held still meanwhile), then a new node added: the two workers of B
+    leave (their prompts generated again by the one left), two join on the new node in the bundles Ray placed
+    there, each with the current weights, and the run completes without a recovery: every step trained once, on
+    what was generated for it, with lag <= eta (tasks/fleet.py). A and B are nodes 1 and 2 on a fresh cluster; the
+    node-loss test before this one kills one of them and adds node 3."""
     from safetensors.torch import load_file
 
     name = "elastic"
+    a, b = sim.live_nodes()[:2]
     cmd = flow(sim, tmp_path, tiny_model_dir, name, "trainer.mode=async", "trainer.async.max_staleness=1",
                "cluster.hybrid_engine=false", "cluster.colocate=false", "cluster.gpus_per_worker=2",
-               "rollout.num_workers=3", "reference.enabled=false", "cluster.trainer_resources={sim_node_1: 0.1}",
+               "rollout.num_workers=3", "reference.enabled=false", f"cluster.trainer_resources={{sim_node_{a}: 0.1}}",
                "trainer.total_steps=8", "trainer.eval_every=0", "checkpoint.every=1",
                "cluster.placement_timeout_seconds=420")  # fmt: skip
     log, run = tmp_path / f"{name}.log", tmp_path / "runs" / name
@@ -354,10 +353,11 @@ def test_elastic_fleet_a_node_leaves_and_one_joins(sim: SimCluster, tiny_model_d
             time.sleep(0.2)
         proc.send_signal(signal.SIGSTOP)  # the node dies between two of the driver's looks at the fleet
         try:
-            assert sim.script("kill-node", "2").returncode == 0
+            assert sim.script("kill-node", str(b)).returncode == 0
         finally:
             proc.send_signal(signal.SIGCONT)
-        added = sim.script("add-node", "3", timeout=900)  # (a raylet does not start while the driver is stopped)
+        # (a raylet does not start while the driver is stopped)
+        added = sim.script("add-node", str(sim.next_node()), timeout=900)
         assert added.returncode == 0, added.stderr
         proc.wait(timeout=2400)
     finally:
@@ -368,7 +368,7 @@ def test_elastic_fleet_a_node_leaves_and_one_joins(sim: SimCluster, tiny_model_d
     assert found.info.status == "FINISHED"
     (before,) = placements(tmp_path, name)  # one build: no recovery rebuilt the workers
     assert sorted(r["node_ip"] for r in before if r["role"] == "rollout") == sorted(
-        [sim.node_ip(1), sim.node_ip(2), sim.node_ip(2)]
+        [sim.node_ip(a), sim.node_ip(b), sim.node_ip(b)]
     )
     events = [json.loads(line) for line in (run / "fleet.jsonl").read_text().splitlines()]
     left = [e for e in events if e["kind"] == "worker_leave"]

@@ -98,6 +98,18 @@ def test_dispatch_modes_and_mesh(ray_session) -> None:
     group.kill()
 
 
+def test_a_coordinating_actor_asks_for_the_drivers_node(ray_session) -> None:
+    import ray
+
+    group = ActorGroup(GroupSpec(name="beside", engine=f"{__name__}:Echo", beside_driver=True), "rlstages-tests")
+    where = group._options(0)["scheduling_strategy"]  # (the reward scorer's and the rollout queue's placement)
+    assert (where.node_id, where.soft) == (ray.get_runtime_context().get_node_id(), False)
+    assert group.one(0).whoami().startswith("x:")  # placed and running
+    free = ActorGroup(GroupSpec(name="free", engine=f"{__name__}:Echo"), "rlstages-tests")
+    assert "scheduling_strategy" not in free._options(0)  # (Ray's default placement for the rest)
+    group.kill(), free.kill()
+
+
 def test_worker_env_lets_openmp_spin_only_when_asked() -> None:
     assert worker_env(2)["OMP_WAIT_POLICY"] == "PASSIVE"
     spin = worker_env(2, omp_passive=False)
