@@ -38,7 +38,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -186,9 +186,70 @@ def tensor_keys(td: TensorDict) -> list[str]:
     return cast("list[str]", keys)  # top-level keys are str (nested tuples only with include_nested)
 
 
+# [B, response width] fields, padded on the right; [B, prompt + response width] ones split at the prompt's width
+RESPONSE_SIDE = (RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOGPROBS, ROLLOUT_VERSIONS, OLD_LOGPROBS, REF_LOGPROBS, VALUES,
+                 TOKEN_REWARDS, ADVANTAGES, RETURNS, ROLLOUT_IS_WEIGHTS)  # fmt: skip
+WHOLE_SEQUENCE = (ATTENTION_MASK, POSITION_IDS)
+
+
 def concat(batches: Sequence[TensorDict]) -> TensorDict:
-    """Concatenate batches along rows (tensor and per-row fields alike)."""
-    return cast(TensorDict, torch.cat(list(batches), dim=0))  # TensorDict overrides torch.cat
+    """Concatenate batches along rows (tensor and per-row fields alike). Rollout batches of different engines
+    (data-parallel ranks) are each as wide as their own longest prompt and reply: the narrower ones are padded to
+    the widest first (`same_widths`)."""
+    parts: list[Any] = list(batches)
+    if len(parts) > 1 and all(PROMPT_IDS in b.keys() and RESPONSE_IDS in b.keys() for b in parts):
+        parts = same_widths(parts)
+    return cast(TensorDict, torch.cat(parts, dim=0))  # TensorDict overrides torch.cat
+
+
+def same_widths(batches: list[TensorDict]) -> list[TensorDict]:
+    """Rollout batches padded to one prompt width (on the left, as generation pads prompts) and one response
+    width (on the right): ids with the batches' own pad id, masks, log-probs and the like with 0, position ids
+    with their row's edge values. A field of another width that differs between the batches is refused."""
+    widths = [(b[PROMPT_IDS].shape[1], b[RESPONSE_IDS].shape[1]) for b in batches]
+    prompt, response = max(w[0] for w in widths), max(w[1] for w in widths)
+    if all(w == (prompt, response) for w in widths):
+        return batches
+    pad_id = _pad_id(batches)
+    out = []
+    for b, (p, r) in zip(batches, widths, strict=True):
+        left, right = prompt - p, response - r
+        if not left and not right:
+            out.append(b)
+            continue
+        b = b.clone(recurse=False)
+        for key in tensor_keys(b):
+            t = b.get(key)
+            if key == PROMPT_IDS:
+                b.set(key, _pad(t, left, 0, pad_id))
+            elif key == RESPONSE_IDS:
+                b.set(key, _pad(t, 0, right, pad_id))
+            elif key in RESPONSE_SIDE:
+                b.set(key, _pad(t, 0, right, 0))
+            elif key == ATTENTION_MASK:
+                b.set(key, torch.cat([_pad(t[:, :p], left, 0, 0), _pad(t[:, p:], 0, right, 0)], dim=1))
+            elif key == POSITION_IDS:
+                b.set(key, torch.cat([_pad(t, left, 0, 0), t[:, -1:].expand(-1, right)], dim=1))
+            elif t.dim() >= 2 and any(o.get(key).shape[1:] != t.shape[1:] for o in batches if key in o.keys()):
+                raise ValueError(f"batches to concatenate differ in the width of {key!r}: no rule to pad it")
+        out.append(b)
+    return out
+
+
+def _pad(t: torch.Tensor, left: int, right: int, value: float) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (left, right), value=value) if left or right else t
+
+
+def _pad_id(batches: list[TensorDict]) -> int:
+    """The pad id the batches already use (a padded prompt or reply position of any of them), else 0."""
+    for b in batches:
+        mask = b[ATTENTION_MASK]
+        prompt_pads = b[PROMPT_IDS][mask[:, : b[PROMPT_IDS].shape[1]] == 0]
+        reply_pads = b[RESPONSE_IDS][mask[:, b[PROMPT_IDS].shape[1] :] == 0]
+        for pads in (prompt_pads, reply_pads):
+            if pads.numel():
+                return int(pads[0])
+    return 0
 
 
 def chunk_for_ranks(td: TensorDict, ranks: int) -> list[TensorDict]:

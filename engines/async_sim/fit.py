@@ -32,8 +32,9 @@ class RunShape:
 
     @property
     def rows_per_worker(self) -> int:
-        """Rows each worker generates per step (a whole step spread over the workers)."""
-        return max(1, -(-self.groups_per_step * self.samples_per_group // self.rollout_workers))
+        """Rows the busiest worker generates per step: a step's prompts spread over the workers whole (a prompt's
+        replies stay on one worker: `RolloutGroup.generate`)."""
+        return max(1, -(-self.groups_per_step // self.rollout_workers) * self.samples_per_group)
 
 
 def stage_times(metrics: dict[str, float]) -> tuple[float, float, float]:
@@ -82,3 +83,16 @@ def fit_profile(
     return matched_profile(
         generate, shape.rows_per_worker, lengths, train, sync, memory_bound_share, workers=shape.rollout_workers
     )
+
+
+def memory_bound_share(times: dict[int, float], rows: int) -> float:
+    """The share of a token step that does not depend on the rows, at a batch of `rows`, from whole-generation
+    times of one engine at several batch sizes (rows -> seconds; `batch_times`): the least-squares line
+    t = a + b * rows through them gives a / (a + b * rows), clipped to [0, 1]."""
+    if len(times) < 2:
+        raise ValueError(f"need generation times at two or more batch sizes, got {sorted(times)}")
+    xs, ys = list(times), list(times.values())
+    mx, my = fmean(xs), fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    fixed = my - slope * mx
+    return min(max(fixed / (fixed + slope * rows), 0.0), 1.0) if fixed + slope * rows > 0 else 1.0
