@@ -186,10 +186,10 @@ def tensor_keys(td: TensorDict) -> list[str]:
     return cast("list[str]", keys)  # top-level keys are str (nested tuples only with include_nested)
 
 
-# [B, response width] fields, padded on the right; [B, prompt + response width] ones split at the prompt's width
+# [B, response width] fields, padded on the right when batches join (`same_widths`; the attention mask and the
+# position ids span prompt + response and are split at the prompt's width)
 RESPONSE_SIDE = (RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOGPROBS, ROLLOUT_VERSIONS, OLD_LOGPROBS, REF_LOGPROBS, VALUES,
                  TOKEN_REWARDS, ADVANTAGES, RETURNS, ROLLOUT_IS_WEIGHTS)  # fmt: skip
-WHOLE_SEQUENCE = (ATTENTION_MASK, POSITION_IDS)
 
 
 def concat(batches: Sequence[TensorDict]) -> TensorDict:
