@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from statistics import fmean
+from statistics import fmean, linear_regression
 
 from rlstages.engines.async_sim.profile import EngineProfile, LengthModel, matched_profile
 
@@ -91,8 +91,5 @@ def memory_bound_share(times: dict[int, float], rows: int) -> float:
     t = a + b * rows through them gives a / (a + b * rows), clipped to [0, 1]."""
     if len(times) < 2:
         raise ValueError(f"need generation times at two or more batch sizes, got {sorted(times)}")
-    xs, ys = list(times), list(times.values())
-    mx, my = fmean(xs), fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
-    fixed = my - slope * mx
+    slope, fixed = linear_regression(list(times), list(times.values()))
     return min(max(fixed / (fixed + slope * rows), 0.0), 1.0) if fixed + slope * rows > 0 else 1.0

@@ -34,6 +34,7 @@ from rlstages.engines.runtime.rendezvous import (
 )
 from rlstages.engines.types import chunk_for_ranks, concat
 from rlstages.engines.utils import free_port
+from rlstages.engines.workers.driver_node import beside_driver
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class GroupSpec:
     extra_options: dict[str, Any] = field(default_factory=dict)
     placement: Placement = Placement()
     rendezvous_timeout: float = 300.0
-    beside_driver: bool = False  # outside a placement group: on the driver's node (`beside_driver`)
+    beside_driver: bool = False  # outside a placement group: on the driver's node (`driver_node`)
 
     @property
     def dp(self) -> int:
@@ -398,14 +399,3 @@ def _gather(results: list[Any]) -> Any:
     if isinstance(first, list):
         return [x for r in results for x in r]
     return results
-
-
-def beside_driver() -> Any:
-    """A node affinity to the calling driver's node: the run's small coordinating actors (the reward scorer, the
-    rollout queue) live and die with the driver, not with a worker node that a spot reclaim or a scale-down takes
-    away. They reserve no resources, so that node always fits them. Not soft: Ray's soft affinity placed them on
-    other nodes of a cluster whose head has no CPUs (tests/cluster: 3 of 4 tries)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)

@@ -55,7 +55,7 @@ def open_queue(cfg: RunConfig, run: RunHandle, start_step: int) -> QueueClient:
         return QueueClient(RolloutQueue(*args), remote=False)
     import ray
 
-    from rlstages.engines.workers.actor_group import beside_driver
+    from rlstages.engines.workers.driver_node import beside_driver
 
     actor = ray.remote(num_cpus=0, max_restarts=0)(RolloutQueue)
     name = f"rollout-queue-{run.key}"

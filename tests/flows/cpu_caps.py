@@ -39,7 +39,7 @@ class CpuCaps:
         self.root, self.v2 = found
         self.share, self.poll_s = share, poll_s
         self.base = self.root / f"rlstages-caps-{os.getpid()}"
-        self.capped: dict[int, Path] = {}
+        self.capped: set[int] = set()  # each in its own group, `base / pid`
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="cpu-caps", daemon=True)
 
@@ -58,7 +58,7 @@ class CpuCaps:
     def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
         self.stop.set()
         self.thread.join()
-        for group in self.capped.values():
+        for group in (self.base / str(pid) for pid in self.capped):
             for pid in (group / "cgroup.procs").read_text().split():
                 try:
                     (self.root / "cgroup.procs").write_text(pid)
@@ -84,7 +84,7 @@ class CpuCaps:
         else:
             (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
             (group / "cpu.cfs_quota_us").write_text(str(quota))
-        self.capped[pid] = group
+        self.capped.add(pid)
         try:
             (group / "cgroup.procs").write_text(str(pid))
         except OSError:  # it ended before it could be moved
