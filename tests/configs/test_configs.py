@@ -175,7 +175,7 @@ def test_frozen_and_hash_stable() -> None:
     assert flat["actor.optim.lr"] == "0.001" and flat["reward.functions.0.name"] == "digit_ratio"
 
 
-def test_cli_config_show_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_config_show_and_errors(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
     from rlstages.flows.cli.main import app
@@ -185,7 +185,9 @@ def test_cli_config_show_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     def _cli(*args: str):  # in process (typer's CliRunner), from the repository root
         return CliRunner().invoke(app, list(args), env={"COLUMNS": "2000"})
 
-    ok = _cli("config", "show", "configs/demo.yaml", "actor.optim.lr=1e-5")
+    # the pre-flight reads the run directory: an empty one, not the checkout's runs/ (a `make demo` leaves runs/demo,
+    # whose config this override changes)
+    ok = _cli("config", "show", "configs/demo.yaml", "actor.optim.lr=1e-5", f"trainer.output_dir={tmp_path}")
     assert ok.exit_code == 0 and "lr: 1.0e-05" in ok.stdout, (ok.stderr, ok.exception)
     bad = _cli("config", "show", "configs/demo.yaml", "actor.optim.lrr=1")
     assert bad.exit_code == 2
