@@ -94,9 +94,11 @@ def test_the_gpu_fused_log_prob_pass_trains_as_the_eager_chunks(monkeypatch, tin
     start, fused = train(True)
     _, eager = train(False)
     assert not F.KERNELS.failed
+    # Adam divides each gradient by its own running scale, so where a gradient is near zero the two paths' rounding
+    # (a different summation order; on an AVX-512/AMX Xeon 1 of 4,096 weights differed by 1.3e-5) shows in the step
     for a, b in zip(fused, eager, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    assert max((a - b).abs().max().item() for a, b in zip(eager, start, strict=True)) > 1e-4
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-5)
+    assert max((a - b).abs().max().item() for a, b in zip(eager, start, strict=True)) > 1e-3  # >> the tolerance
 
 
 def test_the_gpu_fused_decoder_kernels_train_as_transformers(monkeypatch, tiny_model_dir: Path, batch) -> None:
