@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -80,6 +81,7 @@ def run_demo(tmp: Path, mode: str, seed: int, steps: int) -> DemoRun:
     args = [*LAYOUT, *MODES[mode], f"trainer.seed={seed}", f"trainer.run_name={name}",
             f"trainer.total_steps={steps}", f"trainer.output_dir={tmp / 'runs'}",
             f"tracking.tracking_uri=sqlite:///{db}", "tracking.log_model=false"]  # fmt: skip
+    shutil.rmtree(tmp / "runs" / name, ignore_errors=True)  # a killed bench's partial run: timed afresh, not resumed
     rlstages = Path(sys.executable).with_name("rlstages")
     start = time.time()
     with open(tmp / f"{name}.out", "w") as out:
