@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import record, report, small_model, tiny_run_config
+from bench.common import record, report, run_named, seconds_per_step, small_model, tiny_run_config
 
 MODES = {"sync": ["trainer.mode=sync"], "one_step_off": ["trainer.mode=one_step_off"],
          "async": ["trainer.mode=async", "trainer.async.max_staleness=2"]}  # fmt: skip
@@ -40,20 +40,17 @@ def _config(tmp: Path, model: Path, name: str, steps: int, mode: list[str]):  # 
     )
 
 
-def seconds_per_step(cfg) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+def step_time_and_reward(cfg) -> tuple[float, float]:  # type: ignore[no-untyped-def]
     """(wall seconds per step after the first, mean reward) of one flow run."""
     from mlflow import MlflowClient
 
     from rlstages.flows.train import rl_post_train
 
     rl_post_train(cfg)
-    client = MlflowClient(cfg.tracking.tracking_uri)
-    exp = client.get_experiment_by_name(cfg.tracking.experiment)
-    found = client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{cfg.trainer.run_name}'")
-    run_id = found[0].info.run_id
-    stamps = sorted(m.timestamp for m in client.get_metric_history(run_id, "progress/step"))
-    rewards = [m.value for m in client.get_metric_history(run_id, "reward/mean")]
-    return (stamps[-1] - stamps[0]) / 1000 / (len(stamps) - 1), sum(rewards) / len(rewards)
+    uri = cfg.tracking.tracking_uri
+    run_id = run_named(uri, cfg.tracking.experiment, cfg.trainer.run_name)
+    rewards = [m.value for m in MlflowClient(uri).get_metric_history(run_id, "reward/mean")]
+    return seconds_per_step(uri, run_id), sum(rewards) / len(rewards)
 
 
 def main(steps: int = 6) -> None:
@@ -64,7 +61,7 @@ def main(steps: int = 6) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="rlstages-bench-async-"))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     model = small_model(128, 4, 512, name="bench-async")
-    per_step = {mode: seconds_per_step(_config(tmp, model, mode, steps, extra)) for mode, extra in MODES.items()}
+    per_step = {mode: step_time_and_reward(_config(tmp, model, mode, steps, extra)) for mode, extra in MODES.items()}
     samples = PROMPTS * N
     sync_s = per_step["sync"][0]
     rows = [

@@ -7,9 +7,9 @@ is the same; async is `trainer.mode=async trainer.async.max_staleness=1 trainer.
 (streamed, in-flight replies continued under the new weights: without partial rollouts, async at eta 1 is
 one-step-off bit for bit). The seed is `trainer.seed` (sampling, the data order); the prompts are the demo's.
 
-Per run, from its MLflow run: samples trained per second (64 a step / wall seconds a step after the first,
-evaluations included), held-out steps and seconds to accuracy >= 0.8 (seconds from the command's start), the
-final held-out accuracy. Figures, as ratios against the synchronous runs of the same invocation:
+Per run, from its MLflow run: samples trained per second (the demo's prompts x replies a step / wall seconds a
+step after the first, evaluations included), held-out steps and seconds to accuracy >= 0.8 (seconds from the
+command's start), the final held-out accuracy. Figures, as ratios against the synchronous runs of the same invocation:
 - `demo_<mode>_samples_per_s_vs_sync`, `demo_<mode>_time_to_08_vs_sync` (mean seconds over the seeds that reach
   0.8; the detail says how many did), `demo_<mode>_steps_to_08_vs_sync`;
 - `demo_<mode>_final_gap_over_spread` (goal <= 1): how far the mode's mean final held-out accuracy falls below
@@ -19,7 +19,7 @@ The held-out curves of all runs: bench/async-demo-seeds.png (minutes from the co
 `python -m bench async_demo` (or `python -m bench.bench_async_demo`); BENCH_ASYNC_DEMO_SEEDS (3),
 BENCH_ASYNC_DEMO_STEPS (the demo's 30) and BENCH_ASYNC_DEMO_MODES (sync,one_step_off,async) change the runs;
 BENCH_ASYNC_DEMO_DIR keeps them in a directory of your choice, where a rerun reuses every run already there (each
-run's figures are saved beside its MLflow store as `<run name>.json`).
+run's figures are saved beside its MLflow store as `<run name>-<steps>.json`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.common import record
+from bench.bench_step import demo_config
+from bench.common import record, run_named, seconds_per_step
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUT = ["cluster.hybrid_engine=false", "cluster.colocate=false", "cluster.threads_per_worker=1",
@@ -43,7 +44,8 @@ LAYOUT = ["cluster.hybrid_engine=false", "cluster.colocate=false", "cluster.thre
 MODES = {"sync": ["trainer.mode=sync"], "one_step_off": ["trainer.mode=one_step_off"],
          "async": ["trainer.mode=async", "trainer.async.max_staleness=1",
                    "trainer.async.partial_rollout=true"]}  # fmt: skip
-SAMPLES_PER_STEP = 64  # the demo's 8 prompts x 8 replies
+DEMO = demo_config()
+SAMPLES_PER_STEP = DEMO.data.prompts_per_step * DEMO.rollout.n
 GOAL = 0.8
 PICTURE = Path(__file__).resolve().parent / "async-demo-seeds.png"
 
@@ -88,17 +90,11 @@ def run_demo(tmp: Path, mode: str, seed: int, steps: int) -> DemoRun:
         subprocess.run([str(rlstages), "run", "configs/demo.yaml", *args, "--log-format", "plain"],
                        cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, check=True)  # fmt: skip
     wall = time.time() - start
-    client = MlflowClient(f"sqlite:///{db}")
-    exp = client.get_experiment_by_name("rlstages-demo")
-    assert exp is not None, f"{name}: no MLflow experiment 'rlstages-demo' in {db}"
-    found = client.search_runs(
-        [exp.experiment_id], f"attributes.run_name = '{name}'", order_by=["attributes.start_time DESC"]
-    )
-    run_id = found[0].info.run_id  # the newest: an interrupted bench's run of the same name is older
-    stamps = sorted(m.timestamp for m in client.get_metric_history(run_id, "progress/step"))
-    evals = sorted(client.get_metric_history(run_id, "eval/accuracy"), key=lambda m: m.step)
+    uri = f"sqlite:///{db}"
+    run_id = run_named(uri, DEMO.tracking.experiment, name)  # the newest: an interrupted bench's run is older
+    evals = sorted(MlflowClient(uri).get_metric_history(run_id, "eval/accuracy"), key=lambda m: m.step)
     curve = [(m.step, m.value, m.timestamp / 1000 - start) for m in evals]
-    per_step = (stamps[-1] - stamps[0]) / 1000 / (len(stamps) - 1)
+    per_step = seconds_per_step(uri, run_id)
     print(f"{name}: {wall:.0f} s, {per_step:.1f} s/step, held-out "
           + " ".join(f"{acc:.2f}@{step}" for step, acc, _ in curve), flush=True)  # fmt: skip
     done = DemoRun(mode, seed, wall, per_step, curve)

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import record, report, small_model, tiny_run_config
+from bench.common import record, report, run_named, seconds_per_step, small_model, tiny_run_config
 
 
 def _config(tmp: Path, model: Path, name: str, steps: int, tokens: int):  # type: ignore[no-untyped-def]
@@ -52,16 +52,11 @@ def bare_loop(cfg, steps: int) -> float:  # type: ignore[no-untyped-def]
 
 def flow_iterations(cfg, steps: int) -> float:  # type: ignore[no-untyped-def]
     """Seconds per iteration of the Prefect flow, from MLflow's step timestamps (after the first step)."""
-    from mlflow import MlflowClient
-
     from rlstages.flows.train import rl_post_train
 
     rl_post_train(cfg)
-    client = MlflowClient(cfg.tracking.tracking_uri)
-    exp = client.get_experiment_by_name(cfg.tracking.experiment)
-    run = client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{cfg.trainer.run_name}'")[0]
-    stamps = sorted(m.timestamp for m in client.get_metric_history(run.info.run_id, "progress/step"))
-    return (stamps[-1] - stamps[0]) / 1000 / (len(stamps) - 1)
+    uri = cfg.tracking.tracking_uri
+    return seconds_per_step(uri, run_named(uri, cfg.tracking.experiment, cfg.trainer.run_name))
 
 
 SIZES = [(128, 4, 32), (512, 4, 96)]  # (hidden, layers, new tokens): a tiny model, then a small one

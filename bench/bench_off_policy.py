@@ -16,7 +16,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import record, report, small_model, tiny_run_config
+from bench.common import record, report, run_named, seconds_per_step, small_model, tiny_run_config
 
 
 def _config(tmp: Path, model: Path, name: str, steps: int, off_policy: bool):  # type: ignore[no-untyped-def]
@@ -45,15 +45,12 @@ def run(cfg) -> tuple[float, list[float], list[float]]:  # type: ignore[no-untyp
 
     rl_post_train(cfg)
     client = MlflowClient(cfg.tracking.tracking_uri)
-    exp = client.get_experiment_by_name(cfg.tracking.experiment)
-    found = client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{cfg.trainer.run_name}'")
-    run_id = found[0].info.run_id
+    run_id = run_named(cfg.tracking.tracking_uri, cfg.tracking.experiment, cfg.trainer.run_name)
 
     def curve(key: str) -> list[float]:
         return [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
 
-    stamps = sorted(m.timestamp for m in client.get_metric_history(run_id, "progress/step"))
-    return (stamps[-1] - stamps[0]) / 1000 / (len(stamps) - 1), curve("reward/mean"), curve("rollout_corr/kl")
+    return seconds_per_step(cfg.tracking.tracking_uri, run_id), curve("reward/mean"), curve("rollout_corr/kl")
 
 
 def main(steps: int = 6) -> None:

@@ -222,3 +222,22 @@ def tiny_run_config(tmp: Path, model: Path, name: str, steps: int, *overrides: s
         "tracking.log_model=false",
     ]
     return load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml", [*base, *overrides])
+
+
+def run_named(tracking_uri: str, experiment: str, name: str) -> str:
+    """The id of the newest MLflow run called `name` in `experiment` (a flow bench's run read back)."""
+    from rlstages.tasks.driver.tracking.queries import experiment_id, experiment_runs
+
+    exp_id, _ = experiment_id(tracking_uri, experiment)
+    found = experiment_runs(tracking_uri, exp_id, 1, f"attributes.run_name = '{name}'")
+    if not found:
+        raise ValueError(f"no run {name!r} in experiment {experiment!r} of {tracking_uri}")
+    return found[-1].run_id
+
+
+def seconds_per_step(tracking_uri: str, run_id: str) -> float:
+    """Wall seconds per step after the first, from the run's `progress/step` timestamps."""
+    from mlflow import MlflowClient
+
+    stamps = sorted(m.timestamp for m in MlflowClient(tracking_uri).get_metric_history(run_id, "progress/step"))
+    return (stamps[-1] - stamps[0]) / 1000 / (len(stamps) - 1)
