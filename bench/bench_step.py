@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from tensordict import TensorDict
 
 from bench.common import matmul_flops, memory_bandwidth, record
+from rlstages.engines.tensordict_import import TensorDict
 
 if TYPE_CHECKING:
     from rlstages.configs import RunConfig

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
-from tensordict import TensorDict
 
 from rlstages.engines.score_result import ScoreResult
+from rlstages.engines.tensordict_import import TensorDict
 from rlstages.engines.types import Bucket, NamedTensors, Prompt, SamplingParams
 
 

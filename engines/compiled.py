@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlstages.engines.tensordict_import import register_with_dynamo
+
 log = logging.getLogger(__name__)
 
 
@@ -44,6 +46,7 @@ class CompiledFunctions:
             return None
         if name not in self.compiled:
             fn = self.functions[name]
+            register_with_dynamo()
             self.compiled[name] = torch.compile(fn, backend=self.backend, dynamic=True, fullgraph=True)
         try:
             return self.compiled[name](*args)

@@ -43,7 +43,8 @@ from typing import Any, cast
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
-from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+from rlstages.engines.tensordict_import import NonTensorData, NonTensorStack, TensorDict
 
 PROMPT_IDS = "prompt_ids"
 RESPONSE_IDS = "response_ids"

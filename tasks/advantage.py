@@ -11,12 +11,12 @@ from typing import NamedTuple
 import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from tensordict import TensorDict
 
 from rlstages.configs import RunConfig
 from rlstages.configs.algorithm import RolloutISConfig
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
+from rlstages.engines.tensordict_import import TensorDict
 from rlstages.tasks.driver.context import RunHandle
 
 

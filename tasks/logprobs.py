@@ -9,11 +9,11 @@ import time
 import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from tensordict import TensorDict
 
 from rlstages.configs import RunConfig
 from rlstages.engines import types as T
 from rlstages.engines.algorithms import masked_mean
+from rlstages.engines.tensordict_import import TensorDict
 from rlstages.tasks.driver.context import RunHandle
 from rlstages.tasks.stage_workers import TrainerRole, stage_workers
 

@@ -10,12 +10,12 @@ import time
 import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from tensordict import TensorDict
 
 from rlstages.configs import RunConfig
 from rlstages.engines import types as T
 from rlstages.engines.algorithms import overlong_penalty
 from rlstages.engines.rollout.trajectory import trajectory_infos
+from rlstages.engines.tensordict_import import TensorDict
 from rlstages.tasks.driver.context import RunHandle
 from rlstages.tasks.driver.faults import maybe_fail
 from rlstages.tasks.stage_workers import StageWorkers, stage_workers

@@ -6,13 +6,13 @@ import time
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from tensordict import TensorDict
 
 from rlstages.configs import RunConfig
 from rlstages.engines import types as T
 from rlstages.engines.rollout.streaming import stamp_version
 from rlstages.engines.rollout.trajectory import decoded_table, rollout_metrics, trajectory_infos
 from rlstages.engines.sync.protocol import SyncRound
+from rlstages.engines.tensordict_import import TensorDict
 from rlstages.engines.tools.registry import isolation_label
 from rlstages.engines.types import SamplingParams
 from rlstages.tasks.driver import tracking

@@ -39,9 +39,9 @@ def test_top_level_folders_are_mirrors_or_tiers() -> None:
 
 def test_the_engines_tests_are_sorted_into_their_folders() -> None:
     """A test of an engines subpackage lives in its folder: tests/engines/ itself holds only the tests of the modules
-    at engines/'s top (registry, base's Protocols, compiled)."""
+    at engines/'s top (registry, base's Protocols, compiled, tensordict_import)."""
     top = sorted(p.name for p in (TESTS / "engines").glob("test_*.py"))
-    assert top == ["test_compiled.py", "test_protocols.py", "test_registry.py"], top
+    assert top == ["test_compiled.py", "test_protocols.py", "test_registry.py", "test_tensordict_import.py"], top
 
 
 def test_test_module_names_are_unique() -> None:

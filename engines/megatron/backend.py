@@ -48,7 +48,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from tensordict import TensorDict
 
 from rlstages.configs.training import UNEVEN_VPP_NEEDS_MIDDLE, MegatronTrainingConfig
 from rlstages.engines import algorithms as A
@@ -61,6 +60,7 @@ from rlstages.engines.megatron import parallel as MP
 from rlstages.engines.models import torch_dtype
 from rlstages.engines.models.vision import suppress, vision_token_ids
 from rlstages.engines.registry import has_module
+from rlstages.engines.tensordict_import import TensorDict
 from rlstages.engines.training import state_io
 from rlstages.engines.training.optim import lr_lambda
 from rlstages.engines.training.settings import TrainerSettings

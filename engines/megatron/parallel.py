@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tensordict import TensorDict
 
 from rlstages.engines import types as T
 from rlstages.engines.convert import ConversionSpec, load_rank_chunk, materialize, rank_mcore_to_hf, read_hf_config
@@ -26,6 +25,7 @@ from rlstages.engines.convert.sharding import chunk_prefix
 from rlstages.engines.megatron import cuda_shim, gpt
 from rlstages.engines.models.vision import forward_kwargs
 from rlstages.engines.registry import has_module
+from rlstages.engines.tensordict_import import TensorDict
 from rlstages.engines.utils import free_port
 
 OUTPUT_LAYER = "output_layer."

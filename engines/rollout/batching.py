@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from tensordict import TensorDict
 
 from rlstages.engines import types as T
+from rlstages.engines.tensordict_import import TensorDict
 from rlstages.engines.types import Prompt
 
 

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from rlstages.engines.rollout.fast_step import FastLlamaStep, _rms, _rotate
+from rlstages.engines.tensordict_import import register_with_dynamo
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ class CompiledDecode:
     def __call__(self, *args: Any) -> tuple[torch.Tensor, ...]:
         """`decode_tokens(*args)` compiled (torch.compile on the first call; dynamo's cache after)."""
         if self.fn is None:
+            register_with_dynamo()
             self.fn = torch.compile(decode_tokens, dynamic=False, fullgraph=True)
         return self.fn(*args)
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tensordict import TensorDict
 
 from rlstages.engines.base import NamedTensors
 from rlstages.engines.models import eos_token_ids, load_causal_lm, load_tokenizer
@@ -37,6 +36,7 @@ from rlstages.engines.rollout.vision_inputs import (
     load_image_processor,
 )
 from rlstages.engines.runtime.device import free_cached, to_device, worker_device
+from rlstages.engines.tensordict_import import TensorDict
 from rlstages.engines.types import Prompt, SamplingParams
 
 AUTO_CPU_STEP = "fast"  # `decode_step: auto` on CPU (docs/benchmarks.md: the compiled step measured against it)

@@ -31,7 +31,6 @@ from __future__ import annotations
 from typing import Any, cast
 
 import torch
-from tensordict import TensorDict
 
 from rlstages.engines.base import NamedTensors
 from rlstages.engines.models.vision import VISION_MODEL_TYPES, checkpoint_name, vision_token_ids
@@ -46,6 +45,7 @@ from rlstages.engines.rollout.vision_inputs import (
 )
 from rlstages.engines.runtime.device import worker_device
 from rlstages.engines.sync.buckets import DEFAULT_BUCKET_BYTES, tensor_buckets
+from rlstages.engines.tensordict_import import TensorDict
 from rlstages.engines.types import Prompt, SamplingParams
 from rlstages.engines.utils import torch_dtype
 

@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from tensordict import TensorDict
 
 from rlstages.engines import types as T
+from rlstages.engines.tensordict_import import TensorDict
 from rlstages.engines.types import Prompt
 
 TRAJECTORY = "trajectory"  # the per-row JSON field of a multi-turn batch

@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from tensordict import TensorDict
 
 from rlstages.engines.base import NamedTensors
 from rlstages.engines.models import eos_token_ids, saved_generation_config
@@ -66,6 +65,7 @@ from rlstages.engines.rollout.vllm_streaming import VLLMStreamingMixin
 from rlstages.engines.runtime.device import worker_device
 from rlstages.engines.sync.buckets import DEFAULT_BUCKET_BYTES, tensor_buckets
 from rlstages.engines.sync.registry import build_engine_push, engine_push
+from rlstages.engines.tensordict_import import TensorDict
 from rlstages.engines.types import Prompt, SamplingParams
 from rlstages.engines.utils import torch_dtype
 

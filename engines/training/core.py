@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tensordict import TensorDict
 
 from rlstages.engines import types as T
 from rlstages.engines.base import Readout, StepBackend
@@ -29,6 +28,7 @@ from rlstages.engines.registry import training_backend
 from rlstages.engines.runtime import device as D
 from rlstages.engines.runtime.compile_time import compile_seconds
 from rlstages.engines.sync.buckets import bucketize
+from rlstages.engines.tensordict_import import TensorDict
 from rlstages.engines.training import flops as F
 from rlstages.engines.training import ppo_step as P
 from rlstages.engines.training.microbatch import by_length, micro_batches

@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tensordict import TensorDict
 
 from rlstages.configs.training import DeepSpeedTrainingConfig
 from rlstages.engines.base import OnOutput, Readout
 from rlstages.engines.models import moe_layout
 from rlstages.engines.runtime.device import dist_backend
+from rlstages.engines.tensordict_import import TensorDict
 from rlstages.engines.training import state_io
 from rlstages.engines.training.optim import adamw, adamw_kwargs, lr_scheduler
 from rlstages.engines.training.settings import TrainerSettings

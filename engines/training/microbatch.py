@@ -7,9 +7,9 @@ Non-goal: cross-rank balancing (each data-parallel rank gets its rows from the a
 from __future__ import annotations
 
 import torch
-from tensordict import TensorDict
 
 from rlstages.engines import types as T
+from rlstages.engines.tensordict_import import TensorDict
 
 
 def mini_batches(batch: TensorDict, num: int) -> list[TensorDict]:

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from tensordict import TensorDict
 
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
@@ -29,6 +28,7 @@ from rlstages.engines.models.vision import (
 )
 from rlstages.engines.rollout.decode import left_pad, prefill
 from rlstages.engines.rollout.vision_inputs import image_digest
+from rlstages.engines.tensordict_import import TensorDict
 from rlstages.engines.training.microbatch import by_length, mini_batches
 
 SUMMED = {"pg_loss", "entropy", "kl_loss", "vf_loss"}  # partial sums under the global normaliser

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
-from tensordict import TensorDict
 
 from rlstages.configs.training import TorchTrainingConfig, TrainingConfig
 from rlstages.engines.base import OnOutput, Readout
 from rlstages.engines.models import load_causal_lm, lora, moe_layout, torch_dtype
 from rlstages.engines.models.vision import param_groups
+from rlstages.engines.tensordict_import import TensorDict
 from rlstages.engines.training import ppo_step as P
 from rlstages.engines.training import state_io
 from rlstages.engines.training.fp32_matmul import use_fp32_kernel, wants_fp32_kernel

@@ -19,8 +19,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tensordict import TensorDict
-
 from rlstages.engines.imports import import_object
 from rlstages.engines.runtime.heap import heap_env
 from rlstages.engines.runtime.rendezvous import (
@@ -32,6 +30,7 @@ from rlstages.engines.runtime.rendezvous import (
     publish_master,
     wait_master,
 )
+from rlstages.engines.tensordict_import import TensorDict
 from rlstages.engines.types import chunk_for_ranks, concat
 from rlstages.engines.utils import free_port
 from rlstages.engines.workers.driver_node import beside_driver

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tensordict import TensorDict
 
 from rlstages.engines.imports import import_object
 from rlstages.engines.runtime.device import free_cached, worker_device
+from rlstages.engines.tensordict_import import TensorDict
 from rlstages.engines.types import Bucket, NamedTensors, Prompt, SamplingParams
 from rlstages.engines.workers.offload import hybrid_offload
 

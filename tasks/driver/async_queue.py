@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from tensordict import TensorDict
 
 from rlstages.configs import RunConfig
 from rlstages.engines import types as T
 from rlstages.engines.rollout.async_queue import ROLLOUT_VERSIONS, Batch, QueueItem, RolloutQueue
+from rlstages.engines.tensordict_import import TensorDict
 from rlstages.tasks.driver.async_schedule import row_runs
 from rlstages.tasks.driver.context import RunHandle
 

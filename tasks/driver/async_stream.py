@@ -19,13 +19,13 @@ import time
 from collections import Counter
 
 import torch
-from tensordict import TensorDict
 
 from rlstages.configs import RunConfig
 from rlstages.engines import types as T
 from rlstages.engines.rollout.async_queue import ROLLOUT_VERSIONS, QueueItem
 from rlstages.engines.rollout.batching import build_rollout_batch
 from rlstages.engines.rollout.streaming import FinishedGroup, GroupRequest
+from rlstages.engines.tensordict_import import TensorDict
 from rlstages.engines.types import Prompt, SamplingParams
 from rlstages.tasks.driver.context import RunHandle, derive_seed
 from rlstages.tasks.driver.data.loading import prompts_for_step, tokenizer_path

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from tensordict import TensorDict
 
 from rlstages.engines.rollout.streaming import FinishedGroup, GroupRequest
 from rlstages.engines.score_result import ScoreResult
+from rlstages.engines.tensordict_import import TensorDict
 from rlstages.engines.types import Prompt, SamplingParams
 from rlstages.engines.workers.actor_group import ActorGroup
 
