@@ -11,11 +11,13 @@ Every tier gets RLSTAGES_TEST_SHARED, a directory created here and removed at th
 build something costly (the tiny models, the reference run: tests/session_cache.py) build it there once, and the
 later tiers read what the parallel tier built.
 
-Every tier always runs. The report at the end lists the 25 slowest tests of all, the tests outside `slow` /
-`integration` over the 90 s budget (a list, not a failure), the wall time, and one summary line, last. The exit
-status is non-zero if any tier failed or, run without arguments (as `make test` does), selected no test
-(pytest's 5: a tier of the whole suite that runs nothing is a broken selection, not a pass). Extra arguments go to
-every pytest run, e.g. `python scripts/run_tests.py -x tests/flows` (there a tier may select nothing).
+Tiers 2 and 3 collect only the files of the tests tier 1 left out (tests/conftest.py `pytest_deselected` lists them),
+not the whole tree again (~20 s of a core a process). Every tier always runs. The report at the end lists the 25
+slowest tests of all, the tests outside `slow` / `integration` over the 90 s budget (a list, not a failure), the wall
+time, and one summary line, last. The exit status is non-zero if any tier failed or, run without arguments (as `make
+test` does), selected no test (pytest's 5: a tier of the whole suite that runs nothing is a broken selection, not a
+pass). Extra arguments go to every pytest run, e.g. `python scripts/run_tests.py -x tests/flows` (there a tier may
+select nothing).
 """
 
 from __future__ import annotations
@@ -61,6 +63,15 @@ def run_tier(name: str, args: list[str], extra: list[str], record: Path, shared:
     return rc, time.monotonic() - start
 
 
+def left_out_files(record: Path) -> list[str]:
+    """The test files holding the tests a tier deselected (tests/conftest.py `pytest_deselected` writes them beside
+    its record); empty (collect the whole tree) where it wrote none."""
+    listed = record.with_name(record.name + ".deselected")
+    if not listed.is_file():
+        return []
+    return sorted({line.strip() for line in listed.read_text().splitlines() if line.strip()})
+
+
 def main(extra: list[str]) -> int:
     """Run every tier, print the combined report, return the exit status."""
     start = time.monotonic()
@@ -68,9 +79,12 @@ def main(extra: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="rlstages-test-record-") as tmp:
         records: list[dict] = []
         shared = Path(tmp) / "shared"  # the tiny models and the reference run, built once for every tier
+        later: list[str] = []  # the files of the tests the parallel tier left out: all the later tiers collect
         for name, args in TIERS:
             record = Path(tmp) / f"{name}.jsonl"
-            rc, seconds = run_tier(name, args, extra, record, shared)
+            rc, seconds = run_tier(name, args, extra or later, record, shared)
+            if name == "parallel":
+                later = left_out_files(record)
             results.append((name, rc, seconds))
             if record.is_file():
                 records += [json.loads(line) for line in record.read_text().splitlines() if line.strip()]

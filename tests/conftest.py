@@ -235,6 +235,16 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         _exempt.add(key)
 
 
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    """With RLSTAGES_TEST_RECORD set, note the files of the tests this run leaves out (its `-m`) beside the record:
+    scripts/run_tests.py's later tiers collect only those files (collecting the whole tree costs ~20 s a process)."""
+    record = os.environ.get(DURATIONS_ENV)
+    if record and items:
+        files = sorted({item.nodeid.split("::", 1)[0] for item in items})
+        with open(f"{record}.deselected", "a", encoding="utf-8") as fh:  # xdist: each worker appends the same
+            fh.write("".join(f"{f}\n" for f in files))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     """List (never fail) the tests outside `slow` / `integration` over BUDGET_S; with RLSTAGES_TEST_RECORD set,
     append this run's durations and outcome counts there for scripts/run_tests.py's combined report."""

@@ -118,7 +118,7 @@ def short() -> dict[str, Any]:
     from rlstages.tasks.driver.placement import _reserve
 
     try:
-        _reserve("sim-short", [{"CPU": 0.1, "GPU": 4.0}] * 3, "PACK", 20)
+        _reserve("sim-short", [{"CPU": 0.1, "GPU": 4.0}] * 3, "PACK", 5)  # infeasible at once: no need to wait long
     except ValueError as exc:
         return {"error": str(exc)}
     return {"error": None}
