@@ -109,9 +109,10 @@ class TorchTrainingConfig(_HFModelTraining):
     )
     bf16_stochastic_round: bool = Field(
         default=False,
-        description="With model.dtype bfloat16: torchao's AdamW (fp32 math, bf16 moments) rounds each updated "
-        "weight to bf16 stochastically, so updates far below bf16's resolution still add up in expectation. No "
-        "fp32 master copy: weights, gradients and moments take 4 bytes per parameter of the 16 of fp32 AdamW.",
+        description="With model.dtype bfloat16: AdamW in fp32 math with bf16 moments (engines/training/sr_adamw.py) "
+        "rounds each updated weight to bf16 stochastically, so updates far below bf16's resolution still add up in "
+        "expectation. No fp32 master copy: weights, gradients and moments take 4 bytes per parameter of the 16 "
+        "of fp32 AdamW.",
     )
 
     @model_validator(mode="after")

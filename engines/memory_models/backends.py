@@ -50,7 +50,7 @@ class TorchMemory:
     full_logits = False  # logits of every position (not only the response's)
 
     def state_bytes(self, train: Any, dtype: str) -> StateBytes:
-        """Weights, gradients and optimizer states per parameter (torchao's bf16 moments likewise)."""
+        """Weights, gradients and optimizer states per parameter (the bf16 AdamW's bf16 moments likewise)."""
         w = DTYPE_BYTES[dtype]
         return StateBytes(w, w, 2 * w)
 

@@ -19,8 +19,8 @@ from rlstages.engines.models.registry import (
 )
 from rlstages.engines.utils import torch_dtype
 
-# transformers imports torchao (when installed) while loading a model; on a CPU machine its CUDA kernels fail
-# to load with one warning each, which is noise: the optimizer we use from it is plain torch.
+# transformers imports torchao where it is installed (rlstages no longer needs it) while loading a model; on a CPU
+# machine its CUDA kernels fail to load with one warning each, which is noise
 logging.getLogger("torchao").setLevel(logging.ERROR)
 
 __all__ = [

@@ -1,5 +1,5 @@
 """How long this process has spent compiling with `torch.compile` (dynamo and inductor, forward and backward):
-a one-off cost of the first steps (torchao's AdamW compiles its per-tensor step on first use) that the run's
+a one-off cost of the first steps (the bf16 AdamW compiles its per-tensor step on first use) that the run's
 ETA leaves out of the time a later step takes (`flows.progress`)."""
 
 from __future__ import annotations

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import torch
 
 from rlstages.configs.training import OptimConfig
+from rlstages.engines.training.sr_adamw import BF16StochasticAdamW
 
 
 def lr_lambda(optim: OptimConfig, total_steps: int) -> Callable[[int], float]:
@@ -36,22 +36,15 @@ def adamw_kwargs(optim: OptimConfig) -> dict[str, object]:
 
 
 def adamw(
-    params: Iterable[torch.nn.Parameter], optim: OptimConfig, bf16_stochastic_round: bool = False
+    params: Iterable[torch.nn.Parameter], optim: OptimConfig, bf16_stochastic_round: bool = False, seed: int = 0
 ) -> torch.optim.Optimizer:
     """Torch AdamW over `params`, fused: one kernel per tensor instead of foreach's lists of temporaries as
     large as the model (SmolLM2-135M: ~0.5 GB less at the step, and faster on CPU and GPU alike).
-    `bf16_stochastic_round`: torchao's AdamW for bf16 weights (fp32 math per tensor, compiled once; moments
-    in bf16; each new weight rounded to bf16 stochastically, unbiased, instead of to nearest)."""
+    `bf16_stochastic_round`: `sr_adamw.BF16StochasticAdamW` for bf16 weights (fp32 math per tensor, compiled
+    once; moments in bf16; each new weight rounded to bf16 stochastically, unbiased, its bits from `seed`)."""
     if bf16_stochastic_round:
-        return _torchao_adamw()(params, **adamw_kwargs(optim), bf16_stochastic_round=True)
+        return BF16StochasticAdamW(params, **adamw_kwargs(optim), seed=seed)  # type: ignore[arg-type]
     return torch.optim.AdamW(params, **adamw_kwargs(optim), fused=True)  # type: ignore[arg-type]
-
-
-def _torchao_adamw() -> Any:
-    """The AdamW class of torchao, imported on first use (`engines.models` quiets its CUDA-kernel warnings)."""
-    from torchao.optim import _AdamW
-
-    return _AdamW
 
 
 def lr_scheduler(

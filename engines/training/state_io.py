@@ -85,7 +85,7 @@ def load_optimizer(optim: torch.optim.Optimizer, path: Path) -> None:
     for g, current in zip(groups, optim.param_groups, strict=True):
         if "betas" in g:
             g["betas"] = tuple(g["betas"])
-        for key, value in current.items():  # torchao keeps lr as a tensor (its compiled step reads it)
+        for key, value in current.items():  # an optimizer that keeps lr as a tensor (torchao's did)
             if isinstance(value, torch.Tensor) and key in g:
                 g[key] = torch.tensor(g[key], dtype=value.dtype)
     optim.load_state_dict({"state": state, "param_groups": groups})

@@ -130,7 +130,7 @@ class TorchBackend:
         if settings.trainable:
             stochastic = bool(getattr(settings.train, "bf16_stochastic_round", False))
             params = optimizer_params(self.model, lora.trainable_parameters(self.model), settings)
-            self.optimizer = adamw(params, settings.optim, stochastic)
+            self.optimizer = adamw(params, settings.optim, stochastic, settings.seed)
             self.scheduler = lr_scheduler(self.optimizer, settings.optim, settings.optim_steps)
 
     @property
@@ -221,7 +221,7 @@ class TorchBackend:
 
 
 def _no_callables(obj: Any) -> Any:
-    """JSON for what the scheduler's state holds beside numbers: a tensor LR (torchao's) as its float."""
+    """JSON for what the scheduler's state holds beside numbers: a tensor LR as its float."""
     if isinstance(obj, torch.Tensor) and obj.numel() == 1:
         return obj.item()
     return None if callable(obj) else str(obj)

@@ -93,7 +93,7 @@ def _replay(
 
 
 def test_compiling_in_the_first_step_is_left_out_of_the_eta(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The demo's first update compiles torchao's AdamW step (`perf/compile_s/actor`, 17 s of a 67 s step on
+    """The demo's first update compiles its AdamW step (`perf/compile_s/actor`, 17 s of a 67 s step on
     the AVX2 EPYC): the ETA after step 1 counts the 29 steps left at the compiled-out time, exactly."""
     plan = Plan(lambda k: k == 30, lambda k: False, (20.0,))  # the start's evaluation took 20 s
     said, ends, end = _replay(monkeypatch, plan, [(67.0, 17.0)] + [(50.0, 0.0)] * 29, {30: 20.0}, 0.0)

@@ -229,7 +229,7 @@ def test_hybrid_engine_gives_the_same_run(base, tiny_model_dir: Path, tmp_path: 
 def test_bf16_stochastic_rounding_run_resumes_bitwise(
     tiny_model_dir: Path, faults, tmp_path: Path, prefect_harness
 ) -> None:
-    """The demo's training shape (bf16 weights, torchao's AdamW, hybrid engine) through the flow: a run that
+    """The demo's training shape (bf16 weights, stochastic-rounding AdamW, hybrid engine) through the flow: a run that
     crashes before its step-2 checkpoint resumes to the uninterrupted run's weights, bit for bit."""
     shape = ("cluster.hybrid_engine=true", "model.dtype=bfloat16", "actor.bf16_stochastic_round=true", IN_DRIVER)
     ref_cfg = tiny_cfg(tmp_path, tiny_model_dir, "bf16-sr", *shape)

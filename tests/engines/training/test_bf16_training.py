@@ -1,4 +1,4 @@
-"""bf16 weights trained with stochastic rounding (`actor.bf16_stochastic_round`, torchao's AdamW)."""
+"""bf16 weights trained with stochastic rounding (`actor.bf16_stochastic_round`, engines/training/sr_adamw.py)."""
 
 from __future__ import annotations
 
@@ -73,5 +73,5 @@ def test_bf16_trainer_steps_in_bf16_and_resumes_bitwise(tiny_model_dir: Path, ba
     m2 = restored.train_step(batch)
     assert without_perf(m1) == without_perf(
         m2
-    )  # moments, the LR (a tensor in torchao's param groups) and the rounding's RNG restored
+    )  # moments, the step counts (the rounding's bits are keyed by them) restored
     assert all(torch.equal(w1[k], v) for k, v in restored.named_weights())

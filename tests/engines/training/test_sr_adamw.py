@@ -1,0 +1,51 @@
+"""`engines/training/sr_adamw.py`: the stochastic rounding to bf16 (always one of the two neighbours, unbiased,
+the same bits for the same key and others for another), and the compiled AdamW step equal to the eager one bit for
+bit (the eager one is the fallback where nothing compiles)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlstages.engines.training.sr_adamw import BF16StochasticAdamW, adamw_bf16_step, round_to_bf16
+
+
+def test_rounding_picks_a_neighbour_unbiased_and_is_keyed() -> None:
+    value = 1.0 + 3 * 2**-10  # 3/8 of the way from 1.0 to its bf16 neighbour above, 1.0 + 2^-7
+    x = torch.full((200_000,), value, dtype=torch.float32)
+    x[::2] *= -1  # negative values round towards / away from zero alike
+    rounded = round_to_bf16(x.clone(), torch.tensor(7))
+    magnitude = rounded.abs()
+    assert ((magnitude == 1.0) | (magnitude == 1.0 + 2**-7)).all() and torch.equal(rounded.sign(), x.sign())
+    assert rounded[1::2].mean().item() == pytest.approx(value, abs=2e-4)  # unbiased: the mean is x
+    assert rounded[::2].mean().item() == pytest.approx(-value, abs=2e-4)
+    assert torch.equal(round_to_bf16(x.clone(), torch.tensor(7)), rounded)  # the same key: the same bits
+    other = round_to_bf16(x.clone(), torch.tensor(8))
+    assert 0.4 < (other != rounded).float().mean().item() < 0.6  # another key: independent draws (p 3/8 each)
+
+
+def test_the_compiled_step_equals_the_eager_one() -> None:
+    torch.manual_seed(0)
+    p = torch.randn(64, 48).to(torch.bfloat16)
+    grad = (torch.randn(64, 48) * 1e-3).to(torch.bfloat16)
+    states = [(p.clone(), torch.zeros_like(p), torch.zeros_like(p)) for _ in range(2)]
+    scalars = (torch.tensor(3.0), torch.tensor(1e-3), torch.tensor(12345))
+    compiled = torch.compile(adamw_bf16_step, fullgraph=True, dynamic=False)
+    for fn, (w, m, v) in zip((adamw_bf16_step, compiled), states, strict=True):
+        fn(w, grad, m, v, *scalars, 0.9, 0.999, 1e-8, 0.01)
+    (w0, m0, v0), (w1, m1, v1) = states
+    assert torch.equal(w0, w1) and torch.equal(m0, m1) and torch.equal(v0, v1)
+    assert not torch.equal(w0, p)  # it moved
+
+
+def test_the_optimizer_is_deterministic_by_seed() -> None:
+    def run(seed: int) -> torch.Tensor:
+        w = torch.nn.Parameter(torch.ones(128, 128, dtype=torch.bfloat16))
+        opt = BF16StochasticAdamW([w], lr=1e-4, seed=seed)
+        for _ in range(3):
+            w.grad = torch.ones_like(w)
+            opt.step()
+        return w.detach().clone()
+
+    assert torch.equal(run(0), run(0))
+    assert not torch.equal(run(0), run(1))
