@@ -26,6 +26,7 @@ from bench.common import RESULTS_ENV, matmul_flops, memory_bandwidth
 
 BENCHES = [
     "step",
+    "sr_adamw",
     "rollout",
     "gen_cpu",
     "sync",
