@@ -1,8 +1,9 @@
 """A set of pure tensor functions that `torch.compile` fuses on a GPU, each compiled on first use, with the
 caller's eager code as the fallback wherever a function does not compile.
 
-`engines/algorithms/fused_logits.py` (the log-prob + entropy pass) and `engines/models/fused_layers.py` (the
-decoder's RMSNorm, SwiGLU and rotary embedding) each hold one. A function whose compilation fails is off for the
+`engines/algorithms/fused_logits.py` (the log-prob + entropy pass), `engines/models/fused_layers.py` (the
+decoder's RMSNorm, SwiGLU and rotary embedding) and `engines/training/sr_adamw.py` (the bf16 AdamW step, on CPU
+too) each hold one. A function whose compilation fails is off for the
 rest of the process (the compiler would fail again); a call that only passes dynamo's recompile limit (a new shape
 after too many) runs eagerly for that call alone and the compiled shapes keep running compiled.
 """

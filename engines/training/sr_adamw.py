@@ -6,22 +6,20 @@ The random bits are a hash of (seed, step, tensor, element index) computed insid
 not drawn from a generator: `torch.randint` inside a compiled CPU kernel costs ~10 ns an element (torchao's
 `_AdamW` draws them so: 1.3 s of its 1.6 s step for 135M parameters on the AMX Xeon, docs/demo-measured.md), the
 hash ~1 ns; and a resumed run rounds as the uninterrupted one does with no generator state to keep. The step is
-compiled once per tensor shape (`torch.compile`, inductor's C++ loop on CPU); where it cannot compile it runs
-eagerly, the same arithmetic, with one line saying so.
+compiled on first use (`engines.compiled.CompiledFunctions`: inductor's C++ loop on CPU); where it cannot compile
+it runs eagerly, the same arithmetic, with one line saying so.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from rlstages.engines.tensordict_import import register_with_dynamo
+from rlstages.engines.compiled import CompiledFunctions
 
-log = logging.getLogger(__name__)
 _MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B1  # spreads consecutive element indices over the hash's input space
 
@@ -59,9 +57,9 @@ def adamw_bf16_step(
     beta2: float,
     eps: float,
     weight_decay: float,
-) -> None:
+) -> Tensor:
     """One AdamW update of bf16 `p` in fp32 (decoupled weight decay, bias-corrected moments), written back to the
-    bf16 moments and, stochastically rounded (`round_to_bf16`), to `p`."""
+    bf16 moments and, stochastically rounded (`round_to_bf16`), to `p`; returns `p`."""
     p32 = p.float()
     g32 = grad.float()
     p32 = p32 - lr * weight_decay * p32
@@ -71,22 +69,10 @@ def adamw_bf16_step(
     exp_avg_sq.copy_(v)
     denom = v.sqrt() / (1 - beta2**step).sqrt() + eps
     p32 = p32 - lr * (m / (1 - beta1**step)) / denom
-    p.copy_(round_to_bf16(p32, key))
+    return p.copy_(round_to_bf16(p32, key))
 
 
-_compiled: Callable[..., None] | None = None
-_eager = False
-
-
-def _step_fn() -> Callable[..., None]:
-    """`adamw_bf16_step` compiled (once per process; dynamo compiles each tensor shape once), or eager."""
-    global _compiled
-    if _eager:
-        return adamw_bf16_step
-    if _compiled is None:
-        register_with_dynamo()
-        _compiled = torch.compile(adamw_bf16_step, fullgraph=True, dynamic=False)
-    return _compiled
+KERNELS = CompiledFunctions({"adamw_bf16_step": adamw_bf16_step}, "bf16 AdamW", devices=("cpu", "cuda"))
 
 
 def step_key(seed: int, step: int, index: int) -> int:
@@ -113,7 +99,6 @@ class BF16StochasticAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One update of every parameter with a gradient."""
-        global _eager
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -133,13 +118,8 @@ class BF16StochasticAdamW(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p)
                 state["step"] += 1
                 key = torch.tensor(step_key(self.seed, int(state["step"]), index), dtype=torch.int64)
-                args = (p.detach(), p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr, key)
-                try:
-                    _step_fn()(*args, beta1, beta2, group["eps"], group["weight_decay"])
-                except Exception as err:  # no C++ compiler, a backend error: the same arithmetic, eagerly
-                    if _eager:
-                        raise
-                    _eager = True
-                    log.warning("bf16 AdamW: the compiled step is off (%s); stepping eagerly", str(err)[:200])
-                    adamw_bf16_step(*args, beta1, beta2, group["eps"], group["weight_decay"])
+                args = (p.detach(), p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr, key,
+                        beta1, beta2, group["eps"], group["weight_decay"])  # fmt: skip
+                if not KERNELS.takes(p) or KERNELS.run("adamw_bf16_step", *args) is None:
+                    adamw_bf16_step(*args)  # the same arithmetic, eagerly
         return loss

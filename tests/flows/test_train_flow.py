@@ -238,7 +238,7 @@ def test_bf16_stochastic_rounding_run_resumes_bitwise(
     faults("checkpoint@2:fatal")
     with pytest.raises(RuntimeError, match="injected fatal fault"):
         rl_post_train(cfg)
-    rl_post_train(cfg)  # resumes from step 1: moments, the tensor LR and the rounding's RNG restored
+    rl_post_train(cfg)  # resumes from step 1: moments and step counts (the rounding is keyed by them) restored
     reference, resumed = final_weights(ref_cfg), final_weights(cfg)
     assert all(v.dtype == torch.bfloat16 for v in reference.values())
     assert all(torch.equal(reference[k], resumed[k]) for k in reference)
