@@ -14,9 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
+from rlstages.flows.flow_guard import guarded_flow
 from rlstages.tasks.convert import (
     convert_checkpoint,
     expert_option,
@@ -25,7 +25,7 @@ from rlstages.tasks.convert import (
 )
 
 
-@flow(name="convert-hf-to-mcore")
+@guarded_flow(name="convert-hf-to-mcore")
 def convert_flow(
     hf_dir: str,
     out_dir: str,
@@ -63,7 +63,7 @@ def convert_flow(
     return {"out_dir": out, "parity": parity}
 
 
-@flow(name="export-mcore-to-hf")
+@guarded_flow(name="export-mcore-to-hf")
 def export_flow(mcore_dir: str, out_dir: str, overwrite: bool = False, progress: bool = False) -> str:
     """Export a converted (or Megatron-trained) checkpoint back to an HF model directory."""
     out = export_checkpoint(mcore_dir, out_dir, overwrite=overwrite, progress=progress)

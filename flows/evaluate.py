@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect import flow
-
 from rlstages.configs import RunConfig
+from rlstages.flows.flow_guard import guarded_flow
 from rlstages.tasks.checkpoint import restore_engines
 from rlstages.tasks.driver.checkpoints import latest_checkpoint
 from rlstages.tasks.driver.context import RunHandle
@@ -17,7 +16,7 @@ from rlstages.tasks.rollout import sync_weights
 from rlstages.tasks.run import run_dir
 
 
-@flow(name="rl-evaluate", validate_parameters=True)
+@guarded_flow(name="rl-evaluate", validate_parameters=True)
 def evaluate_checkpoint(
     cfg: RunConfig, checkpoint: str | None = None, greedy: bool = True, k: int | None = None
 ) -> dict[str, float]:

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect import flow
-
+from rlstages.flows.flow_guard import guarded_flow
 from rlstages.tasks.driver.fleet_control import request_scale
 
 
-@flow(name="rl-scale", validate_parameters=True)
+@guarded_flow(name="rl-scale", validate_parameters=True)
 def scale_rollout(run_dir: str, rollout_workers: int) -> str:
     """Ask the async run in `run_dir` for `rollout_workers` rollout workers; returns the control file's path."""
     return str(request_scale(Path(run_dir), rollout_workers))

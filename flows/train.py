@@ -19,7 +19,6 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-from prefect import flow
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
@@ -28,6 +27,7 @@ from rlstages.configs.evaluation import eval_due
 from rlstages.flows.async_partial import start_feed
 from rlstages.flows.async_train import AsyncFeed
 from rlstages.flows.console import machine_of
+from rlstages.flows.flow_guard import guarded_flow
 from rlstages.flows.interrupts import stop_on_signal
 from rlstages.flows.progress import Plan, RunProgress, eval_share, flow_run_name, run_progress
 from rlstages.flows.stages import MAX_PARALLEL_STAGES, Metrics, Stages
@@ -104,7 +104,7 @@ def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
-@flow(
+@guarded_flow(
     name="rl-post-train",
     flow_run_name=flow_run_name,
     task_runner=ThreadPoolTaskRunner(max_workers=MAX_PARALLEL_STAGES),  # type: ignore[arg-type]  # prefect stub: infers Never
