@@ -30,6 +30,7 @@ import torch
 
 from rlstages.engines.models.vision import IMAGE_PAD, IMAGE_PLACEHOLDER, VISION_END, VISION_START
 from rlstages.engines.rollout.batching import prompt_text
+from rlstages.engines.rollout.decode import output_cache
 from rlstages.engines.types import Prompt
 
 
@@ -221,7 +222,7 @@ class ImageBatch:
             input_ids=input_ids[first], attention_mask=mask[first], position_ids=self.positions[:, first],
             use_cache=True, logits_to_keep=1, **self.inputs,
         )  # fmt: skip
-        cache, logits = step.past_key_values, step.logits[:, -1]
+        cache, logits = output_cache(step), step.logits[:, -1]
         if len(first) < input_ids.shape[0]:
             cache.batch_select_indices(self.inverse)
             logits = logits[self.inverse]

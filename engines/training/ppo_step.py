@@ -26,7 +26,7 @@ from rlstages.engines.models.vision import (
     unwrap,
     vision_token_ids,
 )
-from rlstages.engines.rollout.decode import left_pad, prefill
+from rlstages.engines.rollout.decode import cache_arg, left_pad, output_cache, prefill
 from rlstages.engines.rollout.vision_inputs import image_digest
 from rlstages.engines.tensordict_import import TensorDict
 from rlstages.engines.training.microbatch import by_length, mini_batches
@@ -135,9 +135,9 @@ class SharedPrompts:
             input_ids=response,
             attention_mask=torch.cat([self.mask[rows], mb[T.ATTENTION_MASK][:, width:].to(device)], dim=1),
             position_ids=positions,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=response.shape[1],
+            **cache_arg(unwrap(model), cache),
         )
         logits = torch.cat([last[rows].unsqueeze(1), tail.logits[:, :-1]], dim=1)
         return suppress(logits, vision_token_ids(unwrap(model).config))  # a text batch of a vision-language model
@@ -187,7 +187,7 @@ def _image_prefill(
         input_ids=ids, attention_mask=mask, position_ids=positions.permute(1, 0, 2).to(ids.device), use_cache=True,
         logits_to_keep=1, **concat_images(inputs, ids.device),
     )  # fmt: skip
-    return step.past_key_values, step.logits[:, -1], mask
+    return output_cache(step), step.logits[:, -1], mask
 
 
 def _prompt_tokens(mb: TensorDict) -> list[tuple[int, ...]]:
