@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -72,11 +76,25 @@ def start_ray(cfg: RunConfig) -> None:
         kwargs["logging_config"] = ray.LoggingConfig(log_level=level)
     root = logging.getLogger()
     handlers, root_level = root.handlers[:], root.level
-    if address:  # the cluster's own auth applies (a token file or RAY_AUTH_TOKEN enables it here)
-        ray.init(address=address, **kwargs)
-    else:  # ours: token auth on, 127.0.0.1 only
-        init_local_ray(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, **kwargs)
+    with sigterm_handler_kept():
+        if address:  # the cluster's own auth applies (a token file or RAY_AUTH_TOKEN enables it here)
+            ray.init(address=address, **kwargs)
+        else:  # ours: token auth on, 127.0.0.1 only
+            init_local_ray(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, **kwargs)
     root.handlers[:], root.level = handlers, root_level  # logging_config is for the actors: the driver keeps its own
+
+
+@contextmanager
+def sigterm_handler_kept() -> Iterator[None]:
+    """Put back the SIGTERM handler a Python caller installed (the flow's stop at a safe point, `flows.interrupts`)
+    after `ray.init`, which sets its own (`sys.exit`) in the main thread: without this a SIGTERM to a run on Ray
+    crashed the flow instead of stopping it (MLflow not KILLED, Prefect's temporary server left running)."""
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if callable(before) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, before)
 
 
 def build_workers(cfg: RunConfig, run: RunHandle) -> Workers:

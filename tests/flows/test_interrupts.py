@@ -2,9 +2,10 @@
 Prefect API, a real MLflow SQLite store): SIGTERM during an update with `trainer.checkpoint_on_signal` commits a
 checkpoint at the step's boundary, stops (exit 143, one line saying what was kept, MLflow KILLED, the Prefect flow
 run Cancelled, no process left) and the resumed run ends bit for bit where the uninterrupted reference run ends;
-Ctrl-C stops at once and says that nothing was kept; two runs under one name started at once: one runs, the other
-is refused in one line (exit 2) and touches nothing of it. The signals are real (`RLSTAGES_FAULTS`: the flow
-process sends them to itself at a stage of a step)."""
+SIGTERM to a run as `rlstages run` starts it (Ray actors, its own temporary Prefect server) stops it at once, MLflow
+KILLED, nothing left running; Ctrl-C stops at once and says that nothing was kept; two runs under one name started at
+once: one runs, the other is refused in one line (exit 2) and touches nothing of it. The signals are real
+(`RLSTAGES_FAULTS`: the flow process sends them to itself at a stage of a step)."""
 
 from __future__ import annotations
 
@@ -36,10 +37,11 @@ from rlstages.tasks.driver.checkpoints import latest_checkpoint
 from rlstages.tasks.driver.context import RunHandle
 
 
-def _drill(tmp: Path, model_dir: Path, name: str, *extra: str) -> tuple[list[str], RunConfig]:
-    """drill.yaml (tiny.yaml) in `tmp`, and the overrides of a run named `name` with the engines in the driver."""
+def _drill(tmp: Path, model_dir: Path, name: str, *extra: str, on_ray: bool = False) -> tuple[list[str], RunConfig]:
+    """drill.yaml (tiny.yaml) in `tmp`, and the overrides of a run named `name` with the engines in the driver (on
+    Ray actors with `on_ray`)."""
     (tmp / "drill.yaml").write_text((ROOT / "configs" / "tiny.yaml").read_text())
-    args = overrides(tmp, model_dir, name, IN_DRIVER, *extra)
+    args = overrides(tmp, model_dir, name, *(() if on_ray else (IN_DRIVER,)), *extra)
     return args, load_config(tmp / "drill.yaml", args)
 
 
@@ -72,6 +74,23 @@ def test_sigterm_in_an_update_commits_at_the_step_boundary_and_the_resume_ends_b
     assert finished.info.status == "FINISHED" and finished.info.run_id == killed.info.run_id
     assert reward_steps(cfg) == [1, 2]
     assert same(final_weights(reference_run.cfg), final_weights(cfg))
+
+
+def test_sigterm_to_a_run_on_ray_with_its_own_prefect_server_stops_it_and_leaves_no_process(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """As `rlstages run` is used: the workers Ray actors, Prefect a temporary server of the run's own. `ray.init` sets
+    its own SIGTERM handler (`sys.exit`) in the driver; the flow's must stay in place (it did not: the flow crashed,
+    MLflow's run was left RUNNING and the temporary server outlived the run)."""
+    args, cfg = _drill(tmp_path, tiny_model_dir, "termed-on-ray", on_ray=True)
+    stopped = cli(tmp_path, "run", "drill.yaml", *args, env={"RLSTAGES_FAULTS": "generate@2:sigterm"})
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    said = [line for line in stopped.stderr.splitlines() if line.startswith("stopped at step 2 of 2 (SIGTERM); ")]
+    assert said and "last checkpoint: step 1;" in said[0], stopped.stderr[-3000:]
+    assert not stopped.left_behind, stopped.left_behind  # Ray's processes and the Prefect server included
+    _, killed = mlflow_run(cfg)
+    assert killed.info.status == "KILLED" and reward_steps(cfg) == [1], killed.info.status
+    assert "rlstages.prefect_flow_run_id" in killed.data.tags  # (the run's own server is gone: its state not read)
 
 
 def test_ctrl_c_stops_at_once_and_says_that_nothing_was_kept(
