@@ -117,6 +117,13 @@ def test_worker_env_lets_openmp_spin_only_when_asked() -> None:
     assert spin["OMP_NUM_THREADS"] == "2" and spin["MALLOC_CONF"].startswith("narenas:1")
 
 
+def test_worker_env_caps_onednns_primitive_cache_unless_the_user_set_it(monkeypatch) -> None:
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    assert worker_env(1)["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"  # oneDNN's own default: 1,024 shapes kept
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "512")
+    assert worker_env(1)["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "512"
+
+
 def test_rank_coordinates_are_megatron_cores() -> None:
     """The group sends a data-parallel replica's rows to the ranks megatron-core puts in that replica: with
     TP, PP and DP all > 1 a wrong order feeds one replica's stages different rows."""
