@@ -150,6 +150,7 @@ class CompiledLlamaStep(FastLlamaStep):
     """The fast step with its per-token function compiled (`CompiledDecode`); `forward_pick` samples inside it."""
 
     kv: torch.Tensor  # [2, layers, slots, kv heads, width, head dim]: `keys` / `values` view it
+    PACK = False  # inductor takes the weights as plain tensors (its own freezing packs what it compiles)
 
     def __init__(self, model: Any, slots: int, dtype: torch.dtype, columns: int, kernel: CompiledDecode) -> None:
         self.kernel = kernel

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from rlstages.engines.rollout.decode import left_pad, prefill
+from rlstages.engines.rollout.packed_gemm import linear, pack, packing_off
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +46,19 @@ def unsupported(model: Any) -> str | None:
 
 class RolloutWeights:
     """The weights the fast step multiplies, in `dtype`: per layer the fused qkv and gate/up matrices; views of
-    them stand in for the transformers model's parameters while it prefills (`swapped`)."""
+    them stand in for the transformers model's parameters while it prefills (`swapped`). With `pack` (a CPU
+    model whose parameters are all of `dtype`): the four matrices of each layer and the head in oneDNN's blocked
+    layout where `packed_gemm.packing_off` allows, the rest the model's own tensors, and no views (the model
+    prefills on its own parameters)."""
 
-    def __init__(self, model: Any, dtype: torch.dtype) -> None:
+    def __init__(self, model: Any, dtype: torch.dtype, pack: bool = False) -> None:
         self.dtype = dtype
         self.views: dict[str, torch.Tensor] = {}
         self.layers: list[dict[str, Any]] = []
+        params = list(model.parameters())
+        self.pack = pack and params[0].device.type == "cpu" and all(p.dtype == dtype for p in params)
+        self.packed = 0  # matrices in oneDNN's layout
+        self.plain_reason: str | None = None  # why a matrix stayed plain where packing was asked for
         inner = model.model
         for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -71,17 +79,32 @@ class RolloutWeights:
         self.embed = self._own("model.embed_tokens.weight", inner.embed_tokens.weight)
         head = model.lm_head.weight
         tied = head is inner.embed_tokens.weight or head.data_ptr() == inner.embed_tokens.weight.data_ptr()
-        self.head = self.embed if tied else self._own("lm_head.weight", head)
+        self.head = self._packed(self.embed if tied else self._own("lm_head.weight", head))
         self.eps = float(layer.input_layernorm.variance_epsilon)
+        if self.plain_reason is not None:
+            log.info("rollout: the decode step's GEMMs are not prepacked (%s)", self.plain_reason)
 
     def _own(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if self.pack:  # the model's own tensor, of this dtype
+            return tensor.detach()
         copy = tensor.detach().to(self.dtype, copy=True)
         self.views[name] = copy
         return copy
 
+    def _packed(self, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` in oneDNN's layout where packing is asked for and allowed, else as it is."""
+        if not self.pack:
+            return weight
+        reason = packing_off(self.dtype, weight.device, (weight.shape[0], weight.shape[1]))
+        if reason is not None:
+            self.plain_reason = reason
+            return weight
+        self.packed += 1
+        return pack(weight)
+
     def _linear(self, name: str, module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         bias = None if module.bias is None else self._own(name + ".bias", module.bias)
-        return self._own(name + ".weight", module.weight), bias
+        return self._packed(self._own(name + ".weight", module.weight)), bias
 
     def _fuse(self, prefix: str, parent: Any, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         mods = [getattr(parent, n) for n in names]
@@ -89,6 +112,8 @@ class RolloutWeights:
         bias = None
         if mods[0].bias is not None:
             bias = torch.cat([m.bias.detach().to(self.dtype) for m in mods])
+        if self.pack:
+            return self._packed(weight), bias
         start = 0
         for n, m in zip(names, mods, strict=True):
             stop = start + m.weight.shape[0]
@@ -117,6 +142,8 @@ class RolloutWeights:
 class FastLlamaStep:
     """A `slots.DecodeStep`: the live rows' KV cache in static per-layer buffers, decoded by `_decode`."""
 
+    PACK = True  # its GEMMs on prepacked weights where `packed_gemm` allows (the compiled step takes them plain)
+
     def __init__(self, model: Any, slots: int, dtype: torch.dtype, columns: int = 256) -> None:
         self.model = model
         cfg = model.config
@@ -125,7 +152,7 @@ class FastLlamaStep:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.scale = self.head_dim**-0.5
         self.device = next(model.parameters()).device
-        self.weights = RolloutWeights(model, dtype)
+        self.weights = RolloutWeights(model, dtype, self.PACK)
         self.dtype = dtype
         self.slots = slots
         self.keys: list[torch.Tensor] = []
@@ -152,7 +179,7 @@ class FastLlamaStep:
 
     def weights_changed(self) -> None:
         """The model's weights changed in place: the copies are taken again."""
-        self.weights = RolloutWeights(self.model, self.dtype)
+        self.weights = RolloutWeights(self.model, self.dtype, self.PACK)
 
     def prefill(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
         """The transformers model prefills the rows on the rollout weights; their cache joins the buffers."""
@@ -259,33 +286,35 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def _decode(step: FastLlamaStep, ids: torch.Tensor, n: int) -> torch.Tensor:
     """One decode step of rows [0, n): embed, every layer over the static cache, the head."""
     w = step.weights
-    col, lo = step.column, step.start
+    col = step.column
     h, hk, d = step.heads, step.kv_heads, step.head_dim
     x = w.embed[ids]
     pos = step.position[:n]
     cos, sin = step.model.model.rotary_emb(x, pos[:, None])  # [n, 1, d]: the model's own RoPE (its scaling)
     cos, sin = cos.to(step.dtype), sin.to(step.dtype)
     step.valid[:n, col] = True
-    bias = torch.zeros(n, 1, 1, col + 1 - lo, dtype=step.dtype, device=x.device)
-    bias.masked_fill_(~step.valid[:n, None, None, lo : col + 1], float("-inf"))
+    # attention over the buffers' full width: a slice of its columns is not one dense batch of matrices, and
+    # the batched products copied it (keys and values, every layer: ~10 % of a step); unused columns are masked
+    bias = torch.zeros(n, 1, 1, step.columns, dtype=step.dtype, device=x.device)
+    bias.masked_fill_(~step.valid[:n, None, None, :], float("-inf"))
     for i, layer in enumerate(w.layers):
         a = _rms(x, layer["ln1"], w.eps)
-        qkv = F.linear(a, *layer["qkv"])
+        qkv = linear(a, *layer["qkv"])
         q = qkv[:, : h * d].view(n, h, d)
         k = qkv[:, h * d : (h + hk) * d].view(n, hk, d)
         v = qkv[:, (h + hk) * d :].view(n, hk, d)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         step.keys[i][:n, :, col] = k
         step.values[i][:n, :, col] = v
-        keys = step.keys[i][:n, :, lo : col + 1]  # [n, hk, W, d]
+        keys = step.keys[i][:n]  # [n, hk, columns, d]
         scores = torch.matmul(q.view(n, hk, h // hk, d), keys.transpose(-1, -2)) * step.scale + bias
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(step.dtype)
-        out = torch.matmul(probs, step.values[i][:n, :, lo : col + 1])
-        x = x + F.linear(out.reshape(n, h * d), *layer["o"])
+        out = torch.matmul(probs, step.values[i][:n])
+        x = x + linear(out.reshape(n, h * d), *layer["o"])
         a = _rms(x, layer["ln2"], w.eps)
-        gate, up = F.linear(a, layer["gate_up"][0], layer["gate_up"][1]).chunk(2, dim=-1)
-        x = x + F.linear(F.silu(gate) * up, *layer["down"])
-    return F.linear(_rms(x, w.norm, w.eps), w.head).float()
+        gate, up = linear(a, *layer["gate_up"]).chunk(2, dim=-1)
+        x = x + linear(F.silu(gate) * up, *layer["down"])
+    return linear(_rms(x, w.norm, w.eps), w.head).float()
 
 
 def rollout_compute_dtype(weights: torch.dtype, device: torch.device, setting: bool | str = "auto") -> torch.dtype:
