@@ -1,5 +1,5 @@
 """A worker's memory allocator (`cluster.heap`): the environment variables that choose it, set before the
-worker process starts (`actor_group.worker_env`).
+worker process starts (`worker_env.worker_env`).
 
 Non-goal: tuning inside a running process (glibc and jemalloc read these at start-up).
 """

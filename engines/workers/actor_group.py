@@ -14,13 +14,11 @@ actor and `rebuild()` replaces the group. `in_process=True` runs the same engine
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rlstages.engines.imports import import_object
-from rlstages.engines.runtime.heap import heap_env
 from rlstages.engines.runtime.rendezvous import (
     KEY_ENV,
     bundle_nodes,
@@ -30,6 +28,7 @@ from rlstages.engines.runtime.rendezvous import (
     publish_master,
     wait_master,
 )
+from rlstages.engines.runtime.worker_env import worker_env
 from rlstages.engines.tensordict_import import TensorDict
 from rlstages.engines.types import chunk_for_ranks, concat
 from rlstages.engines.utils import free_port
@@ -75,38 +74,6 @@ class GroupSpec:
         """(dp, pp, tp) coordinates of a rank in megatron-core's default order `tp-cp-ep-dp-pp`: tp varies
         fastest, then dp, pp slowest (the stages of one data-parallel replica are TP x DP ranks apart)."""
         return (rank // self.tp) % self.dp, rank // (self.tp * self.dp), rank % self.tp
-
-
-# The Hugging Face settings a worker inherits from the driver (also on a remote cluster's nodes).
-HF_ENV = ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT")
-ONEDNN_PRIMITIVES = "64"  # oneDNN primitive cache capacity of a worker (its default 1,024), unless the user sets it
-
-
-def worker_env(
-    threads: int, extra: dict[str, str] | None = None, omp_passive: bool = True, heap: str = "jemalloc"
-) -> dict[str, str]:
-    """Environment of a worker process: N torch threads (idle ones sleep at once when `omp_passive`, so
-    concurrent workers do not spin against each other), the user's Hugging Face settings (cache, offline
-    mode: inherited, not forced), and the allocator `heap` names (`heap_env`: jemalloc, or glibc's heap that
-    keeps freed memory, no page-fault storm on large tensors, or caps what it keeps)."""
-    env = {
-        **heap_env(heap),
-        "OMP_NUM_THREADS": str(threads),
-        "MKL_NUM_THREADS": str(threads),
-        "TOKENIZERS_PARALLELISM": "false",
-        # oneDNN keeps up to 1,024 compiled GEMM primitives, one per shape (a step's micro-batches have many) and
-        # each with its buffers: ~0.4 GB of the demo's worker on an AMX CPU; 64 held 0.3 GB of it at the same speed
-        "ONEDNN_PRIMITIVE_CACHE_CAPACITY": os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_PRIMITIVES),
-    }
-    env.update({k: os.environ[k] for k in HF_ENV if k in os.environ})
-    if omp_passive:
-        env["OMP_WAIT_POLICY"] = "PASSIVE"
-    # the user's model registrations (rlstages.engines.models.import_plugins); the compiled log-prob pass turned off
-    for key in ("RLSTAGES_PLUGINS", "RLSTAGES_COMPILED_LOGPROBS"):  # (algorithms.fused_logits.COMPILED_ENV)
-        if os.environ.get(key):
-            env[key] = os.environ[key]
-    env.update(extra or {})
-    return env
 
 
 class ActorGroup:

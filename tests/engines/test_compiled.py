@@ -61,7 +61,7 @@ def test_a_run_turns_the_compiled_log_prob_pass_off_in_its_workers(monkeypatch: 
     import sys
 
     from rlstages.engines.algorithms.fused_logits import COMPILED_ENV, KERNELS
-    from rlstages.engines.workers.actor_group import worker_env
+    from rlstages.engines.runtime.worker_env import worker_env
 
     check = "from rlstages.engines.algorithms.fused_logits import KERNELS; print(KERNELS.enabled)"
     for value, enabled in (("0", "False"), ("1", "True")):
