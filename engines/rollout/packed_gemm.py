@@ -29,7 +29,11 @@ def packing_off(dtype: torch.dtype, device: torch.device, shape: tuple[int, int]
         return f"{device.type} device"
     if dtype != torch.bfloat16:
         return f"{dtype} weights (only bf16 is packed)"
-    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    try:
+        supported = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):  # a torch build without these private ops
+        supported = False
+    if not supported:
         return "no oneDNN bf16 support in this torch or CPU"
     key = (dtype, *shape)
     if key not in _checked:
@@ -43,7 +47,7 @@ def _mismatch(dtype: torch.dtype, shape: tuple[int, int]) -> str | None:
     rows = torch.randn(7, shape[1], generator=gen).to(dtype)
     try:
         packed = linear(rows, pack(weight))
-    except RuntimeError as exc:
+    except (AttributeError, RuntimeError) as exc:
         return f"oneDNN's packed linear failed: {str(exc).splitlines()[0]}"
     return None if torch.equal(packed, F.linear(rows, weight)) else "the packed product differs from F.linear's"
 
