@@ -25,23 +25,23 @@ def sample_rows(logits: torch.Tensor) -> torch.Tensor:
     """One token per row from softmax(logits) by inverse CDF: one uniform per row, where torch.multinomial (what
     transformers' sampler calls) draws exponential noise over the whole vocabulary (65 ms per 64 x 49k step here,
     a fifth of the demo's generation). Uses torch's global RNG, so `torch.manual_seed` makes it repeatable."""
-    cdf = torch.softmax(logits.float(), dim=-1).cumsum_(dim=-1)
-    u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
-    picked = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1).squeeze(-1)
-    impossible = logits.gather(-1, picked.unsqueeze(-1)).squeeze(-1) == float("-inf")  # u rounded up to the total
-    if cdf.is_cuda:  # no host read of `impossible` per step: a sync that stalls the decode loop on a GPU
-        return torch.where(impossible, logits.argmax(-1), picked)
-    return torch.where(impossible, logits.argmax(-1), picked) if impossible.any() else picked
+    return _draw(torch.softmax(logits.float(), dim=-1).cumsum_(dim=-1), logits)
 
 
 def sample_logprobs(logprobs: torch.Tensor) -> torch.Tensor:
     """One token per row from log-probabilities [n, V] (a log-softmax already computed: no second softmax), by
-    inverse CDF with one uniform per row as `sample_rows` (a token of probability 0 that rounding picks is
-    replaced by the row's argmax: on a GPU with no host read, on a CPU only where one was picked)."""
-    cdf = logprobs.exp().cumsum_(dim=-1)
+    inverse CDF with one uniform per row as `sample_rows`."""
+    return _draw(logprobs.exp().cumsum_(dim=-1), logprobs)
+
+
+def _draw(cdf: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """The column where one uniform per row falls in the running sums `cdf` [n, V] of the probabilities whose
+    logits or log-probs are `scores`. A token of probability 0 (-inf in `scores`) that rounding picks (u rounded
+    up to the total) is replaced by the row's argmax: on a GPU with no host read of which rows (a sync that stalls
+    the decode loop), on a CPU only where one was picked (the argmax pass over [n, V] is ~3 % of a decode step)."""
     u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
     picked = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1).squeeze(-1)
-    impossible = logprobs.gather(-1, picked.unsqueeze(-1)).squeeze(-1) == float("-inf")
-    if cdf.is_cuda:  # as `sample_rows`; on a CPU the argmax pass over [n, V] (~3 % of a decode step) only if needed
-        return torch.where(impossible, logprobs.argmax(-1), picked)
-    return torch.where(impossible, logprobs.argmax(-1), picked) if impossible.any() else picked
+    impossible = scores.gather(-1, picked.unsqueeze(-1)).squeeze(-1) == float("-inf")
+    if cdf.is_cuda:
+        return torch.where(impossible, scores.argmax(-1), picked)
+    return torch.where(impossible, scores.argmax(-1), picked) if impossible.any() else picked
