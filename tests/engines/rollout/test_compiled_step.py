@@ -13,6 +13,7 @@ import torch
 from rlstages.engines.rollout.compiled_step import CompiledLlamaStep
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
 from rlstages.engines.types import Prompt, SamplingParams
+from tests.engines.rollout.rollout_support import assert_greedy_as_generate
 
 TEXTS = ("1+2=", "What is 10 + 12?", "7 plus 8 is", "9-3", "How much is 4 + 4?", "5 and 6 make")
 
@@ -46,14 +47,7 @@ def test_compiled_greedy_equals_model_generate(engine: HFRolloutEngine) -> None:
     finally:
         engine.batch_size = 64
     assert engine.compiled.off is None and engine.compiled.fn is not None  # it ran compiled, no fallback
-    for row, prompt in enumerate(TEXTS):
-        ids = engine.tokenizer(prompt)["input_ids"]
-        with torch.no_grad():
-            ref = engine.model.generate(
-                torch.tensor([ids]), do_sample=False, max_new_tokens=10, eos_token_id=None, pad_token_id=0
-            )[0, len(ids) :].tolist()
-        got = batch["response_ids"][row][batch["response_mask"][row].bool()].tolist()
-        assert got == ref[: len(got)] and (len(got) == 10 or got[-1] in engine.eos_ids)
+    assert_greedy_as_generate(engine, TEXTS, batch)
 
 
 def test_sampled_logprobs_equal_the_trainers_and_updates_do_not_recompile(engine: HFRolloutEngine) -> None:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
 from rlstages.engines.rollout.packed_gemm import linear, pack, packing_off
 from rlstages.engines.types import Prompt, SamplingParams
+from tests.engines.rollout.rollout_support import assert_greedy_as_generate
 
 CPU = torch.device("cpu")
 TEXTS = ("1+2=", "What is 10 + 12?", "7 plus 8 is")
@@ -51,11 +52,4 @@ def test_fast_step_on_packed_bf16_weights_decodes_as_generate(tiny_model_dir: Pa
     assert step.weights.embed.data_ptr() == engine.model.model.embed_tokens.weight.data_ptr()
     prompts = [Prompt(f"u{i}", text, "0") for i, text in enumerate(TEXTS)]
     batch = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=10), seed=0)
-    for row, text in enumerate(TEXTS):
-        ids = engine.tokenizer(text)["input_ids"]
-        with torch.no_grad():
-            ref = engine.model.generate(
-                torch.tensor([ids]), do_sample=False, max_new_tokens=10, eos_token_id=None, pad_token_id=0
-            )[0, len(ids) :].tolist()
-        got = batch["response_ids"][row][batch["response_mask"][row].bool()].tolist()
-        assert got == ref[: len(got)] and (len(got) == 10 or got[-1] in engine.eos_ids)
+    assert_greedy_as_generate(engine, TEXTS, batch)

@@ -13,6 +13,7 @@ from rlstages.engines.rollout.decode import decode, picker
 from rlstages.engines.rollout.fast_step import FastLlamaStep
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
 from rlstages.engines.rollout.slots import HFStep, RowRequest, SlotDecoder, run_rows
+from tests.engines.rollout.rollout_support import assert_greedy_as_generate
 
 TEXTS = ("1+2=", "What is 10 + 12?", "7 plus 8 is", "9-3", "How much is 4 + 4?", "5 and 6 make")
 
@@ -120,13 +121,7 @@ def test_fast_step_greedy_equals_model_generate(engine: HFRolloutEngine) -> None
     assert engine._fast_step(2, 64) is not None  # the tiny qwen2 takes the fast step
     prompts = [Prompt(f"u{i}", text, "0") for i, text in enumerate(TEXTS)]
     batch = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=10), seed=0)
-    for row, ids in enumerate(_prompts(engine)):
-        with torch.no_grad():
-            ref = engine.model.generate(
-                torch.tensor([ids]), do_sample=False, max_new_tokens=10, eos_token_id=None, pad_token_id=0
-            )[0, len(ids) :].tolist()
-        got = batch["response_ids"][row][batch["response_mask"][row].bool()].tolist()
-        assert got == ref[: len(got)] and (len(got) == 10 or got[-1] in engine.eos_ids)
+    assert_greedy_as_generate(engine, TEXTS, batch)
 
 
 def test_an_unsupported_model_falls_back_with_one_line(engine: HFRolloutEngine, caplog) -> None:
