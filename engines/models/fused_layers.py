@@ -9,9 +9,10 @@ kernels. The fused functions below are the same math as transformers' Llama/Qwen
 compared with transformers' Llama reference), so any other family keeps its own code.
 
 Only tensors on `KERNELS.devices` with autograd recording take the compiled path: the trainer's forward and
-backward on a GPU. Generation, the no-grad log-prob passes and the CPU keep transformers' code (compiling costs
-seconds per shape there, and decode steps are too small to gain). A function that does not compile falls back to
-that code, with a warning.
+backward on a GPU. Elsewhere (the CPU, where compiling costs seconds per shape) a routed RMSNorm or MLP that
+records autograd runs `lean_layers`' eager functions: the same outputs, less kept for the backward. Generation
+and the no-grad log-prob passes keep transformers' code. A function that does not compile falls back to the
+eager code, with a warning.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from torch import Tensor
 
 from rlstages.engines.compiled import CompiledFunctions
+from rlstages.engines.models import lean_layers
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,13 @@ KERNELS = CompiledFunctions({"rms_norm": rms_norm, "swiglu": swiglu, "rotary": r
 def active(t: Tensor) -> bool:
     """Whether a call on `t` takes the compiled path: `KERNELS` takes `t` and autograd is recording (training)."""
     return torch.is_grad_enabled() and KERNELS.takes(t)
+
+
+def lean(t: Tensor) -> bool:
+    """Whether a call on `t` takes `lean_layers`' eager path: autograd is recording on a device the compiled set is
+    not for (the CPU). Where it is for one and a function does not compile, transformers' code runs, as without
+    routing."""
+    return torch.is_grad_enabled() and t.device.type not in KERNELS.devices
 
 
 def probe(device: torch.device, dtype: torch.dtype) -> list[str]:
@@ -124,20 +133,26 @@ def _same_code(fn: Any, ref: str) -> bool:
 
 def fused_norm_forward(self: Any, hidden_states: Tensor) -> Tensor:
     """A routed RMSNorm's forward (bound to the module, so a deep copy binds to the copy): the compiled
-    `rms_norm` while training on `KERNELS.devices`, else its class's own forward."""
+    `rms_norm` while training on `KERNELS.devices`, `lean_layers.rms_norm` while training on other devices (the
+    CPU), else its class's own forward."""
     if active(hidden_states):
         out = KERNELS.run("rms_norm", hidden_states, self.weight, self.variance_epsilon)
         if out is not None:
             return out
+    if lean(hidden_states):
+        return lean_layers.rms_norm(hidden_states, self.weight, self.variance_epsilon)
     return type(self).forward(self, hidden_states)
 
 
 def fused_mlp_forward(self: Any, x: Tensor) -> Tensor:
-    """A routed SwiGLU MLP's forward: the projections as before, the gate through the compiled `swiglu`."""
+    """A routed SwiGLU MLP's forward: the projections as before, the gate through the compiled `swiglu` (training on
+    `KERNELS.devices`) or `lean_layers.swiglu` (training on other devices)."""
     if active(x):
         gated = KERNELS.run("swiglu", self.gate_proj(x), self.up_proj(x))
         if gated is not None:
             return self.down_proj(gated)
+    if lean(x):
+        return self.down_proj(lean_layers.swiglu(self.gate_proj(x), self.up_proj(x)))
     return type(self).forward(self, x)
 
 

@@ -87,14 +87,16 @@ def attention_impl(requested: str, device: torch.device, dtype: torch.dtype) -> 
 
 
 def fuse_on_device(model: Any, device: torch.device) -> None:
-    """Route the model's decoder element-wise work to compiled kernels where its device compiles them (a GPU;
-    `fused_layers`), logging what was routed."""
+    """Route the model's decoder element-wise work to compiled kernels where its device compiles them (a GPU),
+    elsewhere to the eager functions that keep less for the backward (`fused_layers`), logging what was routed."""
     from rlstages.engines.models import fused_layers
 
+    counts = fused_layers.fuse_elementwise(model)
     if device.type in fused_layers.KERNELS.devices and fused_layers.KERNELS.enabled:
-        counts = fused_layers.fuse_elementwise(model)
         working = fused_layers.probe(device, next(model.parameters()).dtype) if any(counts.values()) else []
         log.info("fused element-wise kernels for training: %s (compiled: %s)", counts, working)
+    else:
+        log.info("lean element-wise autograd for training: %s", counts)
 
 
 class TorchBackend:
