@@ -80,7 +80,9 @@ class _HFModelTraining(_TrainingCommon):
         default=True,
         description="On a GPU: the trained model's RMSNorm, SwiGLU and rotary embedding (Llama/Qwen-family code) "
         "run through torch.compile'd kernels in the update's forward and backward (engines/models/fused_layers.py); "
-        "generation and the CPU keep transformers' kernels. false: transformers' kernels everywhere.",
+        "on the CPU its RMSNorm and SwiGLU run eager autograd functions that keep less for the backward "
+        "(engines/models/lean_layers.py: the same outputs, ~0.24 GB less on a 1,024-token demo micro-batch); "
+        "generation keeps transformers' kernels. false: transformers' code everywhere.",
     )
 
 
