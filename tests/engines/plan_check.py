@@ -27,9 +27,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # measured / planned. State: weights + gradients + optimizer states (+ ZeRO-3's bucket): measured 1.000-1.022 on
 # torch, DeepSpeed ZeRO-2/3 DP2, Megatron TP2 / PP2 / EP2 / TP2 x EP2 (Megatron's buffers pad to their alignment).
 STATE_TOLERANCE = (0.98, 1.05)
-# Activations + logits: the plan counts what fused kernels keep (a lower bound); the CPU engines here run unfused
-# norms, RoPE and attention and Megatron's local (non-TE) spec, so they keep more: measured 1.24-1.78.
-ACTIVATION_TOLERANCE = (1.0, 2.0)
+# Activations + logits: the plan counts what fused kernels keep; the CPU engines here run unfused RoPE and attention
+# and Megatron's local (non-TE) spec, so they keep more (measured 1.24-1.78), except the transformers engines' RMSNorm
+# and SwiGLU (`lean_layers`: SwiGLU keeps 3 intermediate-wide tensors to the plan's 4): 0.96-0.98 measured there.
+ACTIVATION_TOLERANCE = (0.9, 2.0)
 
 
 def register() -> None:

@@ -139,14 +139,16 @@ def test_grpo_step_matches_torch_backend(model_for, batch, torch_step, case: str
     assert all(torch.allclose(weights[k], ref_weights[k], atol=1e-4, rtol=0) for k in ref_weights)
 
 
-def test_zero3_step_through_the_fused_decoder_kernels_matches_torch(model_for, batch, torch_step, monkeypatch) -> None:
+def test_zero3_step_through_the_fused_decoder_kernels_matches_torch(model_for, batch, monkeypatch) -> None:
     """ZeRO-3 with the decoder's RMSNorm, SwiGLU and rotary routed to the compiled functions (what a GPU's
     DeepSpeed trainer runs, `fused_layers`; traced here with aot_eager, parameters gathered by ZeRO's hooks
-    before each routed forward) takes the torch backend's eager step: same gradient, same weights."""
+    before each routed forward) takes the torch backend's step on transformers' own code: same gradient, same
+    weights."""
     from rlstages.engines.models import fused_layers as FL
 
     path = model_for(3)
-    ref_metrics, ref_weights, _ = torch_step(path)  # transformers' kernels: taken before the CPU is routed below
+    reference = torch_engine(path, fuse_elementwise=False)  # transformers' code: not `lean_layers`' CPU backward
+    ref_metrics, ref_weights = reference.train_step(batch), dict(reference.named_weights())
     torch._dynamo.reset()
     monkeypatch.setattr(FL.KERNELS, "devices", ("cpu",))
     monkeypatch.setattr(FL.KERNELS, "backend", "aot_eager")

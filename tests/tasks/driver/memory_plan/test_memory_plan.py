@@ -21,9 +21,10 @@ from rlstages.engines.types import Prompt, SamplingParams
 from rlstages.tasks.driver.memory_plan import load_dims, plan
 
 ROOT = Path(__file__).resolve().parents[4]
-# Saved activations: the plan counts what fused kernels keep (Megatron / Transformer Engine); transformers' RMSNorm
-# and RoPE are unfused and keep a few more tensors per layer, so an HF forward measures up to 30% above the plan.
-ACTIVATION_TOLERANCE = (1.0, 1.3)
+# Saved activations: the plan counts what fused kernels keep (Megatron / Transformer Engine); transformers' RoPE is
+# unfused and keeps a few more tensors per layer, while the CPU trainer's RMSNorm and SwiGLU (`lean_layers`) keep
+# less than the plan's SwiGLU (3 intermediate-wide tensors to its 4): an HF forward measures 0.9-1.3 of the plan.
+ACTIVATION_TOLERANCE = (0.9, 1.3)
 PUBLISHED_BILLIONS = {"qwen2_7b": 7.62, "qwen3_235b": 235.1, "deepseek_v3_671b": 671.0}  # the models' cards
 
 
