@@ -55,9 +55,8 @@ def test_rms_norm_is_transformers_bitwise_and_its_gradients_match(dtype) -> None
         torch.testing.assert_close(a, b, **tol)
         assert b.abs().max() > 1e-2
     weight_bytes = norm.weight.numel() * norm.weight.element_size()
-    share = (
-        0.4 if dtype == torch.bfloat16 else 0.6
-    )  # bf16: x, not its float32 copy and the cast; float32: x, not x and h
+    # kept beside the weight: bf16 keeps x, not its float32 copy and the cast; float32 keeps x, not x and h
+    share = 0.4 if dtype == torch.bfloat16 else 0.6
     assert lean_bytes - weight_bytes < share * (ref_bytes - weight_bytes), (lean_bytes, ref_bytes)
 
 
