@@ -26,6 +26,9 @@ TRL's settings (GRPOConfig; trl 1.16 with torch 2.13 and transformers 5.23) and 
   optimizer schedule; TRL's default linear decay would lower the LR step by step and compare unlike runs.
 - `beta=0.0` (no reference model, as the demo), `num_iterations=1` (one update per batch), `use_vllm=False`
   (HF generate, as our `hf` rollout); gradient checkpointing is TRL's default and is kept.
+- `entropy_coef`, `scale_rewards`, `loss_type` from the demo's `algorithm` (`trl_algorithm`): its entropy bonus
+  (the same mean per-token entropy; until round 17 TRL ran without it, a backward less than ours), its std
+  normalisation of the group advantages, and its loss aggregation (token-mean is TRL's `dapo`).
 - `report_to="none"`, `save_strategy="no"`, `disable_tqdm=True`, `logging_steps=1`: no tracking, checkpoints or
   bars to time; a callback measures each step's wall time.
 The held-out reward is measured outside TRL (its model put in eval mode first: left in training mode with the KV
@@ -42,8 +45,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bench.common import PssSampler, record
+
+if TYPE_CHECKING:
+    from rlstages.configs import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / ".cache" / "models" / "smollm2-135m-instruct"
@@ -128,6 +135,25 @@ def run_rlstages(steps: int, tmp: Path) -> dict[str, float]:
     }
 
 
+# our `algorithm.loss_agg_mode` -> TRL's `loss_type` (the ones both have)
+TRL_LOSS = {"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-token-sum-norm": "dr_grpo"}
+
+
+def trl_algorithm(cfg: RunConfig) -> dict[str, object]:
+    """The GRPOConfig fields that make TRL's objective the config's: entropy bonus, advantage scaling, loss
+    aggregation. A loss aggregation TRL has no counterpart for is an error, not a silently different objective."""
+    algo = cfg.algorithm
+    if algo.loss_agg_mode not in TRL_LOSS:
+        raise ValueError(
+            f"algorithm.loss_agg_mode={algo.loss_agg_mode!r}: TRL has no such loss; expected one of {sorted(TRL_LOSS)}"
+        )
+    return {
+        "entropy_coef": algo.entropy_coeff,
+        "scale_rewards": "group" if algo.norm_adv_by_std else "none",
+        "loss_type": TRL_LOSS[algo.loss_agg_mode],
+    }
+
+
 def run_trl(steps: int, tmp: Path) -> dict[str, float]:
     """TRL's GRPOTrainer on the same prompts, reward and held-out evaluation."""
     import torch
@@ -172,7 +198,7 @@ def run_trl(steps: int, tmp: Path) -> dict[str, float]:
         learning_rate=a.optim.lr, lr_scheduler_type="constant_with_warmup", warmup_steps=a.optim.warmup_steps,
         beta=0.0, num_iterations=1, max_grad_norm=1.0,
         use_vllm=False, logging_steps=1, max_steps=steps, report_to="none", save_strategy="no",
-        seed=cfg.trainer.seed, disable_tqdm=True,
+        seed=cfg.trainer.seed, disable_tqdm=True, **trl_algorithm(cfg),
     )  # fmt: skip
     tok = AutoTokenizer.from_pretrained(MODEL_DIR)
     model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)
