@@ -119,7 +119,12 @@ class StopOnSignal:
 
     def stopped(self, exc: BaseException, cfg: RunConfig, run: RunHandle, step: int) -> RunStopped | None:
         """What the flow tells its caller when `exc` is our interrupt (None for any other exception); `step` is
-        the step the loop was at (0 before it began)."""
+        the step the loop was at (0 before it began). A signal that lands while the flow waits in `ray.get` (most
+        of a run) reaches the flow as a plain KeyboardInterrupt: Ray re-raises whatever the handler raised as
+        one. It is ours when our handler ran; without this the run ended FAILED-looking (MLflow KILLED with
+        "KeyboardInterrupt", Prefect Crashed, exit 130, no line saying what was kept)."""
+        if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, Interrupted) and self.requested is not None:
+            exc = Interrupted(self.requested)
         if not isinstance(exc, Interrupted):
             return None
         self.stopping = True

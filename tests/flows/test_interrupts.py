@@ -15,6 +15,7 @@ import signal
 from pathlib import Path
 from uuid import UUID
 
+import pytest
 from flow_support import (
     IN_DRIVER,
     ROOT,
@@ -135,3 +136,43 @@ def test_two_runs_under_one_name_started_at_once_one_runs(
     assert found is not None and found[0] == 2  # its checkpoints intact (checksums verified)
     log = (cfg.trainer.output_dir / "twice.log").read_text()
     assert log.count("==== ") == 1  # the loser never opened the run's log
+
+
+def test_a_signal_during_a_ray_wait_is_still_the_runs_own_stop(ray_session, tmp_path: Path) -> None:
+    """Most of a run on Ray is the driver waiting in `ray.get`, and Ray re-raises whatever a signal handler raised
+    there as a plain KeyboardInterrupt. The flow still takes it as its stop (Cancelled, exit 143, the line saying
+    what was kept), not as a crash: found with a real SIGTERM to `rlstages run` of the demo between steps (MLflow
+    KILLED with "KeyboardInterrupt", Prefect Crashed, exit 130, no line)."""
+    import threading
+    import time
+
+    from rlstages.flows.interrupts import StopOnSignal
+
+    @ray_session.remote(num_cpus=0)
+    def wait() -> None:
+        time.sleep(60)
+
+    ref = wait.remote()
+    stop = StopOnSignal(graceful=False).install()
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt) as caught:
+            ray_session.get(ref, timeout=120)
+    finally:
+        timer.cancel()
+        timer.join()
+        stop.restore()
+        ray_session.cancel(ref, force=True)
+    assert type(caught.value) is KeyboardInterrupt  # Ray's, not the handler's `Interrupted`: the case guarded here
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"trainer.output_dir={tmp_path}", "trainer.run_name=waited"])
+    stopped = stop.stopped(caught.value, cfg, RunHandle("waited", str(run_dir(cfg))), 2)
+    assert stopped is not None and stopped.signum == signal.SIGTERM and not stopped.done
+    assert (
+        stopped.line()
+        == f"stopped at step 2 of {cfg.trainer.total_steps} (SIGTERM); last checkpoint: none, a re-run starts over"
+    )
+    assert (
+        StopOnSignal(graceful=False).stopped(KeyboardInterrupt(), cfg, RunHandle("waited", str(run_dir(cfg))), 2)
+        is None
+    )
