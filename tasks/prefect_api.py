@@ -7,11 +7,20 @@ connection: task states survive an outage by themselves. What does call the API 
 handled here: the run's artifacts (progress, evaluation tables, profiles) are best effort and skipped while
 the API is known to be away, and the end of a run waits for the API before the flow returns, so the engine's
 final state (Completed / Failed) gets through and the flow run does not stay Running.
+
+Prefect's temporary server (a run with no PREFECT_API_URL) is a child of the run's process, so a signal to the run's
+whole process group reaches it too: a Ctrl-C at the terminal, `timeout`, `kill -- -PGID`, a systemd unit's stop.
+It stopped at once, and the run, stopping, could not record its Cancelled state and waited minutes on the API that
+was gone. `start_temporary_server` starts it with SIGINT blocked, as Ray starts its own processes (the mask is
+inherited across fork and exec; uvicorn's handlers do not unblock it), so a Ctrl-C is the run's alone; a SIGTERM
+to the group still ends it (Prefect stops it with one), and `wait_until_answering` starts it again, on its port and
+database, for the run to record its end.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,9 +40,45 @@ def answering() -> bool:
         return client.api_healthcheck() is None
 
 
+def _temporary_server() -> Any:
+    """Prefect's temporary server of this process (the instance its clients use), or None where PREFECT_API_URL
+    names a server."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL
+
+    return None if PREFECT_API_URL.value() else SubprocessASGIServer()
+
+
+def start_temporary_server() -> None:
+    """Start the temporary server the run would start on its first API call, with SIGINT blocked in it; nothing
+    where PREFECT_API_URL names a server or the temporary one runs."""
+    server = _temporary_server()
+    if server is None or server.running:
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        server.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a Ctrl-C meanwhile is delivered here, now
+
+
+def restart_temporary_server() -> bool:
+    """Start the temporary server again where its process has ended (on its port and database, so the clients'
+    address and the flow run's record still hold); True when it did."""
+    server = _temporary_server()
+    process = getattr(server, "server_process", None)
+    if server is None or process is None or process.poll() is None:
+        return False
+    log.warning("Prefect's temporary server ended with the run's signal; starting it again to record the run's end")
+    server.running = False
+    start_temporary_server()
+    return True
+
+
 def wait_until_answering(timeout: float) -> bool:
-    """Wait up to `timeout` seconds for the Prefect API (the flow run's final state is sent after this); True
-    when it answers."""
+    """Wait up to `timeout` seconds for the Prefect API (the flow run's final state is sent after this), starting
+    the temporary server again where it ended (`restart_temporary_server`); True when it answers."""
+    restart_temporary_server()
     deadline = time.monotonic() + timeout
     said = False
     while not answering():

@@ -26,6 +26,8 @@ from rlstages.tasks.driver.placement import place, release, report
 from rlstages.tasks.driver.ray_auth import init_local_ray
 from rlstages.tasks.driver.specs import hybrid_spec, reward_model_spec, reward_spec, rollout_spec, training_spec
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class Workers:
@@ -161,9 +163,29 @@ def rebuild_workers(cfg: RunConfig, run: RunHandle) -> Workers:
     return build_workers(cfg, run)
 
 
+def ray_gone(timeout: float = 2.0) -> bool:
+    """Whether the Ray cluster this process joined no longer answers (its GCS, within `timeout` seconds): a SIGTERM
+    to the run's whole process group (`timeout`, `kill -- -PGID`, a systemd unit's stop) ends the local Ray's
+    processes with the driver, and every later Ray call waits a minute for them."""
+    import ray
+
+    if not ray.is_initialized():
+        return False
+    gcs: Any = ray._private.worker.global_worker.gcs_client  # type: ignore[attr-defined]  # set by ray.init
+    try:
+        gcs.internal_kv_exists(b"rlstages", namespace=None, timeout=timeout)
+    except Exception:  # noqa: BLE001 - any RPC error: the GCS is gone
+        return True
+    return False
+
+
 def forget_workers(run: RunHandle, kill: bool = True) -> None:
-    """Drop the run's groups (killing the actors) at the end of a run."""
+    """Drop the run's groups (killing the actors) at the end of a run; where the Ray cluster is gone with them
+    (`ray_gone`), only forget them."""
     workers = _REGISTRY.pop(run.key, None)
+    if workers is not None and kill and ray_gone():
+        log.warning("the Ray cluster no longer answers (stopped with the run?): its workers are gone with it")
+        return
     if workers is not None and kill:
         for g in workers.groups().values():
             g.kill()

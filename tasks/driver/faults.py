@@ -5,7 +5,9 @@ ConnectionError at step 2 (Prefect retries it) and kills the actor's Ray worker 
 `update_actor` at step 3 (the flow recovers from the last checkpoint); `fatal` fails the flow run
 (a crash to resume from); `sigkill` kills the flow process itself (at `checkpoint_commit`: between the
 rename of a checkpoint and its manifest); `sigterm` / `sigint` send the flow process that signal, as a scheduler
-or Ctrl-C does (the flow stops at a safe point: flows/interrupts.py); `nan` poisons the step's training batch so
+or Ctrl-C does (the flow stops at a safe point: flows/interrupts.py), and `sigterm-group` / `sigint-group` send it to
+the flow process's whole process group, the processes the run started included, as a terminal's Ctrl-C, `timeout`
+or a systemd unit's stop does; `nan` poisons the step's training batch so
 its loss is NaN (`update_actor` / `update_critic`). Each fault fires once per run directory (a marker file records it),
 so the retry or the replay goes through. The spec is checked before a run starts (`parse_faults`).
 """
@@ -19,7 +21,7 @@ from typing import Any
 from rlstages.tasks.driver.context import RunHandle
 
 ENV = "RLSTAGES_FAULTS"
-KINDS = ("transient", "fatal", "sigkill", "sigterm", "sigint", "nan")
+KINDS = ("transient", "fatal", "sigkill", "sigterm", "sigint", "sigterm-group", "sigint-group", "nan")
 ROLES = ("actor", "critic", "rollout", "reference", "reward", "reward_model")
 EXTRA_STAGES = ("checkpoint_commit",)
 
@@ -70,6 +72,8 @@ def maybe_fail(run: RunHandle, stage: str, step: int, workers: Any = None) -> No
             os.kill(os.getpid(), signal.SIGKILL)
         if kind in ("sigterm", "sigint"):
             os.kill(os.getpid(), signal.SIGTERM if kind == "sigterm" else signal.SIGINT)
+        if kind in ("sigterm-group", "sigint-group"):
+            os.killpg(0, signal.SIGTERM if kind == "sigterm-group" else signal.SIGINT)  # 0: this process's group
         if kind == "nan":
             _NAN_DUE.add((run.run_dir, stage, step))
         if kind.startswith("kill-") and workers is not None:

@@ -1,17 +1,20 @@
 """Signals and run names on the real training flow (tiny random model, engines in the driver, the session's
 Prefect API, a real MLflow SQLite store): SIGTERM during an update with `trainer.checkpoint_on_signal` commits a
 checkpoint at the step's boundary, stops (exit 143, one line saying what was kept, MLflow KILLED, the Prefect flow
-run Cancelled, no process left) and the resumed run ends bit for bit where the uninterrupted reference run ends;
-SIGTERM to a run as `rlstages run` starts it (Ray actors, its own temporary Prefect server) stops it at once, MLflow
-KILLED, nothing left running; Ctrl-C stops at once and says that nothing was kept; two runs under one name started at
-once: one runs, the other is refused in one line (exit 2) and touches nothing of it. The signals are real
-(`RLSTAGES_FAULTS`: the flow process sends them to itself at a stage of a step)."""
+run Cancelled, no process left) and the resumed run ends bit for bit where the uninterrupted reference run ends; a
+Ctrl-C or a SIGTERM to the whole process group of a run as `rlstages run` starts it (Ray actors, its own temporary
+Prefect server) stops it at once, MLflow KILLED, the flow run Cancelled, nothing left running; Ctrl-C stops at once
+and says that nothing was kept; two runs under one name started at once: one runs, the other is refused in one line
+(exit 2) and touches nothing of it. The signals are real (`RLSTAGES_FAULTS`: the flow process sends them to itself,
+or to its process group, at a stage of a step)."""
 
 from __future__ import annotations
 
 import os
 import shlex
 import signal
+import sqlite3
+from contextlib import closing
 from pathlib import Path
 from uuid import UUID
 
@@ -77,21 +80,37 @@ def test_sigterm_in_an_update_commits_at_the_step_boundary_and_the_resume_ends_b
     assert same(final_weights(reference_run.cfg), final_weights(cfg))
 
 
-def test_sigterm_to_a_run_on_ray_with_its_own_prefect_server_stops_it_and_leaves_no_process(
-    tiny_model_dir: Path, tmp_path: Path
+@pytest.mark.timeout(300)  # a regression hangs (the run waited on a dead API): fail in minutes
+@pytest.mark.parametrize("fault", ["sigint-group", "sigterm-group"])
+def test_a_signal_to_the_process_group_of_a_run_on_ray_stops_it_and_leaves_no_process(
+    fault: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """As `rlstages run` is used: the workers Ray actors, Prefect a temporary server of the run's own. `ray.init` sets
-    its own SIGTERM handler (`sys.exit`) in the driver; the flow's must stay in place (it did not: the flow crashed,
-    MLflow's run was left RUNNING and the temporary server outlived the run)."""
-    args, cfg = _drill(tmp_path, tiny_model_dir, "termed-on-ray", on_ray=True)
-    stopped = cli(tmp_path, "run", "drill.yaml", *args, env={"RLSTAGES_FAULTS": "generate@2:sigterm"})
-    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
-    said = [line for line in stopped.stderr.splitlines() if line.startswith("stopped at step 2 of 2 (SIGTERM); ")]
+    """As `rlstages run` is used: the workers Ray actors, Prefect a temporary server of the run's own, and the signal
+    sent to the run's whole process group. `ray.init` sets its own SIGTERM handler (`sys.exit`) in the driver; the
+    flow's must stay in place (it did not: the flow crashed, MLflow's run was left RUNNING and the temporary server
+    outlived the run).
+    - `sigint-group`, a Ctrl-C at a terminal: the temporary server got it too and stopped at once, and the run,
+      stopping, waited on its API for minutes. It now starts with SIGINT blocked, as Ray's processes do.
+    - `sigterm-group` (`timeout`, `kill -- -PGID`, a systemd unit's stop): Ray's processes and the server end with the
+      driver. The run waited a minute on Ray's GCS, then Ray's own watchdog ended it (exit 1, no line, processes
+      left); now the workers are known gone (`ray_gone`) and the server is started again on its database.
+    Either way the flow run is Cancelled in the run's own server's database."""
+    signum = signal.SIGINT if fault.startswith("sigint") else signal.SIGTERM
+    args, cfg = _drill(tmp_path, tiny_model_dir, fault, on_ray=True)
+    stopped = cli(tmp_path, "run", "drill.yaml", *args, env={"RLSTAGES_FAULTS": f"generate@2:{fault}"})
+    assert stopped.returncode == 128 + signum, stopped.stderr[-3000:]
+    said = [x for x in stopped.stderr.splitlines() if x.startswith(f"stopped at step 2 of 2 ({signum.name}); ")]
     assert said and "last checkpoint: step 1;" in said[0], stopped.stderr[-3000:]
     assert not stopped.left_behind, stopped.left_behind  # Ray's processes and the Prefect server included
     _, killed = mlflow_run(cfg)
     assert killed.info.status == "KILLED" and reward_steps(cfg) == [1], killed.info.status
-    assert "rlstages.prefect_flow_run_id" in killed.data.tags  # (the run's own server is gone: its state not read)
+    assert "rlstages.prefect_flow_run_id" in killed.data.tags
+    with closing(sqlite3.connect(tmp_path / ".prefect" / "prefect.db")) as db:  # the run's own server's database
+        (state,) = db.execute("SELECT state_type FROM flow_run WHERE name = ?", (fault,)).fetchone()
+    assert state == "CANCELLED", state
+    log = (cfg.trainer.output_dir / f"{fault}.log").read_text()
+    restarted = "the Ray cluster no longer answers" in log and "starting it again to record the run's end" in log
+    assert restarted == (signum == signal.SIGTERM), log[-3000:]  # a Ctrl-C leaves both up
 
 
 def test_ctrl_c_stops_at_once_and_says_that_nothing_was_kept(
