@@ -183,10 +183,10 @@ def forget_workers(run: RunHandle, kill: bool = True) -> None:
     """Drop the run's groups (killing the actors) at the end of a run; where the Ray cluster is gone with them
     (`ray_gone`), only forget them."""
     workers = _REGISTRY.pop(run.key, None)
-    if workers is not None and kill and ray_gone():
-        log.warning("the Ray cluster no longer answers (stopped with the run?): its workers are gone with it")
-        return
     if workers is not None and kill:
+        if ray_gone():
+            log.warning("the Ray cluster no longer answers (stopped with the run?): its workers are gone with it")
+            return
         for g in workers.groups().values():
             g.kill()
         release(run)

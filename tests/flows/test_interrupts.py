@@ -185,13 +185,11 @@ def test_a_signal_during_a_ray_wait_is_still_the_runs_own_stop(ray_session, tmp_
         ray_session.cancel(ref, force=True)
     assert type(caught.value) is KeyboardInterrupt  # Ray's, not the handler's `Interrupted`: the case guarded here
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"trainer.output_dir={tmp_path}", "trainer.run_name=waited"])
-    stopped = stop.stopped(caught.value, cfg, RunHandle("waited", str(run_dir(cfg))), 2)
+    run = RunHandle("waited", str(run_dir(cfg)))
+    stopped = stop.stopped(caught.value, cfg, run, 2)
     assert stopped is not None and stopped.signum == signal.SIGTERM and not stopped.done
     assert (
         stopped.line()
         == f"stopped at step 2 of {cfg.trainer.total_steps} (SIGTERM); last checkpoint: none, a re-run starts over"
     )
-    assert (
-        StopOnSignal(graceful=False).stopped(KeyboardInterrupt(), cfg, RunHandle("waited", str(run_dir(cfg))), 2)
-        is None
-    )
+    assert StopOnSignal(graceful=False).stopped(KeyboardInterrupt(), cfg, run, 2) is None
