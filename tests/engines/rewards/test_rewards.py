@@ -188,7 +188,7 @@ def test_one_importer_one_error_naming_the_field() -> None:
 # ---- scorer -------------------------------------------------------------------------------------
 
 
-def test_scorer_weights_components_and_is_fast() -> None:
+def test_scorer_weights_components_in_one_warm_pool() -> None:
     scorer = RewardScorer(
         [("last_integer", 1.0, {}), ("boxed_format", 0.5, {}), ("exact_match", 0.25, {"ignore_case": True})],
         timeout_seconds=5.0,
@@ -199,13 +199,12 @@ def test_scorer_weights_components_and_is_fast() -> None:
         responses[1] = "\\boxed{" + truths[1] + "}"
         responses[2] = truths[2]
         scorer.score(prompts[:2], responses[:2], truths[:2])  # warm the worker
-        start = time.perf_counter()
+        pool = scorer._pool
         result = scorer.score(prompts, responses, truths)
-        elapsed = time.perf_counter() - start
+        assert scorer._pool is pool, "a healthy batch replaced the pool (its workers boot again per batch)"
     finally:
         scorer.close()
     assert isinstance(result, ScoreResult)
-    assert elapsed < 1.0, f"64 samples took {elapsed:.2f} s"
     expected_last = [F.last_integer(p, r, t) for p, r, t in zip(prompts, responses, truths, strict=True)]
     assert result.components["last_integer"] == expected_last
     assert 0.0 < sum(expected_last) < 64

@@ -79,7 +79,7 @@ def test_calculator_refuses_non_strings_and_stays_fast() -> None:
     for expression in ["9**9**9", "2**1000 * 2**1000 * 2**1000 * 2**1000 * 2**1000", "(10**300)**5"]:
         with pytest.raises(CalculatorError):
             evaluate(expression)
-    assert time.perf_counter() - start < 1.0  # a refusal is computed from sizes, never by doing the work
+    assert time.perf_counter() - start < 5.0  # computed from sizes: doing the work would take hours
 
 
 def test_calculator_schema_is_openai_style() -> None:
