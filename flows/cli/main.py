@@ -5,7 +5,9 @@ Bad input is a one-line error naming the file or field and a non-zero exit; `--d
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import gc
 import shlex
 import sys
 import time
@@ -374,7 +376,10 @@ _register_ops()
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point. What is alive at exit is frozen out of the collector first: the interpreter's
+    final collections over the heap of torch, MLflow and Prefect took ~2.5 s of CPU at every command's exit and freed
+    nothing the process's end does not (objects outside reference cycles are still freed as their modules clear)."""
+    atexit.register(gc.freeze)  # registered before the run's own (Ray's shutdown...): run after them (LIFO)
     app()
 
 
