@@ -20,11 +20,11 @@ from prefect.exceptions import MissingContextError
 from prefect.logging.handlers import PrefectConsoleHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from rlstages.engines.runtime.compile_time import COMPILE_METRIC
 from rlstages.flows.console import NO_REDIRECT, terminal
 from rlstages.tasks.prefect_api import best_effort
 
 ARTIFACT_EVERY_S = 10.0  # each Prefect artifact update is an API round trip (~50 ms): throttle it
-ONE_OFF = "perf/compile_s"  # a step's seconds spent compiling (`perf/compile_s/actor`): not paid again, not in the ETA
 # the ETA's time per step is the mean of the last few steps: a step's cost follows its replies' length, which
 # halves over the demo's first 6 steps as the policy learns to answer with the number alone (docs/observability.md)
 RECENT_STEPS = 5
@@ -96,12 +96,13 @@ def step_line(step: int, total: int, metrics: dict[str, float]) -> str:
 
 @dataclass(frozen=True)
 class Plan:
-    """What the ETA knows of the run ahead: which steps evaluate and checkpoint, and the start's evaluation
-    time (seconds, where one ran)."""
+    """What the ETA knows of the run ahead: which steps evaluate and checkpoint, the start's evaluation time
+    (seconds, where one ran) and each step's seconds in an earlier run of the same config (where there is one)."""
 
     evaluates: Callable[[int], bool] = lambda _step: False
     checkpoints: Callable[[int], bool] = lambda _step: False
     evaluated_s: tuple[float, ...] = ()
+    earlier_step_s: tuple[float, ...] = ()
 
 
 class RunProgress:
@@ -122,6 +123,7 @@ class RunProgress:
         self._first = start  # steps done before this process started (a resume): not in its step times
         self.plan = plan or Plan()
         self._spent: dict[str, list[float]] = {"step": [], "evaluate": list(self.plan.evaluated_s), "checkpoint": []}
+        self._steps: list[int] = []  # the step each of `_spent["step"]` timed (a replay after a lost worker repeats)
         self._stage_at: tuple[str, float] | None = None
         self._accuracy, self._reward, self._timing = "-", "", ""
         self.log = run_logger()
@@ -156,13 +158,20 @@ class RunProgress:
     def eta_seconds(self, step: int) -> float:
         """The rest of the run after step `step`: the steps left at the mean time of the last `RECENT_STEPS`
         steps (their compiling left out; the first one, with its other warm-ups, left out once others are
-        measured), plus the evaluations and checkpoints still due (this step's included) at their measured
-        times."""
-        steps, evals, saves = self._spent["step"], self._spent["evaluate"], self._spent["checkpoint"]
-        recent = (steps[1:] if len(steps) > 1 else steps)[-RECENT_STEPS:]
-        per_step = sum(recent) / len(recent) if recent else 0.0
+        measured) or, where an earlier run of the same config timed each step, its times scaled by how fast those
+        same steps ran here; plus the evaluations and checkpoints still due (this step's included) at their
+        measured times."""
+        evals, saves = self._spent["evaluate"], self._spent["checkpoint"]
+        timed = list(zip(self._steps, self._spent["step"], strict=True))
+        recent = (timed[1:] if len(timed) > 1 else timed)[-RECENT_STEPS:]
+        earlier = self.plan.earlier_step_s
+        then = sum(earlier[k - 1] for k, _ in recent) if len(earlier) >= self.total else 0.0
+        now = sum(seconds for _, seconds in recent)
+        if then > 0:
+            eta = now / then * sum(earlier[step : self.total])
+        else:
+            eta = now / len(recent) * (self.total - step) if recent else 0.0
         later = range(step, self.total + 1)
-        eta = per_step * (self.total - step)
         if evals:
             eta += sum(evals) / len(evals) * sum(self.plan.evaluates(s) for s in later)
         if saves:
@@ -175,7 +184,8 @@ class RunProgress:
 
     def step_done(self, step: int, metrics: dict[str, float]) -> None:
         """Advance to `step` with its reward, the last held-out accuracy, time per step and the ETA."""
-        self._timed("step", sum(v for k, v in metrics.items() if k.startswith(ONE_OFF)))
+        self._timed("step", sum(v for k, v in metrics.items() if k.startswith(COMPILE_METRIC)))
+        self._steps.append(step)
         per_step = self.seconds_per_step(step)
         eta = None if per_step is None else _clock(self.eta_seconds(step))
         self._timing = "" if per_step is None else f" | {per_step:.1f} s/step | ETA {eta}"

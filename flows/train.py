@@ -32,7 +32,7 @@ from rlstages.flows.interrupts import stop_on_signal
 from rlstages.flows.progress import Plan, RunProgress, eval_share, flow_run_name, run_progress
 from rlstages.flows.stages import MAX_PARALLEL_STAGES, Metrics, Stages
 from rlstages.tasks.driver.context import RunHandle
-from rlstages.tasks.driver.tracking import log_run_metrics, log_step, set_tags
+from rlstages.tasks.driver.tracking import earlier_step_seconds, log_run_metrics, log_step, set_tags
 from rlstages.tasks.policies import WorkerLost, failed_stage
 from rlstages.tasks.run import close_run, convert_for_training, driver_snapshot, link_mlflow_run
 
@@ -135,6 +135,7 @@ def rl_post_train(cfg: RunConfig) -> str:
             lambda k: eval_due(k, cfg.trainer.eval_every, cfg.trainer.eval_windows, total),
             lambda k: _due(k, cfg.checkpoint.every, total),
             evaluated_s,
+            earlier_step_seconds(cfg, mlflow_run_id),  # the ETA's shape of the steps ahead, where a run has seen it
         )
         feed = start_feed(s, cfg, run, start.step)  # async: generation runs ahead from here on
         with run_progress(run.name, total, start.step, plan) as ui:

@@ -4,6 +4,8 @@ ETA leaves out of the time a later step takes (`flows.progress`)."""
 
 from __future__ import annotations
 
+COMPILE_METRIC = "perf/compile_s"  # a step's seconds spent compiling (`perf/compile_s/actor` as logged): a one-off
+
 
 def compile_seconds() -> float:
     """Seconds spent in `torch.compile` so far in this process (0.0 where torch does not say)."""

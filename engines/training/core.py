@@ -26,7 +26,7 @@ from rlstages.engines.base import Readout, StepBackend
 from rlstages.engines.imports import import_object
 from rlstages.engines.registry import training_backend
 from rlstages.engines.runtime import device as D
-from rlstages.engines.runtime.compile_time import compile_seconds
+from rlstages.engines.runtime.compile_time import COMPILE_METRIC, compile_seconds
 from rlstages.engines.sync.buckets import bucketize
 from rlstages.engines.tensordict_import import TensorDict
 from rlstages.engines.training import flops as F
@@ -116,7 +116,7 @@ class PPOTrainer:
             out = P.epochs_loop(batch, s.train.ppo_epochs, s.num_mini_batches, self._mini_step)
         D.synchronize(self.device)
         out.update(self._perf(batch, time.perf_counter() - start))
-        out["perf/compile_s"] = compile_seconds() - compiled  # one-off (first steps): the ETA leaves it out
+        out[COMPILE_METRIC] = compile_seconds() - compiled  # one-off (first steps): the ETA leaves it out
         self._release_cache()  # the update's activations and gradients' blocks, before generation
         self.steps_done += 1
         out["lr"] = self.backend.lr()

@@ -14,6 +14,7 @@ from rlstages.tasks.driver.tracking.queries import (
 from rlstages.tasks.driver.tracking.registry import log_policy, set_alias
 from rlstages.tasks.driver.tracking.runs import (
     STEP_KEY,
+    earlier_step_seconds,
     end,
     flush,
     last_logged_step,
@@ -41,6 +42,7 @@ __all__ = [
     "RunRecord",
     "client",
     "compare_link",
+    "earlier_step_seconds",
     "end",
     "experiment_id",
     "experiment_runs",

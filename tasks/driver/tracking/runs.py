@@ -11,6 +11,7 @@ nothing, and what it missed is sent in order when it answers.
 from __future__ import annotations
 
 import getpass
+import logging
 import os
 import subprocess
 import sys
@@ -22,8 +23,11 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.utils import mlflow_tags
 
 from rlstages.configs import RunConfig, config_hash, flatten, to_yaml
+from rlstages.engines.runtime.compile_time import COMPILE_METRIC
 from rlstages.tasks.driver.tracking.outbox import close_outbox, journal_of, open_outbox, outbox_of
 from rlstages.tasks.driver.tracking.store import client, tracking_uri
+
+log = logging.getLogger("rlstages.tracking")
 
 STEP_KEY = "progress/step"
 _LAST_STEP: dict[str, int] = {}
@@ -285,6 +289,40 @@ def metric_history(cfg: RunConfig, run_id: str, key: str) -> list[tuple[int, flo
     for step, value in (journal.points(run_id, key) if journal is not None else {}).items():
         seen.setdefault(step, value)
     return sorted(seen.items())
+
+
+def earlier_step_seconds(cfg: RunConfig, run_id: str) -> tuple[float, ...]:
+    """Each step's seconds (`timing/step_s`, step 1's compiling left out) in the newest finished run of this config
+    (the `rlstages.config_hash` tag) in the run's experiment other than `run_id`; () where there is none, or the
+    store does not answer. The ETA takes its shape: a step's cost follows its replies' length, which the first step
+    cannot foresee and an earlier run of the same config has seen."""
+    total = cfg.trainer.total_steps
+    try:
+        c = client(cfg)
+        exp = c.get_experiment_by_name(cfg.tracking.experiment)
+        if exp is None:
+            return ()
+        same = f"tags.`rlstages.config_hash` = '{config_hash(cfg)}' and attributes.status = 'FINISHED'"
+        for found in c.search_runs([exp.experiment_id], same, max_results=4, order_by=["start_time DESC"]):
+            if found.info.run_id == run_id:
+                continue
+            steps = _first_per_step(c.get_metric_history(found.info.run_id, "timing/step_s"))
+            if not all(k in steps for k in range(1, total + 1)):
+                continue
+            for key in (k for k in found.data.metrics if k.startswith(COMPILE_METRIC)):
+                steps[1] -= _first_per_step(c.get_metric_history(found.info.run_id, key)).get(1, 0.0)
+            return tuple(max(steps[k], 0.0) for k in range(1, total + 1))
+    except Exception as exc:  # noqa: BLE001 - only the ETA's shape is lost: it falls back to the steps it measures
+        log.warning(f"no earlier run's step times for the ETA ({type(exc).__name__}: {exc})")
+    return ()
+
+
+def _first_per_step(history: list[Metric]) -> dict[int, float]:
+    """The first value logged at each step of a metric's history."""
+    seen: dict[int, float] = {}
+    for m in history:
+        seen.setdefault(int(m.step), float(m.value))
+    return seen
 
 
 def log_file(cfg: RunConfig, run_id: str, path: Path, artifact_dir: str) -> None:
