@@ -77,7 +77,8 @@ def restart_temporary_server() -> bool:
 
 def wait_until_answering(timeout: float) -> bool:
     """Wait up to `timeout` seconds for the Prefect API (the flow run's final state is sent after this), starting
-    the temporary server again where it ended (`restart_temporary_server`); True when it answers."""
+    the temporary server again where it has ended, before or during the wait (`restart_temporary_server`: a signal
+    to the process group stops it slowly on a loaded machine); True when it answers."""
     restart_temporary_server()
     deadline = time.monotonic() + timeout
     said = False
@@ -88,7 +89,8 @@ def wait_until_answering(timeout: float) -> bool:
         if not said:
             log.warning("the Prefect API does not answer; waiting for it to report the flow run's final state")
             said = True
-        time.sleep(2.0)
+        time.sleep(1.0)
+        restart_temporary_server()
     _away_since.clear()
     return True
 
