@@ -6,8 +6,10 @@ and a writable cpu controller (`CpuCaps.available`); every process is moved back
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
+import time
 from pathlib import Path
 from types import TracebackType
 
@@ -59,13 +61,26 @@ class CpuCaps:
         self.stop.set()
         self.thread.join()
         for group in (self.base / str(pid) for pid in self.capped):
+            self._remove(group)
+        self.base.rmdir()
+
+    def _remove(self, group: Path, wait_s: float = 10.0) -> None:
+        """Move the group's processes back to the root and remove it; a process still exiting keeps a group busy
+        (EBUSY) for a moment: try again for up to `wait_s` seconds."""
+        deadline = time.monotonic() + wait_s
+        while True:
             for pid in (group / "cgroup.procs").read_text().split():
                 try:
                     (self.root / "cgroup.procs").write_text(pid)
                 except OSError:  # gone meanwhile
                     pass
-            group.rmdir()
-        self.base.rmdir()
+            try:
+                group.rmdir()
+                return
+            except OSError as exc:
+                if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.2)
 
     def _watch(self) -> None:
         while not self.stop.wait(self.poll_s):
