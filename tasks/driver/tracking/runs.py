@@ -25,6 +25,7 @@ from mlflow.utils import mlflow_tags
 from rlstages.configs import RunConfig, config_hash, flatten, to_yaml
 from rlstages.engines.runtime.compile_time import COMPILE_METRIC
 from rlstages.tasks.driver.tracking.outbox import close_outbox, journal_of, open_outbox, outbox_of
+from rlstages.tasks.driver.tracking.queries import metric_series
 from rlstages.tasks.driver.tracking.store import client, tracking_uri
 
 log = logging.getLogger("rlstages.tracking")
@@ -306,23 +307,15 @@ def earlier_step_seconds(cfg: RunConfig, run_id: str) -> tuple[float, ...]:
         for found in c.search_runs([exp.experiment_id], same, max_results=4, order_by=["start_time DESC"]):
             if found.info.run_id == run_id:
                 continue
-            steps = _first_per_step(c.get_metric_history(found.info.run_id, "timing/step_s"))
+            steps = dict(metric_series(tracking_uri(cfg), found.info.run_id, "timing/step_s"))
             if not all(k in steps for k in range(1, total + 1)):
                 continue
             for key in (k for k in found.data.metrics if k.startswith(COMPILE_METRIC)):
-                steps[1] -= _first_per_step(c.get_metric_history(found.info.run_id, key)).get(1, 0.0)
+                steps[1] -= dict(metric_series(tracking_uri(cfg), found.info.run_id, key)).get(1, 0.0)
             return tuple(max(steps[k], 0.0) for k in range(1, total + 1))
     except Exception as exc:  # noqa: BLE001 - only the ETA's shape is lost: it falls back to the steps it measures
         log.warning(f"no earlier run's step times for the ETA ({type(exc).__name__}: {exc})")
     return ()
-
-
-def _first_per_step(history: list[Metric]) -> dict[int, float]:
-    """The first value logged at each step of a metric's history."""
-    seen: dict[int, float] = {}
-    for m in history:
-        seen.setdefault(int(m.step), float(m.value))
-    return seen
 
 
 def log_file(cfg: RunConfig, run_id: str, path: Path, artifact_dir: str) -> None:
