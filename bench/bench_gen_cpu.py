@@ -12,12 +12,17 @@
   compilation, once per engine), with the demo's rollouts it takes to pay it back in the detail.
 - `gen_profile_*` (informative): shares of the fast rollout's time: the fp32 copy of the weights, the prefill,
   the decode steps' forwards, the sampling + log-prob (`pick`), the rest (host bookkeeping).
-The detail names the CPU's class (`Machine.cpu_class`). `python -m bench.bench_gen_cpu`
+The detail names the CPU's class (`Machine.cpu_class`). It runs under the rollout workers' allocator (`cluster.heap`'s
+default: Ray's jemalloc preloaded; the process starts itself again with it), which the rollout's speed depends on:
+before the picker kept its float32 buffers between decode steps, the rollout took up to ~15 % longer there
+than under glibc (`decode.PICK_CHUNK_BYTES`).
+`python -m bench.bench_gen_cpu`
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -63,12 +68,27 @@ def _timed(spent: dict[str, float], name: str, fn: Callable[..., Any]) -> Callab
     return wrapper
 
 
+HEAP_MARK = "RLSTAGES_BENCH_WORKER_HEAP"  # set once this process runs under the workers' allocator
+
+
+def _under_the_workers_heap() -> str:
+    """The workers' allocator's name (`cluster.heap` default); starts this bench again under it where it is not."""
+    from rlstages.engines.runtime.heap import heap_env
+
+    env = heap_env("jemalloc")
+    name = "jemalloc" if "LD_PRELOAD" in env else "glibc (no jemalloc in this Ray)"
+    if os.environ.get(HEAP_MARK) != "1":
+        os.execve(sys.executable, [sys.executable, "-m", "bench.bench_gen_cpu"], {**os.environ, **env, HEAP_MARK: "1"})
+    return name
+
+
 def main() -> None:
     """Time the fast, compiled and eager rollouts (best of 2 each, interleaved, after the compiled one's first
     rollout timed against a warm one), then a profiled fast one."""
     from rlstages.engines.rollout import fast_step, hf_rollout, slots
     from rlstages.engines.training.machine import measure
 
+    heap = _under_the_workers_heap()
     torch.set_num_threads(THREADS)
     fast, compiled, eager = _engine("fast"), _engine("compiled"), _engine("eager")
     params = sum(p.numel() for p in fast.model.parameters())
@@ -84,7 +104,7 @@ def main() -> None:
     peak = max(peak, matmul_flops(kernel, n=2048))  # the quieter of two: a shared machine's load passes
     machine = measure("auto", True, 2, "auto")
     bound = peak / (2 * params)
-    where = f"{machine.cpu} ({machine.cpu_class}), rollout {machine.rollout or dtype}"
+    where = f"{machine.cpu} ({machine.cpu_class}), rollout {machine.rollout or dtype}, heap {heap}"
     default = best["compiled"] if hf_rollout.AUTO_CPU_STEP == "compiled" else best["fast"]
     for name, seconds, goal in (
         ("", default, ">= 0.5"),

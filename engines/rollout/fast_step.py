@@ -204,10 +204,12 @@ class FastLlamaStep:
         self.position[rows_new] = mask.long().sum(-1)
         self.n += k
         self.start = min(self.start, lo) if self.n > k else lo
-        return logits.float()
+        return logits  # the picker widens them to fp32, a chunk of rows at a time (`decode.pick_rows`)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """One token per live row at the shared column; the next-token logits [n, V] in fp32."""
+        """One token per live row at the shared column; the next-token logits [n, V] in the step's dtype (the
+        picker widens them to fp32 a chunk of rows at a time: one [n, V] fp32 tensor a step cost a page-faulted
+        allocation under jemalloc)."""
         self._room(1)
         logits = _decode(self, ids, self.n)
         self.column += 1
@@ -314,7 +316,7 @@ def _decode(step: FastLlamaStep, ids: torch.Tensor, n: int) -> torch.Tensor:
         a = _rms(x, layer["ln2"], w.eps)
         gate, up = linear(a, *layer["gate_up"]).chunk(2, dim=-1)
         x = x + linear(F.silu(gate) * up, *layer["down"])
-    return linear(_rms(x, w.norm, w.eps), w.head).float()
+    return linear(_rms(x, w.norm, w.eps), w.head)
 
 
 def rollout_compute_dtype(weights: torch.dtype, device: torch.device, setting: bool | str = "auto") -> torch.dtype:

@@ -28,10 +28,10 @@ def sample_rows(logits: torch.Tensor) -> torch.Tensor:
     return _draw(torch.softmax(logits.float(), dim=-1).cumsum_(dim=-1), logits)
 
 
-def sample_logprobs(logprobs: torch.Tensor) -> torch.Tensor:
+def sample_logprobs(logprobs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row from log-probabilities [n, V] (a log-softmax already computed: no second softmax), by
-    inverse CDF with one uniform per row as `sample_rows`."""
-    return _draw(logprobs.exp().cumsum_(dim=-1), logprobs)
+    inverse CDF with one uniform per row as `sample_rows`; `out` (float32 [n, V]) holds the running sums."""
+    return _draw(torch.exp(logprobs, out=out).cumsum_(dim=-1), logprobs)
 
 
 def _draw(cdf: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
