@@ -1,7 +1,8 @@
 """Run every benchmark: `python -m bench [NAME ...]` (or `make bench`). Each bench runs in its own process
 and records ratios against a baseline measured in the same run; this prints them as one table (figure, ratio,
 goal, ✓/✗) and writes bench/results.json: a JSON list of {"name", "ratio", "goal", "ok", ...}, each with the
-load average when it was measured and the machine's matmul FLOP/s, so figures from different machines compare.
+load average when it was measured, the machine's matmul FLOP/s and its class of CPU (`cpu_class`: "avx2: AMD EPYC,
+2026-12-01", the classes of the README's demo table), so figures from different machines compare.
 None is a test.
 
     python -m bench                   # all
@@ -45,11 +46,19 @@ OUT = Path(__file__).resolve().parent / "results.json"
 
 
 def machine() -> dict[str, object]:
-    """The machine's speed, measured now: matmul FLOP/s (fp32, bf16, this process's threads), copy bandwidth."""
+    """The machine's class of CPU and its speed, measured now: matmul FLOP/s (fp32, bf16, this process's
+    threads), copy bandwidth."""
+    import datetime
+
     import torch
 
+    from rlstages.engines.training.machine import Machine, bf16_flags, cpu_model, simd_flags
+
+    cpus = os.cpu_count() or 1
+    cpu = Machine(cpu_model(), cpus, bf16_flags(), torch.get_num_threads(), "", simd_flags())
     return {
-        "cpus": os.cpu_count(),
+        "cpu_class": f"{cpu.cpu_class}: {cpu.cpu}, {cpus} CPUs, {datetime.date.today().isoformat()}",
+        "cpus": cpus,
         "torch_threads": torch.get_num_threads(),
         "matmul_gflops_float32": round(matmul_flops("float32") / 1e9, 1),
         "matmul_gflops_bfloat16": round(matmul_flops("bfloat16") / 1e9, 1),
@@ -96,6 +105,7 @@ def main() -> None:
     Path(tmp).unlink()
     for row in rows:
         row["machine_gflops_float32"] = info["matmul_gflops_float32"]
+        row.setdefault("cpu_class", info["cpu_class"])
     table = Table("figure", "ratio", "goal", "", "load", "detail", title=f"rlstages bench ({_machine_line(info)})")
     for r in rows:
         mark = {True: "[green]✓[/]", False: "[red]✗[/]", None: "–"}[r["ok"]]
@@ -121,7 +131,7 @@ def markdown(rows: list[dict]) -> str:  # type: ignore[type-arg]
 
 def _machine_line(info: dict[str, object]) -> str:
     return (
-        f"{info['cpus']} CPUs, matmul {info['matmul_gflops_float32']} GFLOP/s fp32 / "
+        f"{info['cpu_class']}, matmul {info['matmul_gflops_float32']} GFLOP/s fp32 / "
         f"{info['matmul_gflops_bfloat16']} bf16, copy {info['copy_gb_per_s']} GB/s, load {info['load_avg']}"
     )
 

@@ -39,6 +39,30 @@ def _bf16_kernel(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], -1)
 
 
+def test_kept_buffers_give_what_fresh_tensors_give() -> None:
+    """The fp32 upcasts and block products go through this thread's kept buffers (not a fresh multi-MB tensor
+    a call, page-faulted anew under jemalloc): two layers of different widths, one after the other, give the
+    values and gradients of the same GEMMs on fresh tensors bit for bit, and the buffers are reused."""
+    torch.manual_seed(0)
+    wide, narrow = torch.nn.Linear(48, 160).to(torch.bfloat16), torch.nn.Linear(160, 64).to(torch.bfloat16)
+    for layer in (wide, narrow):
+        use_fp32_kernel(layer)
+    x = torch.randn(5, 48).bfloat16().requires_grad_(True)
+
+    def fresh(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:  # the same products, fresh operands
+        return (torch.mm(x.float(), layer.weight.float().t()) + layer.bias.float()).bfloat16()
+
+    ys = [narrow(wide(x)), fresh(fresh(x, wide), narrow)]
+    assert torch.equal(ys[0], ys[1])
+    kept = fp32_matmul._SCRATCH.w
+    grads = []
+    for y in ys:
+        grads.append(torch.autograd.grad(y.float().square().sum(), [x, wide.weight, narrow.weight]))
+    for mine, reference in zip(*grads, strict=True):
+        assert torch.allclose(mine.float(), reference.float(), rtol=2**-7, atol=1e-3)
+    assert fp32_matmul._SCRATCH.w is kept and kept.numel() >= 160 * 48  # grown to the widest, then reused
+
+
 @pytest.mark.parametrize(("bias", "block"), [(False, 4096), (True, 4096), (True, 32)])
 def test_same_values_and_gradients_as_the_bf16_kernel(bias: bool, block: int, monkeypatch) -> None:
     """Also block by block of output features (80 features in blocks of 32: the last block partial)."""
