@@ -104,6 +104,13 @@ class TrainerConfig(StrictModel):
         "first..last): the demo evaluates every 2 steps where held-out crosses 0.8 and every 6 elsewhere.",
     )
     eval_at_start: bool = True
+    step_cost_shape: list[float] = Field(
+        default_factory=list,
+        description="Each step's expected cost relative to the others (steps past its end cost as its last): the "
+        "ETA's shape of the steps ahead until a run of this config has finished in its experiment, whose measured "
+        "step times then take its place. A step's cost follows its replies' length, which one step cannot foresee "
+        "(the demo's halves over its first steps). Empty: the ETA scales the steps measured so far.",
+    )
     seed: int = 0
     on_nonfinite: Literal["stop", "skip"] = Field(
         default="stop",
@@ -153,6 +160,15 @@ class TrainerConfig(StrictModel):
                 "(trainer.mode says it)"
             )
         return {**data, "mode": "one_step_off"}
+
+    @field_validator("step_cost_shape")
+    @classmethod
+    def _positive_costs(cls, shape: list[float]) -> list[float]:
+        """A relative cost must be a positive number (the ETA divides by it)."""
+        bad = [c for c in shape if not c > 0]
+        if bad:
+            raise ValueError(f"trainer.step_cost_shape: {bad[0]} is not a positive relative cost (expected e.g. 1.5)")
+        return shape
 
     @property
     def overlaps_generation(self) -> bool:

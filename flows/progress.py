@@ -105,6 +105,12 @@ class Plan:
     earlier_step_s: tuple[float, ...] = ()
 
 
+def configured_shape(shape: list[float], total: int) -> tuple[float, ...]:
+    """The relative cost of each of `total` steps from `trainer.step_cost_shape` (steps past its end cost as its
+    last), for the ETA before a run of the config has finished; () where none is configured."""
+    return tuple(shape[min(k, len(shape) - 1)] for k in range(total)) if shape else ()
+
+
 class RunProgress:
     """Step progress of one run: on the terminal (`rlstages.flows.console.terminal`: a rich live display, or one
     plain line per step), in Prefect's log pane (the step line) and as a Prefect artifact."""
@@ -124,6 +130,7 @@ class RunProgress:
         self.plan = plan or Plan()
         self._spent: dict[str, list[float]] = {"step": [], "evaluate": list(self.plan.evaluated_s), "checkpoint": []}
         self._steps: list[int] = []  # the step each of `_spent["step"]` timed (a replay after a lost worker repeats)
+        self._evaluated_at = [0] * len(self.plan.evaluated_s)  # the step each of `_spent["evaluate"]` came after
         self._stage_at: tuple[str, float] | None = None
         self._accuracy, self._reward, self._timing = "-", "", ""
         self.log = run_logger()
@@ -158,14 +165,16 @@ class RunProgress:
     def eta_seconds(self, step: int) -> float:
         """The rest of the run after step `step`: the steps left at the mean time of the last `RECENT_STEPS`
         steps (their compiling left out; the first one, with its other warm-ups, left out once others are
-        measured) or, where an earlier run of the same config timed each step, its times scaled by how fast those
-        same steps ran here; plus the evaluations and checkpoints still due (this step's included) at their
-        measured times."""
+        measured) or, where an earlier run of the same config timed each step (or the config gives their shape),
+        its times scaled by how fast those same steps ran here; plus the evaluations and checkpoints still due (this
+        step's included) at their measured times, an evaluation's scaled by the same shape (its replies shorten
+        as the steps' do)."""
         evals, saves = self._spent["evaluate"], self._spent["checkpoint"]
         timed = list(zip(self._steps, self._spent["step"], strict=True))
         recent = (timed[1:] if len(timed) > 1 else timed)[-RECENT_STEPS:]
         earlier = self.plan.earlier_step_s
-        then = sum(earlier[k - 1] for k, _ in recent) if len(earlier) >= self.total else 0.0
+        shaped = len(earlier) >= self.total
+        then = sum(earlier[k - 1] for k, _ in recent) if shaped else 0.0
         now = sum(seconds for _, seconds in recent)
         if then > 0:
             eta = now / then * sum(earlier[step : self.total])
@@ -173,10 +182,20 @@ class RunProgress:
             eta = now / len(recent) * (self.total - step) if recent else 0.0
         later = range(step, self.total + 1)
         if evals:
-            eta += sum(evals) / len(evals) * sum(self.plan.evaluates(s) for s in later)
+            eta += self._evaluations_ahead(later, earlier if shaped else ())
         if saves:
             eta += sum(saves) / len(saves) * sum(self.plan.checkpoints(s) for s in later)
         return eta
+
+    def _evaluations_ahead(self, later: range, shape: tuple[float, ...]) -> float:
+        """The seconds of the evaluations due in `later`: the measured ones' mean or, given the steps' `shape`,
+        their seconds per unit of the cost of the step each followed (the start's: the first step's) times the
+        cost of the steps the due ones follow."""
+        evals, due = self._spent["evaluate"], [s for s in later if self.plan.evaluates(s)]
+        weights = [shape[max(k, 1) - 1] for k in self._evaluated_at] if shape else []
+        if not shape or sum(weights) <= 0:
+            return sum(evals) / len(evals) * len(due)
+        return sum(evals) / sum(weights) * sum(shape[max(k, 1) - 1] for k in due)
 
     def evaluation_seconds(self) -> list[float]:
         """Each held-out evaluation's wall time in this process (the start's included), logging and plot too."""
@@ -211,6 +230,7 @@ class RunProgress:
     def evaluated(self, step: int, metrics: dict[str, float]) -> None:
         """Log a held-out evaluation."""
         self._timed("evaluate")
+        self._evaluated_at.append(step)
         self._accuracy = f"{metrics.get('eval/accuracy', float('nan')):.3f}"
         self._show()
         line = (

@@ -29,7 +29,7 @@ from rlstages.flows.async_train import AsyncFeed
 from rlstages.flows.console import machine_of
 from rlstages.flows.flow_guard import guarded_flow
 from rlstages.flows.interrupts import stop_on_signal
-from rlstages.flows.progress import Plan, RunProgress, eval_share, flow_run_name, run_progress
+from rlstages.flows.progress import Plan, RunProgress, configured_shape, eval_share, flow_run_name, run_progress
 from rlstages.flows.stages import MAX_PARALLEL_STAGES, Metrics, Stages
 from rlstages.tasks.driver.context import RunHandle
 from rlstages.tasks.driver.tracking import earlier_step_seconds, log_run_metrics, log_step, set_tags
@@ -135,7 +135,8 @@ def rl_post_train(cfg: RunConfig) -> str:
             lambda k: eval_due(k, cfg.trainer.eval_every, cfg.trainer.eval_windows, total),
             lambda k: _due(k, cfg.checkpoint.every, total),
             evaluated_s,
-            earlier_step_seconds(cfg, mlflow_run_id),  # the ETA's shape of the steps ahead, where a run has seen it
+            # the ETA's shape of the steps ahead: an earlier run's where one has seen it, else the configured one
+            earlier_step_seconds(cfg, mlflow_run_id) or configured_shape(cfg.trainer.step_cost_shape, total),
         )
         feed = start_feed(s, cfg, run, start.step)  # async: generation runs ahead from here on
         with run_progress(run.name, total, start.step, plan) as ui:
