@@ -198,8 +198,9 @@ DEMO_SEEDS = {"seed-0": (DEMO_SEED_0, 4.5), **DEMO_EARLIER}
 def test_the_demo_configs_shape_gives_the_first_step_its_eta(monkeypatch: pytest.MonkeyPatch, seed: str) -> None:
     """A first demo run (no earlier run of its config in mlflow.db) takes its ETA's shape from configs/demo.yaml's
     `trainer.step_cost_shape`: replayed on each recorded AMX seed (the start's evaluation 11.6 s with its warm-ups,
-    the later ones 3.2 s), the ETA after step 1 is within 25 % of what the run then took, where the steps' own
-    time said over 25 % too much on some seed."""
+    the later ones 3.2 s), the ETA after each of steps 1-8 (the shape's falling part; later, the ETA follows the
+    last 5 steps) is within 25 % of what the run then took, where after step 1 the steps' own time said over 25 %
+    too much on some seed."""
     cfg = load_config(ROOT / "configs" / "demo.yaml")
     shape = configured_shape(cfg.trainer.step_cost_shape, cfg.trainer.total_steps)
     every, windows = cfg.trainer.eval_every, cfg.trainer.eval_windows
@@ -208,8 +209,8 @@ def test_the_demo_configs_shape_gives_the_first_step_its_eta(monkeypatch: pytest
     steps = [(times[0], compiling)] + [(s, 0.0) for s in times[1:]]
     evals = {k: 3.2 for k in range(1, 31)}
     said, ends, end = _replay(monkeypatch, Plan(evaluates, saves, (11.6,), shape), steps, evals, 3.0)
-    took = end - ends[1]
-    assert abs(said[1] - took) <= 0.25 * took, (said[1], took)
+    off = {k: round((said[k] - (end - ends[k])) / (end - ends[k]), 2) for k in range(1, 9)}
+    assert all(abs(e) <= 0.25 for e in off.values()), {k: e for k, e in off.items() if abs(e) > 0.25}
     errors = {}
     for other in DEMO_SEEDS:
         times, compiling = DEMO_SEEDS[other]
@@ -240,3 +241,29 @@ def test_a_step_cost_that_is_not_positive_is_refused() -> None:
     """A zero or negative relative cost fails the config with the field named."""
     with pytest.raises(ValueError, match=r"trainer.step_cost_shape: 0.0 is not a positive relative cost"):
         load_config(ROOT / "configs" / "demo.yaml", ["trainer.step_cost_shape=[1.5,0.0]"])
+
+
+# The AVX2 EPYC's first demo run from a clean clone (2026-12-02, 6b703c8, MLflow): `timing/step_s`, step 1's compiling
+# (`perf/compile_s/actor`), each evaluation's `time/eval_s` (the start's with its warm-ups) and the checkpoints' ~4 s.
+AVX2_FIRST_RUN = [105.6, 68.1, 60.5, 54.7, 50.1, 40.7, 39.0, 33.3, 30.2, 31.1, 30.7, 28.8, 26.5, 26.9, 32.4, 36.0,
+                  29.0, 30.8, 33.0, 25.9, 30.3, 25.8, 30.9, 26.2, 29.3, 29.3, 35.7, 26.0, 26.0, 33.1]  # fmt: skip
+AVX2_FIRST_EVALS = {0: 29.1, 6: 22.0, 8: 16.9, 10: 13.1, 12: 12.5, 14: 14.4, 16: 14.9, 18: 12.4, 24: 18.9, 30: 19.8}
+
+
+def test_the_demo_configs_shape_on_the_avx2_epycs_first_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The AVX2 EPYC's first demo run, replayed: with configs/demo.yaml's shape the ETA after every step is within
+    25 % of what the run then took (live, with the shape's first draft: 22 min 40 s said after step 1 for ~19.5
+    min, +16 %); from the first step's own time it said over 60 % too much (steps 2-5 cost 1.7-2.3x the later
+    ones on this class, 1.2-1.5x on the AMX Xeon: the shape sits between)."""
+    cfg = load_config(ROOT / "configs" / "demo.yaml")
+    shape = configured_shape(cfg.trainer.step_cost_shape, cfg.trainer.total_steps)
+    every, windows = cfg.trainer.eval_every, cfg.trainer.eval_windows
+    evaluates, saves = (lambda k: eval_due(k, every, windows, 30)), (lambda k: k % 5 == 0 or k == 30)
+    steps = [(AVX2_FIRST_RUN[0], 38.8)] + [(s, 0.0) for s in AVX2_FIRST_RUN[1:]]
+    start = (AVX2_FIRST_EVALS[0],)
+    said, ends, end = _replay(monkeypatch, Plan(evaluates, saves, start, shape), steps, AVX2_FIRST_EVALS, 4.0)
+    off = {k: round((said[k] - (end - ends[k])) / (end - ends[k]), 2) for k in range(1, 30)}
+    assert all(abs(e) <= 0.25 for e in off.values()), {k: e for k, e in off.items() if abs(e) > 0.25}
+    took = end - ends[1]
+    alone, _, _ = _replay(monkeypatch, Plan(evaluates, saves, start), steps, AVX2_FIRST_EVALS, 4.0)
+    assert alone[1] - took > 0.6 * took, (alone[1], took)
