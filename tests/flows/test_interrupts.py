@@ -80,6 +80,9 @@ def test_sigterm_in_an_update_commits_at_the_step_boundary_and_the_resume_ends_b
     assert same(final_weights(reference_run.cfg), final_weights(cfg))
 
 
+# serial: Ray's own fixed limits (30 s for a new raylet to register, 60 s before a driver whose GCS is gone exits)
+# were crossed under the parallel tier's load on 2 cores (2026-12-02), failing both drills for a reason not theirs
+@pytest.mark.serial
 @pytest.mark.timeout(300)  # a regression hangs (the run waited on a dead API): fail in minutes
 @pytest.mark.parametrize("fault", ["sigint-group", "sigterm-group"])
 def test_a_signal_to_the_process_group_of_a_run_on_ray_stops_it_and_leaves_no_process(
