@@ -70,6 +70,25 @@ def demo_config() -> RunConfig:
     return load_config(ROOT / "configs" / "demo.yaml", [])
 
 
+def _fwd_bwd(model: torch.nn.Module, mb: TensorDict, bf16: bool) -> None:
+    """One demo micro-batch's forward+backward through the trainer's `causal_lm_forward`; gradients dropped."""
+    from rlstages.engines.training.ppo_step import causal_lm_forward
+
+    logp, _ = causal_lm_forward(model, mb, temperature=0.7, bf16=bf16)
+    logp.sum().backward()
+    model.zero_grad(set_to_none=True)
+
+
+def counted_flops(model: torch.nn.Module, bf16: bool = True) -> float:
+    """FLOPs of one demo micro-batch's forward+backward on `model`, counted by torch's FlopCounterMode."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model.train()
+    with FlopCounterMode(display=False) as counter:
+        _fwd_bwd(model, micro_batch(model.config.vocab_size), bf16)
+    return float(counter.get_total_flops())
+
+
 def train_step_fraction(
     model: torch.nn.Module,
     matmul_flops_s: float,
@@ -80,22 +99,14 @@ def train_step_fraction(
     """Counted FLOPs of one demo micro-batch's forward+backward over its best time, against the matmul FLOP/s
     of the kernel the layers run on (`matmul`); returns (best time, FLOPs). `flops` given: the same work
     counted on the native layers (FlopCounterMode does not see the GEMMs inside a custom autograd Function)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from rlstages.engines.training.ppo_step import causal_lm_forward
-
     mb = micro_batch(model.config.vocab_size)
     model.train()
 
     def fwd_bwd() -> None:
-        logp, _ = causal_lm_forward(model, mb, temperature=0.7, bf16=True)
-        logp.sum().backward()
-        model.zero_grad(set_to_none=True)
+        _fwd_bwd(model, mb, bf16=True)
 
     if flops is None:
-        with FlopCounterMode(display=False) as counter:
-            fwd_bwd()
-        flops = counter.get_total_flops()
+        flops = counted_flops(model)
     params = sum(p.numel() for p in model.parameters())
     fwd_bwd()  # warm-up
     times = []
@@ -116,17 +127,12 @@ def train_step_fraction(
     return min(times), flops
 
 
-def chosen_kernel_fraction(flops: float, bf16: tuple[float, float] | None, fp32: tuple[float, float]) -> None:
+def chosen_kernel_fraction(flops: float, seconds: float, peak: float, on_fp32: bool) -> None:
     """`step_matmul_fraction_chosen_kernel`: the update's fraction on the GEMM the demo's bf16 layers take on this
-    machine (`actor.fp32_matmul: auto`, timed as a run times it), against that kernel's peak; `bf16` and `fp32`
-    are each kernel's (best step time, matmul FLOP/s); `bf16` None where it was not timed (the fp32 one is chosen)."""
-    from rlstages.engines.training.fp32_matmul import wants_fp32_kernel
+    machine (`actor.fp32_matmul: auto`, timed as a run times it: the fp32 one when `on_fp32`), from its best step
+    time `seconds` against that kernel's matmul FLOP/s `peak`."""
     from rlstages.engines.training.machine import measure
 
-    on_fp32 = wants_fp32_kernel("auto", True, torch.device("cpu"))
-    if not on_fp32 and bf16 is None:
-        raise ValueError("the bf16 GEMM is chosen here but was not timed")
-    seconds, peak = fp32 if on_fp32 or bf16 is None else bf16
     machine = measure("auto", True, torch.get_num_threads())
     record(
         "step_matmul_fraction_chosen_kernel",
@@ -141,25 +147,16 @@ def fp32_kernel_fraction() -> None:
     """The update on the fp32 GEMM alone, where the demo takes it (`wants_fp32_kernel`): its FLOPs counted on
     fp32 weights with no autocast (the same shapes on the native fp32 GEMM; FlopCounterMode misses part of
     the fp32 kernel's own GEMMs), then `step_matmul_fraction_fp32_kernel` and `..._chosen_kernel`."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     from rlstages.engines.models.registry import load_causal_lm
     from rlstages.engines.training.fp32_matmul import use_fp32_kernel
-    from rlstages.engines.training.ppo_step import causal_lm_forward
 
     print("the demo takes the fp32 GEMM here: the bf16-GEMM figures are not measured", flush=True)
-    counted = load_causal_lm(MODEL_DIR, "float32", None)
-    counted.train()
-    with FlopCounterMode(display=False) as counter:
-        logp, _ = causal_lm_forward(counted, micro_batch(counted.config.vocab_size), temperature=0.7, bf16=False)
-        logp.sum().backward()
-    flops = counter.get_total_flops()
-    del counted, logp
+    flops = counted_flops(load_causal_lm(MODEL_DIR, "float32", None), bf16=False)
     model = load_causal_lm(MODEL_DIR, demo_config().model.dtype, None)
     use_fp32_kernel(model)
     fp32 = matmul_flops("float32", n=2048)
     upcast, _ = train_step_fraction(model, fp32, "step_matmul_fraction_fp32_kernel", "fp32", flops)
-    chosen_kernel_fraction(flops, None, (upcast, fp32))
+    chosen_kernel_fraction(flops, upcast, fp32, on_fp32=True)
 
 
 def generation_fraction() -> None:
@@ -348,7 +345,8 @@ def main() -> None:
     logprob_kernels()
     heap_settings()
     torch.set_num_threads(2)
-    if wants_fp32_kernel("auto", True, torch.device("cpu")):
+    on_fp32 = wants_fp32_kernel("auto", True, torch.device("cpu"))  # the kernel the demo takes here
+    if on_fp32:
         fp32_kernel_fraction()
         generation_fraction()
         return
@@ -360,7 +358,7 @@ def main() -> None:
     upcast, _ = train_step_fraction(model, fp32, "step_matmul_fraction_fp32_kernel", "fp32", flops)
     record("fp32_kernel_step_time", upcast / native, None,
            f"fwd+bwd {upcast:.2f} s vs {native:.2f} s (bf16 layers on the fp32 GEMM / on the bf16 GEMM)")  # fmt: skip
-    chosen_kernel_fraction(flops, (native, bf16), (upcast, fp32))
+    chosen_kernel_fraction(flops, native, bf16, on_fp32=False)
     model = load_causal_lm(MODEL_DIR, "float32", None)
     train_step_fraction(model, bf16, "step_matmul_fraction_fp32_weights")
     del model
