@@ -9,10 +9,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rlstages.configs.model import LoraSettings
 from rlstages.configs.training import OptimConfig, TorchTrainingConfig
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
+from rlstages.engines.tensordict_import import TensorDict
 from rlstages.engines.training import fp32_matmul
 from rlstages.engines.training.core import PPOTrainer
 from rlstages.engines.training.fp32_matmul import Fp32KernelLinear, cpu_has_amx, use_fp32_kernel, wants_fp32_kernel
@@ -141,13 +143,19 @@ def test_the_timing_probe_agrees_with_the_layers_it_chooses_for() -> None:
         assert (probe > 1) == (layers > 1), f"probe {probe:.2f} vs layers {layers:.2f}"
 
 
-def test_trainer_swaps_the_layers_and_trains_alike(tiny_model_dir: Path) -> None:
-    """The bf16 trainer with `fp32_matmul: true` has every linear layer on the fp32 kernel and the same weight
-    names; its log-probs and one train step match the native trainer's to bf16's resolution."""
-    rollout = HFRolloutEngine(tiny_model_dir, dtype="bfloat16", apply_chat_template=False)
+def _graded_batch(model_dir: Path) -> TensorDict:
+    """Four prompts times four bf16 samples of the tiny model, with GRPO advantages from every third one right."""
+    rollout = HFRolloutEngine(model_dir, dtype="bfloat16", apply_chat_template=False)
     batch = rollout.generate([Prompt(f"u{i}", f"{i}+{i}=", str(2 * i)) for i in range(4)], SamplingParams(n=4), 0)
     token = A.outcome_to_token_rewards((torch.arange(16) % 3 == 0).float(), batch[T.RESPONSE_MASK])
     batch[T.ADVANTAGES], _ = A.compute_advantages("grpo", token, batch[T.RESPONSE_MASK], T.get_rows(batch, "uid"))
+    return batch
+
+
+def test_trainer_swaps_the_layers_and_trains_alike(tiny_model_dir: Path) -> None:
+    """The bf16 trainer with `fp32_matmul: true` has every linear layer on the fp32 kernel and the same weight
+    names; its log-probs and one train step match the native trainer's to bf16's resolution."""
+    batch = _graded_batch(tiny_model_dir)
 
     def trainer(fp32: bool) -> PPOTrainer:
         train = TorchTrainingConfig(optim=OptimConfig(lr=1e-3), micro_batch_size=8, fp32_matmul=fp32)
@@ -161,6 +169,30 @@ def test_trainer_swaps_the_layers_and_trains_alike(tiny_model_dir: Path) -> None
     mask = batch[T.RESPONSE_MASK].bool()
     lp = [t.logprobs(batch)["logprobs"][mask] for t in (native, upcast)]
     assert (lp[0] - lp[1]).abs().mean() < 0.02 and (lp[0] - lp[1]).abs().max() < 0.2
+    m = [t.train_step(batch) for t in (native, upcast)]
+    assert m[1]["pg_loss"] == pytest.approx(m[0]["pg_loss"], abs=0.02)
+    assert m[1]["grad_norm"] == pytest.approx(m[0]["grad_norm"], rel=0.05)
+
+
+def test_lora_adapters_take_the_fp32_kernel_too(tiny_model_dir: Path) -> None:
+    """Under LoRA the adapters (fp32 weights, new plain layers) run on the fp32 kernel as well, not on the bf16
+    GEMM that bf16 autocast gives them; only they train, and one step matches the native LoRA trainer's."""
+    batch = _graded_batch(tiny_model_dir)
+    adapters = LoraSettings(rank=4, alpha=8.0).model_dump(mode="json")
+
+    def trainer(fp32: bool) -> PPOTrainer:
+        train = TorchTrainingConfig(
+            optim=OptimConfig(lr=1e-3), micro_batch_size=8, fp32_matmul=fp32, bf16_autocast=True
+        )
+        return PPOTrainer(TrainerSettings(str(tiny_model_dir), train=train, dtype="bfloat16", lora=adapters))
+
+    native, upcast = trainer(False), trainer(True)
+    named = dict(upcast.backend.model.named_modules())
+    lora_layers = [m for n, m in named.items() if n.endswith((".lora_A.default", ".lora_B.default"))]
+    assert lora_layers and all(type(m) is Fp32KernelLinear for m in lora_layers)
+    assert all(type(m) is not torch.nn.Linear for m in named.values())
+    trained = [n for n, p in upcast.backend.model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n in trained)
     m = [t.train_step(batch) for t in (native, upcast)]
     assert m[1]["pg_loss"] == pytest.approx(m[0]["pg_loss"], abs=0.02)
     assert m[1]["grad_norm"] == pytest.approx(m[0]["grad_norm"], rel=0.05)
