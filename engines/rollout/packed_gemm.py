@@ -6,20 +6,29 @@ per-generation copy of the weights is made anyway), the same kernel reads them a
 Xeon, 2 threads, SmolLM2-135M's shapes: 1.3-1.4x at 64 rows, 1.6-2.0x at 1-7 rows (the long replies' tail), the
 49k-row head 1.9x; bit-identical to `F.linear` (the same kernel), which `packing_off` checks at the model's shape
 before the first use. fp32 is not packed: there the plain path is MKL's and the packed one is not faster on
-every shape, nor bit-identical.
+every shape, nor bit-identical (MKL's own packed sgemm, `mkl._mkl_linear`, measured no faster either). A wide
+fp32 product (the 49k-vocabulary head) is instead split into blocks of `WIDE_BLOCK` output features: MKL's
+sgemm on the whole [49152 x 576] weight ran at 0.36-0.42 of the GEMM peak at 64 rows on an AVX2 EPYC, in blocks
+at 0.63 (1.5x; the head is about a quarter of a decode step's GEMM time there), with the same sums, which the
+first call of each shape checks (`linear`; else the plain product, with one line).
 
 Non-goal: packing for the update (its weights change at every optimizer step) or on GPUs.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+log = logging.getLogger(__name__)
+
 ROWS_HINT = 64  # the decode batch oneDNN picks the blocking for; every row count works (measured 1-640)
+WIDE_BLOCK = 2048  # output features per GEMM of a wide fp32 product (1024-3072 measured alike, 8192 slower)
 _checked: dict[tuple[torch.dtype, int, int], str | None] = {}
+_blocks_match: dict[tuple[int, int], bool] = {}  # per wide fp32 weight shape: blocked product == F.linear's
 
 
 def packing_off(dtype: torch.dtype, device: torch.device, shape: tuple[int, int] = (64, 64)) -> str | None:
@@ -58,7 +67,27 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Any:
-    """`F.linear(x, weight, bias)` for a plain or a packed (`pack`) weight; `x` is [rows, in]."""
+    """`F.linear(x, weight, bias)` for a plain or a packed (`pack`) weight, a wide fp32 one in blocks
+    (`blocked_linear`) once its first call showed the same result; `x` is [rows, in]."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.shape[0] < 4 * WIDE_BLOCK:
+        return F.linear(x, weight, bias)
+    key = (weight.shape[0], weight.shape[1])
+    if key not in _blocks_match:
+        plain = F.linear(x, weight, bias)
+        _blocks_match[key] = torch.equal(blocked_linear(x, weight, bias), plain)
+        if not _blocks_match[key]:
+            log.info("wide fp32 product %s: blocks differ from F.linear here, kept whole", list(key))
+        return plain
+    return blocked_linear(x, weight, bias) if _blocks_match[key] else F.linear(x, weight, bias)
+
+
+def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` as one GEMM per `WIDE_BLOCK` output features, written into one output: MKL
+    runs a [rows x in] by [in x 2048] product near its peak and the [in x 49152] one far below it."""
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    for start in range(0, weight.shape[0], WIDE_BLOCK):
+        stop = start + WIDE_BLOCK
+        out[:, start:stop] = F.linear(x, weight[start:stop], None if bias is None else bias[start:stop])
+    return out

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+from rlstages.engines.rollout import packed_gemm
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
 from rlstages.engines.rollout.packed_gemm import linear, pack, packing_off
 from rlstages.engines.types import Prompt, SamplingParams
@@ -53,3 +55,58 @@ def test_fast_step_on_packed_bf16_weights_decodes_as_generate(tiny_model_dir: Pa
     prompts = [Prompt(f"u{i}", text, "0") for i, text in enumerate(TEXTS)]
     batch = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=10), seed=0)
     assert_greedy_as_generate(engine, TEXTS, batch)
+
+
+def _spy_on_blocks(monkeypatch: pytest.MonkeyPatch, block: int) -> list[int]:
+    """Small blocks for a small weight, a fresh per-shape check, and a list that grows at each blocked product."""
+    calls: list[int] = []
+    real = packed_gemm.blocked_linear
+
+    def spy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(packed_gemm, "WIDE_BLOCK", block)
+    monkeypatch.setattr(packed_gemm, "_blocks_match", {})
+    monkeypatch.setattr(packed_gemm, "blocked_linear", spy)
+    return calls
+
+
+def test_a_wide_fp32_product_runs_in_blocks_only_where_their_sums_are_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(2)
+    weight, bias = torch.randn(100, 48, generator=gen), torch.randn(100, generator=gen)
+    x = [torch.randn(rows, 48, generator=gen) for rows in (1, 3, 17, 64)]
+    blocked = packed_gemm.blocked_linear
+    calls = _spy_on_blocks(monkeypatch, 16)
+    for rows in x:  # the blocks' values, whatever this CPU's MKL does at each width
+        torch.testing.assert_close(blocked(rows, weight, bias), F.linear(rows, weight, bias))
+    same = torch.equal(blocked(x[3], weight, bias), F.linear(x[3], weight, bias))  # MKL may sum narrow blocks apart
+    assert torch.equal(linear(x[3], weight, bias), F.linear(x[3], weight, bias))  # first call: the plain result
+    assert packed_gemm._blocks_match == {(100, 48): same}
+    for rows in x:
+        assert torch.equal(linear(rows, weight, bias), F.linear(rows, weight, bias))
+    assert calls == [64] + ([1, 3, 17, 64] if same else [])  # the check, then blocks only where they matched
+    calls.clear()
+    linear(x[0], weight[:63])  # narrower than four blocks: one plain product
+    assert calls == []
+
+    for exact in (True, False):  # blocks that give F.linear's sums are taken from then on; others never
+        monkeypatch.setattr(packed_gemm, "_blocks_match", {})
+        shift = 0.0 if exact else 1.0
+        taken: list[int] = []
+        fake = lambda x, w, b=None, taken=taken, shift=shift: taken.append(len(x)) or F.linear(x, w, b) + shift  # noqa: E731
+        monkeypatch.setattr(packed_gemm, "blocked_linear", fake)
+        assert torch.equal(linear(x[1], weight), F.linear(x[1], weight))
+        assert packed_gemm._blocks_match == {(100, 48): exact}
+        assert torch.equal(linear(x[2], weight), F.linear(x[2], weight))
+        assert taken == ([3, 17] if exact else [3])
+
+
+def test_fast_step_with_a_blocked_fp32_head_decodes_as_generate(tiny_model_dir: Path, monkeypatch) -> None:
+    engine = HFRolloutEngine(tiny_model_dir, dtype="float32", apply_chat_template=False)
+    vocab = engine.model.lm_head.weight.shape[0]
+    calls = _spy_on_blocks(monkeypatch, vocab // 8)
+    prompts = [Prompt(f"u{i}", text, "0") for i, text in enumerate(TEXTS)]
+    batch = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=10), seed=0)
+    assert_greedy_as_generate(engine, TEXTS, batch)
+    assert calls and (vocab, engine.model.config.hidden_size) in packed_gemm._blocks_match  # the head was checked
