@@ -162,21 +162,15 @@ def use_fp32_attention(model: torch.nn.Module) -> str | None:
     return name
 
 
-def swap_linear_layers(model: torch.nn.Module) -> int:
-    """Make every plain `nn.Linear` of `model` an `Fp32KernelLinear`, in place (weights untouched); returns how
-    many were swapped. Run again after LoRA wraps the model: its adapters are new plain layers."""
+def use_fp32_kernel(model: torch.nn.Module) -> int:
+    """Make every `nn.Linear` of `model` (LoRA's adapters included, when called after wrapping) an
+    `Fp32KernelLinear` and its attention fp32 (`use_fp32_attention`), in place (weights untouched); returns how
+    many layers were swapped."""
     count = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear:
             module.__class__ = Fp32KernelLinear
             count += 1
-    return count
-
-
-def use_fp32_kernel(model: torch.nn.Module) -> int:
-    """Make every `nn.Linear` of `model` an `Fp32KernelLinear` and its attention fp32 (`use_fp32_attention`), in
-    place (weights untouched); returns how many layers were swapped."""
-    count = swap_linear_layers(model)
     attention = use_fp32_attention(model)
     log.info("fp32 kernel: %d linear layers, attention %s", count, attention or "unchanged")
     return count

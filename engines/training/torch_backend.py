@@ -26,7 +26,7 @@ from rlstages.engines.models.vision import param_groups
 from rlstages.engines.tensordict_import import TensorDict
 from rlstages.engines.training import ppo_step as P
 from rlstages.engines.training import state_io
-from rlstages.engines.training.fp32_matmul import swap_linear_layers, use_fp32_kernel, wants_fp32_kernel
+from rlstages.engines.training.fp32_matmul import use_fp32_kernel, wants_fp32_kernel
 from rlstages.engines.training.optim import adamw, lr_scheduler
 from rlstages.engines.training.settings import Role, TrainerSettings
 
@@ -123,12 +123,10 @@ class TorchBackend:
             settings.dtype == "bfloat16" or settings.train.bf16_autocast,
             next(self.model.parameters()).device,
         )
-        if self.fp32_matmul:
-            use_fp32_kernel(self.model)
         if settings.lora is not None and settings.role == "actor":  # adapters on a frozen base (models/lora.py)
             self.model = lora.wrap_lora(self.model, settings.lora).to(self.device)
-            if self.fp32_matmul:  # the adapters too: fp32 weights under bf16 autocast would take the bf16 GEMM
-                swap_linear_layers(self.model)
+        if self.fp32_matmul:  # after LoRA: its adapters' fp32 weights under bf16 autocast would take the bf16 GEMM
+            use_fp32_kernel(self.model)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if settings.trainable:

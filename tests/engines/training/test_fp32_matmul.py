@@ -176,7 +176,8 @@ def test_trainer_swaps_the_layers_and_trains_alike(tiny_model_dir: Path) -> None
 
 def test_lora_adapters_take_the_fp32_kernel_too(tiny_model_dir: Path) -> None:
     """Under LoRA the adapters (fp32 weights, new plain layers) run on the fp32 kernel as well, not on the bf16
-    GEMM that bf16 autocast gives them; only they train, and one step matches the native LoRA trainer's."""
+    GEMM that bf16 autocast gives them, and the attention is the fp32 one; only the adapters train, and one step
+    matches the native LoRA trainer's."""
     batch = _graded_batch(tiny_model_dir)
     adapters = LoraSettings(rank=4, alpha=8.0).model_dump(mode="json")
 
@@ -191,6 +192,7 @@ def test_lora_adapters_take_the_fp32_kernel_too(tiny_model_dir: Path) -> None:
     lora_layers = [m for n, m in named.items() if n.endswith((".lora_A.default", ".lora_B.default"))]
     assert lora_layers and all(type(m) is Fp32KernelLinear for m in lora_layers)
     assert all(type(m) is not torch.nn.Linear for m in named.values())
+    assert upcast.backend.model.config._attn_implementation in fp32_matmul.FP32_ATTENTION.values()  # through peft
     trained = [n for n, p in upcast.backend.model.named_parameters() if p.requires_grad]
     assert trained and all("lora_" in n for n in trained)
     m = [t.train_step(batch) for t in (native, upcast)]
