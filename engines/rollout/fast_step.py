@@ -1,14 +1,16 @@
 """The fast decode step of the slot decoder for Llama-family models (llama, qwen2, mistral without a sliding
 window): its own decode over a static KV cache, in the rollout's compute dtype.
 
-Where the CPU has no native bf16 the bf16 weights are widened to fp32 at every GEMM (oneDNN's bf16 path on an
-AVX2 or AVX-512F CPU); here they are widened once per generation into an fp32 copy (`RolloutWeights`: 4 bytes a
-parameter, 540 MB for SmolLM2-135M, held while generating and freed after), with q/k/v and gate/up concatenated
-so that each layer is four GEMMs. The cache is one preallocated buffer per layer, [slots, kv heads, columns,
-head dim], right-aligned as `slots.HFStep`'s (every live row writes its next token at one shared column, a
-row's padding masked); each row keeps its own position. The prefill runs the transformers model itself
-(`decode.prefill`: shared prompts and prefixes once) on the same copies, and its cache is copied into the
-buffers. A model this step cannot decode falls back to the eager step with one line saying why (`fast_step`).
+Where the CPU has no native bf16 the bf16 weights are widened to fp32 at every GEMM (oneDNN's bf16 path on an AVX2
+or AVX-512F CPU); here they are widened once per generation into an fp32 copy (`RolloutWeights`: 4 bytes a
+parameter, 540 MB for SmolLM2-135M, held while generating and freed after), with q/k/v and gate/up concatenated so
+that each layer is four GEMMs, packed for oneDNN's fp32 kernel where it is present (`packed_gemm`). The cache is
+one preallocated buffer per layer, [slots, kv heads, columns, head dim], right-aligned as `slots.HFStep`'s (every
+live row writes its next token at one shared column, a row's padding masked); each row keeps its own position. The
+prefill runs the transformers model itself (`decode.prefill`: shared prompts and prefixes once) on the same copies
+(a packed fp32 copy's matrices are widened again one decoder layer at a time while it runs), and its cache is
+copied into the buffers. A model this step cannot decode falls back to the eager step with one line saying why
+(`fast_step`).
 
 Non-goal: sliding-window and MoE models, q/k norms (Qwen3), multi-token decode steps.
 """
@@ -49,16 +51,23 @@ class RolloutWeights:
     them stand in for the transformers model's parameters while it prefills (`swapped`). With `pack` (a CPU
     model whose parameters are all of `dtype`): the four matrices of each layer and the head in oneDNN's blocked
     layout where `packed_gemm.packing_off` allows, the rest the model's own tensors, and no views (the model
-    prefills on its own parameters)."""
+    prefills on its own parameters). With `pack` and an fp32 copy of a bf16 model (`widened`): the matrices are
+    packed fp32 and not kept plain (the same memory as the plain copy, the tied head packed besides: +4 bytes a
+    vocabulary entry's parameter); the prefill widens one decoder layer's matrices at a time while it runs."""
 
     def __init__(self, model: Any, dtype: torch.dtype, pack: bool = False) -> None:
         self.dtype = dtype
         self.views: dict[str, torch.Tensor] = {}
         self.layers: list[dict[str, Any]] = []
         params = list(model.parameters())
-        self.pack = pack and params[0].device.type == "cpu" and all(p.dtype == dtype for p in params)
-        self.packed = 0  # matrices in oneDNN's layout
         self.plain_reason: str | None = None  # why a matrix stayed plain where packing was asked for
+        cpu = params[0].device.type == "cpu"
+        self.pack = pack and cpu and all(p.dtype == dtype for p in params)
+        self.widened = pack and cpu and dtype == torch.float32 and all(p.dtype == torch.bfloat16 for p in params)
+        if self.widened and packing_off(dtype, params[0].device, widened=True) is not None:
+            self.plain_reason = packing_off(dtype, params[0].device, widened=True)
+            self.widened = False
+        self.packed = 0  # matrices in oneDNN's layout
         inner = model.model
         for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -93,9 +102,9 @@ class RolloutWeights:
 
     def _packed(self, weight: torch.Tensor) -> torch.Tensor:
         """`weight` in oneDNN's layout where packing is asked for and allowed, else as it is."""
-        if not self.pack:
+        if not (self.pack or self.widened):
             return weight
-        reason = packing_off(self.dtype, weight.device, (weight.shape[0], weight.shape[1]))
+        reason = packing_off(self.dtype, weight.device, (weight.shape[0], weight.shape[1]), self.widened)
         if reason is not None:
             self.plain_reason = reason
             return weight
@@ -104,6 +113,8 @@ class RolloutWeights:
 
     def _linear(self, name: str, module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         bias = None if module.bias is None else self._own(name + ".bias", module.bias)
+        if self.widened:  # no plain copy kept: the prefill widens the model's own matrix
+            return self._packed(module.weight.detach().to(self.dtype)), bias
         return self._packed(self._own(name + ".weight", module.weight)), bias
 
     def _fuse(self, prefix: str, parent: Any, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -112,7 +123,7 @@ class RolloutWeights:
         bias = None
         if mods[0].bias is not None:
             bias = torch.cat([m.bias.detach().to(self.dtype) for m in mods])
-        if self.pack:
+        if self.pack or self.widened:
             return self._packed(weight), bias
         start = 0
         for n, m in zip(names, mods, strict=True):
@@ -132,11 +143,39 @@ class RolloutWeights:
                 saved[name] = param.data
                 param.data = self.views[name]
         try:
-            yield
+            with self._each_layer_widened(model) if self.widened else contextlib.nullcontext():
+                yield
         finally:
             for name, param in model.named_parameters():
                 if name in saved:
                     param.data = saved[name]
+
+    @contextlib.contextmanager
+    def _each_layer_widened(self, model: Any) -> Iterator[None]:
+        """Inside the block each decoder layer has its matrices in `dtype` while it runs and its own after: a
+        widened copy keeps its matrices only packed, which the transformers model cannot read."""
+        own: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+
+        def widen(module: torch.nn.Module, args: Any) -> None:
+            for param in module.parameters():
+                if param.dtype != self.dtype:
+                    own.append((param, param.data))
+                    param.data = param.data.to(self.dtype)
+
+        def restore(*_: Any) -> None:
+            while own:
+                param, data = own.pop()
+                param.data = data
+
+        hooks = []
+        for layer in model.model.layers:
+            hooks += [layer.register_forward_pre_hook(widen), layer.register_forward_hook(restore)]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+            restore()  # a layer that raised: its matrices go back too
 
 
 class FastLlamaStep:

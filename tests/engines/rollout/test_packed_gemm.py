@@ -1,6 +1,7 @@
 """The decode step's GEMMs on prepacked weights (engines/rollout/packed_gemm.py): bit-identical to `F.linear` at
 every row count where oneDNN packs bf16, and a reason where it does not; the fast step on a bf16 model packs its
-matrices, keeps no copies of the rest and decodes greedily what transformers' `generate` does. CPU only, seconds:
+matrices, keeps no copies of the rest and decodes greedily what transformers' `generate` does; an fp32 copy of a
+bf16 model is packed within fp32 rounding of `F.linear` and prefills a layer at a time. CPU only, seconds:
 `pytest tests/engines/rollout/test_packed_gemm.py`."""
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ TEXTS = ("1+2=", "What is 10 + 12?", "7 plus 8 is")
 
 
 def test_packed_linear_is_bit_identical_at_every_row_count_or_says_why_not() -> None:
-    assert packing_off(torch.float32, CPU) == "torch.float32 weights (only bf16 is packed)"
+    own_fp32 = "the model's own float32 weights (bf16 and a widened fp32 copy are packed)"
+    assert packing_off(torch.float32, CPU) == own_fp32
     assert packing_off(torch.bfloat16, torch.device("meta")) == "meta device"
     reason = packing_off(torch.bfloat16, CPU, (96, 48))
     if reason is not None:  # a torch or CPU without oneDNN's bf16: the step multiplies plain weights, and says so
@@ -110,3 +112,51 @@ def test_fast_step_with_a_blocked_fp32_head_decodes_as_generate(tiny_model_dir: 
     batch = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=10), seed=0)
     assert_greedy_as_generate(engine, TEXTS, batch)
     assert calls and (vocab, engine.model.config.hidden_size) in packed_gemm._blocks_match  # the head was checked
+
+
+def test_a_packed_fp32_copy_is_within_fp32_rounding_of_f_linear() -> None:
+    reason = packing_off(torch.float32, CPU, (96, 48), widened=True)
+    if reason is not None:  # a torch without oneDNN: the widened copy stays plain, and says so
+        assert "oneDNN" in reason or "rounding" in reason
+        return
+    gen = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(96, 48, generator=gen), torch.randn(96, generator=gen)
+    packed = pack(weight)
+    assert packed.is_mkldnn and packed.dtype == torch.float32
+    for rows in (1, 3, 17, 64, 130):
+        x = torch.randn(rows, 48, generator=gen)
+        plain = F.linear(x, weight, bias)
+        assert (linear(x, packed, bias) - plain).abs().max() <= packed_gemm.FP32_RTOL * plain.abs().max(), rows
+
+
+def test_a_widened_copy_is_packed_and_its_prefill_widens_one_layer_at_a_time(tiny_model_dir: Path) -> None:
+    """A bf16 model on its fp32 copy: the matrices only packed (no plain copies), each decoder layer widened
+    while it prefills and bf16 again after, also when a layer raises."""
+    engine = HFRolloutEngine(tiny_model_dir, dtype="bfloat16", apply_chat_template=False, fp32_weights=True)
+    step = engine._fast_step(2, 64)
+    assert step is not None
+    weights, layers = step.weights, engine.model.model.layers
+    if packing_off(torch.float32, CPU, widened=True) is not None:
+        assert not weights.widened and weights.plain_reason == packing_off(torch.float32, CPU, widened=True)
+        return
+    assert weights.widened and weights.packed == 4 * len(layers) + 1
+    assert not any(name.endswith("proj.weight") for name in weights.views)  # the matrices are not kept plain
+    seen: list[set[torch.dtype]] = []
+    attention = layers[1].self_attn  # runs inside its layer: it sees what the layer has while running
+    probe = attention.register_forward_pre_hook(lambda m, a: seen.append({p.dtype for p in m.parameters()}))
+    with weights.swapped(engine.model):
+        ids = torch.tensor([engine.tokenizer(TEXTS[1])["input_ids"]])
+        engine.model(input_ids=ids)
+        matrices = [p for name, p in layers[0].named_parameters() if name.endswith("proj.weight")]
+        assert {p.dtype for p in matrices} == {torch.bfloat16}  # widened while it ran, then put back
+    probe.remove()
+    assert seen == [{torch.float32}]
+
+    def fail(module: torch.nn.Module, args: object, output: object) -> None:
+        raise RuntimeError("a layer failed")
+
+    failing = layers[0].register_forward_hook(fail, prepend=True)
+    with pytest.raises(RuntimeError, match="a layer failed"), weights.swapped(engine.model):
+        engine.model(input_ids=ids)
+    failing.remove()
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
