@@ -8,7 +8,7 @@ that each layer is four GEMMs, packed for oneDNN's fp32 kernel where it is prese
 one preallocated buffer per layer, [slots, kv heads, columns, head dim], right-aligned as `slots.HFStep`'s (every
 live row writes its next token at one shared column, a row's padding masked); each row keeps its own position. The
 prefill runs the transformers model itself (`decode.prefill`: shared prompts and prefixes once) on the same copies
-(a packed fp32 copy's matrices are widened again one decoder layer at a time while it runs), and its cache is
+(a packed fp32 copy's matrices are widened again one module at a time while it runs), and its cache is
 copied into the buffers. A model this step cannot decode falls back to the eager step with one line saying why
 (`fast_step`).
 
@@ -51,9 +51,9 @@ class RolloutWeights:
     them stand in for the transformers model's parameters while it prefills (`swapped`). With `pack` (a CPU
     model whose parameters are all of `dtype`): the four matrices of each layer and the head in oneDNN's blocked
     layout where `packed_gemm.packing_off` allows, the rest the model's own tensors, and no views (the model
-    prefills on its own parameters). With `pack` and an fp32 copy of a bf16 model (`widened`): the matrices are
-    packed fp32 and not kept plain (the same memory as the plain copy, the tied head packed besides: +4 bytes a
-    vocabulary entry's parameter); the prefill widens one decoder layer's matrices at a time while it runs."""
+    prefills on its own parameters). With `pack` and an fp32 copy of a bf16 model (`widened`): the matrices and
+    the head are packed fp32 and not kept plain (the plain copy's memory), the decode looks up the model's own
+    embedding rows, and the prefill widens one module's matrices at a time while it runs."""
 
     def __init__(self, model: Any, dtype: torch.dtype, pack: bool = False) -> None:
         self.dtype = dtype
@@ -85,10 +85,14 @@ class RolloutWeights:
                 }
             )
         self.norm = self._own("model.norm.weight", inner.norm.weight)
-        self.embed = self._own("model.embed_tokens.weight", inner.embed_tokens.weight)
         head = model.lm_head.weight
-        tied = head is inner.embed_tokens.weight or head.data_ptr() == inner.embed_tokens.weight.data_ptr()
-        self.head = self._packed(self.embed if tied else self._own("lm_head.weight", head))
+        if self.widened:  # the model's own rows looked up and widened (exact), the head only packed
+            self.embed = inner.embed_tokens.weight.detach()
+            self.head = self._packed(head.detach().to(dtype))
+        else:
+            self.embed = self._own("model.embed_tokens.weight", inner.embed_tokens.weight)
+            tied = head is inner.embed_tokens.weight or head.data_ptr() == inner.embed_tokens.weight.data_ptr()
+            self.head = self._packed(self.embed if tied else self._own("lm_head.weight", head))
         self.eps = float(layer.input_layernorm.variance_epsilon)
         if self.plain_reason is not None:
             log.info("rollout: the decode step's GEMMs are not prepacked (%s)", self.plain_reason)
@@ -143,7 +147,7 @@ class RolloutWeights:
                 saved[name] = param.data
                 param.data = self.views[name]
         try:
-            with self._each_layer_widened(model) if self.widened else contextlib.nullcontext():
+            with self._each_module_widened(model) if self.widened else contextlib.nullcontext():
                 yield
         finally:
             for name, param in model.named_parameters():
@@ -151,9 +155,10 @@ class RolloutWeights:
                     param.data = saved[name]
 
     @contextlib.contextmanager
-    def _each_layer_widened(self, model: Any) -> Iterator[None]:
-        """Inside the block each decoder layer has its matrices in `dtype` while it runs and its own after: a
-        widened copy keeps its matrices only packed, which the transformers model cannot read."""
+    def _each_module_widened(self, model: Any) -> Iterator[None]:
+        """Inside the block the embedding, each decoder layer and the head have their matrices in `dtype` while
+        they run and their own after: a widened copy keeps its matrices only packed, which the transformers model
+        cannot read (one module's widened at a time: a tied embedding is widened twice)."""
         own: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
 
         def widen(module: torch.nn.Module, args: Any) -> None:
@@ -168,8 +173,8 @@ class RolloutWeights:
                 param.data = data
 
         hooks = []
-        for layer in model.model.layers:
-            hooks += [layer.register_forward_pre_hook(widen), layer.register_forward_hook(restore)]
+        for module in (model.model.embed_tokens, *model.model.layers, model.lm_head):
+            hooks += [module.register_forward_pre_hook(widen), module.register_forward_hook(restore)]
         try:
             yield
         finally:
@@ -329,7 +334,7 @@ def _decode(step: FastLlamaStep, ids: torch.Tensor, n: int) -> torch.Tensor:
     w = step.weights
     col = step.column
     h, hk, d = step.heads, step.kv_heads, step.head_dim
-    x = w.embed[ids]
+    x = w.embed[ids].to(step.dtype)  # a widened copy looks up the model's own rows
     pos = step.position[:n]
     cos, sin = step.model.model.rotary_emb(x, pos[:, None])  # [n, 1, d]: the model's own RoPE (its scaling)
     cos, sin = cos.to(step.dtype), sin.to(step.dtype)

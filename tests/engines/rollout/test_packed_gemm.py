@@ -129,9 +129,9 @@ def test_a_packed_fp32_copy_is_within_fp32_rounding_of_f_linear() -> None:
         assert (linear(x, packed, bias) - plain).abs().max() <= packed_gemm.FP32_RTOL * plain.abs().max(), rows
 
 
-def test_a_widened_copy_is_packed_and_its_prefill_widens_one_layer_at_a_time(tiny_model_dir: Path) -> None:
-    """A bf16 model on its fp32 copy: the matrices only packed (no plain copies), each decoder layer widened
-    while it prefills and bf16 again after, also when a layer raises."""
+def test_a_widened_copy_is_packed_and_its_prefill_widens_one_module_at_a_time(tiny_model_dir: Path) -> None:
+    """A bf16 model on its fp32 copy: the matrices and head only packed (no plain copies, the embedding the
+    model's own), each module widened while it prefills and bf16 again after, also when a layer raises."""
     engine = HFRolloutEngine(tiny_model_dir, dtype="bfloat16", apply_chat_template=False, fp32_weights=True)
     step = engine._fast_step(2, 64)
     assert step is not None
@@ -141,6 +141,8 @@ def test_a_widened_copy_is_packed_and_its_prefill_widens_one_layer_at_a_time(tin
         return
     assert weights.widened and weights.packed == 4 * len(layers) + 1
     assert not any(name.endswith("proj.weight") for name in weights.views)  # the matrices are not kept plain
+    embedding = engine.model.model.embed_tokens.weight
+    assert "model.embed_tokens.weight" not in weights.views and weights.embed.data_ptr() == embedding.data_ptr()
     seen: list[set[torch.dtype]] = []
     attention = layers[1].self_attn  # runs inside its layer: it sees what the layer has while running
     probe = attention.register_forward_pre_hook(lambda m, a: seen.append({p.dtype for p in m.parameters()}))
@@ -160,3 +162,4 @@ def test_a_widened_copy_is_packed_and_its_prefill_widens_one_layer_at_a_time(tin
         engine.model(input_ids=ids)
     failing.remove()
     assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    assert embedding.dtype == torch.bfloat16  # the tied head: widened for the head's turn, then put back
