@@ -23,12 +23,13 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from rlstages.engines.runtime.payload import layout, pack_into, unpack
 
+T = TypeVar("T")
 Handle = dict[str, Any]  # plain values only: str, int, bytes, bool
 Meta = bytes  # the bucket's JSON meta (`payload.layout`)
 
@@ -89,7 +90,8 @@ def share(payload: torch.Tensor) -> Handle:
             "event_sync": bool(sync),
         }
     storage = payload.untyped_storage()
-    manager, name, size = storage._share_filename_cpu_()  # what reduce_storage does under file_system sharing
+    # what reduce_storage does under file_system sharing
+    manager, name, size = via_shm_manager(storage._share_filename_cpu_)
     storage._shared_incref()  # the receiver's rebuild drops this reference
     return {
         "kind": "cpu",
@@ -99,6 +101,23 @@ def share(payload: torch.Tensor) -> Handle:
         "offset": payload.storage_offset(),
         "numel": payload.numel(),
     }
+
+
+SHM_MANAGER_TRIES = 3
+
+
+def via_shm_manager(call: Callable[[], T]) -> T:
+    """`call` (a CPU storage shared or mapped through torch's shared-memory manager), tried again where the
+    manager's acknowledgement missed libshm's short wait, which a loaded machine can make it do ("Shared memory
+    manager connection has timed out", seen once in a CI run on 2 busy cores); other errors are raised at once."""
+    for attempt in range(1, SHM_MANAGER_TRIES + 1):
+        try:
+            return call()
+        except RuntimeError as exc:
+            if "timed out" not in str(exc) or attempt == SHM_MANAGER_TRIES:
+                raise
+            time.sleep(0.2 * attempt)
+    raise AssertionError("unreachable")
 
 
 def rebuild(handle: Handle) -> torch.Tensor:
@@ -127,8 +146,10 @@ def rebuild(handle: Handle) -> torch.Tensor:
         )
     from torch.multiprocessing.reductions import rebuild_storage_filename
 
-    storage = rebuild_storage_filename(
-        torch.UntypedStorage, handle["manager"], handle["handle"], handle["storage_bytes"]
+    storage = via_shm_manager(
+        lambda: rebuild_storage_filename(
+            torch.UntypedStorage, handle["manager"], handle["handle"], handle["storage_bytes"]
+        )
     )
     out = torch.empty(0, dtype=torch.uint8)
     out.set_(storage, handle["offset"], (handle["numel"],))  # type: ignore[call-overload]  # untyped storage is accepted

@@ -98,7 +98,8 @@ def sync(model: str) -> dict[str, Any]:
         out["rollout_ips"] = rollout.all(120).__ray_call__(lambda e: ray.util.get_node_ip_address())
         for step in range(2):
             batch = rollout.dp(300).generate(prompts, params, step)
-            batch[T.ADVANTAGES] = torch.randn(batch[T.RESPONSE_MASK].shape) * batch[T.RESPONSE_MASK]
+            noise = torch.randn(batch[T.RESPONSE_MASK].shape, generator=torch.Generator().manual_seed(step))
+            batch[T.ADVANTAGES] = noise * batch[T.RESPONSE_MASK]
             trainer.dp(300).train_step(batch)
             stale = rollout.dp(300).generate(prompts, params, 10 + step)
             d = (trainer.dp(300).logprobs(stale)["logprobs"] - stale[T.ROLLOUT_LOGPROBS]).abs() * stale[T.RESPONSE_MASK]

@@ -119,6 +119,31 @@ def test_pushes_reuse_one_buffer_shared_once_and_arrive_bit_exact() -> None:
     assert child.exitcode == 0
 
 
+def test_a_late_shm_manager_ack_is_tried_again_and_other_errors_are_not() -> None:
+    """torch's shared-memory manager answering after libshm's wait (a loaded machine): the share is tried again,
+    at most `SHM_MANAGER_TRIES` times; any other error is raised at the first try."""
+    calls: list[int] = []
+
+    def late(times: int, message: str = "Shared memory manager connection has timed out") -> Any:
+        def call() -> str:
+            calls.append(1)
+            if len(calls) <= times:
+                raise RuntimeError(message)
+            return "shared"
+
+        return call
+
+    assert cuda_ipc.via_shm_manager(late(2)) == "shared" and len(calls) == 3
+    calls.clear()
+    with pytest.raises(RuntimeError, match="timed out"):
+        cuda_ipc.via_shm_manager(late(cuda_ipc.SHM_MANAGER_TRIES))
+    assert len(calls) == cuda_ipc.SHM_MANAGER_TRIES
+    calls.clear()
+    with pytest.raises(RuntimeError, match="No space left"):
+        cuda_ipc.via_shm_manager(late(1, "No space left on device"))
+    assert len(calls) == 1
+
+
 def test_a_message_for_a_buffer_never_shared_is_refused() -> None:
     with pytest.raises(RuntimeError, match="weight buffer nope was never shared"):
         cuda_ipc.receive({"buffer": "nope", "handle": None, "version": 1, "meta": b"[]"}, lambda named: None)
