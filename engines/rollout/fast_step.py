@@ -64,9 +64,9 @@ class RolloutWeights:
         cpu = params[0].device.type == "cpu"
         self.pack = pack and cpu and all(p.dtype == dtype for p in params)
         self.widened = pack and cpu and dtype == torch.float32 and all(p.dtype == torch.bfloat16 for p in params)
-        if self.widened and packing_off(dtype, params[0].device, widened=True) is not None:
+        if self.widened:
             self.plain_reason = packing_off(dtype, params[0].device, widened=True)
-            self.widened = False
+            self.widened = self.plain_reason is None
         self.packed = 0  # matrices in oneDNN's layout
         inner = model.model
         for i, layer in enumerate(inner.layers):
