@@ -100,9 +100,22 @@ def probe(device: torch.device, dtype: torch.dtype) -> list[str]:
     return [name for name in cases if name not in KERNELS.failed]
 
 
+def plain_function(fn: Any) -> Any:
+    """The Python function behind `fn`: itself, or the one a `kernels` hub wrapper calls (transformers 5.25 with
+    `kernels` installed makes `apply_rotary_pos_emb` such an `nn.Module`, whose own source cannot be read)."""
+    if not isinstance(fn, torch.nn.Module):
+        return fn
+    forward = getattr(type(fn), "forward", None)
+    code = getattr(forward, "__code__", None)
+    if code is None or "func" not in code.co_freevars:
+        return fn
+    inner = forward.__closure__[code.co_freevars.index("func")].cell_contents  # type: ignore[union-attr]
+    return inner if inspect.isfunction(inner) else fn
+
+
 def _body(fn: Callable[..., Any]) -> str:
     """A function's code without its docstring, decorators and name: what two copies of the same math share."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    tree = ast.parse(textwrap.dedent(inspect.getsource(plain_function(fn))))
     node = tree.body[0]
     assert isinstance(node, ast.FunctionDef)
     body = node.body

@@ -171,3 +171,18 @@ def test_the_probe_compiles_what_works(fused_on_cpu, monkeypatch) -> None:
     """With a working compiler the probe keeps all three functions."""
     monkeypatch.setattr(FL.KERNELS, "backend", "aot_eager")
     assert FL.probe(torch.device("cpu"), torch.bfloat16) == ["rms_norm", "swiglu", "rotary"] and not FL.KERNELS.failed
+
+
+def test_the_rotary_function_behind_a_kernels_wrapper_is_the_one_compared() -> None:
+    """transformers 5.25 with `kernels` installed makes `apply_rotary_pos_emb` an `nn.Module` wrapping the function,
+    whose source cannot be read: the comparison reads the function it wraps (a plain function is itself)."""
+    import inspect
+
+    from transformers.models.llama import modeling_llama
+
+    fn = modeling_llama.apply_rotary_pos_emb
+    inner = FL.plain_function(getattr(fn, FL._ORIGINAL, fn))
+    assert inspect.isfunction(inner) and inner.__name__ == "apply_rotary_pos_emb"
+    assert "rotate_half(q)" in inspect.getsource(inner)
+    assert FL.plain_function(FL.rotary) is FL.rotary
+    assert FL.plain_function(torch.nn.Linear(2, 2)).__class__ is torch.nn.Linear  # a module without one: itself
