@@ -12,7 +12,8 @@ ModelPart = Literal["vision_tower", "projector", "language_model"]
 
 
 class OptimConfig(StrictModel):
-    """AdamW and its learning-rate schedule (warm-up then constant or cosine)."""
+    """AdamW and its learning-rate schedule (warm-up, then constant or a cosine decay; with `decay_steps` the decay
+    takes only the last steps and the LR holds its peak until then: warm-up, stable, decay)."""
 
     lr: float = Field(default=1e-6, gt=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -23,6 +24,12 @@ class OptimConfig(StrictModel):
     schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
     total_steps: int | None = Field(default=None, description="Cosine horizon; None = trainer.total_steps.")
+    decay_steps: int | None = Field(
+        default=None,
+        ge=1,
+        description="With schedule cosine: the decay takes the last `decay_steps` optimizer steps of the horizon "
+        "and the LR holds its peak before them (warm-up, stable, decay); None = every step after the warm-up.",
+    )
     group_lr: dict[ModelPart, float] = Field(
         default_factory=dict,
         description="A vision-language model's learning rate per part (vision_tower, projector, language_model); "

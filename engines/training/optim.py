@@ -16,15 +16,18 @@ from rlstages.engines.training.sr_adamw import BF16StochasticAdamW
 
 def lr_lambda(optim: OptimConfig, total_steps: int) -> Callable[[int], float]:
     """LR factor of optimizer step `step`: linear warm-up, then constant or cosine decay to `min_lr_ratio`
-    over `total_steps` optimizer steps."""
+    by `total_steps` optimizer steps (over its last `decay_steps` where set, the peak held before them)."""
+    start = optim.warmup_steps
+    if optim.decay_steps is not None:
+        start = max(start, total_steps - optim.decay_steps)
 
     def factor(step: int) -> float:
         if optim.warmup_steps and step < optim.warmup_steps:
             return (step + 1) / optim.warmup_steps
-        if optim.schedule == "constant":
+        if optim.schedule == "constant" or step < start:
             return 1.0
-        span = max(1, total_steps - optim.warmup_steps)
-        progress = min(1.0, (step - optim.warmup_steps) / span)
+        span = max(1, total_steps - start)
+        progress = min(1.0, (step - start) / span)
         return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor

@@ -188,6 +188,17 @@ def test_lr_schedule_warmup_then_cosine() -> None:
     assert f(2) == pytest.approx(1.0) and f(10) == pytest.approx(0.1) and f(6) == pytest.approx(0.55)
 
 
+def test_lr_schedule_holds_its_peak_until_the_last_decay_steps() -> None:
+    """Warm-up, stable, decay: the LR of a run with `decay_steps` is the constant schedule's until the decay's
+    first step, then the cosine down to `min_lr_ratio` at the horizon."""
+    f = lr_lambda(OptimConfig(warmup_steps=2, schedule="cosine", min_lr_ratio=0.1, decay_steps=4), 10)
+    flat = lr_lambda(OptimConfig(warmup_steps=2), 10)
+    assert [f(s) for s in range(7)] == [flat(s) for s in range(7)]
+    assert f(8) == pytest.approx(0.55) and f(10) == pytest.approx(0.1) and f(7) < 1.0
+    longer = lr_lambda(OptimConfig(warmup_steps=2, schedule="cosine", min_lr_ratio=0.1, decay_steps=50), 10)
+    assert longer(6) == pytest.approx(0.55)  # a decay longer than the run starts after the warm-up
+
+
 def grouped_batch(batch):
     """`varied_lengths` with prompts of different lengths too (prompt i loses its first i % 3 tokens, so left
     padding differs between groups) and GRPO advantages."""
