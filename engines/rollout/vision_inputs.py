@@ -47,7 +47,9 @@ def load_image_processor(path: str | Path, min_pixels: int | None = None, max_pi
     """The image processor saved beside a model (`preprocessor_config.json`), with the configured pixel bounds."""
     from transformers import AutoImageProcessor
 
-    kwargs = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
+    kwargs: dict[str, Any] = {
+        k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None
+    }
     return AutoImageProcessor.from_pretrained(str(path), local_files_only=True, **kwargs)
 
 
