@@ -62,18 +62,26 @@ def killable(session_tmp: Path) -> Iterator[dict[str, Killable]]:
     """One MLflow server (SQLite store) and one Prefect server (SQLite in its PREFECT_HOME) for the drills."""
     root = session_tmp / "outage-servers"
     mlflow_store(root)  # a migrated empty store (session_cache.py): the first start runs no migrations
-    ml_port, pf_port = srv.free_port(), srv.free_port()
     backend = f"sqlite:///{root / 'mlflow.db'}"
-    starts = {
-        "mlflow": lambda: srv.start_mlflow(backend, root / "mlartifacts", ml_port, log_dir=root),
-        "prefect": lambda: srv.start_prefect(root / "prefect-home", pf_port, ui=False),
-    }
     started: dict[str, Killable] = {}
     try:
-        for name, start in starts.items():
-            started[name] = Killable(start(), start)
-        for k in started.values():
-            srv.wait_healthy(k.server, timeout=240)
+        for attempt in range(3):  # a port free when picked can be some other process's by the time a server binds it
+            ml_port, pf_port = srv.free_port(), srv.free_port()
+            starts = {
+                "mlflow": lambda p=ml_port: srv.start_mlflow(backend, root / "mlartifacts", p, log_dir=root),
+                "prefect": lambda p=pf_port: srv.start_prefect(root / "prefect-home", p, ui=False),
+            }
+            started = {name: Killable(start(), start) for name, start in starts.items()}
+            try:
+                for k in started.values():
+                    srv.wait_healthy(k.server, timeout=240)
+                break
+            except RuntimeError:
+                taken = [k for k in started.values() if "address already in use" in Path(k.server.log).read_text()]
+                for k in started.values():
+                    srv.stop(k.server.pid, grace=10)
+                if not taken or attempt == 2:
+                    raise
         yield started
     finally:
         for k in started.values():
