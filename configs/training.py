@@ -36,6 +36,16 @@ class OptimConfig(StrictModel):
         "parts not named take `lr` (torch, deepspeed and megatron backends).",
     )
 
+    @model_validator(mode="after")
+    def _decay_needs_cosine(self) -> OptimConfig:
+        unused = [f for f in ("decay_steps", "min_lr_ratio", "total_steps") if f in self.model_fields_set]
+        if self.schedule == "constant" and unused:
+            raise ValueError(
+                f"{', '.join(unused)} shape only the cosine schedule, and schedule is constant: "
+                "set schedule: cosine or drop them"
+            )
+        return self
+
 
 class _TrainingCommon(StrictModel):
     optim: OptimConfig = OptimConfig()

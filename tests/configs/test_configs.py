@@ -101,6 +101,7 @@ def test_bad_override_names_the_field(override: str, needle: str) -> None:
             "asks for 3 GPUs",
         ),
         ({"actor": {"bf16_stochastic_round": True}}, "set model.dtype: bfloat16"),
+        ({"actor": {"optim": {"decay_steps": 4, "min_lr_ratio": 0.1}}}, "decay_steps, min_lr_ratio shape only"),
     ],
 )
 def test_cross_field_checks_say_what_and_how(changes: dict, needle: str) -> None:
