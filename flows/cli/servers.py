@@ -52,13 +52,6 @@ class Server:
         return f"{self.url}/api" if self.name == "prefect" else self.url
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def _port_taken(host: str, port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex((host, port)) == 0

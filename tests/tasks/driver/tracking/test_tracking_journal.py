@@ -12,7 +12,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric
 from session_cache import mlflow_store
 
-from rlstages.flows.cli.servers import free_port
+from rlstages.engines.utils import free_port
 from rlstages.tasks.driver.tracking.journal import Journal
 from rlstages.tasks.driver.tracking.outbox import Outbox
 
