@@ -10,6 +10,10 @@
   `compiled` (the fast step's per-token function, sampling included, through torch.compile); `gen_compiled_vs_fast`
   the fast step's time over the compiled one's; `gen_compile_seconds` the first compiled rollout's extra time (the
   compilation, once per engine), with the demo's rollouts it takes to pay it back in the detail.
+- `gen_gemm_fraction` (informative): the decode step's GEMMs alone (every layer's four fused matrices and the
+  head, prepacked as the fast step multiplies them, the weights streamed from memory as in a step) at the demo's 64
+  rows against the same peak: the ceiling the rest of a step (attention, norms, RoPE, the pick) lowers to
+  `gen_compute_fraction`.
 - `gen_profile_*` (informative): shares of the fast rollout's time: the fp32 copy of the weights, the prefill,
   the decode steps' forwards, the sampling + log-prob (`pick`), the rest (host bookkeeping).
 The detail names the CPU's class (`Machine.cpu_class`). It runs under the rollout workers' allocator (`cluster.heap`'s
@@ -82,6 +86,38 @@ def _under_the_workers_heap() -> str:
     return name
 
 
+def _gemm_seconds(model: Any, dtype: torch.dtype, rows: int) -> tuple[float, float]:
+    """Best of 5 passes of one decode step's GEMMs at `rows` rows over random weights of `model`'s shapes in
+    `dtype`, packed as the fast step packs them (`packed_gemm`); each layer's own matrices, so they stream.
+    Returns (seconds, FLOPs of one pass)."""
+    from rlstages.engines.rollout.packed_gemm import linear, pack, packing_off
+
+    cfg = model.config
+    hidden, inner, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    d = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
+    kv = (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * d
+    shapes = [(hidden + 2 * kv, hidden), (hidden, hidden), (2 * inner, hidden), (hidden, inner)]
+    widened = dtype == torch.float32  # an fp32 copy of the bf16 model, as the rollout makes one
+
+    def matrix(out: int, inp: int) -> torch.Tensor:
+        w = torch.randn(out, inp).to(dtype)
+        return pack(w) if packing_off(dtype, w.device, (out, inp), widened) is None else w
+
+    layers = [[matrix(o, i) for o, i in shapes] for _ in range(cfg.num_hidden_layers)]
+    head = matrix(vocab, hidden)
+    x = {width: torch.randn(rows, width).to(dtype) for width in (hidden, inner)}
+    best = float("inf")
+    for _ in range(6):  # the first warms oneDNN's primitives
+        start = time.perf_counter()
+        for mats in layers:
+            for w, (_, inp) in zip(mats, shapes, strict=True):
+                linear(x[inp], w)
+        linear(x[hidden], head)
+        best = min(best, time.perf_counter() - start)
+    flops = 2 * rows * (cfg.num_hidden_layers * sum(o * i for o, i in shapes) + vocab * hidden)
+    return best, flops
+
+
 def main() -> None:
     """Time the fast, compiled and eager rollouts (best of 2 each, interleaved, after the compiled one's first
     rollout timed against a warm one), then a profiled fast one."""
@@ -118,6 +154,14 @@ def main() -> None:
             goal,
             f"{tok_s:.0f} tok/s vs {bound:.0f} (2N FLOPs/token at {peak / 1e9:.0f} GFLOP/s); {where}",
         )
+    gemm_s, gemm_flops = _gemm_seconds(fast.model, dtype, ROWS)
+    record(
+        "gen_gemm_fraction",
+        gemm_flops / gemm_s / peak,
+        None,
+        f"a decode step's GEMMs alone at {ROWS} rows {gemm_s * 1e3:.1f} ms ({kernel}, packed as the fast step's); "
+        f"the whole step ~{best['fast'] / NEW * 1e3:.0f} ms; {where}",
+    )
     compile_s = first_compiled - best["compiled"]
     saved = best["fast"] - best["compiled"]
     payback = f"pays back after {compile_s / saved:.0f} rollouts like this one" if saved > 0 else "never pays back"
