@@ -19,6 +19,7 @@ import pytest
 from integration_support import BIN, RLSTAGES, PrefectAPI, RayCluster, Servers, base_env, wait_for_line
 from session_cache import mlflow_store
 
+from rlstages.engines.utils import free_port
 from rlstages.flows.cli import servers as srv
 
 
@@ -27,7 +28,7 @@ def servers(session_tmp: Path) -> Iterator[Servers]:
     """`rlstages server up` once per session; `rlstages server down` at the end must leave nothing running."""
     state = session_tmp / "servers"
     mlflow_store(state)  # a migrated empty store: the server opens it without running MLflow's migrations
-    ports = [srv.free_port(), srv.free_port()]
+    ports = [free_port(), free_port()]
     cmd = [RLSTAGES, "server", "up", "--dir", str(state), "--prefect-port", str(ports[0])]
     cmd += ["--mlflow-port", str(ports[1]), "--mlflow-backend", f"sqlite:///{state / 'mlflow.db'}"]
     # the scheduler service makes a deployment's scheduled runs every 5 s instead of Prefect's 60: the `nightly`
@@ -59,7 +60,7 @@ def prefect_api(servers: Servers) -> PrefectAPI:
 def ray_cluster(session_tmp: Path) -> Iterator[RayCluster]:
     """`ray start --head --block` and `ray start --address --block`, each in its own session, 1 CPU each."""
     temp = Path(tempfile.mkdtemp(prefix="rlsray-", dir="/tmp"))  # short: Ray's socket paths have a length limit
-    port = srv.free_port()
+    port = free_port()
     env = base_env()
     common = ["--block", "--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--num-gpus", "0"]
     common += ["--object-store-memory", str(256 * 2**20), "--disable-usage-stats"]

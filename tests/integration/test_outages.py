@@ -24,6 +24,7 @@ from integration_support import RLSTAGES, TINY, PrefectAPI, base_env, tiny_overr
 from mlflow import MlflowClient
 from session_cache import mlflow_store
 
+from rlstages.engines.utils import free_port
 from rlstages.flows.cli import servers as srv
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
@@ -66,7 +67,7 @@ def killable(session_tmp: Path) -> Iterator[dict[str, Killable]]:
     started: dict[str, Killable] = {}
     try:
         for attempt in range(3):  # a port free when picked can be some other process's by the time a server binds it
-            ml_port, pf_port = srv.free_port(), srv.free_port()
+            ml_port, pf_port = free_port(), free_port()
             starts = {
                 "mlflow": lambda p=ml_port: srv.start_mlflow(backend, root / "mlartifacts", p, log_dir=root),
                 "prefect": lambda p=pf_port: srv.start_prefect(root / "prefect-home", p, ui=False),
