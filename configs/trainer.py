@@ -53,6 +53,13 @@ class ProfileConfig(StrictModel):
 
 
 TrainerMode = Literal["sync", "one_step_off", "async"]
+CpuClass = Literal["native-bf16", "avx512", "avx2"]  # engines.training.machine.Machine.cpu_class
+
+
+def _check_costs(field: str, shape: list[float]) -> None:
+    bad = [c for c in shape if not c > 0]
+    if bad:
+        raise ValueError(f"{field}: {bad[0]} is not a positive relative cost (expected e.g. 1.5)")
 
 
 class AsyncConfig(StrictModel):
@@ -111,6 +118,12 @@ class TrainerConfig(StrictModel):
         "step times then take its place. A step's cost follows its replies' length, which one step cannot foresee "
         "(the demo's halves over its first steps). Empty: the ETA scales the steps measured so far.",
     )
+    step_cost_shape_by_class: dict[CpuClass, list[float]] = Field(
+        default_factory=dict,
+        description="`step_cost_shape` for one class of CPU (native-bf16, avx512, avx2: the class the start-up "
+        "line names), in place of the general one: how much a step's cost falls as the replies shorten depends "
+        "on how the CPU splits it between generation and update.",
+    )
     seed: int = 0
     on_nonfinite: Literal["stop", "skip"] = Field(
         default="stop",
@@ -165,10 +178,20 @@ class TrainerConfig(StrictModel):
     @classmethod
     def _positive_costs(cls, shape: list[float]) -> list[float]:
         """A relative cost must be a positive number (the ETA divides by it)."""
-        bad = [c for c in shape if not c > 0]
-        if bad:
-            raise ValueError(f"trainer.step_cost_shape: {bad[0]} is not a positive relative cost (expected e.g. 1.5)")
+        _check_costs("trainer.step_cost_shape", shape)
         return shape
+
+    @field_validator("step_cost_shape_by_class")
+    @classmethod
+    def _positive_class_costs(cls, shapes: dict[CpuClass, list[float]]) -> dict[CpuClass, list[float]]:
+        """Each class's relative costs must be positive numbers too."""
+        for name, shape in shapes.items():
+            _check_costs(f"trainer.step_cost_shape_by_class.{name}", shape)
+        return shapes
+
+    def cost_shape(self, cpu_class: str) -> list[float]:
+        """The ETA's step cost shape on a CPU of `cpu_class`: its own where configured, else the general one."""
+        return self.step_cost_shape_by_class.get(cpu_class, self.step_cost_shape)  # type: ignore[call-overload]
 
     @property
     def overlaps_generation(self) -> bool:

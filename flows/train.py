@@ -136,7 +136,8 @@ def rl_post_train(cfg: RunConfig) -> str:
             lambda k: _due(k, cfg.checkpoint.every, total),
             evaluated_s,
             # the ETA's shape of the steps ahead: an earlier run's where one has seen it, else the configured one
-            earlier_step_seconds(cfg, mlflow_run_id) or configured_shape(cfg.trainer.step_cost_shape, total),
+            earlier_step_seconds(cfg, mlflow_run_id)
+            or configured_shape(cfg.trainer.cost_shape(machine_of(cfg).cpu_class), total),
         )
         feed = start_feed(s, cfg, run, start.step)  # async: generation runs ahead from here on
         with run_progress(run.name, total, start.step, plan) as ui:
