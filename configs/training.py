@@ -38,7 +38,8 @@ class OptimConfig(StrictModel):
 
     @model_validator(mode="after")
     def _decay_needs_cosine(self) -> OptimConfig:
-        unused = [f for f in ("decay_steps", "min_lr_ratio", "total_steps") if f in self.model_fields_set]
+        # set to other than their defaults (a run's resolved config writes every field out, defaults included)
+        unused = [f for f in ("decay_steps", "min_lr_ratio", "total_steps") if getattr(self, f) not in (None, 0.0)]
         if self.schedule == "constant" and unused:
             raise ValueError(
                 f"{', '.join(unused)} shape only the cosine schedule, and schedule is constant: "

@@ -113,6 +113,13 @@ def test_cross_field_checks_say_what_and_how(changes: dict, needle: str) -> None
     assert needle in str(info.value)
 
 
+def test_a_resolved_constant_schedule_loads_again() -> None:
+    """A run's resolved config writes the cosine-only fields out at their defaults: that is not asking for them."""
+    data = tiny()
+    data["actor"] = {**data["actor"], "optim": {"schedule": "constant", "min_lr_ratio": 0.0, "decay_steps": None}}
+    assert build_config(data).actor.optim.schedule == "constant"
+
+
 def test_kl_in_reward_and_loss_allowed_when_asked() -> None:
     data = tiny()
     data["algorithm"] = {
