@@ -39,7 +39,7 @@ class OptimConfig(StrictModel):
     @model_validator(mode="after")
     def _decay_needs_cosine(self) -> OptimConfig:
         # set to other than their defaults (a run's resolved config writes every field out, defaults included)
-        unused = [f for f in ("decay_steps", "min_lr_ratio", "total_steps") if getattr(self, f) not in (None, 0.0)]
+        unused = [f for f in ("decay_steps", "min_lr_ratio") if getattr(self, f) not in (None, 0.0)]
         if self.schedule == "constant" and unused:
             raise ValueError(
                 f"{', '.join(unused)} shape only the cosine schedule, and schedule is constant: "
