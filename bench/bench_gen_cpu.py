@@ -11,9 +11,9 @@
   the fast step's time over the compiled one's; `gen_compile_seconds` the first compiled rollout's extra time (the
   compilation, once per engine), with the demo's rollouts it takes to pay it back in the detail.
 - `gen_gemm_fraction` (informative): the decode step's GEMMs alone (every layer's four fused matrices and the
-  head, prepacked as the fast step multiplies them, the weights streamed from memory as in a step) at the demo's 64
-  rows against the same peak: the ceiling the rest of a step (attention, norms, RoPE, the pick) lowers to
-  `gen_compute_fraction`.
+  head of the fast step's own rollout weights, prepacked as it multiplies them, streamed from memory as in a
+  step) at the demo's 64 rows against the same peak: the ceiling the rest of a step (attention, norms, RoPE, the
+  pick) lowers to `gen_compute_fraction`.
 - `gen_profile_*` (informative): shares of the fast rollout's time: the fp32 copy of the weights, the prefill,
   the decode steps' forwards, the sampling + log-prob (`pick`), the rest (host bookkeeping).
 The detail names the CPU's class (`Machine.cpu_class`). It runs under the rollout workers' allocator (`cluster.heap`'s
@@ -87,35 +87,23 @@ def _under_the_workers_heap() -> str:
 
 
 def _gemm_seconds(model: Any, dtype: torch.dtype, rows: int) -> tuple[float, float]:
-    """Best of 5 passes of one decode step's GEMMs at `rows` rows over random weights of `model`'s shapes in
-    `dtype`, packed as the fast step packs them (`packed_gemm`); each layer's own matrices, so they stream.
-    Returns (seconds, FLOPs of one pass)."""
-    from rlstages.engines.rollout.packed_gemm import linear, pack, packing_off
+    """Best of 5 passes of one decode step's GEMMs at `rows` rows over the fast step's own rollout weights
+    (`fast_step.RolloutWeights`: each layer's fused matrices and the head, in `dtype`, packed as it packs them),
+    so that they stream from memory as in a step. Returns (seconds, FLOPs of one pass)."""
+    from rlstages.engines.rollout.fast_step import RolloutWeights
+    from rlstages.engines.rollout.packed_gemm import linear
 
-    cfg = model.config
-    hidden, inner, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    d = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
-    kv = (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * d
-    shapes = [(hidden + 2 * kv, hidden), (hidden, hidden), (2 * inner, hidden), (hidden, inner)]
-    widened = dtype == torch.float32  # an fp32 copy of the bf16 model, as the rollout makes one
-
-    def matrix(out: int, inp: int) -> torch.Tensor:
-        w = torch.randn(out, inp).to(dtype)
-        return pack(w) if packing_off(dtype, w.device, (out, inp), widened) is None else w
-
-    layers = [[matrix(o, i) for o, i in shapes] for _ in range(cfg.num_hidden_layers)]
-    head = matrix(vocab, hidden)
-    x = {width: torch.randn(rows, width).to(dtype) for width in (hidden, inner)}
+    weights = RolloutWeights(model, dtype, pack=True)
+    products = [layer[k] for layer in weights.layers for k in ("qkv", "o", "gate_up", "down")]
+    products.append((weights.head, None))
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(dtype) for w, _ in products}
     best = float("inf")
     for _ in range(6):  # the first warms oneDNN's primitives
         start = time.perf_counter()
-        for mats in layers:
-            for w, (_, inp) in zip(mats, shapes, strict=True):
-                linear(x[inp], w)
-        linear(x[hidden], head)
+        for w, bias in products:
+            linear(inputs[w.shape[1]], w, bias)
         best = min(best, time.perf_counter() - start)
-    flops = 2 * rows * (cfg.num_hidden_layers * sum(o * i for o, i in shapes) + vocab * hidden)
-    return best, flops
+    return best, 2.0 * rows * sum(w.shape[0] * w.shape[1] for w, _ in products)
 
 
 def main() -> None:
