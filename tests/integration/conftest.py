@@ -28,13 +28,19 @@ def servers(session_tmp: Path) -> Iterator[Servers]:
     """`rlstages server up` once per session; `rlstages server down` at the end must leave nothing running."""
     state = session_tmp / "servers"
     mlflow_store(state)  # a migrated empty store: the server opens it without running MLflow's migrations
-    ports = [free_port(), free_port()]
-    cmd = [RLSTAGES, "server", "up", "--dir", str(state), "--prefect-port", str(ports[0])]
-    cmd += ["--mlflow-port", str(ports[1]), "--mlflow-backend", f"sqlite:///{state / 'mlflow.db'}"]
     # the scheduler service makes a deployment's scheduled runs every 5 s instead of Prefect's 60: the `nightly`
     # deployment's first tick fires on time, not up to a minute late (tests/integration/test_deployments.py)
     env = base_env(PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="5")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, check=False)
+    logs = [state / "prefect" / "prefect-server.log", state / "mlflow-server.log"]
+    for attempt in range(3):  # a port free when picked can be another process's by the time its server binds it
+        seen = [log.stat().st_size if log.is_file() else 0 for log in logs]
+        cmd = [RLSTAGES, "server", "up", "--dir", str(state), "--prefect-port", str(free_port())]
+        cmd += ["--mlflow-port", str(free_port()), "--mlflow-backend", f"sqlite:///{state / 'mlflow.db'}"]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, check=False)
+        written = [log.read_bytes()[size:] for log, size in zip(logs, seen, strict=True) if log.is_file()]
+        taken = "is taken" in proc.stderr or any(b"address already in use" in text.lower() for text in written)
+        if proc.returncode == 0 or not taken or attempt == 2:
+            break
     recorded = srv.read_state(state)
     if proc.returncode != 0:
         for server in recorded.values():
