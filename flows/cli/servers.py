@@ -45,6 +45,7 @@ class Server:
     url: str
     health: str
     log: str
+    log_from: int = 0  # the log's size when this start began: what the start wrote follows it
 
     @property
     def api_url(self) -> str:
@@ -63,10 +64,12 @@ def _inherited_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if TEMPORARY_SERVER_ENV.get(k) != v}
 
 
-def _spawn(name: str, cmd: list[str], log: Path, env: dict[str, str], cwd: Path | None = None) -> int:
-    """Start `cmd` detached in its own session (so its whole process tree can be stopped by PID)."""
+def _spawn(name: str, cmd: list[str], log: Path, env: dict[str, str], cwd: Path | None = None) -> tuple[int, int]:
+    """Start `cmd` detached in its own session (so its whole process tree can be stopped by PID); its PID and
+    where its output starts in `log` (appended to)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as fh:
+        start = fh.tell()
         proc = subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,
@@ -76,7 +79,7 @@ def _spawn(name: str, cmd: list[str], log: Path, env: dict[str, str], cwd: Path 
             cwd=cwd,
             start_new_session=True,
         )
-    return proc.pid
+    return proc.pid, start
 
 
 def start_prefect(home: Path, port: int, host: str = "127.0.0.1", ui: bool = True) -> Server:
@@ -92,9 +95,9 @@ def start_prefect(home: Path, port: int, host: str = "127.0.0.1", ui: bool = Tru
     }
     cmd = [str(_BIN / "prefect"), "server", "start", "--host", host, "--port", str(port)]
     log = home / "prefect-server.log"
-    pid = _spawn("prefect", cmd, log, env)
+    pid, log_from = _spawn("prefect", cmd, log, env)
     url = f"http://{host}:{port}"
-    return Server("prefect", pid, url, f"{url}/api/health", str(log))
+    return Server("prefect", pid, url, f"{url}/api/health", str(log), log_from)
 
 
 def start_mlflow(
@@ -117,9 +120,9 @@ def start_mlflow(
         "1",
     ]
     log = (log_dir or artifacts.parent) / "mlflow-server.log"
-    pid = _spawn("mlflow", cmd, log, {"MLFLOW_ENABLE_ASYNC_LOGGING": "false"})
+    pid, log_from = _spawn("mlflow", cmd, log, {"MLFLOW_ENABLE_ASYNC_LOGGING": "false"})
     url = f"http://{host}:{port}"
-    return Server("mlflow", pid, url, f"{url}/health", str(log))
+    return Server("mlflow", pid, url, f"{url}/health", str(log), log_from)
 
 
 def alive(pid: int) -> bool:
@@ -142,9 +145,23 @@ def wait_healthy(server: Server, timeout: float = 180.0) -> float:
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             pass
         if not _leader_running(server.pid):
-            raise RuntimeError(f"{server.name} server exited during start-up; see {server.log}")
+            raise RuntimeError(_start_failure(server))
         time.sleep(0.5)
     raise TimeoutError(f"{server.name} server did not answer {server.health} within {timeout:.0f} s; see {server.log}")
+
+
+def _start_failure(server: Server) -> str:
+    """The line for a server that exited during start-up: its port taken where what this start logged says so (a
+    port free when it was chosen can be another process's by the time the server binds it)."""
+    try:
+        with open(server.log, "rb") as fh:
+            fh.seek(server.log_from)
+            written = fh.read()
+    except OSError:
+        written = b""
+    if b"address already in use" in written.lower():
+        return f"{server.name} server exited during start-up: {server.url} is taken; see {server.log}"
+    return f"{server.name} server exited during start-up; see {server.log}"
 
 
 def _leader_running(pid: int) -> bool:

@@ -143,3 +143,25 @@ def test_the_command_line_starts_without_the_heavy_libraries() -> None:
     probe = f"import sys, rlstages.flows.cli.main; print(sorted(set({heavy!r}) & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_server_whose_port_was_taken_says_so_and_an_earlier_start_is_not_blamed(tmp_path: Path) -> None:
+    """A real MLflow server on a port another socket holds exits at start-up: the line says the port is taken; the
+    next start in the same log, failing for another reason (a bad store), does not repeat that."""
+    import socket
+
+    from rlstages.flows.cli import servers as srv
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        lines = []
+        for backend in (f"sqlite:///{tmp_path / 'mlflow.db'}", "bogus://store"):
+            server = srv.start_mlflow(backend, tmp_path / "artifacts", port, log_dir=tmp_path)
+            with pytest.raises(RuntimeError) as failed:
+                srv.wait_healthy(server, timeout=120)
+            lines.append(str(failed.value))
+    assert lines[0] == f"mlflow server exited during start-up: http://127.0.0.1:{port} is taken; see {server.log}"
+    assert lines[1] == f"mlflow server exited during start-up; see {server.log}"
+    assert "address already in use" in (tmp_path / "mlflow-server.log").read_text().lower()  # the first start's
