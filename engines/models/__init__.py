@@ -15,6 +15,7 @@ from rlstages.engines.models.registry import (
     read_model_type,
     register_model,
     registered_models,
+    save_causal_lm,
     saved_generation_config,
 )
 from rlstages.engines.utils import torch_dtype
@@ -34,6 +35,7 @@ __all__ = [
     "import_plugins",
     "load_causal_lm",
     "load_tokenizer",
+    "save_causal_lm",
     "saved_generation_config",
     "meta_causal_lm",
     "planned_config",

@@ -22,6 +22,8 @@ from typing import Any, cast
 
 import torch
 
+from rlstages.engines.models.registry import save_causal_lm
+
 ADAPTER_DIR = "adapter"
 
 
@@ -153,7 +155,7 @@ def save_pretrained(model: Any, path: Path) -> None:
     in `path/adapter` (peft's format, loadable with `PeftModel.from_pretrained(base, path/adapter)`)."""
     path = Path(path)
     if not is_lora(model):
-        model.save_pretrained(str(path), safe_serialization=True)
+        save_causal_lm(model, path)
         return
     from safetensors.torch import save_file
 

@@ -17,7 +17,7 @@ from typing import Any, cast
 import torch
 
 from rlstages.engines.models.hub import resolve_model_path
-from rlstages.engines.models.registry import read_model_type
+from rlstages.engines.models.registry import read_model_type, save_causal_lm
 
 
 def ensure_model(
@@ -132,7 +132,7 @@ def build_tiny_model(
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(str(out), safe_serialization=True)
+    save_causal_lm(model, out)
     tok.save_pretrained(str(out))
     return out
 
@@ -202,6 +202,6 @@ def build_smollm2(out: Path) -> Path:
     model.load_state_dict(quant.state_dict())
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), safe_serialization=True)
+    save_causal_lm(model, out)
     tok.save_pretrained(str(out))
     return out

@@ -90,6 +90,27 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", model_type: str | N
     return model if device is None else model.to(device)
 
 
+def save_causal_lm(model: Any, path: str | Path) -> None:
+    """`model.save_pretrained(path)` (safetensors) of a model no DeepSpeed engine wraps, without importing DeepSpeed:
+    transformers unwraps the model through accelerate, which imports DeepSpeed wherever it is installed (and
+    DeepSpeed imports MLflow): ~1.7 s and ~0.14 GB in a worker that trains with plain torch."""
+    import transformers.modeling_utils as modeling
+
+    unwrap = getattr(modeling, "unwrap_model", None)
+    if unwrap is None or hasattr(model, "_orig_mod"):  # no such hook here, or a compiled wrapper to unwrap
+        model.save_pretrained(str(path), safe_serialization=True)
+        return
+    modeling.unwrap_model = _as_it_is
+    try:
+        model.save_pretrained(str(path), safe_serialization=True)
+    finally:
+        modeling.unwrap_model = unwrap
+
+
+def _as_it_is(model: Any, recursive: bool = False) -> Any:
+    return model
+
+
 def meta_causal_lm(config: Any, model_type: str | None = None) -> Any:
     """The causal LM of an HF config on the meta device (no memory, no weights): its modules and shapes, built
     by the registry entry of `model_type` (default: the config's) or AutoModelForCausalLM, as `load_causal_lm`."""

@@ -135,17 +135,18 @@ def alive(pid: int) -> bool:
 
 
 def wait_healthy(server: Server, timeout: float = 180.0) -> float:
-    """Poll the health endpoint (bounded by `timeout`); returns the seconds it took, raises if it never answers."""
+    """Poll the health endpoint (bounded by `timeout`); returns the seconds it took, raises if it never answers or
+    the server exits first (checked before each poll: a port another process listens on holds a poll its 5 s)."""
     start = time.monotonic()
     while time.monotonic() - start < timeout:
+        if not _leader_running(server.pid):
+            raise RuntimeError(_start_failure(server))
         try:
             with urllib.request.urlopen(server.health, timeout=5) as resp:
                 if resp.status == 200:
                     return time.monotonic() - start
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             pass
-        if not _leader_running(server.pid):
-            raise RuntimeError(_start_failure(server))
         time.sleep(0.5)
     raise TimeoutError(f"{server.name} server did not answer {server.health} within {timeout:.0f} s; see {server.log}")
 

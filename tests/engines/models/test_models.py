@@ -106,3 +106,24 @@ def test_tiny_provider_builds_once(tmp_path: Path) -> None:
     first = (path / "model.safetensors").stat().st_mtime_ns
     assert ensure_model(path, "tiny-random") == path and (path / "model.safetensors").stat().st_mtime_ns == first
     assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_an_exported_model_loads_back_the_same_and_its_export_imports_no_deepspeed(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`save_causal_lm`: the same weights back; transformers' own save imports DeepSpeed, and DeepSpeed MLflow,
+    wherever they are installed (as in the test environment), in a worker that trains with plain torch."""
+    import subprocess
+
+    out = tmp_path / "exported"
+    probe = (
+        "import sys; from rlstages.engines.models import load_causal_lm, save_causal_lm; "
+        f"save_causal_lm(load_causal_lm({str(tiny_model_dir)!r}), {str(out)!r}); "
+        "print(sorted({'deepspeed', 'mlflow'} & set(sys.modules)))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+    before, after = load_causal_lm(tiny_model_dir).state_dict(), load_causal_lm(out).state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert json.loads((out / "config.json").read_text())["model_type"] == read_model_type(tiny_model_dir)
