@@ -249,8 +249,6 @@ def save_vlm(out: Path, model: Any, tokenizer: Any, min_pixels: int, max_pixels:
     """Save a vision-language model with its tokenizer and image processor (`preprocessor_config.json`)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from rlstages.engines.models.registry import save_causal_lm  # the registry imports this module
-
     out.mkdir(parents=True, exist_ok=True)
     vision = model.config.vision_config
     processor = Qwen2VLImageProcessorPil(
@@ -259,7 +257,7 @@ def save_vlm(out: Path, model: Any, tokenizer: Any, min_pixels: int, max_pixels:
     )  # fmt: skip
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    save_causal_lm(model, out)
+    model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
     processor.save_pretrained(str(out))
 
