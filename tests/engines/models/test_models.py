@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -113,8 +114,6 @@ def test_an_exported_model_loads_back_the_same_and_its_export_imports_no_deepspe
 ) -> None:
     """`save_causal_lm`: the same weights back; transformers' own save imports DeepSpeed, and DeepSpeed MLflow,
     wherever they are installed (as in the test environment), in a worker that trains with plain torch."""
-    import subprocess
-
     out = tmp_path / "exported"
     probe = (
         "import sys; from rlstages.engines.models import load_causal_lm, save_causal_lm; "
