@@ -34,20 +34,37 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1.
     return picked - torch.logsumexp(z, dim=-1)
 
 
-CHUNK_BYTES = 32 << 20  # fp32 working set per chunk of rows: full [B, T, V] fp32 logits are never built
+CHUNK_BYTES = 32 << 20  # fp32 working set per chunk on a GPU: full [B, T, V] fp32 logits are never built
+# On the CPU a chunk is a few tokens' rows, not whole sequences: its float32 temporaries stay in the core's cache, and
+# under jemalloc 5.3 (the workers' default heap) every freed block over 8 MB is handed back to the OS at once and
+# page-faulted in again at the next allocation. The demo's [11, 47, 49152] logits in chunks of 3 sequences (28 MB)
+# took 2.8x as long there as in chunks of 10 tokens (AMX Xeon, 2 threads; 1.6x under glibc: docs/benchmarks.md).
+CPU_CHUNK_BYTES = 2 << 20
+Index = tuple[int | slice, ...]
 
 
 def _row_chunks(logits: Tensor) -> int:
+    """Rows of dim 0 per chunk on a GPU (the fused kernels' chunks: whole sequences)."""
     per_row = max(1, logits[0].numel() * 4)
     return max(1, CHUNK_BYTES // per_row)
 
 
-def _scaled_chunks(logits: Tensor, temperature: float) -> Iterator[tuple[slice, Tensor]]:
-    """(rows, float32 copy of logits[rows] / temperature), a chunk of rows at a time: what every chunked
+def _chunks(logits: Tensor) -> list[Index]:
+    """Index tuples that cut [..., V] logits into chunks of at most the device's chunk bytes of float32 (at least
+    one token): whole rows of dim 0 while one fits, else (row, token slice) pieces of [B, T, V] logits."""
+    budget = CHUNK_BYTES if logits.is_cuda else CPU_CHUNK_BYTES
+    tokens = max(1, budget // (4 * logits.shape[-1]))  # token rows of V per chunk
+    per_row = max(1, logits[0].numel() // logits.shape[-1]) if logits.dim() > 1 else 1
+    if logits.dim() != 3 or tokens >= per_row:
+        step = max(1, tokens // per_row)
+        return [(slice(s, s + step),) for s in range(0, logits.shape[0], step)]
+    return [(b, slice(t, t + tokens)) for b in range(logits.shape[0]) for t in range(0, logits.shape[1], tokens)]
+
+
+def _scaled_chunks(logits: Tensor, temperature: float) -> Iterator[tuple[Index, Tensor]]:
+    """(index, float32 copy of logits[index] / temperature), a chunk at a time (`_chunks`): what every chunked
     kernel here works on, forward and backward."""
-    step = _row_chunks(logits)
-    for s in range(0, logits.shape[0], step):
-        rows = slice(s, s + step)
+    for rows in _chunks(logits):
         z = logits[rows].to(torch.float32, copy=True)
         if temperature != 1.0:
             z.div_(temperature)
@@ -177,9 +194,7 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
         )
         if fused:
             return grad_logits, None, None, None
-        step = _row_chunks(logits)
-        for s in range(0, logits.shape[0], step):
-            rows = slice(s, s + step)
+        for rows in _chunks(logits):
             w = _shifted(logits[rows], lse[rows], inv_t)
             g = grad_logp[rows].float().unsqueeze(-1) * inv_t if grad_logp is not None else None
             if grad_entropy is None:  # d logp / dz: (onehot - p) g / T

@@ -1,5 +1,6 @@
 """The chunked log-prob / entropy kernels (engines/algorithms/logits.py) against the plain float32 ones: same
-values and same gradients, for bf16 and fp32 logits, temperature 1 and 0.7, with chunks of one row and more."""
+values and same gradients, for bf16 and fp32 logits, temperature 1 and 0.7, with chunks of one token, of a few
+tokens of a sequence (a short last piece) and of whole sequences (`L.CPU_CHUNK_BYTES`: these run on the CPU)."""
 
 import pytest
 import torch
@@ -7,13 +8,15 @@ import torch
 from rlstages.engines.algorithms import logits as L
 
 torch.set_num_threads(1)
+# bytes of float32 per chunk for [5, 7, 50] logits: one token; 3 tokens of a sequence (7 = 3 + 3 + 1); 3 sequences
+CHUNKS = [1, 3 * 50 * 4, 3 * 7 * 50 * 4]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("chunk_bytes", [1, 3 * 7 * 50 * 4])  # one row per chunk; three rows per chunk
+@pytest.mark.parametrize("chunk_bytes", CHUNKS)  # one row per chunk; three rows per chunk
 def test_chunked_matches_plain(monkeypatch, dtype, temperature, chunk_bytes):
-    monkeypatch.setattr(L, "CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(L, "CPU_CHUNK_BYTES", chunk_bytes)
     g = torch.Generator().manual_seed(0)
     base = (torch.randn(5, 7, 50, generator=g) * 3).to(dtype)
     labels = torch.randint(0, 50, (5, 7), generator=g)
@@ -38,10 +41,10 @@ def test_chunked_matches_plain(monkeypatch, dtype, temperature, chunk_bytes):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("chunk_bytes", [1, 3 * 7 * 50 * 4])
+@pytest.mark.parametrize("chunk_bytes", CHUNKS)
 def test_chunked_entropy_gradient_matches_plain(monkeypatch, dtype, temperature, chunk_bytes):
     """The entropy bonus differentiates through the chunked entropy: same gradient as autograd's."""
-    monkeypatch.setattr(L, "CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(L, "CPU_CHUNK_BYTES", chunk_bytes)
     g = torch.Generator().manual_seed(1)
     base = (torch.randn(5, 7, 50, generator=g) * 3).to(dtype)
     weights = torch.randn(5, 7, generator=g)
@@ -77,13 +80,13 @@ def test_chunked_rejects_bad_temperature():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("chunk_bytes", [1, 3 * 7 * 50 * 4])
+@pytest.mark.parametrize("chunk_bytes", CHUNKS)
 @pytest.mark.parametrize("entropy_grad", [False, True])
 def test_fused_pass_matches_the_two_kernels(monkeypatch, dtype, temperature, chunk_bytes, entropy_grad):
     """`chunked_logprobs_entropy` (one pass, one logsumexp, one gradient buffer) gives the values and the
     gradient of `chunked_logprobs` + `chunked_entropy` (the old path); its entropy is outside the graph unless
     `entropy_grad`."""
-    monkeypatch.setattr(L, "CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(L, "CPU_CHUNK_BYTES", chunk_bytes)
     g = torch.Generator().manual_seed(2)
     base = (torch.randn(5, 7, 50, generator=g) * 3).to(dtype)
     labels = torch.randint(0, 50, (5, 7), generator=g)
@@ -176,3 +179,17 @@ def test_the_compiled_gpu_kernels_compute_the_eager_chunks_values(monkeypatch, d
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(grad.float(), ref_in.grad.float(), rtol=tol, atol=tol)
     assert grad.dtype == dtype and grad.abs().max() > 1e-3
+
+
+def test_cpu_chunks_cover_every_token_once_within_the_bound(monkeypatch):
+    """`_chunks` on the CPU: every token of [B, T, V] logits in exactly one chunk, each chunk's float32 within
+    `CPU_CHUNK_BYTES` (or one token), whole sequences only while one fits."""
+    logits = torch.zeros(4, 9, 10)
+    for budget, pieces in ((1, 36), (4 * 10 * 4, 12), (9 * 10 * 4, 4), (2 * 9 * 10 * 4, 2), (1 << 30, 1)):
+        monkeypatch.setattr(L, "CPU_CHUNK_BYTES", budget)
+        seen = torch.zeros(4, 9)
+        chunks = L._chunks(logits)
+        for index in chunks:
+            seen[index] += 1
+            assert logits[index].numel() * 4 <= max(budget, 10 * 4)
+        assert len(chunks) == pieces and bool((seen == 1).all())
