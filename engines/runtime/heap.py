@@ -33,7 +33,12 @@ ONE_ARENA = {"MALLOC_ARENA_MAX": "1"}
 # Measured on the demo's hybrid worker over 4 steps: peak RSS 3.43 GB vs 3.84 (glibc, one arena) and 4.11
 # (glibc), RSS between updates ~2 GB vs 3.8, the same step times (the re-faulting that made glibc's default
 # slow does not show). Where the library is missing (another Ray build) the worker keeps glibc's "keep"
-# settings; on a node whose path differs the loader skips it.
+# settings; on a node whose path differs the loader skips it. Its cost: Ray's jemalloc (5.3) gives the OS back the
+# pages of every freed block over 8 MB within the next few allocations whatever the decay settings (`oversize_
+# threshold` raised to 1 GB: the same), so a 28 MB temporary freed and allocated again is page-faulted in each
+# time (an element-wise op on it 6-7 ms against ~1 under glibc, AMX Xeon): a step's hot temporaries stay under
+# 8 MB (the log-prob pass's chunks, `algorithms/logits.py`). `dirty_decay_ms:-1` keeps every freed page: the
+# demo's worker then grew to 15.6 GB in 8 steps.
 JEMALLOC_CONF = "narenas:1,dirty_decay_ms:5000,muzzy_decay_ms:0"
 
 
