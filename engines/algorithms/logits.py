@@ -43,22 +43,21 @@ CPU_CHUNK_BYTES = 2 << 20
 Index = tuple[int | slice, ...]
 
 
-def _row_chunks(logits: Tensor) -> int:
-    """Rows of dim 0 per chunk on a GPU (the fused kernels' chunks: whole sequences)."""
+def _row_chunks(logits: Tensor, budget: int | None = None) -> int:
+    """Rows of dim 0 per chunk of at most `budget` bytes of float32 (`CHUNK_BYTES` unset; at least one row)."""
     per_row = max(1, logits[0].numel() * 4)
-    return max(1, CHUNK_BYTES // per_row)
+    return max(1, (CHUNK_BYTES if budget is None else budget) // per_row)
 
 
 def _chunks(logits: Tensor) -> list[Index]:
-    """Index tuples that cut [..., V] logits into chunks of at most the device's chunk bytes of float32 (at least
-    one token): whole rows of dim 0 while one fits, else (row, token slice) pieces of [B, T, V] logits."""
-    budget = CHUNK_BYTES if logits.is_cuda else CPU_CHUNK_BYTES
-    tokens = max(1, budget // (4 * logits.shape[-1]))  # token rows of V per chunk
-    per_row = max(1, logits[0].numel() // logits.shape[-1]) if logits.dim() > 1 else 1
-    if logits.dim() != 3 or tokens >= per_row:
-        step = max(1, tokens // per_row)
-        return [(slice(s, s + step),) for s in range(0, logits.shape[0], step)]
-    return [(b, slice(t, t + tokens)) for b in range(logits.shape[0]) for t in range(0, logits.shape[1], tokens)]
+    """Index tuples that cut [..., V] logits into chunks: on a GPU whole rows of dim 0 (`_row_chunks`, as the fused
+    kernels take them); on the CPU at most `CPU_CHUNK_BYTES` of float32 (at least one token), whole rows while one
+    fits, else (row, token slice) pieces of [B, T, V] logits."""
+    tokens = max(1, CPU_CHUNK_BYTES // (4 * logits.shape[-1]))  # token rows of V per chunk on the CPU
+    if not logits.is_cuda and logits.dim() == 3 and tokens < logits.shape[1]:
+        return [(b, slice(t, t + tokens)) for b in range(logits.shape[0]) for t in range(0, logits.shape[1], tokens)]
+    step = _row_chunks(logits, None if logits.is_cuda else CPU_CHUNK_BYTES)
+    return [(slice(s, s + step),) for s in range(0, logits.shape[0], step)]
 
 
 def _scaled_chunks(logits: Tensor, temperature: float) -> Iterator[tuple[Index, Tensor]]:

@@ -14,7 +14,7 @@ CHUNKS = [1, 3 * 50 * 4, 3 * 7 * 50 * 4]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("chunk_bytes", CHUNKS)  # one row per chunk; three rows per chunk
+@pytest.mark.parametrize("chunk_bytes", CHUNKS)
 def test_chunked_matches_plain(monkeypatch, dtype, temperature, chunk_bytes):
     monkeypatch.setattr(L, "CPU_CHUNK_BYTES", chunk_bytes)
     g = torch.Generator().manual_seed(0)
