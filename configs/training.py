@@ -127,6 +127,12 @@ class TorchTrainingConfig(_HFModelTraining):
         "without AMX, 4x slower on others; auto = timed once at start-up (a 512 x 1024 GEMM each way), the fp32 "
         "kernel where it is 1.25x faster or more, never with AMX.",
     )
+    gradient_accumulation_fusion: bool = Field(
+        default=True,
+        description="Add each linear layer's weight gradient into its .grad by the GEMM itself (beta = 1) and an "
+        "embedding's rows into their rows, instead of a fresh gradient per micro-batch that autograd then adds "
+        "(Megatron-Core's option of the same name; engines/training/grad_accumulation.py). Not under LoRA.",
+    )
     bf16_stochastic_round: bool = Field(
         default=False,
         description="With model.dtype bfloat16: AdamW in fp32 math with bf16 moments (engines/training/sr_adamw.py) "

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from rlstages.engines.training.grad_accumulation import add_to_grad
+
 log = logging.getLogger(__name__)
 
 BLOCK = 4096  # output features per GEMM: a wide layer (the 49k-vocabulary head) never has a full fp32 copy
@@ -64,13 +66,16 @@ def _fp32(t: torch.Tensor, use: str) -> torch.Tensor:
 class _Fp32KernelLinearFn(torch.autograd.Function):
     """y = x Wᵀ + b with operands upcast to fp32 for the GEMM, block by block of output features, and each
     block's result cast back to the compute dtype: the transient fp32 tensors are one block's weights and
-    outputs, not the whole layer's (the head's fp32 logits would be 200 MB for 1024 tokens)."""
+    outputs, not the whole layer's (the head's fp32 logits would be 200 MB for 1024 tokens). `in_place`: the
+    weight's gradient is added into `weight.grad` block by block (`grad_accumulation`), not returned."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, in_place: bool = False
+    ) -> torch.Tensor:
         out_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.in_place = bias is not None, in_place
         with torch.autocast("cpu", enabled=False):  # plain matmuls: F.linear may be patched (DeepSpeed ZeRO-3)
             x32 = _fp32(x.reshape(-1, x.shape[-1]), "x")
             y = x.new_empty(x32.shape[0], weight.shape[0], dtype=out_dtype)
@@ -90,26 +95,32 @@ class _Fp32KernelLinearFn(torch.autograd.Function):
             x32 = _fp32(x.reshape(-1, x.shape[-1]), "x")
             g = grad.reshape(-1, grad.shape[-1])
             gx = torch.zeros(x32.shape, dtype=torch.float32, device=x.device) if need_x else None
-            gw = torch.empty_like(weight) if need_w else None
+            gw = torch.empty_like(weight) if need_w and not ctx.in_place else None
             gb = torch.empty(weight.shape[0], dtype=weight.dtype, device=weight.device) if need_b else None
             for start in range(0, weight.shape[0], BLOCK):
                 stop = start + BLOCK
                 g32 = _fp32(g[:, start:stop], "g")
                 if gx is not None:
                     gx.addmm_(g32, _fp32(weight[start:stop], "w"))
-                if gw is not None:
-                    gw[start:stop] = torch.mm(g32.t(), x32, out=_kept("y", (g32.shape[1], x32.shape[1]), x32))
+                if need_w:
+                    block = torch.mm(g32.t(), x32, out=_kept("y", (g32.shape[1], x32.shape[1]), x32))
+                    if gw is None:  # rounded once into the summed gradient
+                        add_to_grad(weight, block, slice(start, stop))
+                    else:
+                        gw[start:stop] = block
                 if gb is not None:
                     gb[start:stop] = g32.sum(0)
-        return None if gx is None else gx.reshape(x.shape).to(x.dtype), gw, gb
+        return None if gx is None else gx.reshape(x.shape).to(x.dtype), gw, gb, None
 
 
 class Fp32KernelLinear(torch.nn.Linear):
     """An `nn.Linear` (same parameters, same state dict) whose matmuls run on the fp32 kernel."""
 
+    grad_in_place = False  # set by `grad_accumulation.accumulate_in_place`: the weight's gradient summed in .grad
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The layer's output, x Wᵀ + b, through the fp32 GEMM, in the dtype the native layer returns."""
-        return _Fp32KernelLinearFn.apply(x, self.weight, self.bias)
+        return _Fp32KernelLinearFn.apply(x, self.weight, self.bias, self.grad_in_place)
 
 
 FP32_ATTENTION = {"eager": "rlstages_fp32_eager", "sdpa": "rlstages_fp32_sdpa"}  # transformers name -> ours
@@ -197,7 +208,7 @@ def fp32_kernel_speedup(threads: int, rows: int = 512, features: int = 1024, rou
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(rows, features, generator=gen).bfloat16()
         w = (torch.randn(features, features, generator=gen) / features**0.5).bfloat16()
-        kernels = {"bf16": lambda: torch.mm(x, w.t()), "fp32": lambda: _Fp32KernelLinearFn.apply(x, w, None)}
+        kernels = {"bf16": lambda: torch.mm(x, w.t()), "fp32": lambda: _Fp32KernelLinearFn.apply(x, w, None, False)}
         best = dict.fromkeys(kernels, float("inf"))
         with torch.no_grad():
             for kernel in kernels.values():  # warm-up: oneDNN's first call of a shape sets up its kernel

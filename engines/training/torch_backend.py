@@ -27,6 +27,7 @@ from rlstages.engines.tensordict_import import TensorDict
 from rlstages.engines.training import ppo_step as P
 from rlstages.engines.training import state_io
 from rlstages.engines.training.fp32_matmul import use_fp32_kernel, wants_fp32_kernel
+from rlstages.engines.training.grad_accumulation import accumulate_in_place
 from rlstages.engines.training.optim import adamw, lr_scheduler
 from rlstages.engines.training.settings import Role, TrainerSettings
 
@@ -127,6 +128,9 @@ class TorchBackend:
             self.model = lora.wrap_lora(self.model, settings.lora).to(self.device)
         if self.fp32_matmul:  # after LoRA: its adapters' fp32 weights under bf16 autocast would take the bf16 GEMM
             use_fp32_kernel(self.model)
+        fuse_grads = getattr(settings.train, "gradient_accumulation_fusion", False)
+        if settings.trainable and settings.lora is None and fuse_grads:
+            log.info("weight gradients summed in place: %s", accumulate_in_place(self.model))
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if settings.trainable:
