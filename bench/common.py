@@ -186,7 +186,7 @@ class PssSampler:
         found = []
         for proc in procs:
             try:
-                found.append((proc.memory_full_info().pss, " ".join(proc.cmdline())[:60] or proc.name()))
+                found.append((proc.memory_full_info().pss, " ".join(proc.cmdline())[:110] or proc.name()))
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
         return sorted(found, reverse=True)

@@ -26,8 +26,9 @@ def main() -> None:
         code = proc.wait()
     wall, peak = time.perf_counter() - start, pss.peak / 1e9
     print(f"wall {wall:.1f} s, peak PSS {peak:.2f} GB (process tree) at {pss.peak_at:.0f} s", flush=True)
-    for size, title in pss.peak_breakdown[:8]:  # where the peak sat
-        print(f"  {size / 1e9:6.2f} GB  {title}", flush=True)
+    for size, title in pss.peak_breakdown:  # where the peak sat, every process of 10 MB or more
+        if size >= 10e6:
+            print(f"  {size / 1e9:6.2f} GB  {title}", flush=True)
     print("PSS over the run (tree / largest process, GB): " + _profile(pss.series, wall), flush=True)
     sys.exit(code)
 
