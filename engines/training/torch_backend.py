@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from rlstages.configs.training import TorchTrainingConfig, TrainingConfig
 from rlstages.engines.base import OnOutput, Readout
 from rlstages.engines.models import load_causal_lm, lora, moe_layout, torch_dtype
+from rlstages.engines.models.grouped_attention import use_grouped_eager
 from rlstages.engines.models.vision import param_groups
 from rlstages.engines.tensordict_import import TensorDict
 from rlstages.engines.training import ppo_step as P
@@ -124,6 +125,8 @@ class TorchBackend:
             settings.dtype == "bfloat16" or settings.train.bf16_autocast,
             next(self.model.parameters()).device,
         )
+        if not self.fp32_matmul:  # the fp32 kernel's attention is its own (fp32_matmul.use_fp32_attention)
+            use_grouped_eager(self.model)
         if settings.lora is not None and settings.role == "actor":  # adapters on a frozen base (models/lora.py)
             self.model = lora.wrap_lora(self.model, settings.lora).to(self.device)
         if self.fp32_matmul:  # after LoRA: its adapters' fp32 weights under bf16 autocast would take the bf16 GEMM
