@@ -30,8 +30,6 @@ from typing import Any
 
 import torch
 
-from rlstages.engines.training.grad_accumulation import add_to_grad
-
 log = logging.getLogger(__name__)
 
 BLOCK = 4096  # output features per GEMM: a wide layer (the 49k-vocabulary head) never has a full fp32 copy
@@ -95,22 +93,26 @@ class _Fp32KernelLinearFn(torch.autograd.Function):
             x32 = _fp32(x.reshape(-1, x.shape[-1]), "x")
             g = grad.reshape(-1, grad.shape[-1])
             gx = torch.zeros(x32.shape, dtype=torch.float32, device=x.device) if need_x else None
-            gw = torch.empty_like(weight) if need_w and not ctx.in_place else None
+            summed = ctx.in_place and weight.grad is not None  # a later micro-batch: its blocks add into the sum
+            gw = (weight.grad if summed else torch.empty_like(weight)) if need_w else None
             gb = torch.empty(weight.shape[0], dtype=weight.dtype, device=weight.device) if need_b else None
             for start in range(0, weight.shape[0], BLOCK):
                 stop = start + BLOCK
                 g32 = _fp32(g[:, start:stop], "g")
                 if gx is not None:
                     gx.addmm_(g32, _fp32(weight[start:stop], "w"))
-                if need_w:
+                if gw is not None:
                     block = torch.mm(g32.t(), x32, out=_kept("y", (g32.shape[1], x32.shape[1]), x32))
-                    if gw is None:  # rounded once into the summed gradient
-                        add_to_grad(weight, block, slice(start, stop))
+                    if summed:  # rounded once into the sum
+                        gw[start:stop].add_(block)
                     else:
                         gw[start:stop] = block
                 if gb is not None:
                     gb[start:stop] = g32.sum(0)
-        return None if gx is None else gx.reshape(x.shape).to(x.dtype), gw, gb, None
+        if ctx.in_place and gw is not None and not summed:
+            weight.grad = gw  # the first micro-batch's gradient is the sum so far
+        gx_out = None if gx is None else gx.reshape(x.shape).to(x.dtype)
+        return gx_out, None if ctx.in_place else gw, gb, None
 
 
 class Fp32KernelLinear(torch.nn.Linear):

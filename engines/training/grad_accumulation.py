@@ -23,18 +23,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def add_to_grad(param: Tensor, value: Tensor, rows: slice | None = None) -> None:
-    """`param.grad[rows] += value` (the whole gradient when `rows` is None), creating it on first use; a float32
-    `value` (the fp32 kernel's) is rounded once, into the gradient's dtype."""
-    grad = param.grad
-    if grad is None:
-        if rows is None and value.dtype == param.dtype:
-            param.grad = value.contiguous()
-            return
-        grad = param.grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
-    (grad if rows is None else grad[rows]).add_(value)
-
-
 def add_product_to_grad(param: Tensor, a: Tensor, b: Tensor) -> None:
     """`param.grad += a @ b` by one GEMM that adds into it (`addmm_`), creating the gradient on first use."""
     if param.grad is None:
