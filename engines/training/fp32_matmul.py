@@ -74,6 +74,7 @@ class _Fp32KernelLinearFn(torch.autograd.Function):
         out_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
         ctx.save_for_backward(x, weight)
         ctx.has_bias, ctx.in_place = bias is not None, in_place
+        ctx.param = weight if in_place else None  # the parameter whose .grad the backward sums into
         with torch.autocast("cpu", enabled=False):  # plain matmuls: F.linear may be patched (DeepSpeed ZeRO-3)
             x32 = _fp32(x.reshape(-1, x.shape[-1]), "x")
             y = x.new_empty(x32.shape[0], weight.shape[0], dtype=out_dtype)
@@ -93,8 +94,9 @@ class _Fp32KernelLinearFn(torch.autograd.Function):
             x32 = _fp32(x.reshape(-1, x.shape[-1]), "x")
             g = grad.reshape(-1, grad.shape[-1])
             gx = torch.zeros(x32.shape, dtype=torch.float32, device=x.device) if need_x else None
-            summed = ctx.in_place and weight.grad is not None  # a later micro-batch: its blocks add into the sum
-            gw = (weight.grad if summed else torch.empty_like(weight)) if need_w else None
+            param = ctx.param
+            summed = param is not None and param.grad is not None  # a later micro-batch: its blocks add into the sum
+            gw = (param.grad if summed else torch.empty_like(weight)) if need_w else None
             gb = torch.empty(weight.shape[0], dtype=weight.dtype, device=weight.device) if need_b else None
             for start in range(0, weight.shape[0], BLOCK):
                 stop = start + BLOCK
@@ -109,8 +111,8 @@ class _Fp32KernelLinearFn(torch.autograd.Function):
                         gw[start:stop] = block
                 if gb is not None:
                     gb[start:stop] = g32.sum(0)
-        if ctx.in_place and gw is not None and not summed:
-            weight.grad = gw  # the first micro-batch's gradient is the sum so far
+        if param is not None and gw is not None and not summed:
+            param.grad = gw  # the first micro-batch's gradient is the sum so far
         gx_out = None if gx is None else gx.reshape(x.shape).to(x.dtype)
         return gx_out, None if ctx.in_place else gw, gb, None
 

@@ -44,13 +44,16 @@ class _InPlaceLinearFn(torch.autograd.Function):
         x = x.to(weight.dtype)  # under autocast the layer's input is cast as F.linear would cast it
         with torch.autocast(x.device.type, enabled=False):
             out = F.linear(x, weight, bias)
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x)
+        # the parameter itself, not a saved copy of it: its .grad is what the backward adds into (a tensor unpacked
+        # from autograd's saved variables may be another object, e.g. under `saved_tensors_hooks`)
+        ctx.weight, ctx.has_bias = weight, bias is not None
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, Tensor | None]:
-        x, weight = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
+        weight: Tensor = ctx.weight
         grad = grad.to(weight.dtype)
         g = grad.reshape(-1, grad.shape[-1])
         gx = grad.matmul(weight) if ctx.needs_input_grad[0] else None

@@ -136,3 +136,21 @@ def test_the_trainer_sums_in_place_as_configured_and_not_under_lora(tiny_model_d
     m = [t.train_step(batch) for t in (plain, fused)]
     assert m[1]["pg_loss"] == pytest.approx(m[0]["pg_loss"], rel=1e-4, abs=1e-6)
     assert m[1]["grad_norm"] == pytest.approx(m[0]["grad_norm"], rel=1e-4)
+
+
+def test_gradients_land_on_the_parameters_under_saved_tensor_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward under `saved_tensors_hooks` (a memory probe's, the profiler's) still sums into the parameters'
+    own `.grad`, on the native layers and on the fp32 kernel's: the backward does not write into an unpacked copy."""
+    from rlstages.engines.training import fp32_matmul
+
+    monkeypatch.setattr(fp32_matmul, "BLOCK", 32)
+    torch.manual_seed(0)
+    plain, upcast = torch.nn.Linear(24, 40), torch.nn.Linear(24, 40).to(torch.bfloat16)
+    use_fp32_kernel(upcast)
+    for layer in (plain, upcast):
+        accumulate_in_place(layer)
+        x = torch.randn(3, 24).to(layer.weight.dtype)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            out = layer(x)
+        out.float().sum().backward()
+        assert layer.weight.grad is not None and layer.weight.grad.abs().max() > 0
