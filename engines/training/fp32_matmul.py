@@ -73,7 +73,7 @@ class _Fp32KernelLinearFn(torch.autograd.Function):
     ) -> torch.Tensor:
         out_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
         ctx.save_for_backward(x, weight)
-        ctx.has_bias, ctx.in_place = bias is not None, in_place
+        ctx.has_bias = bias is not None
         ctx.param = weight if in_place else None  # the parameter whose .grad the backward sums into
         with torch.autocast("cpu", enabled=False):  # plain matmuls: F.linear may be patched (DeepSpeed ZeRO-3)
             x32 = _fp32(x.reshape(-1, x.shape[-1]), "x")
@@ -114,7 +114,7 @@ class _Fp32KernelLinearFn(torch.autograd.Function):
         if param is not None and gw is not None and not summed:
             param.grad = gw  # the first micro-batch's gradient is the sum so far
         gx_out = None if gx is None else gx.reshape(x.shape).to(x.dtype)
-        return gx_out, None if ctx.in_place else gw, gb, None
+        return gx_out, None if param is not None else gw, gb, None
 
 
 class Fp32KernelLinear(torch.nn.Linear):
