@@ -3,9 +3,10 @@ same hyper-parameters (8 prompts x 8 samples, T=0.7, 48 new tokens, the demo's l
 beta 0, bf16 autocast),
 N steps each, one after the other in this run. Each side runs in its own process; this process samples the
 peak PSS of that process and all its descendants (Ray's workers included). Figures (ratio = rlstages / TRL):
-seconds per step (steps 2..N: step 1 warms up; goal <= 0.4), peak memory (goal <= 0.5), generated tokens/s
-and held-out reward after N steps (the demo's 64 held-out prompts, one sample each at T=0.7; informative:
-N is small). Needs the `[bench]` extra (trl). `BENCH_TRL_STEPS=N python -m bench.bench_trl` (default 3).
+seconds per step (steps 2..N: step 1 warms up; goal <= 0.15, issue 53's; 0.4 until round 31), peak memory
+(goal <= 0.5), generated tokens/s and held-out reward after N steps (the demo's 64 held-out prompts, one sample
+each at T=0.7; informative: N is small). Needs the `[bench]` extra (trl).
+`BENCH_TRL_STEPS=N python -m bench.bench_trl` (default 3).
 
 On a machine with CUDA both sides run on the GPU (issue 41; goal there: our step at most 0.75 of TRL's): the
 rlstages side runs configs/demo_gpu.yaml, TRL trains on `cuda` (`use_cpu=False`, bf16 autocast on the GPU); the
@@ -317,7 +318,7 @@ def main() -> None:
     note = f"{steps} steps, {where}" + (", our rollout vLLM" if vllm else "")
     step_ratio = ours["s_per_step"] / trl["s_per_step"]
     print(f"our_step/TRL_step = {step_ratio:.3f} ({ours['s_per_step']:.2f} s / {trl['s_per_step']:.2f} s, {where})")
-    goal = ("<= 0.3" if vllm else "<= 0.75") if gpu else "<= 0.4"
+    goal = ("<= 0.3" if vllm else "<= 0.75") if gpu else "<= 0.15"  # CPU: issue 53
     record("trl_time_per_step" + ("_gpu" if gpu else "") + vllm, step_ratio, goal,
            f"{ours['s_per_step']:.2f} s vs {trl['s_per_step']:.2f} s per step, {note}")  # fmt: skip
     if gpu:

@@ -22,7 +22,7 @@ from prefect.cache_policies import NO_CACHE
 from rlstages.configs import RunConfig
 from rlstages.engines.training.state_io import atomic_write_text
 from rlstages.tasks.driver import tracking
-from rlstages.tasks.driver.checkpoints import DRIVER_STATE, MANIFEST, checkpoint_dir, read_manifest, sha256_file
+from rlstages.tasks.driver.checkpoints import DRIVER_STATE, MANIFEST, checkpoint_dir, read_manifest, sha256_files
 from rlstages.tasks.driver.context import RunHandle
 from rlstages.tasks.driver.faults import maybe_fail
 from rlstages.tasks.policies import root_cause
@@ -67,7 +67,8 @@ def save_checkpoint(cfg: RunConfig, run: RunHandle, step: int, driver_state: dic
     # the steps up to this one reach MLflow first, unless it is away: the manifest says how many wait in the
     # run's tracking journal (a resumed run sends them)
     unsent = tracking.flush(driver_state.get("mlflow_run_id"))
-    files = {str(p.relative_to(final)): sha256_file(p) for p in sorted(final.rglob("*")) if p.is_file()}
+    written = [p for p in sorted(final.rglob("*")) if p.is_file()]
+    files = {str(p.relative_to(final)): digest for p, digest in zip(written, sha256_files(written), strict=True)}
     manifest = {"step": step, "created": time.time(), "files": files, **driver_state, "tracking_unsent": unsent}
     atomic_write_text(final / MANIFEST, json.dumps(manifest, indent=2))
     if driver_state.get("mlflow_run_id"):

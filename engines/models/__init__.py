@@ -4,7 +4,13 @@ directory on first use (`providers`)."""
 import logging
 
 from rlstages.engines.models.hub import hub_cache_dir, is_hub_id, resolve_model_path
-from rlstages.engines.models.providers import build_smollm2, build_tiny_model, ensure_model, planned_config
+from rlstages.engines.models.providers import (
+    build_smollm2,
+    build_tiny_model,
+    ensure_model,
+    planned_config,
+    start_model_build,
+)
 from rlstages.engines.models.registry import (
     PLUGINS_ENV,
     eos_token_ids,
@@ -30,6 +36,7 @@ __all__ = [
     "build_tiny_model",
     "eos_token_ids",
     "ensure_model",
+    "start_model_build",
     "hub_cache_dir",
     "is_hub_id",
     "import_plugins",

@@ -12,8 +12,9 @@ import importlib.util
 import multiprocessing
 import os
 import shutil
+import threading
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
@@ -22,13 +23,45 @@ import torch
 from rlstages.engines.models.hub import resolve_model_path
 from rlstages.engines.models.registry import read_model_type, save_causal_lm
 
+_BUILDS: dict[Path, Future[Path]] = {}  # the background builds of this process, by model directory
+
+
+def start_model_build(
+    path: str | Path, provider: str, tiny: dict[str, Any] | None = None, revision: str | None = None
+) -> bool:
+    """Begin `ensure_model` of a provider's model in a background thread (the conversion itself runs in a child
+    process), so that a run's first start converts while Prefect, MLflow and Ray start; `ensure_model` of the
+    same directory waits for it and raises what it raised. False: nothing to build, or already building."""
+    key = Path(path).resolve()
+    if provider == "local" or (key / "config.json").is_file() or key in _BUILDS:
+        return False
+    future: Future[Path] = Future()
+
+    def build() -> None:
+        try:
+            future.set_result(_ensure_built(path, provider, tiny, revision))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits in `ensure_model`
+            future.set_exception(exc)
+
+    _BUILDS[key] = future
+    threading.Thread(target=build, name="model-build", daemon=True).start()  # a Ctrl-C does not wait for it
+    return True
+
 
 def ensure_model(
     path: str | Path, provider: str, tiny: dict[str, Any] | None = None, revision: str | None = None
 ) -> Path:
     """Build the model directory on first use (`tiny-random`, `smollm2-gguf`, `smollm2-vl`: SmolLM2 as the text
     tower of a Qwen2-VL with a random vision tower, built from the `smollm2-gguf` directory beside it); `local`
-    checks it (a hub id is resolved through the HF cache first). Returns the directory the model loads from."""
+    checks it (a hub id is resolved through the HF cache first). Returns the directory the model loads from.
+    A build `start_model_build` began is waited for first."""
+    building = _BUILDS.pop(Path(path).resolve(), None) if provider != "local" else None
+    if building is not None:
+        building.result()
+    return _ensure_built(path, provider, tiny, revision)
+
+
+def _ensure_built(path: str | Path, provider: str, tiny: dict[str, Any] | None, revision: str | None) -> Path:
     if provider == "local":
         path = resolve_model_path(path, revision)
         read_model_type(path)

@@ -42,6 +42,20 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
     os.replace(tmp, path)
 
 
+def tied_aliases(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Each key whose tensor is the very view of an earlier key's (tied weights: one parameter under two names,
+    e.g. a tied `lm_head.weight`) -> that earlier key; a checkpoint stores the tensor once."""
+    first: dict[tuple[Any, ...], str] = {}
+    aliases: dict[str, str] = {}
+    for key, t in tensors.items():
+        view = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if view in first:
+            aliases[key] = first[view]
+        else:
+            first[view] = key
+    return aliases
+
+
 def _shares(t: torch.Tensor, all_tensors: dict[str, torch.Tensor]) -> bool:
     ptr = t.untyped_storage().data_ptr()
     return sum(1 for v in all_tensors.values() if v.untyped_storage().data_ptr() == ptr) > 1

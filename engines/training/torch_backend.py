@@ -199,7 +199,10 @@ class TorchBackend:
 
     def save(self, path: Path, steps_done: int) -> None:
         """Model, optimizer, scheduler and RNG states (safetensors + JSON)."""
-        state_io.save_tensors(lora.trainable_state(self.model), path / state_io.MODEL_FILE)  # adapter under LoRA
+        state = lora.trainable_state(self.model)  # the adapter under LoRA
+        for alias in state_io.tied_aliases(state):  # a tied weight once (`load` finds it missing and tied)
+            del state[alias]
+        state_io.save_tensors(state, path / state_io.MODEL_FILE)
         if self.optimizer is not None and self.scheduler is not None:
             state_io.save_optimizer(self.optimizer, path / state_io.OPTIM_FILE)
             extra = {
@@ -214,8 +217,9 @@ class TorchBackend:
         """Restore what `save` wrote."""
         weights = load_file(str(path / state_io.MODEL_FILE))
         missing, unexpected = lora.load_trainable_state(self.model, weights)
-        tied = {k for k in missing if k.endswith("lm_head.weight")}
+        tied = set(missing) & set(state_io.tied_aliases(lora.trainable_state(self.model)))
         if set(missing) - tied or unexpected:
+            missing = [k for k in missing if k not in tied]
             raise ValueError(
                 f"{path}: checkpoint does not match the model (missing {missing}, unexpected {unexpected})"
             )

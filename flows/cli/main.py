@@ -153,6 +153,16 @@ def _hold_run_dir(cfg: RunConfig, debug: bool) -> None:
     _guard(debug, lambda: acquire(run_dir(cfg)))
 
 
+def _build_model_early(cfg: RunConfig) -> None:
+    """A provider's model not built yet (the demo's first run: SmolLM2 dequantised from its GGUF, ~10 s) is built
+    in the background from here, while Prefect, MLflow and the run directory start; the flow's `prepare_run`
+    waits for it."""
+    from rlstages.engines.models import start_model_build
+
+    tiny = cfg.model.tiny.model_dump() if cfg.model.tiny else None
+    start_model_build(cfg.model.path, cfg.model.provider, tiny, cfg.model.revision)
+
+
 def _train(cfg: RunConfig, debug: bool, verbose: bool, log_format: LogFormat, again: str | None = None) -> None:
     """Run the training flow with the terminal to ourselves (`rlstages.flows.console`): the machine measured,
     the live display or plain step lines, the summary panel; everything else into the run's log file. A run
@@ -161,6 +171,7 @@ def _train(cfg: RunConfig, debug: bool, verbose: bool, log_format: LogFormat, ag
     from rlstages.flows.interrupts import RunStopped
 
     _hold_run_dir(cfg, debug)
+    _build_model_early(cfg)
     quiet_prefect(debug)
     log_path = _guard(debug, lambda: log_path_of(cfg))
     assert isinstance(log_path, Path)

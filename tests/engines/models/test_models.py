@@ -109,6 +109,21 @@ def test_tiny_provider_builds_once(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("*.tmp*"))
 
 
+def test_a_background_build_is_waited_for_and_its_error_raised(tmp_path: Path) -> None:
+    from rlstages.engines.models import start_model_build
+
+    spec = {"hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 64}
+    assert start_model_build(tmp_path / "m", "tiny-random", spec)
+    assert not start_model_build(tmp_path / "m", "tiny-random", spec)  # one build of a directory at a time
+    path = ensure_model(tmp_path / "m", "tiny-random")  # waits: the spec is the background build's
+    assert read_model_type(path) == "qwen2" and json.loads((path / "config.json").read_text())["hidden_size"] == 32
+    assert not start_model_build(path, "tiny-random")  # built: nothing to start
+    assert start_model_build(tmp_path / "bad", "no-such-provider")
+    with pytest.raises(ValueError, match="model.provider 'no-such-provider' unknown"):
+        ensure_model(tmp_path / "bad", "no-such-provider")  # the background thread's error, raised here
+    assert not (tmp_path / "bad").exists() and not list(tmp_path.glob("*.tmp*"))
+
+
 def test_gguf_parsed_once_reads_each_file_once_and_restores_gguf(tmp_path: Path) -> None:
     """Inside `gguf_parsed_once` (the demo model's conversion) a GGUF file is parsed once however often
     transformers opens it, and a tensor-name table built once per architecture; after it `gguf` is as before."""

@@ -143,6 +143,33 @@ def test_save_load_continues_bitwise(tiny_model_dir: Path, batch, tmp_path: Path
     assert all(torch.equal(w1[k], v) for k, v in restored.named_weights())
 
 
+def test_tied_weights_saved_once_and_restored(tmp_path: Path, batch) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from rlstages.engines.models import build_tiny_model
+
+    tied_dir = build_tiny_model(tmp_path / "tied", tie_word_embeddings=True)
+    engine = trainer(tied_dir)
+    engine.train_step(batch)
+    engine.save(tmp_path / "ckpt")
+    file = tmp_path / "ckpt" / "model.safetensors"
+    with safe_open(str(file), "pt") as f:
+        keys = set(f.keys())
+    assert "lm_head.weight" not in keys and "model.embed_tokens.weight" in keys  # the tied matrix once
+    m1 = engine.train_step(batch)
+    restored = trainer(tied_dir)
+    restored.load(tmp_path / "ckpt")
+    model = restored.backend.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied after the load
+    assert without_perf(restored.train_step(batch)) == without_perf(m1)
+    weights = load_file(str(file))
+    del weights["model.norm.weight"]  # a tensor that is nobody's alias: its absence is refused
+    save_file(weights, str(file))
+    with pytest.raises(ValueError, match=r"missing \['model.norm.weight'\]"):
+        trainer(tied_dir).load(tmp_path / "ckpt")
+
+
 def test_critic_values_and_update(tiny_model_dir: Path, batch) -> None:
     critic = trainer(tiny_model_dir, role="critic")
     values = critic.values(batch)
