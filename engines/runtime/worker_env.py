@@ -6,7 +6,11 @@ Non-goal: tuning inside a running process (OpenMP, glibc, jemalloc and oneDNN re
 
 from __future__ import annotations
 
+import functools
 import os
+import re
+import shutil
+import subprocess
 
 from rlstages.engines.runtime.heap import heap_env
 
@@ -16,6 +20,11 @@ HF_ENV = ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "
 # shape (a step's micro-batches have many), each with its buffers: ~0.4 GB of the demo's worker on an AMX CPU;
 # 64 held 0.3 GB of it at the same speed
 ONEDNN_PRIMITIVES = "64"
+# inductor's vector ISA taken from the CPU's flags (TORCHINDUCTOR_VEC_ISA_OK=1) where the C++ compiler builds every
+# ISA it knows (AMX's included): GCC 11 or Clang 12 on. Otherwise each worker's first compile (the bf16 AdamW step,
+# `training/sr_adamw.py`) builds a probe library per ISA and loads each in a child Python: 1.2 s of the demo's
+# first update with the compile cache warm, 5.8 s on a machine's first run (AMX Xeon; docs/benchmarks.md, round 32)
+MIN_COMPILER = {"gcc": 11, "clang": 12}
 
 
 def worker_env(
@@ -32,6 +41,10 @@ def worker_env(
         "TOKENIZERS_PARALLELISM": "false",
         "ONEDNN_PRIMITIVE_CACHE_CAPACITY": os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_PRIMITIVES),
     }
+    if "TORCHINDUCTOR_VEC_ISA_OK" in os.environ:
+        env["TORCHINDUCTOR_VEC_ISA_OK"] = os.environ["TORCHINDUCTOR_VEC_ISA_OK"]
+    elif compiler_builds_every_isa(os.environ.get("CXX") or "g++"):
+        env["TORCHINDUCTOR_VEC_ISA_OK"] = "1"
     env.update({k: os.environ[k] for k in HF_ENV if k in os.environ})
     if omp_passive:
         env["OMP_WAIT_POLICY"] = "PASSIVE"
@@ -41,3 +54,21 @@ def worker_env(
             env[key] = os.environ[key]
     env.update(extra or {})
     return env
+
+
+@functools.cache
+def compiler_builds_every_isa(cxx: str) -> bool:
+    """Whether the C++ compiler `cxx` (inductor's: $CXX, else g++) is a GCC >= 11 or a Clang >= 12, which build
+    AMX, AVX-512 and AVX2 code; False when it is missing, older or unknown."""
+    path = shutil.which(cxx)
+    if path is None:
+        return False
+    try:
+        first = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return False
+    found = re.search(r"(\d+)\.\d+(?:\.\d+)?", first[0]) if first else None
+    if found is None:
+        return False
+    kind = "clang" if "clang" in first[0].lower() else "gcc" if re.search(r"g\+\+|gcc", first[0]) else None
+    return kind is not None and int(found.group(1)) >= MIN_COMPILER[kind]

@@ -1,6 +1,7 @@
 """A worker's environment (engines/runtime/worker_env.py): OpenMP's idle threads, oneDNN's primitive cache cap (the
-user's own value kept), and the allocators of `cluster.heap` measured in a real child process (freed memory kept or
-returned). CPU only, seconds: `pytest tests/engines/runtime/test_worker_env.py`."""
+user's own value kept), the allocators of `cluster.heap` measured in a real child process (freed memory kept or
+returned), and inductor's vector ISA taken from the CPU's flags where the C++ compiler builds every ISA (the one
+its probe picks). CPU only, seconds: `pytest tests/engines/runtime/test_worker_env.py`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 
 import pytest
 
-from rlstages.engines.runtime.worker_env import worker_env
+from rlstages.engines.runtime.worker_env import compiler_builds_every_isa, worker_env
 
 
 def test_worker_env_lets_openmp_spin_only_when_asked() -> None:
@@ -24,6 +25,41 @@ def test_worker_env_caps_onednns_primitive_cache_unless_the_user_set_it(monkeypa
     assert worker_env(1)["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"  # oneDNN's own default: 1,024 shapes kept
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "512")
     assert worker_env(1)["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "512"
+
+
+def _fake_compiler(where, banner: str) -> str:
+    where.mkdir()
+    script = where / "fake-cxx"
+    script.write_text(f"#!/bin/sh\necho '{banner}'\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_inductors_vector_isa_is_trusted_only_with_a_compiler_that_builds_every_isa(tmp_path, monkeypatch) -> None:
+    assert compiler_builds_every_isa(_fake_compiler(tmp_path / "gcc11", "g++ (Ubuntu 11.4.0-1ubuntu1~22.04) 11.4.0"))
+    assert compiler_builds_every_isa(_fake_compiler(tmp_path / "clang14", "Ubuntu clang version 14.0.0-1ubuntu1"))
+    assert not compiler_builds_every_isa(_fake_compiler(tmp_path / "gcc8", "g++ (GCC) 8.5.0 20210514 (Red Hat)"))
+    assert not compiler_builds_every_isa(str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("TORCHINDUCTOR_VEC_ISA_OK", "0")
+    assert worker_env(1)["TORCHINDUCTOR_VEC_ISA_OK"] == "0"  # the user's own value kept
+
+
+_PICKED_ISA = "from torch._inductor.cpu_vec_isa import pick_vec_isa; print(pick_vec_isa())"
+
+
+def test_the_trusted_vector_isa_is_the_one_inductors_probe_picks(monkeypatch) -> None:
+    import os
+
+    monkeypatch.delenv("TORCHINDUCTOR_VEC_ISA_OK", raising=False)
+    env = worker_env(1)
+    if "TORCHINDUCTOR_VEC_ISA_OK" not in env:
+        pytest.skip("this machine's C++ compiler is older than GCC 11 / Clang 12: inductor probes as before")
+    picked = [
+        subprocess.run([sys.executable, "-c", _PICKED_ISA], env={**os.environ, **extra}, capture_output=True,
+                       text=True, check=True).stdout.strip()
+        for extra in ({}, {"TORCHINDUCTOR_VEC_ISA_OK": env["TORCHINDUCTOR_VEC_ISA_OK"]})
+    ]  # fmt: skip
+    assert picked[0] and picked[0] == picked[1]
 
 
 _RSS_AFTER_FREE = """
