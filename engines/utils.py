@@ -1,6 +1,6 @@
 """Small helpers every part of `engines/` shares, defined once: a free port, import by "module:Name" (the
 one importer of such strings, with its one error type),
-an atomic text write and the dtype names (torch imported only where a dtype is asked for).
+an atomic text write, the dtype names and a layer's autocast dtype (torch imported only where a dtype is asked for).
 
 Non-goal: anything that knows about models, batches or Ray.
 """
@@ -27,6 +27,14 @@ def torch_dtype(name: str) -> torch.dtype:
 
     dtype: torch.dtype = getattr(torch, name)
     return dtype
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a layer computes `x` in: autocast's for x's device where autocast is on, else x's own."""
+    import torch
+
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -19,15 +19,19 @@ database, for the run to record its end.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import signal
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 log = logging.getLogger("rlstages.prefect_api")
 SKIP_FOR_S = 60.0  # after a failed call, later artifacts are skipped this long (each would block on retries)
 _away_since: list[float] = []
+_starting: list[Future[None]] = []  # a start of the temporary server begun in the background
 
 
 def answering() -> bool:
@@ -49,9 +53,41 @@ def _temporary_server() -> Any:
     return None if PREFECT_API_URL.value() else SubprocessASGIServer()
 
 
+def start_temporary_server_in_background() -> None:
+    """Begin `start_temporary_server` in a thread, so the server's ~3 s start overlaps the caller's own (Ray's,
+    the model's build); the next `start_temporary_server` waits for it. Nothing where one would not start."""
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value() or _starting:  # the server's module (~2 s to import) is imported in the thread
+        return
+    starting: Future[None] = Future()
+
+    def start() -> None:
+        try:
+            _start_now()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller, which starts it again
+            starting.set_exception(exc)
+        else:
+            starting.set_result(None)
+
+    _starting.append(starting)
+    context = contextvars.copy_context()  # Prefect's settings context, as the caller sees it
+    threading.Thread(target=context.run, args=(start,), name="prefect-temporary-server", daemon=True).start()
+
+
 def start_temporary_server() -> None:
     """Start the temporary server the run would start on its first API call, with SIGINT blocked in it; nothing
-    where PREFECT_API_URL names a server or the temporary one runs."""
+    where PREFECT_API_URL names a server or the temporary one runs. A start begun in the background is waited
+    for (where it failed, the server is started here again, which raises its error)."""
+    if _starting:
+        try:
+            _starting.pop().result()
+        except Exception as exc:  # noqa: BLE001 - started again below: its own error, if it fails again, is raised
+            log.warning(f"Prefect's temporary server did not start in the background ({exc}); starting it now")
+    _start_now()
+
+
+def _start_now() -> None:
     server = _temporary_server()
     if server is None or server.running:
         return

@@ -346,10 +346,9 @@ def _decode(step: FastLlamaStep, ids: torch.Tensor, n: int) -> torch.Tensor:
     for i, layer in enumerate(w.layers):
         a = _rms(x, layer["ln1"], w.eps)
         qkv = linear(a, *layer["qkv"])
-        q = qkv[:, : h * d].view(n, h, d)
-        k = qkv[:, h * d : (h + hk) * d].view(n, hk, d)
+        qk = _rotate(qkv[:, : (h + hk) * d].view(n, h + hk, d), cos, sin)  # queries and keys in one rotation
+        q, k = qk[:, :h], qk[:, h:]
         v = qkv[:, (h + hk) * d :].view(n, hk, d)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         step.keys[i][:n, :, col] = k
         step.values[i][:n, :, col] = v
         keys = step.keys[i][:n]  # [n, hk, columns, d]

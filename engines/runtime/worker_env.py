@@ -70,5 +70,6 @@ def compiler_builds_every_isa(cxx: str) -> bool:
     found = re.search(r"(\d+)\.\d+(?:\.\d+)?", first[0]) if first else None
     if found is None:
         return False
-    kind = "clang" if "clang" in first[0].lower() else "gcc" if re.search(r"g\+\+|gcc", first[0]) else None
+    banner = first[0].lower()  # "g++ (Ubuntu 11.4.0) 11.4.0", "c++ (GCC) 12.2.1", "Ubuntu clang version 14.0.0"
+    kind = "clang" if "clang" in banner else "gcc" if re.search(r"g\+\+|gcc", banner) else None
     return kind is not None and int(found.group(1)) >= MIN_COMPILER[kind]

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from rlstages.engines.utils import compute_dtype
+
 log = logging.getLogger(__name__)
 
 BLOCK = 4096  # output features per GEMM: a wide layer (the 49k-vocabulary head) never has a full fp32 copy
@@ -71,7 +73,7 @@ class _Fp32KernelLinearFn(torch.autograd.Function):
     def forward(
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, in_place: bool = False
     ) -> torch.Tensor:
-        out_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
+        out_dtype = compute_dtype(x)  # x is on the CPU: its autocast's dtype
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         ctx.param = weight if in_place else None  # the parameter whose .grad the backward sums into

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rlstages.engines.utils import compute_dtype
+
 
 def add_product_to_grad(param: Tensor, a: Tensor, b: Tensor) -> None:
     """`param.grad += a @ b` by one GEMM that adds into it (`addmm_`), creating the gradient on first use."""
@@ -29,11 +31,6 @@ def add_product_to_grad(param: Tensor, a: Tensor, b: Tensor) -> None:
         param.grad = a.mm(b)
     else:
         param.grad.addmm_(a, b)
-
-
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 class _InPlaceLinearFn(torch.autograd.Function):
@@ -68,7 +65,7 @@ class InPlaceGradLinear(torch.nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         """The layer's x Wᵀ + b; autograd's own path where it computes in another dtype than its weight's."""
-        if _compute_dtype(x) != self.weight.dtype or not torch.is_grad_enabled():
+        if compute_dtype(x) != self.weight.dtype or not torch.is_grad_enabled():
             return super().forward(x)
         return _InPlaceLinearFn.apply(x, self.weight, self.bias)
 

@@ -163,6 +163,16 @@ def _build_model_early(cfg: RunConfig) -> None:
     start_model_build(cfg.model.path, cfg.model.provider, tiny, cfg.model.revision)
 
 
+def _start_services_early(cfg: RunConfig) -> None:
+    """Prefect's temporary server starts in the background while the run's local Ray starts here (~3 s each, one
+    after the other before): the flow waits for the server, `start_workers` finds Ray up."""
+    from rlstages.tasks.driver.cluster import start_local_ray_early
+    from rlstages.tasks.prefect_api import start_temporary_server_in_background
+
+    start_temporary_server_in_background()
+    start_local_ray_early(cfg)
+
+
 def _train(cfg: RunConfig, debug: bool, verbose: bool, log_format: LogFormat, again: str | None = None) -> None:
     """Run the training flow with the terminal to ourselves (`rlstages.flows.console`): the machine measured,
     the live display or plain step lines, the summary panel; everything else into the run's log file. A run
@@ -179,6 +189,7 @@ def _train(cfg: RunConfig, debug: bool, verbose: bool, log_format: LogFormat, ag
         with terminal_session(log_path, log_format.value, verbose or debug, (out, err)) as term:  # type: ignore[arg-type]
             term.console.print(machine_of(cfg).line(), highlight=False, soft_wrap=True)
             term.starting()
+            _start_services_early(cfg)
             from rlstages.flows.train import rl_post_train
 
             policy = _guard(debug, lambda: rl_post_train(cfg))

@@ -86,6 +86,29 @@ def start_ray(cfg: RunConfig) -> None:
     root.handlers[:], root.level = handlers, root_level  # logging_config is for the actors: the driver keeps its own
 
 
+def export_plugins(cfg: RunConfig) -> None:
+    """The driver and every worker import the user's registrations (`model.plugins`): the variable is set before
+    Ray starts, whose workers inherit it."""
+    if cfg.model.plugins:
+        os.environ[PLUGINS_ENV] = ",".join(cfg.model.plugins)
+        import_plugins()
+
+
+def start_local_ray_early(cfg: RunConfig) -> None:
+    """Start the run's own local Ray now (~3 s), while Prefect's temporary server and the model's build start, so
+    `build_workers` finds it up; where it fails here, the run's `start_workers` starts it again and reports why."""
+    if cfg.cluster.mode != "ray" or cfg.cluster.address or os.environ.get("RAY_ADDRESS"):
+        return  # a cluster's own errors belong to the run's start_workers stage
+    try:
+        export_plugins(cfg)
+        start_ray(cfg)
+    except Exception as exc:  # noqa: BLE001 - the stage tries again, inside the flow, where failures are recorded
+        log.warning(f"Ray did not start early ({exc}); the run's start_workers stage starts it")
+        import ray
+
+        ray.shutdown()
+
+
 @contextmanager
 def sigterm_handler_kept() -> Iterator[None]:
     """Put back the SIGTERM handler a Python caller installed (the flow's stop at a safe point, `flows.interrupts`)
@@ -101,9 +124,7 @@ def sigterm_handler_kept() -> Iterator[None]:
 
 def build_workers(cfg: RunConfig, run: RunHandle) -> Workers:
     """Create (or find, by name) every group of the run and remember them in the registry."""
-    if cfg.model.plugins:  # the driver and every worker import the user's registrations
-        os.environ[PLUGINS_ENV] = ",".join(cfg.model.plugins)
-        import_plugins()
+    export_plugins(cfg)
     start_ray(cfg)
     in_process = cfg.cluster.mode == "in_process"
     ns = cfg.cluster.namespace

@@ -39,6 +39,7 @@ def test_inductors_vector_isa_is_trusted_only_with_a_compiler_that_builds_every_
     assert compiler_builds_every_isa(_fake_compiler(tmp_path / "gcc11", "g++ (Ubuntu 11.4.0-1ubuntu1~22.04) 11.4.0"))
     assert compiler_builds_every_isa(_fake_compiler(tmp_path / "clang14", "Ubuntu clang version 14.0.0-1ubuntu1"))
     assert not compiler_builds_every_isa(_fake_compiler(tmp_path / "gcc8", "g++ (GCC) 8.5.0 20210514 (Red Hat)"))
+    assert compiler_builds_every_isa(_fake_compiler(tmp_path / "cxx12", "c++ (GCC) 12.2.1 20221121 (Red Hat 12.2.1-7)"))
     assert not compiler_builds_every_isa(str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("TORCHINDUCTOR_VEC_ISA_OK", "0")
     assert worker_env(1)["TORCHINDUCTOR_VEC_ISA_OK"] == "0"  # the user's own value kept
