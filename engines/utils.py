@@ -1,21 +1,43 @@
 """Small helpers every part of `engines/` shares, defined once: a free port, import by "module:Name" (the
 one importer of such strings, with its one error type),
-an atomic text write, the dtype names and a layer's autocast dtype (torch imported only where a dtype is asked for).
+an atomic text write, a call begun in a background thread, the dtype names and a layer's autocast dtype (torch
+imported only where a dtype is asked for).
 
 Non-goal: anything that knows about models, batches or Ray.
 """
 
 from __future__ import annotations
 
+import contextvars
 import os
 import socket
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     import torch
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+R = TypeVar("R")
+
+
+def start_in_thread(call: Callable[[], R], name: str) -> Future[R]:
+    """`call()` begun in a daemon thread named `name` (a Ctrl-C does not wait for it), in a copy of the caller's
+    context; its result, or what it raised, is the returned future's, for whoever waits on it."""
+    future: Future[R] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(call())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(exc)
+
+    context = contextvars.copy_context()
+    threading.Thread(target=context.run, args=(run,), name=name, daemon=True).start()
+    return future
 
 
 def torch_dtype(name: str) -> torch.dtype:

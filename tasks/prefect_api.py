@@ -19,14 +19,14 @@ database, for the run to record its end.
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import signal
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
+
+from rlstages.engines.utils import start_in_thread
 
 log = logging.getLogger("rlstages.prefect_api")
 SKIP_FOR_S = 60.0  # after a failed call, later artifacts are skipped this long (each would block on retries)
@@ -60,19 +60,7 @@ def start_temporary_server_in_background() -> None:
 
     if PREFECT_API_URL.value() or _starting:  # the server's module (~2 s to import) is imported in the thread
         return
-    starting: Future[None] = Future()
-
-    def start() -> None:
-        try:
-            _start_now()
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller, which starts it again
-            starting.set_exception(exc)
-        else:
-            starting.set_result(None)
-
-    _starting.append(starting)
-    context = contextvars.copy_context()  # Prefect's settings context, as the caller sees it
-    threading.Thread(target=context.run, args=(start,), name="prefect-temporary-server", daemon=True).start()
+    _starting.append(start_in_thread(_start_now, "prefect-temporary-server"))  # in Prefect's settings context
 
 
 def start_temporary_server() -> None:

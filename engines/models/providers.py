@@ -12,7 +12,6 @@ import importlib.util
 import multiprocessing
 import os
 import shutil
-import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 
 from rlstages.engines.models.hub import resolve_model_path
 from rlstages.engines.models.registry import read_model_type, save_causal_lm
+from rlstages.engines.utils import start_in_thread
 
 _BUILDS: dict[Path, Future[Path]] = {}  # the background builds of this process, by model directory
 
@@ -35,16 +35,7 @@ def start_model_build(
     key = Path(path).resolve()
     if provider == "local" or (key / "config.json").is_file() or key in _BUILDS:
         return False
-    future: Future[Path] = Future()
-
-    def build() -> None:
-        try:
-            future.set_result(_ensure_built(path, provider, tiny, revision))
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits in `ensure_model`
-            future.set_exception(exc)
-
-    _BUILDS[key] = future
-    threading.Thread(target=build, name="model-build", daemon=True).start()  # a Ctrl-C does not wait for it
+    _BUILDS[key] = start_in_thread(lambda: _ensure_built(path, provider, tiny, revision), "model-build")
     return True
 
 

@@ -63,6 +63,11 @@ class Workers:
 _REGISTRY: dict[str, Workers] = {}
 
 
+def ray_address(cfg: RunConfig) -> str | None:
+    """The cluster the run joins (`cluster.address`, else RAY_ADDRESS); None: it starts a local Ray of its own."""
+    return cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+
+
 def start_ray(cfg: RunConfig) -> None:
     """Connect to `cluster.address` / RAY_ADDRESS, or start a local Ray (no dashboard)."""
     if cfg.cluster.mode != "ray":
@@ -71,7 +76,7 @@ def start_ray(cfg: RunConfig) -> None:
 
     if ray.is_initialized():
         return
-    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+    address = ray_address(cfg)
     level = cfg.cluster.worker_log_level
     kwargs: dict[str, Any] = {"namespace": cfg.cluster.namespace, "log_to_driver": level != "off"}
     if level != "off":  # the actors' Python logging at this level; their lines reach the driver's stderr
@@ -97,7 +102,7 @@ def export_plugins(cfg: RunConfig) -> None:
 def start_local_ray_early(cfg: RunConfig) -> None:
     """Start the run's own local Ray now (~3 s), while Prefect's temporary server and the model's build start, so
     `build_workers` finds it up; where it fails here, the run's `start_workers` starts it again and reports why."""
-    if cfg.cluster.mode != "ray" or cfg.cluster.address or os.environ.get("RAY_ADDRESS"):
+    if cfg.cluster.mode != "ray" or ray_address(cfg):
         return  # a cluster's own errors belong to the run's start_workers stage
     try:
         export_plugins(cfg)
