@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from rlstages.configs import ConfigError, RunConfig, load_config, to_yaml
+from rlstages.flows.cli.early_start import build_model_early, start_services_early
 from rlstages.flows.cli.quiet import one_line, quiet_prefect
 
 STARTED = time.monotonic()  # the summary's wall time counts from the command's start (imports, pre-flight included)
@@ -153,26 +154,6 @@ def _hold_run_dir(cfg: RunConfig, debug: bool) -> None:
     _guard(debug, lambda: acquire(run_dir(cfg)))
 
 
-def _build_model_early(cfg: RunConfig) -> None:
-    """A provider's model not built yet (the demo's first run: SmolLM2 dequantised from its GGUF, ~10 s) is built
-    in the background from here, while Prefect, MLflow and the run directory start; the flow's `prepare_run`
-    waits for it."""
-    from rlstages.engines.models import start_model_build
-
-    tiny = cfg.model.tiny.model_dump() if cfg.model.tiny else None
-    start_model_build(cfg.model.path, cfg.model.provider, tiny, cfg.model.revision)
-
-
-def _start_services_early(cfg: RunConfig) -> None:
-    """Prefect's temporary server starts in the background while the run's local Ray starts here (~3 s each, one
-    after the other before): the flow waits for the server, `start_workers` finds Ray up."""
-    from rlstages.tasks.driver.cluster import start_local_ray_early
-    from rlstages.tasks.prefect_api import start_temporary_server_in_background
-
-    start_temporary_server_in_background()
-    start_local_ray_early(cfg)
-
-
 def _train(cfg: RunConfig, debug: bool, verbose: bool, log_format: LogFormat, again: str | None = None) -> None:
     """Run the training flow with the terminal to ourselves (`rlstages.flows.console`): the machine measured,
     the live display or plain step lines, the summary panel; everything else into the run's log file. A run
@@ -181,7 +162,7 @@ def _train(cfg: RunConfig, debug: bool, verbose: bool, log_format: LogFormat, ag
     from rlstages.flows.interrupts import RunStopped
 
     _hold_run_dir(cfg, debug)
-    _build_model_early(cfg)
+    build_model_early(cfg)
     quiet_prefect(debug)
     log_path = _guard(debug, lambda: log_path_of(cfg))
     assert isinstance(log_path, Path)
@@ -189,7 +170,7 @@ def _train(cfg: RunConfig, debug: bool, verbose: bool, log_format: LogFormat, ag
         with terminal_session(log_path, log_format.value, verbose or debug, (out, err)) as term:  # type: ignore[arg-type]
             term.console.print(machine_of(cfg).line(), highlight=False, soft_wrap=True)
             term.starting()
-            _start_services_early(cfg)
+            start_services_early(cfg)
             from rlstages.flows.train import rl_post_train
 
             policy = _guard(debug, lambda: rl_post_train(cfg))
