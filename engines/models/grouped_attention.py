@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlstages.engines.models.lean_layers import keep_recipe
+
 log = logging.getLogger(__name__)
 
 NAME = "rlstages_grouped_eager"
@@ -46,11 +48,48 @@ def grouped_eager_attention(
         per_head = attention_mask.shape[1] != 1
         mask = attention_mask.view(batch, kv_heads, group, length, -1) if per_head else attention_mask.unsqueeze(2)
         weights = weights + mask
-    weights = torch.nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    scores = weights
+    weights = FloatSoftmax.apply(scores).to(query.dtype)
+    shape = (batch, heads, length, dim)
+    if torch.is_grad_enabled() and not (dropout and module.training):
+        # what the backward keeps besides the scores (`FloatSoftmax`) and the values: neither the bf16 weights nor
+        # the output (the output projection's input); both are made again from the scores (a softmax, a product)
+        keep_recipe(weights, lambda: _weights(scores, query.dtype))
+        out = keep_recipe(_output(weights, value, shape), lambda: _output(_weights(scores, query.dtype), value, shape))
+        return out, weights.view(batch, heads, length, keys)
     weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
-    out = torch.matmul(weights.view(batch, kv_heads, group * length, keys), value)
-    out = out.view(batch, heads, length, dim).transpose(1, 2).contiguous()
-    return out, weights.view(batch, heads, length, keys)
+    return _output(weights, value, shape), weights.view(batch, heads, length, keys)
+
+
+def _weights(scores: Tensor, dtype: torch.dtype) -> Tensor:
+    """The attention weights in `dtype` from the masked, scaled scores: the float32 softmax, cast."""
+    return torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+
+
+class FloatSoftmax(torch.autograd.Function):
+    """`softmax(scores, -1, dtype=float32)` that keeps the scores (bf16: half the bytes of the float32 result that
+    autograd's softmax keeps) and makes the result again for its backward: the same values and gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, scores: Tensor) -> Tensor:
+        """The float32 softmax over the last dim; keeps `scores`."""
+        ctx.save_for_backward(scores)
+        return torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        """Autograd's softmax backward (its kernel) on the remade result, cast back to the scores' dtype."""
+        (scores,) = ctx.saved_tensors
+        probs = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32)
+        return torch._softmax_backward_data(grad, probs, -1, torch.float32).to(scores.dtype)
+
+
+def _output(weights: Tensor, value: Tensor, shape: tuple[int, int, int, int]) -> Tensor:
+    """The attention's output [B, T, heads, D] from its (grouped) weights and values."""
+    batch, heads, length, dim = shape
+    kv_heads, keys = value.shape[1], value.shape[2]
+    out = torch.matmul(weights.view(batch, kv_heads, -1, keys), value)
+    return out.view(batch, heads, length, dim).transpose(1, 2).contiguous()
 
 
 def use_grouped_eager(model: torch.nn.Module) -> bool:

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from rlstages.configs.training import TorchTrainingConfig, TrainingConfig
 from rlstages.engines.base import OnOutput, Readout
-from rlstages.engines.models import load_causal_lm, lora, moe_layout, torch_dtype
+from rlstages.engines.models import lean_layers, load_causal_lm, lora, moe_layout, torch_dtype
 from rlstages.engines.models.grouped_attention import use_grouped_eager
 from rlstages.engines.models.vision import param_groups
 from rlstages.engines.tensordict_import import TensorDict
@@ -153,7 +153,7 @@ class TorchBackend:
             assert self.optimizer is not None
             self.optimizer.zero_grad(set_to_none=True)
         share = bool(getattr(self.settings.train, "share_prompt_forward", False)) and not readout.values and bool(mbs)
-        with lora.forward_as(self.model, readout.base):
+        with lora.forward_as(self.model, readout.base), lean_layers.remade_when_saved():
             prompts = P.SharedPrompts(self.model, mbs, self.settings.train.bf16_autocast) if share else None
             for mb in mbs:
                 loss = on_output(mb, hf_forward(self.model, mb, readout, self.settings.train, prompts))

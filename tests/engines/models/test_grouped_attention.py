@@ -103,3 +103,25 @@ def test_the_trainer_takes_it_unless_on_the_fp32_kernel(tiny_model_dir: Path) ->
 
     assert attention(False) == NAME
     assert attention(True) == FP32_ATTENTION["eager"]
+
+
+def test_float_softmax_keeps_the_bf16_scores_and_is_autograds_softmax_bit_for_bit() -> None:
+    """`FloatSoftmax` of bf16 scores with masked (-inf-like) entries: autograd's float32 softmax and its gradient
+    bit for bit, half the bytes kept for the backward (the bf16 scores, not the float32 result)."""
+    from rlstages.engines.models.grouped_attention import FloatSoftmax
+
+    gen = torch.Generator().manual_seed(3)
+    scores = (torch.randn(2, 3, 5, 9, generator=gen) * 4).to(torch.bfloat16)
+    scores[0, :, :, :3] = torch.finfo(torch.bfloat16).min
+    grad = torch.randn(2, 3, 5, 9, generator=gen)
+    results = []
+    for fn in (FloatSoftmax.apply, lambda s: torch.nn.functional.softmax(s, dim=-1, dtype=torch.float32)):
+        leaf = scores.clone().requires_grad_(True)
+        kept: list[int] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, kept=kept: kept.append(t.nbytes) or t, lambda t: t):
+            out = fn(leaf)
+        out.backward(grad)
+        results.append((out.detach(), leaf.grad, sum(kept)))
+    (got, got_grad, got_bytes), (want, want_grad, want_bytes) = results
+    assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
+    assert got_bytes * 2 == want_bytes

@@ -102,3 +102,74 @@ def test_a_routed_model_on_the_cpu_trains_through_them(tiny_model_dir: Path, mon
     assert calls == []
     model(input_ids=ids)
     assert len(calls) == 5
+
+
+def _routed_llama_bf16() -> torch.nn.Module:
+    """A tiny bf16 Llama (grouped heads) as the CPU trainer runs it: routed norms and SwiGLU, in-place gradient
+    sums, the grouped eager attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlstages.engines.models.grouped_attention import use_grouped_eager
+    from rlstages.engines.training.grad_accumulation import accumulate_in_place
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=61, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, attn_implementation="eager",
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).to(torch.bfloat16).train()
+    assert fused_layers.fuse_elementwise(model)["swiglu"] == 2
+    accumulate_in_place(model)
+    assert use_grouped_eager(model)
+    return model
+
+
+def _train_pass(model: torch.nn.Module, scope: bool) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+    """Logits, parameter gradients and the bytes of the distinct storages autograd kept, with or without
+    `remade_when_saved` (the kept bytes counted inside it: what the recipes replaced is not counted)."""
+    ids = torch.randint(0, 61, (3, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    model.zero_grad(set_to_none=True)
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> object:
+        packed = lean_layers._pack(t) if scope else t
+        if isinstance(packed, torch.Tensor):
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return packed
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lean_layers._unpack):
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    (logits.float().logsumexp(-1) * torch.linspace(0.5, 1.5, 12)).sum().backward()
+    return logits.detach(), [p.grad.clone() for p in model.parameters()], sum(kept.values())
+
+
+def test_outputs_remade_for_the_backward_give_the_same_gradients_bit_for_bit() -> None:
+    """Under `remade_when_saved` the norms' and SwiGLU's outputs and the attention's bf16 weights and output are
+    not kept but made again: the same logits and parameter gradients bit for bit, under 0.7x the bytes kept,
+    and no recipe outlives the forward's tensors."""
+    model = _routed_llama_bf16()
+    want_logits, want_grads, want_bytes = _train_pass(model, scope=False)
+    got_logits, got_grads, got_bytes = _train_pass(model, scope=True)
+    assert torch.equal(got_logits, want_logits)
+    assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads, strict=True))
+    assert got_bytes < 0.7 * want_bytes, (got_bytes, want_bytes)
+    assert not lean_layers._made  # each recipe is forgotten with its output
+
+
+def test_a_recipe_is_made_once_for_every_op_that_saved_it_and_views_are_kept_as_views() -> None:
+    """q, k and v's projections save one normalised input: one remake serves the three; a view of a remembered
+    output that an op saves comes back as the same view of the remade tensor."""
+    calls: list[int] = []
+    x = torch.randn(4, 6, requires_grad=True)
+    with lean_layers.remade_when_saved():
+        out = lean_layers.keep_recipe(x.detach() * 2, lambda: calls.append(1) or x.detach() * 2)
+        w1, w2 = (torch.randn(6, 5, requires_grad=True) for _ in range(2))
+        y = out @ w1 + out[:, 1:5] @ w2[:4]  # the second product saves a strided view of `out`
+    assert calls == []
+    y.sum().backward()
+    assert calls == [1]
+    doubled = x.detach() * 2
+    torch.testing.assert_close(w1.grad, doubled.t() @ torch.ones(4, 5))
+    torch.testing.assert_close(w2.grad[:4], doubled[:, 1:5].t() @ torch.ones(4, 5))
