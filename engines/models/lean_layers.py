@@ -99,7 +99,8 @@ class _Remade:
     __slots__ = ("make", "made")
 
     def __init__(self, make: Callable[[], Tensor]) -> None:
-        self.make, self.made = make, None
+        self.make = make
+        self.made: Tensor | None = None
 
     def tensor(self) -> Tensor:
         """The output, made on first use (outside autograd: it is a saved value, not a new graph)."""
