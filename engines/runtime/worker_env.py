@@ -20,6 +20,11 @@ HF_ENV = ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "
 # shape (a step's micro-batches have many), each with its buffers: ~0.4 GB of the demo's worker on an AMX CPU;
 # 64 held 0.3 GB of it at the same speed
 ONEDNN_PRIMITIVES = "64"
+# ideep's (PyTorch's oneDNN wrapper) own cache of matmul primitive descriptors, `LRU_CACHE_CAPACITY` (1,024 by
+# default): a brgemm descriptor per GEMM shape, and a decode step's row counts and the micro-batches' token counts
+# make hundreds; a jemalloc heap profile of the demo's worker put 124 MB of it live at a generation's end (AMX Xeon).
+# 64 entries: 6 demo steps' peak PSS 3.42-3.44 GB against 3.60, the steps' times the same (docs/benchmarks.md, round 34)
+IDEEP_DESCRIPTORS = "64"
 # inductor's vector ISA taken from the CPU's flags (TORCHINDUCTOR_VEC_ISA_OK=1) where the C++ compiler builds every
 # ISA it knows (AMX's included): GCC 11 or Clang 12 on. Otherwise each worker's first compile (the bf16 AdamW step,
 # `training/sr_adamw.py`) builds a probe library per ISA and loads each in a child Python: 1.2 s of the demo's
@@ -33,13 +38,15 @@ def worker_env(
     """Environment of a worker process: N torch threads (idle ones sleep at once when `omp_passive`, so
     concurrent workers do not spin against each other), the user's Hugging Face settings (cache, offline
     mode: inherited, not forced), the allocator `heap` names (`heap_env`: jemalloc, or glibc's heap that
-    keeps freed memory, no page-fault storm on large tensors, or caps what it keeps) and oneDNN's cache cap."""
+    keeps freed memory, no page-fault storm on large tensors, or caps what it keeps) and oneDNN's and ideep's cache
+    caps (the user's values kept)."""
     env = {
         **heap_env(heap),
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
         "TOKENIZERS_PARALLELISM": "false",
         "ONEDNN_PRIMITIVE_CACHE_CAPACITY": os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_PRIMITIVES),
+        "LRU_CACHE_CAPACITY": os.environ.get("LRU_CACHE_CAPACITY", IDEEP_DESCRIPTORS),
     }
     if "TORCHINDUCTOR_VEC_ISA_OK" in os.environ:
         env["TORCHINDUCTOR_VEC_ISA_OK"] = os.environ["TORCHINDUCTOR_VEC_ISA_OK"]

@@ -20,11 +20,15 @@ def test_worker_env_lets_openmp_spin_only_when_asked() -> None:
     assert spin["OMP_NUM_THREADS"] == "2" and spin["MALLOC_CONF"].startswith("narenas:1")
 
 
-def test_worker_env_caps_onednns_primitive_cache_unless_the_user_set_it(monkeypatch) -> None:
+def test_worker_env_caps_onednns_and_ideeps_caches_unless_the_user_set_them(monkeypatch) -> None:
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
     assert worker_env(1)["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"  # oneDNN's own default: 1,024 shapes kept
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "512")
     assert worker_env(1)["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "512"
+    monkeypatch.delenv("LRU_CACHE_CAPACITY", raising=False)
+    assert worker_env(1)["LRU_CACHE_CAPACITY"] == "64"  # ideep's matmul descriptors: 1,024 by default
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "256")
+    assert worker_env(1)["LRU_CACHE_CAPACITY"] == "256"
 
 
 def _fake_compiler(where, banner: str) -> str:
