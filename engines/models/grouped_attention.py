@@ -61,9 +61,14 @@ def grouped_eager_attention(
     return _output(weights, value, shape), weights.view(batch, heads, length, keys)
 
 
+def _softmax32(scores: Tensor) -> Tensor:
+    """The float32 softmax over the last dim of the masked, scaled scores (the Llama family's eager attention's)."""
+    return torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32)
+
+
 def _weights(scores: Tensor, dtype: torch.dtype) -> Tensor:
     """The attention weights in `dtype` from the masked, scaled scores: the float32 softmax, cast."""
-    return torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+    return _softmax32(scores).to(dtype)
 
 
 class FloatSoftmax(torch.autograd.Function):
@@ -74,14 +79,13 @@ class FloatSoftmax(torch.autograd.Function):
     def forward(ctx: Any, scores: Tensor) -> Tensor:
         """The float32 softmax over the last dim; keeps `scores`."""
         ctx.save_for_backward(scores)
-        return torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32)
+        return _softmax32(scores)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
         """Autograd's softmax backward (its kernel) on the remade result, cast back to the scores' dtype."""
         (scores,) = ctx.saved_tensors
-        probs = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32)
-        return torch._softmax_backward_data(grad, probs, -1, torch.float32).to(scores.dtype)
+        return torch._softmax_backward_data(grad, _softmax32(scores), -1, torch.float32).to(scores.dtype)
 
 
 def _output(weights: Tensor, value: Tensor, shape: tuple[int, int, int, int]) -> Tensor:
