@@ -57,7 +57,12 @@ class _TrainingCommon(StrictModel):
     )
     micro_batch_size: int = Field(default=8, ge=1, description="Sequences per forward/backward.")
     dynamic_batching: bool = False
-    max_tokens_per_micro_batch: int = Field(default=4096, ge=1)
+    max_tokens_per_micro_batch: int = Field(
+        default=4096,
+        ge=1,
+        description="With dynamic_batching: padded tokens a micro-batch puts through the model, rows x their "
+        "longest; with share_prompt_forward a row counts its response alone (the prompts go through once a step).",
+    )
     bf16_autocast: bool = False
     gradient_checkpointing: bool = False
     freeze: tuple[ModelPart, ...] = Field(

@@ -63,14 +63,22 @@ class PPOTrainer:
         self.model_config = _hf_config(settings.model_path)  # for the FLOP count of `perf/mfu`
 
     # ---- forward passes -------------------------------------------------------------------------------------
+    @property
+    def _prompt_once(self) -> bool:
+        """Whether each prompt goes through the model once per step (the torch backend's `share_prompt_forward`;
+        not the critic's values), so a row's cost in a micro-batch is its response alone."""
+        return bool(getattr(self.settings.train, "share_prompt_forward", False)) and self.settings.role != "critic"
+
     def _micro(self, batch: TensorDict) -> list[TensorDict]:
         t = self.settings.train
-        return micro_batches(batch, t.micro_batch_size, t.dynamic_batching, t.max_tokens_per_micro_batch)
+        return micro_batches(
+            batch, t.micro_batch_size, t.dynamic_batching, t.max_tokens_per_micro_batch, self._prompt_once
+        )
 
     def _forward(self, batch: TensorDict, readout: Readout) -> list[torch.Tensor] | None:
         """Each output of `readout` over the whole batch, [B, T] in row order (None where outputs are not here)."""
         width = batch[T.RESPONSE_IDS].shape[1]
-        rows, restore = by_length(D.to_device(batch, self.device))
+        rows, restore = by_length(D.to_device(batch, self.device), self._prompt_once)
         cols: list[list[torch.Tensor]] = []
 
         def collect(mb: TensorDict, out: tuple[torch.Tensor, ...]) -> None:
@@ -113,7 +121,7 @@ class PPOTrainer:
         start, compiled = time.perf_counter(), compile_seconds()
         batch = D.to_device(batch, self.device)
         with self.backend.resident(train=True):
-            out = P.epochs_loop(batch, s.train.ppo_epochs, s.num_mini_batches, self._mini_step)
+            out = P.epochs_loop(batch, s.train.ppo_epochs, s.num_mini_batches, self._mini_step, self._prompt_once)
         D.synchronize(self.device)
         out.update(self._perf(batch, time.perf_counter() - start))
         out[COMPILE_METRIC] = compile_seconds() - compiled  # one-off (first steps): the ETA leaves it out

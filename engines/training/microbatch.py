@@ -17,24 +17,29 @@ def mini_batches(batch: TensorDict, num: int) -> list[TensorDict]:
     return T.chunk_for_ranks(batch, num)
 
 
-def seq_lengths(batch: TensorDict) -> torch.Tensor:
-    """Real tokens per row (prompt + response)."""
-    return batch[T.ATTENTION_MASK].sum(-1)
+def seq_lengths(batch: TensorDict, prompt_once: bool = False) -> torch.Tensor:
+    """Real tokens each row puts through the model: prompt + response, or the response alone where each prompt
+    goes through once for the whole step (`prompt_once`: the torch backend's `share_prompt_forward`)."""
+    mask = batch[T.ATTENTION_MASK]
+    return (mask[:, batch[T.PROMPT_IDS].shape[1] :] if prompt_once else mask).sum(-1)
 
 
-def by_length(batch: TensorDict) -> tuple[TensorDict, torch.Tensor]:
-    """Rows sorted by real length (stable) and the permutation that restores the original order: consecutive
-    micro-batches then hold similar lengths, so trimming removes most padding."""
-    order = torch.argsort(seq_lengths(batch), stable=True)
+def by_length(batch: TensorDict, prompt_once: bool = False) -> tuple[TensorDict, torch.Tensor]:
+    """Rows sorted by real length (stable; `seq_lengths`) and the permutation that restores the original order:
+    consecutive micro-batches then hold similar lengths, so trimming removes most padding."""
+    order = torch.argsort(seq_lengths(batch, prompt_once), stable=True)
     return batch[order], torch.argsort(order)
 
 
-def micro_batches(batch: TensorDict, size: int, dynamic: bool = False, max_tokens: int = 4096) -> list[TensorDict]:
-    """Fixed-size micro-batches, or (dynamic) consecutive rows packed so padded tokens stay within budget."""
+def micro_batches(
+    batch: TensorDict, size: int, dynamic: bool = False, max_tokens: int = 4096, prompt_once: bool = False
+) -> list[TensorDict]:
+    """Fixed-size micro-batches, or (dynamic) consecutive rows packed so the padded tokens they put through the
+    model stay within budget (`prompt_once`: their responses', the prompts going through once for the step)."""
     rows = batch.batch_size[0]
     if not dynamic:
         return [trim(batch[i : i + size]) for i in range(0, rows, size)]
-    lengths = seq_lengths(batch).tolist()
+    lengths = seq_lengths(batch, prompt_once).tolist()
     out, start, longest = [], 0, 0
     for i, length in enumerate(lengths):
         longest_if = max(longest, int(length))

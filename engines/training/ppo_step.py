@@ -310,16 +310,21 @@ def floats(acc: dict[str, Scalar]) -> dict[str, float]:
 
 
 def epochs_loop(
-    batch: TensorDict, ppo_epochs: int, num_mini_batches: int, mini_step: Callable[[TensorDict, bool], dict[str, float]]
+    batch: TensorDict,
+    ppo_epochs: int,
+    num_mini_batches: int,
+    mini_step: Callable[[TensorDict, bool], dict[str, float]],
+    prompt_once: bool = False,
 ) -> dict[str, float]:
     """Run `mini_step(mini, check_sync)` over epochs x mini-batches; average the metrics over optimizer steps.
-    Each mini-batch reaches `mini_step` sorted by length (its loss is order-free; micro-batches pad less)."""
+    Each mini-batch reaches `mini_step` sorted by length (its loss is order-free; micro-batches pad less;
+    `prompt_once`: by response length, each prompt going through the model once)."""
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     first = True
     for _ in range(ppo_epochs):
         for mini in mini_batches(batch, num_mini_batches):
-            for k, v in mini_step(by_length(mini)[0], first).items():
+            for k, v in mini_step(by_length(mini, prompt_once)[0], first).items():
                 sums[k] = sums.get(k, 0.0) + v
                 counts[k] = counts.get(k, 0) + 1
             first = False

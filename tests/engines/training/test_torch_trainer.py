@@ -268,6 +268,26 @@ def test_shared_prompt_forward_gives_the_same_logprobs_and_update(tiny_model_dir
         assert torch.allclose(grad_shared, opt_plain.state[p_plain]["exp_avg"], atol=1e-7, rtol=1e-4)
 
 
+def test_shared_prompts_budget_micro_batches_by_their_responses(tiny_model_dir: Path, batch) -> None:
+    """With each prompt through the model once, a row costs its response: fewer, fuller micro-batches within
+    the same token budget, and the same update."""
+    from rlstages.engines.training.microbatch import by_length, micro_batches
+
+    grouped, budget = grouped_batch(batch), 24
+    rows = by_length(grouped, prompt_once=True)[0]
+    responses = rows[T.ATTENTION_MASK][:, rows[T.PROMPT_IDS].shape[1] :].sum(-1)
+    assert bool((responses[1:] >= responses[:-1]).all())
+    once = micro_batches(rows, 16, dynamic=True, max_tokens=budget, prompt_once=True)
+    whole = micro_batches(rows, 16, dynamic=True, max_tokens=budget)
+    assert len(once) < len(whole)
+    assert all(mb.batch_size[0] * mb[T.RESPONSE_IDS].shape[1] <= budget for mb in once)
+    assert sum(mb.batch_size[0] for mb in once) == grouped.batch_size[0]
+    dynamic = {"dynamic_batching": True, "max_tokens_per_micro_batch": budget}
+    shared = trainer(tiny_model_dir, micro_batch_size=16, share_prompt_forward=True, **dynamic)
+    plain = trainer(tiny_model_dir, micro_batch_size=16)
+    assert shared.train_step(grouped)["grad_norm"] == pytest.approx(plain.train_step(grouped)["grad_norm"], rel=1e-4)
+
+
 def test_shared_prompt_forward_refuses_gradient_checkpointing() -> None:
     with pytest.raises(ValueError, match="share_prompt_forward needs the KV cache"):
         TorchTrainingConfig(share_prompt_forward=True, gradient_checkpointing=True)
