@@ -20,29 +20,43 @@ from torch import Tensor
 
 from rlstages.engines.compiled import CompiledFunctions
 
-_MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B1  # spreads consecutive element indices over the hash's input space
 
 
+def _int32(value: int) -> int:
+    """`value`'s low 32 bits as a signed int32 (the bit pattern int32 lanes multiply by)."""
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
 def hash32(x: Tensor) -> Tensor:
-    """A well-mixed 32-bit hash of each int64 element (Wellons' lowbias32), in [0, 2^32)."""
-    x = x & _MASK32
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
+    """Wellons' lowbias32 of each int32 element, as an int32 bit pattern: the multiplies wrap around as uint32's
+    do (the low 32 bits of any product are the same signed or not) and each right shift is masked to be logical.
+    int32 lanes: twice as many per vector as int64 and a native multiply (int64's is emulated or slow)."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _int32(0x7FEB352D)
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _int32(0x846CA68B)
+    return x ^ ((x >> 16) & 0xFFFF)
 
 
 def round_to_bf16(x: Tensor, key: Tensor) -> Tensor:
     """fp32 `x` rounded to bf16 stochastically: up (away from zero) with probability its low 16 bits / 2^16, the
-    bits from `hash32(element index, key)`; returned as the fp32 bit pattern of the chosen bf16 value."""
-    index = torch.arange(x.numel(), dtype=torch.int64, device=x.device).view(x.shape)
-    draw = hash32(index * _GOLDEN + key) & 0xFFFF
+    bits from `hash32(element index x _GOLDEN + key)` on 32 bits; returned as the fp32 bit pattern of the chosen
+    bf16 value."""
+    index = torch.arange(x.numel(), dtype=torch.int32, device=x.device).view(x.shape)
+    draw = hash32(index * _int32(_GOLDEN) + key.to(torch.int32)) & 0xFFFF
     bits = x.view(torch.int32)
     towards_zero = bits & -65536  # the upper 16 bits: bf16 rounded towards zero
-    up = torch.where(draw.to(torch.int32) < (bits & 0xFFFF), towards_zero + 0x10000, towards_zero)
+    up = torch.where(draw < (bits & 0xFFFF), towards_zero + 0x10000, towards_zero)
     return up.view(torch.float32)
+
+
+def bias_corrections(step: Tensor, beta1: float, beta2: float) -> tuple[Tensor, Tensor]:
+    """Adam's bias corrections at `step`: 1 - beta1^step and sqrt(1 - beta2^step), fp32 like the step's math.
+    Made once an optimizer step, not in every vector of the per-tensor loop (whose compiled code keeps libm's
+    errno, so the compiler cannot hoist the powers out of it)."""
+    return 1 - beta1**step, (1 - beta2**step).sqrt()
 
 
 def adamw_bf16_step(
@@ -50,7 +64,8 @@ def adamw_bf16_step(
     grad: Tensor,
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
-    step: Tensor,
+    correction1: Tensor,
+    correction2_sqrt: Tensor,
     lr: Tensor,
     key: Tensor,
     beta1: float,
@@ -58,8 +73,9 @@ def adamw_bf16_step(
     eps: float,
     weight_decay: float,
 ) -> Tensor:
-    """One AdamW update of bf16 `p` in fp32 (decoupled weight decay, bias-corrected moments), written back to the
-    bf16 moments and, stochastically rounded (`round_to_bf16`), to `p`; returns `p`."""
+    """One AdamW update of bf16 `p` in fp32 (decoupled weight decay, moments bias-corrected by
+    `bias_corrections`), written back to the bf16 moments and, stochastically rounded (`round_to_bf16`), to `p`;
+    returns `p`."""
     p32 = p.float()
     g32 = grad.float()
     p32 = p32 - lr * weight_decay * p32
@@ -67,12 +83,14 @@ def adamw_bf16_step(
     v = exp_avg_sq.float().lerp(g32.square(), 1 - beta2)
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
-    denom = v.sqrt() / (1 - beta2**step).sqrt() + eps
-    p32 = p32 - lr * (m / (1 - beta1**step)) / denom
+    denom = v.sqrt() / correction2_sqrt + eps
+    p32 = p32 - lr * (m / correction1) / denom
     return p.copy_(round_to_bf16(p32, key))
 
 
-KERNELS = CompiledFunctions({"adamw_bf16_step": adamw_bf16_step}, "bf16 AdamW", devices=("cpu", "cuda"))
+KERNELS = CompiledFunctions(
+    {"adamw_bf16_step": adamw_bf16_step, "bias_corrections": bias_corrections}, "bf16 AdamW", devices=("cpu", "cuda")
+)
 
 
 def step_key(seed: int, step: int, index: int) -> int:
@@ -104,6 +122,7 @@ class BF16StochasticAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         index = 0
+        corrections: dict[tuple[float, float, float], tuple[Tensor, Tensor]] = {}  # by (step, beta1, beta2)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr = torch.tensor(float(group["lr"]))
@@ -117,9 +136,15 @@ class BF16StochasticAdamW(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p)
                     state["exp_avg_sq"] = torch.zeros_like(p)
                 state["step"] += 1
-                key = torch.tensor(step_key(self.seed, int(state["step"]), index), dtype=torch.int64)
-                args = (p.detach(), p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr, key,
+                step = state["step"]
+                compiled = KERNELS.takes(p)
+                made = (float(step), beta1, beta2)
+                if made not in corrections:
+                    both = KERNELS.run("bias_corrections", step, beta1, beta2) if compiled else None
+                    corrections[made] = both if both is not None else bias_corrections(step, beta1, beta2)
+                key = torch.tensor(step_key(self.seed, int(step), index), dtype=torch.int64)
+                args = (p.detach(), p.grad, state["exp_avg"], state["exp_avg_sq"], *corrections[made], lr, key,
                         beta1, beta2, group["eps"], group["weight_decay"])  # fmt: skip
-                if not KERNELS.takes(p) or KERNELS.run("adamw_bf16_step", *args) is None:
+                if not compiled or KERNELS.run("adamw_bf16_step", *args) is None:
                     adamw_bf16_step(*args)  # the same arithmetic, eagerly
         return loss

@@ -7,7 +7,31 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlstages.engines.training.sr_adamw import KERNELS, BF16StochasticAdamW, adamw_bf16_step, round_to_bf16
+from rlstages.engines.training.sr_adamw import (
+    KERNELS,
+    BF16StochasticAdamW,
+    adamw_bf16_step,
+    bias_corrections,
+    hash32,
+    round_to_bf16,
+)
+
+
+def lowbias32(x: int) -> int:
+    """Wellons' lowbias32 on Python ints: the reference the int32-lane `hash32` must equal."""
+    x &= 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_the_int32_hash_is_lowbias32() -> None:
+    values = [0, 1, 2, 65535, 65536, 2**31 - 1, 2**31, 2**32 - 1, 0x9E3779B1, 123456789, 3141592653]
+    lanes = torch.tensor([v - 2**32 if v >= 2**31 else v for v in values], dtype=torch.int32)
+    got = [v & 0xFFFFFFFF for v in hash32(lanes).tolist()]
+    assert got == [lowbias32(v) for v in values]
 
 
 def test_rounding_picks_a_neighbour_unbiased_and_is_keyed() -> None:
@@ -29,7 +53,10 @@ def test_the_compiled_step_equals_the_eager_one() -> None:
     p = torch.randn(64, 48).to(torch.bfloat16)
     grad = (torch.randn(64, 48) * 1e-3).to(torch.bfloat16)
     eager, compiled = [(p.clone(), grad, torch.zeros_like(p), torch.zeros_like(p)) for _ in range(2)]
-    rest = (torch.tensor(3.0), torch.tensor(1e-3), torch.tensor(12345), 0.9, 0.999, 1e-8, 0.01)
+    corrections = bias_corrections(torch.tensor(3.0), 0.9, 0.999)
+    compiled_corrections = KERNELS.run("bias_corrections", torch.tensor(3.0), 0.9, 0.999)
+    assert compiled_corrections is not None and all(map(torch.equal, corrections, compiled_corrections))
+    rest = (*corrections, torch.tensor(1e-3), torch.tensor(12345), 0.9, 0.999, 1e-8, 0.01)
     adamw_bf16_step(*eager, *rest)
     assert KERNELS.run("adamw_bf16_step", *compiled, *rest) is not None  # it compiled (None: the eager fallback)
     (w0, _, m0, v0), (w1, _, m1, v1) = eager, compiled
