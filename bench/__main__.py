@@ -37,6 +37,7 @@ BENCHES = [
     "off_policy",
     "async",
     "trl",
+    "demo",
     "gpu",
     "gpu_sync",
     "profile_off",
