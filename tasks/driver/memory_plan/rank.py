@@ -19,17 +19,37 @@ from rlstages.engines.registry import reference_options as _reference_options
 DEFAULT_PROMPT_TOKENS = 512  # prompt length assumed when data.max_prompt_length is unset
 
 
-def micro_batch_tokens(cfg: RunConfig, train: Any) -> int:
-    """Tokens in one micro-batch: the dynamic-batching cap, else rows x (prompt + response) tokens."""
+def micro_batch_tokens(cfg: RunConfig, train: Any, role: str = "actor") -> int:
+    """Tokens one micro-batch has in flight: the dynamic-batching cap, else rows x (prompt + response) tokens.
+    Under `share_prompt_forward` the cap (or the rows) counts responses alone and the mini-batch's prompts, forwarded
+    once and kept until the step's backward, come on top."""
+    if shares_prompts(train, role):
+        return response_tokens(cfg, train) + cfg.mini_batch_prompts * prompt_tokens(cfg)
     if train.dynamic_batching:
         return train.max_tokens_per_micro_batch
     return train.micro_batch_size * sequence_tokens(cfg)
 
 
+def shares_prompts(train: Any, role: str) -> bool:
+    """Each prompt goes through the model once a step (`share_prompt_forward`; a critic reads every row whole)."""
+    return bool(getattr(train, "share_prompt_forward", False)) and role != "critic"
+
+
+def response_tokens(cfg: RunConfig, train: Any) -> int:
+    """Response tokens of one micro-batch under `share_prompt_forward`: the cap, else rows x max_new_tokens."""
+    if train.dynamic_batching:
+        return train.max_tokens_per_micro_batch
+    return train.micro_batch_size * cfg.rollout.max_new_tokens
+
+
+def prompt_tokens(cfg: RunConfig) -> int:
+    """Tokens of one prompt: data.max_prompt_length, else DEFAULT_PROMPT_TOKENS."""
+    return cfg.data.max_prompt_length or DEFAULT_PROMPT_TOKENS
+
+
 def sequence_tokens(cfg: RunConfig) -> int:
     """Prompt + response tokens of one row (prompt: data.max_prompt_length, else DEFAULT_PROMPT_TOKENS)."""
-    prompt = cfg.data.max_prompt_length or DEFAULT_PROMPT_TOKENS
-    return prompt + cfg.rollout.max_new_tokens
+    return prompt_tokens(cfg) + cfg.rollout.max_new_tokens
 
 
 def state_bytes(train: Any, dtype: str) -> StateBytes:
@@ -37,8 +57,10 @@ def state_bytes(train: Any, dtype: str) -> StateBytes:
     return training_memory(train).state_bytes(train, dtype)
 
 
-def _activations(cfg: RunConfig, train: Any, dims: ModelDims, lay: Layout, stage: int, act_bytes: int) -> float:
-    tokens = micro_batch_tokens(cfg, train) / lay.cp
+def _activations(
+    cfg: RunConfig, role: str, train: Any, dims: ModelDims, lay: Layout, stage: int, act_bytes: int
+) -> float:
+    tokens = micro_batch_tokens(cfg, train, role) / lay.cp
     first = sum(lay.stages[:stage])
     layers = range(first, first + lay.stages[stage])
     per_layer = [dims.saved_per_token(i, lay.tp, lay.sequence_parallel) * tokens * act_bytes for i in layers]
@@ -54,11 +76,13 @@ def _activations(cfg: RunConfig, train: Any, dims: ModelDims, lay: Layout, stage
     return stored * in_flight
 
 
-def _logits(cfg: RunConfig, train: Any, dims: ModelDims, lay: Layout) -> float:
+def _logits(cfg: RunConfig, role: str, train: Any, dims: ModelDims, lay: Layout) -> float:
     """fp32 log-softmax of one micro-batch's logits, split over TP (last stage): every position under Megatron,
     only the response's under torch / DeepSpeed (`logits_to_keep`)."""
-    tokens = micro_batch_tokens(cfg, train) / lay.cp
-    if not training_memory(train).full_logits:
+    tokens = micro_batch_tokens(cfg, train, role) / lay.cp
+    if shares_prompts(train, role):
+        tokens = response_tokens(cfg, train) / lay.cp
+    elif not training_memory(train).full_logits:
         tokens = tokens * cfg.rollout.max_new_tokens / sequence_tokens(cfg)
     return tokens * dims.vocab / lay.tp * 4
 
@@ -106,8 +130,8 @@ def training_rank(
         if off.grads:
             cpu["grads"] = grads
         act_bytes = 2 if (cfg.model.dtype != "float32" or train.bf16_autocast) else 4
-        gpu["activations"] = _activations(cfg, train, dims, lay, stage, act_bytes)
-    gpu["logits"] = _logits(cfg, train, dims, lay) if last else 0.0
+        gpu["activations"] = _activations(cfg, role, train, dims, lay, stage, act_bytes)
+    gpu["logits"] = _logits(cfg, role, train, dims, lay) if last else 0.0
     if off.params:
         cpu["weights"] = gpu["weights"]
     return RankMemory(role, stage, layers, dense + experts, gpu, {}, cpu)

@@ -16,9 +16,10 @@ from rlstages.engines import types as T
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
 from rlstages.engines.training import ppo_step as P
 from rlstages.engines.training.core import PPOTrainer
+from rlstages.engines.training.microbatch import by_length, micro_batches
 from rlstages.engines.training.settings import TrainerSettings
 from rlstages.engines.types import Prompt, SamplingParams
-from rlstages.tasks.driver.memory_plan import load_dims, plan
+from rlstages.tasks.driver.memory_plan import load_dims, micro_batch_tokens, plan
 
 ROOT = Path(__file__).resolve().parents[4]
 # Saved activations: the plan counts what fused kernels keep (Megatron / Transformer Engine); transformers' RoPE is
@@ -76,6 +77,43 @@ def test_plan_matches_a_torch_train_step(tiny_model_dir: Path) -> None:
     print(f"saved activations {measured} B, planned {planned:.0f} B, ratio {measured / planned:.3f}")
     assert low * planned <= measured <= high * planned, (measured, planned)
     assert rank.gpu["grads"] == _storage_bytes(p.grad for p in model.parameters())
+
+
+def test_with_shared_prompts_the_plan_bounds_what_a_micro_batch_puts_through(tiny_model_dir: Path) -> None:
+    """Under share_prompt_forward the budget counts responses (the trainer's `prompt_once`) and the step's prompts
+    stay in flight until its backward: the plan's tokens cover the largest micro-batch the trainer forms plus
+    those prompts, and its logits the responses alone."""
+    rollout = HFRolloutEngine(tiny_model_dir, dtype="float32", apply_chat_template=False)
+    prompts = [Prompt(f"u{i}", f"{i}+{i}=", str(2 * i)) for i in range(4)]
+    batch = rollout.generate(prompts, SamplingParams(n=4, max_new_tokens=8), seed=0)
+    prompt_len, response_len = batch[T.PROMPT_IDS].shape[1], batch[T.RESPONSE_IDS].shape[1]
+    budget = 2 * response_len
+    overrides = [
+        f"model.path={tiny_model_dir}",
+        f"data.max_prompt_length={prompt_len}",
+        f"rollout.max_new_tokens={response_len}",
+        "rollout.n=4",
+        "data.prompts_per_step=4",
+        "actor.dynamic_batching=true",
+        f"actor.max_tokens_per_micro_batch={budget}",
+    ]
+    shared = load_config(ROOT / "configs" / "tiny.yaml", [*overrides, "actor.share_prompt_forward=true"])
+    rows_whole = load_config(ROOT / "configs" / "tiny.yaml", [*overrides, "actor.share_prompt_forward=false"])
+
+    ordered, _ = by_length(batch, prompt_once=True)
+    mbs = micro_batches(ordered, 16, True, budget, prompt_once=True)
+    responses = max(mb[T.RESPONSE_IDS].shape[1] * mb.batch_size[0] for mb in mbs)
+    step_prompts = len(prompts) * prompt_len  # every prompt once, kept for the step's backward
+    assert len(mbs) > 1 and micro_batch_tokens(shared, shared.actor) >= responses + step_prompts
+    assert micro_batch_tokens(rows_whole, rows_whole.actor) == budget  # a row's prompt counted in the budget
+    assert micro_batch_tokens(shared, shared.actor, "critic") == budget  # a critic reads every row whole
+
+    hf = json.loads((tiny_model_dir / "config.json").read_text())
+    dims, _ = load_dims(shared, hf)
+    actor = plan(shared, hf).fullest
+    assert actor.role == "actor"
+    assert actor.gpu["logits"] == budget * dims.vocab * 4  # fp32 log-softmax of the responses only
+    assert actor.gpu["activations"] > plan(rows_whole, hf).fullest.gpu["activations"]
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_BILLIONS))
