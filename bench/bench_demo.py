@@ -20,6 +20,7 @@ import math
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +78,7 @@ def record_figures(figures: dict[str, Any], peak_gb: float, wall_s: float) -> No
 
 def main() -> None:
     """Convert the model, run the demo under the sampler in a temporary directory, record the figures."""
-    import time
-
+    from bench.__main__ import bench_env
     from rlstages.configs import load_config
     from rlstages.engines.models import ensure_model
 
@@ -90,7 +90,7 @@ def main() -> None:
                f"trainer.output_dir={tmp}", f"trainer.run_name={RUN_NAME}", f"tracking.experiment={EXPERIMENT}",
                f"tracking.tracking_uri={uri}", "tracking.log_model=false"]  # fmt: skip
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=ROOT)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=bench_env())  # its own Prefect home, hubs offline
         with PssSampler(proc.pid) as pss:
             code = proc.wait()
         wall = time.perf_counter() - start

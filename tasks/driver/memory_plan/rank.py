@@ -79,11 +79,12 @@ def _activations(
 def _logits(cfg: RunConfig, role: str, train: Any, dims: ModelDims, lay: Layout) -> float:
     """fp32 log-softmax of one micro-batch's logits, split over TP (last stage): every position under Megatron,
     only the response's under torch / DeepSpeed (`logits_to_keep`)."""
-    tokens = micro_batch_tokens(cfg, train, role) / lay.cp
-    if shares_prompts(train, role):
+    if shares_prompts(train, role):  # the prompts' positions are never part of the logits
         tokens = response_tokens(cfg, train) / lay.cp
-    elif not training_memory(train).full_logits:
-        tokens = tokens * cfg.rollout.max_new_tokens / sequence_tokens(cfg)
+    else:
+        tokens = micro_batch_tokens(cfg, train, role) / lay.cp
+        if not training_memory(train).full_logits:
+            tokens = tokens * cfg.rollout.max_new_tokens / sequence_tokens(cfg)
     return tokens * dims.vocab / lay.tp * 4
 
 
