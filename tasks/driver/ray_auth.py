@@ -95,9 +95,13 @@ NO_PRESTART = {"prestart_worker_first_driver": False, "enable_worker_prestart": 
 
 
 def init_local_ray(**kwargs: object) -> None:
-    """`ray.init` of a new single-node Ray: token auth on, listening on 127.0.0.1, no idle workers prestarted."""
+    """`ray.init` of a new single-node Ray: token auth on, listening on 127.0.0.1, no idle workers prestarted, no
+    autoscaler monitor, no dashboard process when `include_dashboard=False` (`lean_head`)."""
     import ray
+
+    from rlstages.tasks.driver.lean_head import lean_head
 
     secure_env(local=True)
     system = {**NO_PRESTART, **dict(kwargs.pop("_system_config", None) or {})}  # type: ignore[call-overload]
-    ray.init(_node_ip_address="127.0.0.1", _system_config=system, **kwargs)  # type: ignore[arg-type]
+    with lean_head(kwargs.get("include_dashboard")):  # type: ignore[arg-type]
+        ray.init(_node_ip_address="127.0.0.1", _system_config=system, **kwargs)  # type: ignore[arg-type]

@@ -1,6 +1,7 @@
 """A Ray we start is closed: token authentication on (a 0600 token file is created), every server of its process
 tree listens on 127.0.0.1, and a client with a wrong token is refused; no idle worker is started ahead of need
-(`NO_PRESTART`). Real Ray in a subprocess (~12 s)."""
+(`NO_PRESTART`); no autoscaler monitor and no dashboard process start (`lean_head`), the log monitor does. Real Ray
+in a subprocess (~12 s)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def probe():
 
 mode, ip = ray.get(probe.remote())
 tree = {me.pid} | {p.pid for p in me.children(recursive=True)}
+commands = [" ".join(p.cmdline()) for p in me.children(recursive=True)]
 listening = sorted({c.laddr.ip for c in psutil.net_connections("inet") if c.status == "LISTEN" and c.pid in tree})
 address = ray.get_runtime_context().gcs_address
 env = {**os.environ, "RAY_AUTH_TOKEN": "0" * 64, "RAY_AUTH_MODE": "token"}
@@ -36,7 +38,8 @@ intruder = subprocess.run(
     capture_output=True, text=True, timeout=120, env=env,
 )
 tail = intruder.stdout + intruder.stderr
-print(json.dumps({"mode": mode, "ip": ip, "listening": listening, "intruder": tail, "idle": idle}))
+print(json.dumps({"mode": mode, "ip": ip, "listening": listening, "intruder": tail, "idle": idle,
+                  "commands": commands}))
 ray.shutdown()
 """
 
@@ -53,3 +56,19 @@ def test_local_ray_has_token_auth_and_listens_on_loopback_only(tmp_path: Path) -
     assert "CONNECTED" not in report["intruder"] and "auth" in report["intruder"].lower(), report["intruder"]
     assert stat.S_IMODE(token.stat().st_mode) == 0o600 and len(token.read_text()) == 64
     assert report["idle"] == [], f"worker processes started before any task or actor: {report['idle']}"
+    started = "\n".join(report["commands"])
+    assert "gcs_server" in started and "log_monitor.py" in started, started  # the commands were read
+    assert "autoscaler/_private/monitor.py" not in started and "dashboard/dashboard.py" not in started, started
+
+
+def test_lean_head_skips_the_dashboard_only_when_told_and_puts_the_node_back() -> None:
+    from ray._private.node import Node
+
+    from rlstages.tasks.driver.lean_head import lean_head
+
+    monitor, api_server = Node.start_monitor, Node.start_api_server
+    with lean_head(None) as lean:  # Ray's default: it tries the dashboard; the monitor is skipped all the same
+        assert lean and Node.start_monitor is not monitor and Node.start_api_server is api_server
+    with lean_head(False):
+        assert Node.start_monitor is not monitor and Node.start_api_server is not api_server
+    assert Node.start_monitor is monitor and Node.start_api_server is api_server
