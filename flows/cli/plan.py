@@ -39,10 +39,11 @@ def hf_config(cfg: RunConfig) -> dict[str, Any] | None:
 
 
 def build_plan(cfg: RunConfig, gpu: str | None) -> Any:
-    """The `MemoryPlan` of `cfg` against `gpu`."""
+    """The `MemoryPlan` of `cfg` against `gpu`; without data.max_prompt_length, for the data's longest prompt where
+    the data and the tokenizer are on this machine."""
     from rlstages.tasks.driver.memory_plan import plan
 
-    return plan(cfg, hf_config(cfg), gpu)
+    return plan(cfg, hf_config(cfg), gpu, measure_prompts=True)
 
 
 def plan_lines(result: Any) -> list[str]:

@@ -104,6 +104,19 @@ def _prompt_lengths(cfg: DataConfig, rows: list[Row], model_path: str) -> list[i
     return [len(x) for x in ids]
 
 
+def longest_prompt(cfg: RunConfig) -> int | None:
+    """The longest prompt of the train and eval splits in tokens (chat template included), for the memory plan when
+    data.max_prompt_length is unset. None where the data is not local text (a hub dataset, images) or the model's
+    tokenizer is not on this machine (a hub id, a provider's model not built yet)."""
+    if not isinstance(cfg.data.source, AdditionTaskConfig | JsonlDataConfig):
+        return None
+    path = cfg.model.path
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    rows = [row for split in ("train", "eval") for row in load_rows(cfg.data, split)]
+    return max(_prompt_lengths(cfg.data, rows, str(path)), default=None)
+
+
 @lru_cache(maxsize=8)
 def load_split(cfg: DataConfig, split: str, model_path: str | None = None) -> Split:
     """All rows of a split ("train" or "eval"), length-filtered when `max_prompt_length` is set (then the

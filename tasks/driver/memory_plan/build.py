@@ -13,7 +13,7 @@ from rlstages.engines.memory_models.layout import Layout
 from rlstages.engines.memory_models.result import MemoryPlan, RankMemory
 from rlstages.tasks.driver.memory_plan.advice import advice
 from rlstages.tasks.driver.memory_plan.dims import load_dims
-from rlstages.tasks.driver.memory_plan.rank import reference_options, rollout_gpu, training_rank
+from rlstages.tasks.driver.memory_plan.rank import prompt_tokens, reference_options, rollout_gpu, training_rank
 
 SYNC_BUCKET_BYTES = 256 << 20  # tasks/rollout.BUCKET_BYTES: one bucket in flight per trainer -> rollout transfer
 
@@ -48,9 +48,13 @@ def _phases(cfg: RunConfig, rank: RankMemory, train: Any, rollout: tuple[float, 
         rank.phases["sync"] = g["weights"] + ref_weights + engine_weights + bucket + asleep
 
 
-def plan(cfg: RunConfig, hf_config: dict[str, Any] | None = None, gpu: str | None = None) -> MemoryPlan:
+def plan(
+    cfg: RunConfig, hf_config: dict[str, Any] | None = None, gpu: str | None = None, measure_prompts: bool = False
+) -> MemoryPlan:
     """The memory plan of `cfg` (model sizes from `hf_config`, else configs/published_models.json) against the
-    GPU named `gpu` (a key of GPUS; None: no fit check)."""
+    GPU named `gpu` (a key of GPUS; None: no fit check). Prompts: data.max_prompt_length, else (`measure_prompts`)
+    the data's longest where it can be measured here, else DEFAULT_PROMPT_TOKENS."""
+    cfg, prompts_from = _with_prompt_length(cfg, measure_prompts)
     dims, source = load_dims(cfg, hf_config)
     size = capacity(gpu)
     rollout = rollout_gpu(cfg, dims, size)
@@ -73,9 +77,22 @@ def plan(cfg: RunConfig, hf_config: dict[str, Any] | None = None, gpu: str | Non
     if not cfg.cluster.colocate:
         ranks.append(RankMemory("rollout", 0, dims.layers, 0, {"rollout_engine": rollout[0]}, {}, {}))
     node_cpu, nodes = _node_host(cfg, ranks, lay)
-    result = MemoryPlan(dims, source, ranks, gpu, size, node_cpu, nodes, [])
+    result = MemoryPlan(dims, source, ranks, gpu, size, node_cpu, nodes, [], prompt_tokens(cfg), prompts_from)
     result.advice = advice(cfg, result)
     return result
+
+
+def _with_prompt_length(cfg: RunConfig, measure: bool) -> tuple[RunConfig, str]:
+    """`cfg` with the prompt length the plan uses, and where it comes from."""
+    if cfg.data.max_prompt_length is not None:
+        return cfg, "data.max_prompt_length"
+    from rlstages.tasks.driver.data.loading import longest_prompt  # the data's modules only where asked
+
+    longest = longest_prompt(cfg) if measure else None
+    if longest is None:
+        return cfg, "assumed: data.max_prompt_length unset"
+    data = cfg.data.model_copy(update={"max_prompt_length": longest})
+    return cfg.model_copy(update={"data": data}), "the data's longest prompt, measured"
 
 
 def _node_host(cfg: RunConfig, ranks: list[RankMemory], lay: Layout) -> tuple[float, int]:

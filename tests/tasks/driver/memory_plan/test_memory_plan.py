@@ -195,3 +195,25 @@ def test_a_vision_language_models_sizes_come_from_its_text_config(tiny_vlm_dir: 
     text = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("model.visual."))
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"model.path={tiny_vlm_dir}"])
     assert plan(cfg, hf).fullest.params == text
+
+
+def test_without_a_prompt_length_the_plan_measures_the_datas_longest_prompt(tiny_model_dir: Path) -> None:
+    """data.max_prompt_length unset: `rlstages plan` plans the data's longest prompt as the rollout engine tokenizes
+    it (not 512 tokens); a set field is used as given, and a plan that does not measure says it assumed."""
+    from rlstages.tasks.driver.data.loading import load_rows
+    from rlstages.tasks.driver.memory_plan.rank import DEFAULT_PROMPT_TOKENS
+
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"model.path={tiny_model_dir}"])
+    assert cfg.data.max_prompt_length is None
+    hf = json.loads((tiny_model_dir / "config.json").read_text())
+    rows = [*load_rows(cfg.data, "train"), *load_rows(cfg.data, "eval")]
+    rollout = HFRolloutEngine(tiny_model_dir, dtype="float32", apply_chat_template=cfg.data.apply_chat_template)
+    prompts = [r.prompt(f"u{i}") for i, r in enumerate(rows)]
+    batch = rollout.generate(prompts, SamplingParams(n=1, max_new_tokens=1), seed=0)  # left-padded to the longest
+    measured, assumed = plan(cfg, hf, measure_prompts=True), plan(cfg, hf)
+    assert measured.prompt_tokens == batch[T.PROMPT_IDS].shape[1]
+    assert measured.prompt_tokens < DEFAULT_PROMPT_TOKENS and "measured" in measured.summary()["prompt_tokens"]
+    assert assumed.prompt_tokens == DEFAULT_PROMPT_TOKENS and "assumed" in assumed.summary()["prompt_tokens"]
+    assert measured.fullest.gpu["activations"] < assumed.fullest.gpu["activations"]
+    given = load_config(ROOT / "configs" / "tiny.yaml", [f"model.path={tiny_model_dir}", "data.max_prompt_length=40"])
+    assert plan(given, hf, measure_prompts=True).prompt_tokens == 40
