@@ -50,8 +50,8 @@ class MemoryPlan:
     node_cpu: float
     nodes: int
     advice: list[str]
-    prompt_tokens: int = 0  # the prompt length the activations were planned for
-    prompts_from: str = ""  # where it came from (data.max_prompt_length, measured, assumed)
+    prompt_tokens: int  # the prompt length the activations were planned for
+    prompts_from: str  # where it came from (data.max_prompt_length, measured, assumed)
 
     @property
     def fullest(self) -> RankMemory:
@@ -96,5 +96,5 @@ class MemoryPlan:
             "cpu_per_rank_gib": round(max(r.host for r in self.ranks) / GIB, 2),
             "cpu_per_node_gib": round(self.node_cpu / GIB, 2),
             "nodes": self.nodes,
-            "prompt_tokens": f"{self.prompt_tokens} ({self.prompts_from})" if self.prompts_from else self.prompt_tokens,
+            "prompt_tokens": f"{self.prompt_tokens} ({self.prompts_from})",
         }

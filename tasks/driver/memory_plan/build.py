@@ -86,11 +86,14 @@ def _with_prompt_length(cfg: RunConfig, measure: bool) -> tuple[RunConfig, str]:
     """`cfg` with the prompt length the plan uses, and where it comes from."""
     if cfg.data.max_prompt_length is not None:
         return cfg, "data.max_prompt_length"
+    assumed = "assumed: data.max_prompt_length unset"
+    if not measure:
+        return cfg, assumed
     from rlstages.tasks.driver.data.loading import longest_prompt  # the data's modules only where asked
 
-    longest = longest_prompt(cfg) if measure else None
+    longest = longest_prompt(cfg)
     if longest is None:
-        return cfg, "assumed: data.max_prompt_length unset"
+        return cfg, assumed
     data = cfg.data.model_copy(update={"max_prompt_length": longest})
     return cfg.model_copy(update={"data": data}), "the data's longest prompt, measured"
 
