@@ -26,8 +26,9 @@ def probe():
     return os.environ.get("RAY_AUTH_MODE"), ray.util.get_node_ip_address()
 
 mode, ip = ray.get(probe.remote())
-tree = {me.pid} | {p.pid for p in me.children(recursive=True)}
-commands = [" ".join(p.cmdline()) for p in me.children(recursive=True)]
+children = me.children(recursive=True)
+tree = {me.pid} | {p.pid for p in children}
+commands = [" ".join(p.cmdline()) for p in children]
 listening = sorted({c.laddr.ip for c in psutil.net_connections("inet") if c.status == "LISTEN" and c.pid in tree})
 address = ray.get_runtime_context().gcs_address
 env = {**os.environ, "RAY_AUTH_TOKEN": "0" * 64, "RAY_AUTH_MODE": "token"}
