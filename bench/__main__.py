@@ -113,18 +113,34 @@ def main() -> None:
         table.add_row(r["name"], f"{r['ratio']:.3g}", r["goal"] or "—", mark, f"{r['load_avg'][0]:.1f}", r["detail"])
     Console().print(table)
     previous = json.loads(OUT.read_text()) if OUT.is_file() and sys.argv[1:] else []
-    merged = [p for p in previous if p["name"] not in {r["name"] for r in rows}] + rows
+    merged = merge_rows(previous, rows)
     OUT.write_text(json.dumps(merged, indent=1) + "\n")
     print(f"wrote {OUT} ({len(rows)} figures measured now, {len(merged)} in all)")
 
 
+def cpu_class_of(row: dict) -> str:  # type: ignore[type-arg]
+    """A row's class of CPU ("native-bf16", "avx512", "avx2"; "" for rows recorded before the field)."""
+    return str(row.get("cpu_class", "")).partition(":")[0]
+
+
+def merge_rows(previous: list[dict], rows: list[dict]) -> list[dict]:  # type: ignore[type-arg]
+    """The saved rows with `rows` in place of those of the same figure measured on the same class of CPU: a run on
+    one class replaces its own figures and keeps another class's (issue 53 states its goals per class)."""
+    fresh = {(r["name"], cpu_class_of(r)) for r in rows}
+    return [p for p in previous if (p["name"], cpu_class_of(p)) not in fresh] + rows
+
+
 def markdown(rows: list[dict]) -> str:  # type: ignore[type-arg]
-    """bench/results.json as the table of docs/benchmarks.md (figure, ratio, goal, met, load when measured, detail)."""
-    lines = ["| figure | ratio | goal | met | load (1 min) | detail |", "|---|---|---|---|---|---|"]
+    """bench/results.json as the table of docs/benchmarks.md (figure, class of CPU, ratio, goal, met, load when measured,
+    detail)."""
+    lines = ["| figure | class | ratio | goal | met | load (1 min) | detail |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         mark = {True: "✓", False: "✗", None: "–"}[r["ok"]]
         load = f"{r['load_avg'][0]:.1f}"
-        lines.append(f"| `{r['name']}` | {r['ratio']:.3g} | {r['goal'] or '—'} | {mark} | {load} | {r['detail']} |")
+        cls = cpu_class_of(r) or "—"
+        lines.append(
+            f"| `{r['name']}` | {cls} | {r['ratio']:.3g} | {r['goal'] or '—'} | {mark} | {load} | {r['detail']} |"
+        )
     speeds = sorted({r.get("machine_gflops_float32") for r in rows if r.get("machine_gflops_float32")})
     lines.append(f"\nMachine speed when measured (plain fp32 matmul): {', '.join(f'{s} GFLOP/s' for s in speeds)}.")
     return "\n".join(lines)

@@ -67,3 +67,19 @@ def test_a_missing_run_is_named(tmp_path: Path) -> None:
     log_run(uri, "other", "avx2", [(0, 0.2, 1.0)], 0.2)
     with pytest.raises(LookupError, match="'bench-demo'"):
         demo_figures(uri, "bench-demo", "bench-demo")
+
+
+def test_a_run_on_one_class_of_cpu_replaces_its_own_rows_and_keeps_another_classs() -> None:
+    from bench.__main__ import markdown, merge_rows
+
+    def row(name: str, ratio: float, cls: str) -> dict:
+        return {"name": name, "ratio": ratio, "goal": None, "ok": None, "detail": "", "load_avg": [1.0],
+                "cpu_class": f"{cls}: a CPU, 2 CPUs, 2026-12-07"}  # fmt: skip
+
+    saved = [row("demo_minutes_to_08", 2.9, "native-bf16"), row("demo_minutes_to_08", 14.0, "avx2"),
+             row("demo_peak_pss_gb", 3.4, "native-bf16")]  # fmt: skip
+    merged = merge_rows(saved, [row("demo_minutes_to_08", 11.0, "avx2")])
+    by_class = {(r["name"], r["cpu_class"].partition(":")[0]): r["ratio"] for r in merged}
+    assert by_class == {("demo_minutes_to_08", "native-bf16"): 2.9, ("demo_peak_pss_gb", "native-bf16"): 3.4,
+                        ("demo_minutes_to_08", "avx2"): 11.0}  # fmt: skip
+    assert "| `demo_minutes_to_08` | avx2 | 11 |" in markdown(merged)
