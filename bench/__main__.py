@@ -131,8 +131,8 @@ def merge_rows(previous: list[dict], rows: list[dict]) -> list[dict]:  # type: i
 
 
 def markdown(rows: list[dict]) -> str:  # type: ignore[type-arg]
-    """bench/results.json as the table of docs/benchmarks.md (figure, class of CPU, ratio, goal, met, load when measured,
-    detail)."""
+    """bench/results.json as the table of docs/benchmarks.md (figure, class of CPU, ratio, goal, met, load when
+    measured, detail)."""
     lines = ["| figure | class | ratio | goal | met | load (1 min) | detail |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         mark = {True: "✓", False: "✗", None: "–"}[r["ok"]]
