@@ -2,7 +2,8 @@
 and records ratios against a baseline measured in the same run; this prints them as one table (figure, ratio,
 goal, ✓/✗) and writes bench/results.json: a JSON list of {"name", "ratio", "goal", "ok", ...}, each with the
 load average when it was measured, the machine's matmul FLOP/s and its class of CPU (`cpu_class`: "avx2: AMD EPYC,
-2026-12-01", the classes of the README's demo table), so figures from different machines compare.
+2026-12-01", the classes of the README's demo table), so figures from different machines compare. A run replaces the
+saved rows of the figures it measured on its own class of CPU and keeps the other classes' (`merge_rows`).
 None is a test.
 
     python -m bench                   # all
