@@ -1,6 +1,7 @@
 """bench/bench_trl.py gives TRL's GRPOTrainer the config's objective: the entropy bonus, the advantages' std
 scaling and the loss aggregation, mapped field by field; a loss TRL has no counterpart for is refused by name, not
-run as a different objective. CPU only, instant (no TRL needed: the mapping is plain data).
+run as a different objective; TRL trains under bf16 autocast only where bf16 is native. CPU only, instant (no TRL
+needed: the mapping is plain data).
 Run: pytest tests/test_bench_trl.py
 """
 
@@ -36,3 +37,13 @@ def test_a_loss_trl_lacks_is_refused_by_name() -> None:
     cfg = load_config(DEMO, ["algorithm.loss_agg_mode=token-sum"])
     with pytest.raises(ValueError, match="algorithm.loss_agg_mode='token-sum'"):
         trl_algorithm(cfg)
+
+
+def test_trl_trains_under_bf16_autocast_only_where_bf16_is_native() -> None:
+    from bench.bench_trl import trl_autocast
+
+    demo = load_config(DEMO)
+    assert trl_autocast(demo, gpu=False, native_bf16=True) and trl_autocast(demo, gpu=True, native_bf16=False)
+    assert not trl_autocast(demo, gpu=False, native_bf16=False)  # AVX2: fp32, TRL's fastest setting there
+    fp32 = load_config(DEMO, ["model.dtype=float32", "actor.bf16_autocast=false", "actor.bf16_stochastic_round=false"])
+    assert not trl_autocast(fp32, gpu=True, native_bf16=True)
