@@ -138,7 +138,7 @@ def wait_healthy(server: Server, timeout: float = 180.0) -> float:
     """Poll the health endpoint (bounded by `timeout`); returns the seconds it took, raises if it never answers or
     the server exits first (checked before each poll: a port another process listens on holds a poll its 5 s). A
     server that logged its port taken has failed at once: its process group is stopped rather than waited for (on a
-    loaded 2-core machine MLflow's job runners outlived its failed web server by over 35 s)."""
+    loaded 2-core machine its process group outlived its failed web server by over 35 s)."""
     start = time.monotonic()
     while time.monotonic() - start < timeout:
         if not _leader_running(server.pid):
