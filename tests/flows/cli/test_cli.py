@@ -145,6 +145,29 @@ def test_the_command_line_starts_without_the_heavy_libraries() -> None:
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def test_a_start_that_logged_its_port_taken_fails_at_once_and_its_process_group_is_stopped(tmp_path: Path) -> None:
+    """A server process group that logged uvicorn's bind error but lingers (MLflow's did past 35 s on a loaded 2-core
+    VM) is not waited for: the port-taken line comes within seconds and nothing of the group is left."""
+    import socket
+    import time
+
+    from rlstages.flows.cli import servers as srv
+
+    with socket.socket() as probe:  # a port nobody listens on: the health polls are refused
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script = "echo 'ERROR: [Errno 98] error while attempting to bind: address already in use'; sleep 600"
+    log = tmp_path / "lingering-server.log"
+    pid, log_from = srv._spawn("lingering", ["sh", "-c", script], log, {})
+    url = f"http://127.0.0.1:{port}"
+    server = srv.Server("lingering", pid, url, f"{url}/health", str(log), log_from)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"lingering server exited during start-up: {url} is taken"):
+        srv.wait_healthy(server, timeout=120)
+    assert time.monotonic() - start < 30  # not the 600 s the group would have lingered, nor the bound
+    assert not srv.alive(pid)  # the sleeping shell was stopped with its group
+
+
 def test_a_server_whose_port_was_taken_says_so_and_an_earlier_start_is_not_blamed(tmp_path: Path) -> None:
     """A real MLflow server on a port another socket holds exits at start-up: the line says the port is taken; the
     next start in the same log, failing for another reason (a bad store), does not repeat that."""
