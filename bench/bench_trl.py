@@ -19,9 +19,10 @@ TRL's settings (GRPOConfig; trl 1.16 with torch 2.13 and transformers 5.23) and 
 - `use_cpu=True` on a CPU machine: with bf16 and no CUDA, TRL (accelerate) raises a ValueError otherwise
   (`use_cpu=False` on a GPU).
 - `bf16` as the demo computes in bf16; TRL keeps fp32 weights under bf16 autocast (it has no stochastic rounding
-  of bf16 weights), so its model is loaded in float32. On a CPU without native bf16 (AVX2 only, AVX-512 without
-  BF16) TRL runs without autocast (`trl_autocast`): its bf16 GEMMs there are oneDNN's emulation (0.9-20 GFLOP/s on an
-  AVX2 EPYC against fp32's ~150), which a TRL user would not choose; our side takes the fp32 kernel there too.
+  of bf16 weights), so its model is loaded in float32. Where our side takes the fp32 kernel for its bf16 layers
+  (`actor.fp32_matmul` as `wants_fp32_kernel` resolves it: a CPU whose fp32 GEMM timed clearly faster, e.g. AVX2
+  only) TRL runs without autocast (`trl_autocast`): its bf16 GEMMs there are oneDNN's emulation (0.9-20 GFLOP/s on an
+  AVX2 EPYC against fp32's ~150), which a TRL user would not choose.
 - `num_generations`, `per_device_train_batch_size` = prompts per step x samples, `gradient_accumulation_steps=1`:
   one optimizer step per GRPO step over the same 64 samples as ours.
 - `max_completion_length`, `temperature`, `top_k=0`, `top_p=1.0`: the demo's sampling (48 new tokens, T=0.7).
@@ -142,10 +143,10 @@ def run_rlstages(steps: int, tmp: Path) -> dict[str, float]:
 TRL_LOSS = {"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-token-sum-norm": "dr_grpo"}
 
 
-def trl_autocast(cfg: RunConfig, gpu: bool, native_bf16: bool) -> bool:
-    """Whether TRL trains under bf16 autocast: where the demo computes in bf16 and the device multiplies bf16
-    natively (a GPU, a CPU with AVX512_BF16 or AMX); elsewhere TRL's fastest setting is fp32."""
-    return (cfg.actor.bf16_autocast or cfg.model.dtype == "bfloat16") and (gpu or native_bf16)
+def trl_autocast(cfg: RunConfig, fp32_kernel: bool) -> bool:
+    """Whether TRL trains under bf16 autocast: where the demo computes in bf16 and our side multiplies bf16 natively
+    (`fp32_kernel`: it takes the fp32 GEMM here instead, where TRL's fastest setting is fp32 too)."""
+    return (cfg.actor.bf16_autocast or cfg.model.dtype == "bfloat16") and not fp32_kernel
 
 
 def trl_algorithm(cfg: RunConfig) -> dict[str, object]:
@@ -171,7 +172,7 @@ def run_trl(steps: int, tmp: Path) -> dict[str, float]:
     from trl import GRPOConfig, GRPOTrainer
 
     from rlstages.engines.rewards.functions import last_integer
-    from rlstages.engines.training.machine import bf16_flags
+    from rlstages.engines.training.fp32_matmul import wants_fp32_kernel
     from rlstages.tasks.driver.data.loading import eval_prompts, load_rows
 
     gpu = on_gpu()
@@ -199,8 +200,9 @@ def run_trl(steps: int, tmp: Path) -> dict[str, float]:
             walls.append(time.perf_counter() - self.start)
 
     r, a = cfg.rollout, cfg.actor
-    # TRL trains fp32 weights under bf16 autocast (no stochastic rounding for bf16 weights), where bf16 is native
-    bf16 = trl_autocast(cfg, gpu, bool(bf16_flags()))
+    # TRL trains fp32 weights under bf16 autocast (no stochastic rounding for bf16 weights), where our side's bf16
+    # layers take the bf16 GEMM (the same timed choice as the demo's trainer)
+    bf16 = trl_autocast(cfg, wants_fp32_kernel(a.fp32_matmul, True, torch.device(device)))
     args = GRPOConfig(
         output_dir=str(tmp / "trl"), use_cpu=not gpu, bf16=bf16, num_generations=r.n,
         per_device_train_batch_size=cfg.data.prompts_per_step * r.n, gradient_accumulation_steps=1,

@@ -43,7 +43,7 @@ def test_trl_trains_under_bf16_autocast_only_where_bf16_is_native() -> None:
     from bench.bench_trl import trl_autocast
 
     demo = load_config(DEMO)
-    assert trl_autocast(demo, gpu=False, native_bf16=True) and trl_autocast(demo, gpu=True, native_bf16=False)
-    assert not trl_autocast(demo, gpu=False, native_bf16=False)  # AVX2: fp32, TRL's fastest setting there
+    assert trl_autocast(demo, fp32_kernel=False)  # a GPU, AMX, a CPU whose bf16 GEMM timed as fast
+    assert not trl_autocast(demo, fp32_kernel=True)  # AVX2: fp32, TRL's fastest setting there
     fp32 = load_config(DEMO, ["model.dtype=float32", "actor.bf16_autocast=false", "actor.bf16_stochastic_round=false"])
-    assert not trl_autocast(fp32, gpu=True, native_bf16=True)
+    assert not trl_autocast(fp32, fp32_kernel=False)
