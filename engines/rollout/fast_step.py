@@ -25,12 +25,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rlstages.engines.rollout.decode import left_pad, prefill
+from rlstages.engines.rollout.decode import left_pad, prefill_distinct, prompt_chunks
 from rlstages.engines.rollout.packed_gemm import linear, pack, packing_off
 
 log = logging.getLogger(__name__)
 
 FAST_MODEL_TYPES = ("llama", "qwen2", "mistral")
+# distinct prompts prefilled in one forward: the transformers cache of a part sits beside the buffers until copied
+PREFILL_PROMPTS = 16
 
 
 def unsupported(model: Any) -> str | None:
@@ -156,9 +158,10 @@ class RolloutWeights:
 
     @contextlib.contextmanager
     def _each_module_widened(self, model: Any) -> Iterator[None]:
-        """Inside the block the embedding, each decoder layer and the head have their matrices in `dtype` while
-        they run and their own after: a widened copy keeps its matrices only packed, which the transformers model
-        cannot read (one module's widened at a time: a tied embedding is widened twice)."""
+        """Inside the block each decoder layer has its matrices in `dtype` while it runs and its own after (a
+        widened copy keeps its matrices only packed, which the transformers model cannot read); the embedding
+        looks its rows up in its own dtype and widens them (exact), and the head is the packed one the decode
+        multiplies: widened whole, each was a transient 113 MB fp32 matrix at every prefill (SmolLM2-135M)."""
         own: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
 
         def widen(module: torch.nn.Module, args: Any) -> None:
@@ -172,15 +175,29 @@ class RolloutWeights:
                 param, data = own.pop()
                 param.data = data
 
-        hooks = []
-        for module in (model.model.embed_tokens, *model.model.layers, model.lm_head):
+        hooks = [model.model.embed_tokens.register_forward_hook(lambda _m, _a, out: out.to(self.dtype))]
+        for module in model.model.layers:
             hooks += [module.register_forward_pre_hook(widen), module.register_forward_hook(restore)]
+        head, model.lm_head = model.lm_head, _PackedHead(self.head)
         try:
             yield
         finally:
+            model.lm_head = head
             for hook in hooks:
                 hook.remove()
             restore()  # a layer that raised: its matrices go back too
+
+
+class _PackedHead(torch.nn.Module):
+    """The rollout weights' (packed) head standing in for a model's `lm_head` while it prefills."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.packed = weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`lm_head(hidden)` on the packed matrix ([..., hidden] -> [..., vocabulary])."""
+        return linear(hidden.reshape(-1, hidden.shape[-1]), self.packed).view(*hidden.shape[:-1], -1)
 
 
 class FastLlamaStep:
@@ -226,28 +243,38 @@ class FastLlamaStep:
         self.weights = RolloutWeights(self.model, self.dtype, self.PACK)
 
     def prefill(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
-        """The transformers model prefills the rows on the rollout weights; their cache joins the buffers."""
+        """The transformers model prefills the rows on the rollout weights, `PREFILL_PROMPTS` distinct prompts at a
+        time; their cache joins the buffers one layer at a time (a cache of all 64 of an evaluation's prompts beside
+        the buffers was a transient 116 MB in fp32)."""
         if self.n + len(rows) > self.slots:
             raise ValueError(f"prefill: {len(rows)} rows for {self.slots - self.n} free slots")
         ids, mask = left_pad([torch.tensor(list(r), device=self.device) for r in rows], torch.long)
-        with self.weights.swapped(self.model):
-            cache, logits, mask = prefill(self.model, ids, mask)
         width, k = mask.shape[1], len(rows)
         if self.n == 0:
             self.start = self.column = 0
         if width > self.column:  # the new rows' prompts are wider than the live rows' history: shift that right
             self._shift(width - self.column)
         self._room(1)
-        lo, hi = self.column - width, self.column
-        rows_new = slice(self.n, self.n + k)
-        for i, layer in enumerate(cache.layers):
-            self.keys[i][rows_new, :, lo:hi] = layer.keys
-            self.values[i][rows_new, :, lo:hi] = layer.values
-        self.valid[rows_new] = False
-        self.valid[rows_new, lo:hi] = mask.bool()
-        self.position[rows_new] = mask.long().sum(-1)
+        hi, first = self.column, self.column
+        slots = torch.arange(self.n, self.n + k, device=self.device)
+        self.valid[slots] = False
+        logits: torch.Tensor | None = None
+        for part in prompt_chunks(ids, mask, PREFILL_PROMPTS):
+            with self.weights.swapped(self.model):
+                cache, part_logits, part_mask, inverse = prefill_distinct(self.model, ids[part], mask[part])
+            lo, at = hi - part_mask.shape[1], slots[part]  # a shared prefix may leave a part narrower: right-aligned
+            for i, layer in enumerate(cache.layers):  # each row its prompt's cache
+                self.keys[i][at, :, lo:hi] = layer.keys if inverse is None else layer.keys[inverse]
+                self.values[i][at, :, lo:hi] = layer.values if inverse is None else layer.values[inverse]
+            self.valid[at, lo:hi] = part_mask.bool()
+            self.position[at] = part_mask.long().sum(-1)
+            if logits is None:
+                logits = part_logits.new_empty(k, part_logits.shape[-1])
+            logits[part] = part_logits
+            first = min(first, lo)
         self.n += k
-        self.start = min(self.start, lo) if self.n > k else lo
+        self.start = min(self.start, first) if self.n > k else first
+        assert logits is not None
         return logits  # the picker widens them to fp32, a chunk of rows at a time (`decode.pick_rows`)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -165,6 +165,24 @@ def test_rows_of_one_prompt_share_one_prefill(tiny_model_dir: Path) -> None:
         assert shared.logprobs[row] == pytest.approx(ref.logprobs[i], abs=1e-5)
 
 
+def test_the_prefill_can_leave_one_cache_row_per_prompt(tiny_model_dir: Path) -> None:
+    """`prefill_distinct` keeps one cache row per distinct prompt and says which row each input row takes: those
+    rows, taken layer by layer, are `prefill`'s expanded cache (what the fast step copies into its buffers)."""
+    from rlstages.engines.rollout.decode import prefill, prefill_distinct
+
+    engine = HFRolloutEngine(tiny_model_dir, dtype="float32", apply_chat_template=False)
+    prompts = [engine.tokenizer(text)["input_ids"] for text in ("1+2=", "What is 10 + 12?", "7 plus 8 is")]
+    enc = engine.tokenizer.pad({"input_ids": [prompts[i] for i in (1, 0, 1, 2, 0, 1)]}, padding=True,
+                               return_tensors="pt")  # fmt: skip
+    with torch.no_grad():
+        cache, logits, mask, inverse = prefill_distinct(engine.model, enc["input_ids"], enc["attention_mask"])
+        full, full_logits, full_mask = prefill(engine.model, enc["input_ids"], enc["attention_mask"])
+    assert inverse is not None and len(inverse) == 6 and cache.layers[0].keys.shape[0] == 3
+    assert torch.equal(logits, full_logits) and torch.equal(mask, full_mask)
+    for mine, theirs in zip(cache.layers, full.layers, strict=True):
+        assert torch.equal(mine.keys[inverse], theirs.keys) and torch.equal(mine.values[inverse], theirs.values)
+
+
 def test_a_prefix_shared_by_all_prompts_goes_through_the_model_once(tiny_model_dir: Path) -> None:
     """Prompts that share a long prefix (a chat template's system turn): the prefix is forwarded once, each
     prompt's own tokens after it (with padding between), and each row decodes as that prompt alone would."""

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rlstages.engines.models import load_causal_lm
 from rlstages.engines.rollout import packed_gemm
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
 from rlstages.engines.rollout.packed_gemm import linear, pack, packing_off
@@ -131,7 +132,9 @@ def test_a_packed_fp32_copy_is_within_fp32_rounding_of_f_linear() -> None:
 
 def test_a_widened_copy_is_packed_and_its_prefill_widens_one_module_at_a_time(tiny_model_dir: Path) -> None:
     """A bf16 model on its fp32 copy: the matrices and head only packed (no plain copies, the embedding the
-    model's own), each module widened while it prefills and bf16 again after, also when a layer raises."""
+    model's own), each layer widened while it prefills and bf16 again after, also when a layer raises; the
+    embedding looks its rows up in bf16 and the packed head stands in for the model's (neither widened whole),
+    the logits those of the fp32 model."""
     engine = HFRolloutEngine(tiny_model_dir, dtype="bfloat16", apply_chat_template=False, fp32_weights=True)
     step = engine._fast_step(2, 64)
     assert step is not None
@@ -146,13 +149,20 @@ def test_a_widened_copy_is_packed_and_its_prefill_widens_one_module_at_a_time(ti
     seen: list[set[torch.dtype]] = []
     attention = layers[1].self_attn  # runs inside its layer: it sees what the layer has while running
     probe = attention.register_forward_pre_hook(lambda m, a: seen.append({p.dtype for p in m.parameters()}))
-    with weights.swapped(engine.model):
-        ids = torch.tensor([engine.tokenizer(TEXTS[1])["input_ids"]])
-        engine.model(input_ids=ids)
+    looked_up: list[torch.dtype] = []
+    lookup = engine.model.model.embed_tokens.register_forward_pre_hook(lambda m, a: looked_up.append(m.weight.dtype))
+    head = engine.model.lm_head
+    ids = torch.tensor([engine.tokenizer(TEXTS[1])["input_ids"]])
+    with weights.swapped(engine.model), torch.no_grad():
+        logits = engine.model(input_ids=ids).logits
         matrices = [p for name, p in layers[0].named_parameters() if name.endswith("proj.weight")]
         assert {p.dtype for p in matrices} == {torch.bfloat16}  # widened while it ran, then put back
-    probe.remove()
-    assert seen == [{torch.float32}]
+        assert engine.model.lm_head is not head and engine.model.lm_head.packed is weights.head
+    probe.remove(), lookup.remove()
+    assert seen == [{torch.float32}] and looked_up == [torch.bfloat16] and engine.model.lm_head is head
+    with torch.no_grad():
+        wide = load_causal_lm(tiny_model_dir, "bfloat16").float()(input_ids=ids).logits
+    assert logits.dtype == torch.float32 and (logits - wide).abs().max() < 1e-4 * wide.abs().max()
 
     def fail(module: torch.nn.Module, args: object, output: object) -> None:
         raise RuntimeError("a layer failed")
@@ -162,4 +172,4 @@ def test_a_widened_copy_is_packed_and_its_prefill_widens_one_module_at_a_time(ti
         engine.model(input_ids=ids)
     failing.remove()
     assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
-    assert embedding.dtype == torch.bfloat16  # the tied head: widened for the head's turn, then put back
+    assert embedding.dtype == torch.bfloat16 and engine.model.lm_head is head

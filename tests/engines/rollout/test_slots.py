@@ -124,6 +124,33 @@ def test_fast_step_greedy_equals_model_generate(engine: HFRolloutEngine) -> None
     assert_greedy_as_generate(engine, TEXTS, batch)
 
 
+@pytest.mark.parametrize("head", ["", "You are a calculator. Answer the question: "])
+def test_the_fast_steps_prefill_in_parts_decodes_as_in_one(engine: HFRolloutEngine, head: str, monkeypatch) -> None:
+    """Rows of six prompts (two each, of other lengths; with and without a prefix all share) prefilled two
+    distinct prompts at a time (`fast_step.PREFILL_PROMPTS`, which bounds the prefill's transient cache) decode
+    greedily what one prefill of all of them decodes."""
+    from rlstages.engines.rollout import fast_step
+
+    prompts = [engine.tokenizer(head + t)["input_ids"] for t in TEXTS]
+    requests = [RowRequest(i, prompts[i // 2], 8) for i in range(12)]
+    greedy = picker(1.0, 0, 1.0, True)
+    runs, original = {}, fast_step.prefill_distinct
+    for limit in (64, 2):
+        monkeypatch.setattr(fast_step, "PREFILL_PROMPTS", limit)
+        parts: list[int] = []
+
+        def counted(m: torch.nn.Module, i: torch.Tensor, a: torch.Tensor, parts: list[int] = parts) -> object:
+            parts.append(len(i))
+            return original(m, i, a)
+
+        monkeypatch.setattr(fast_step, "prefill_distinct", counted)
+        runs[limit] = run_rows(SlotDecoder(12, _step("fast", engine.model, 12), set()), requests, greedy)
+        assert parts == ([12] if limit == 64 else [4, 4, 4])
+    for i in range(12):
+        assert runs[2][i].ids == runs[64][i].ids
+        assert runs[2][i].logprobs == pytest.approx(runs[64][i].logprobs, abs=1e-5)
+
+
 def test_an_unsupported_model_falls_back_with_one_line(engine: HFRolloutEngine, caplog) -> None:
     from rlstages.engines.rollout.fast_step import fast_step
 
