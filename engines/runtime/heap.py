@@ -6,8 +6,11 @@ Non-goal: tuning inside a running process (glibc and jemalloc read these at star
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import importlib.util
 import os
+from typing import Any
 
 # glibc hands every freed block above 32 MB back to the OS and page-faults it in again on the next allocation;
 # a training step allocates ~150 MB logits tensors dozens of times, which doubled its wall time on CPU. Keep freed
@@ -60,3 +63,22 @@ def heap_env(heap: str) -> dict[str, str]:
         preload = " ".join(filter(None, [lib, os.environ.get("LD_PRELOAD", "")]))
         return {"LD_PRELOAD": preload, "MALLOC_CONF": JEMALLOC_CONF, **ONE_ARENA}
     return {**(BOUNDED_HEAP if heap == "bounded" else KEEP_FREED_MEMORY), **ONE_ARENA}
+
+
+_ALL_ARENAS = 4096  # jemalloc's MALLCTL_ARENAS_ALL: a purge of every arena
+
+
+@functools.cache
+def _mallctl() -> Any:
+    """The `mallctl` of jemalloc where this process runs on it (`cluster.heap: jemalloc` preloads it), else None."""
+    return getattr(ctypes.CDLL(None), "mallctl", None)
+
+
+def release_freed_pages() -> bool:
+    """Give the OS the pages of freed blocks that jemalloc keeps for reuse (up to `dirty_decay_ms`), at a phase
+    boundary of a worker whose phases use memory differently (the hybrid worker's update, then its rollout):
+    they would otherwise sit beside the next phase's own. False where the process does not run on jemalloc."""
+    mallctl = _mallctl()
+    if mallctl is None:
+        return False
+    return mallctl(f"arena.{_ALL_ARENAS}.purge".encode(), None, None, None, ctypes.c_size_t(0)) == 0

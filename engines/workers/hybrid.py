@@ -28,6 +28,7 @@ import torch
 
 from rlstages.engines.imports import import_object
 from rlstages.engines.runtime.device import free_cached, worker_device
+from rlstages.engines.runtime.heap import release_freed_pages
 from rlstages.engines.tensordict_import import TensorDict
 from rlstages.engines.types import Bucket, NamedTensors, Prompt, SamplingParams
 from rlstages.engines.workers.offload import hybrid_offload
@@ -60,6 +61,7 @@ class HybridEngine:
         """Sample with the rollout engine (the trainer's GPU memory handed to it where it is offloaded)."""
         if self.offload is not None:
             self.offload.offload()
+        release_freed_pages()  # what the update freed goes back before the rollout's copy and cache are made
         return self.rollout.generate(prompts, sampling, seed)
 
     def update_weights(self, named_tensors: NamedTensors) -> None:
@@ -129,6 +131,7 @@ class HybridEngine:
 
     def train_step(self, batch: TensorDict) -> dict[str, float]:
         """One training step of the trainer."""
+        release_freed_pages()  # what the rollout freed goes back before the update's activations are made
         return self._trainer().train_step(batch)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

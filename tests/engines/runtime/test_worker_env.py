@@ -5,6 +5,7 @@ its probe picks). CPU only, seconds: `pytest tests/engines/runtime/test_worker_e
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -89,3 +90,27 @@ def test_worker_heap_settings_keep_or_return_freed_memory(heap) -> None:
         assert int(after) < 100  # freed blocks go back to the OS: the peak is what is live
     with pytest.raises(ValueError, match="heap"):
         worker_env(1, heap="lots")
+
+
+_RSS_AFTER_RELEASE = """
+from rlstages.engines.runtime.heap import release_freed_pages
+def rss():
+    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) // 1024
+blocks = [bytearray(8000) for _ in range(40000)]  # 320 MB of small blocks: jemalloc keeps their pages when freed
+del blocks
+kept = rss()
+print(kept, release_freed_pages(), rss())
+"""
+
+
+@pytest.mark.parametrize("heap", ["jemalloc", "keep"])
+def test_a_phase_boundary_gives_jemallocs_freed_pages_back(heap) -> None:
+    """`release_freed_pages`: the pages jemalloc keeps of freed small blocks go back to the OS at once (the hybrid
+    worker calls it between its update and its rollout); under glibc it does nothing and says so."""
+    env = {k: v for k, v in worker_env(1, heap=heap).items() if k.startswith("MALLOC_") or k == "LD_PRELOAD"}
+    out = subprocess.run([sys.executable, "-c", _RSS_AFTER_RELEASE], env={**os.environ, **env},
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    kept, released, after = out.stdout.split()
+    assert released == str(heap == "jemalloc")
+    if heap == "jemalloc":
+        assert int(kept) >= 250 and int(after) < int(kept) - 200
