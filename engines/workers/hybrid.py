@@ -61,7 +61,7 @@ class HybridEngine:
         """Sample with the rollout engine (the trainer's GPU memory handed to it where it is offloaded)."""
         if self.offload is not None:
             self.offload.offload()
-        release_freed_pages()  # what the update freed goes back before the rollout's copy and cache are made
+        release_freed_pages()  # the update's freed pages go back: not kept beside the rollout's copy and cache
         return self.rollout.generate(prompts, sampling, seed)
 
     def update_weights(self, named_tensors: NamedTensors) -> None:
@@ -131,7 +131,6 @@ class HybridEngine:
 
     def train_step(self, batch: TensorDict) -> dict[str, float]:
         """One training step of the trainer."""
-        release_freed_pages()  # what the rollout freed goes back before the update's activations are made
         return self._trainer().train_step(batch)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
