@@ -175,12 +175,17 @@ def test_sandbox_calls_overlap() -> None:
     assert max(start for start, _ in spans) < min(end for _, end in spans), spans  # all four asleep at once
 
 
-def test_runner_timeout_cancels_the_sandbox_and_kills_its_group() -> None:
+def test_runner_timeout_cancels_the_sandbox_and_kills_its_group(tmp_path: Path, monkeypatch) -> None:
+    """A tool call past its runner's timeout: the error says so, the sandbox's process group is gone, and the
+    temporary directories it made are removed (this process's own temporary directory: another test's sandboxes
+    may run beside it)."""
+    own_tmp = tmp_path / "tmp"
+    own_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(own_tmp))
     mark = f"mark-{uuid.uuid4().hex}"
     spec = EnvironmentSpec(tools=[{"name": "python", "kwargs": {"timeout_s": 60, "cpu_s": 60}, "timeout_s": 3.0}])
     env = build_environment(spec)
     call = ToolCall(name="python", raw_arguments="", arguments={"code": _spawner(mark, spin=True)}, parse_error=None)
-    before = set(os.listdir(tempfile.gettempdir()))
 
     async def run():
         task = asyncio.ensure_future(run_tool_call(env, call, 30.0))
@@ -193,8 +198,7 @@ def test_runner_timeout_cancels_the_sandbox_and_kills_its_group() -> None:
 
     result, seen = asyncio.run(run())
     assert result.error == "tool 'python' timed out after 3 s" and seen
-    leftover = [d for d in set(os.listdir(tempfile.gettempdir())) - before if d.startswith("rlstages-sandbox-")]
-    assert leftover == []
+    assert os.listdir(own_tmp) == []
     assert _gone_soon(mark)
 
 
