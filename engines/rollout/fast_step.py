@@ -260,7 +260,7 @@ class FastLlamaStep:
         self.valid[slots] = False
         logits: torch.Tensor | None = None
         for part in prompt_chunks(ids, mask, PREFILL_PROMPTS):
-            with self.weights.swapped(self.model):
+            with self.weights.swapped(self.model), torch.inference_mode():  # the buffers below stay normal tensors
                 cache, part_logits, part_mask, inverse = prefill_distinct(self.model, ids[part], mask[part])
             lo, at = hi - part_mask.shape[1], slots[part]  # a shared prefix may leave a part narrower: right-aligned
             for i, layer in enumerate(cache.layers):  # each row its prompt's cache
@@ -282,7 +282,8 @@ class FastLlamaStep:
         picker widens them to fp32 a chunk of rows at a time: one [n, V] fp32 tensor a step cost a page-faulted
         allocation under jemalloc)."""
         self._room(1)
-        logits = _decode(self, ids, self.n)
+        with torch.inference_mode():  # no autograd bookkeeping on its ~1,300 small ops; the buffers stay normal
+            logits = _decode(self, ids, self.n)
         self.column += 1
         self.position[: self.n] += 1
         return logits

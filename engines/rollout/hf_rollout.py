@@ -10,6 +10,7 @@ Non-goal: paged KV cache (that is what the vLLM/SGLang backends are for).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from rlstages.engines.models import eos_token_ids, load_causal_lm, load_tokenize
 from rlstages.engines.models.moe_layout import ExpertSlots
 from rlstages.engines.models.vision import is_vision_model, module_name, suppress, vision_token_ids
 from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
-from rlstages.engines.rollout.compiled_step import CompiledDecode, compiled_step
+from rlstages.engines.rollout.compiled_step import CompiledDecode, CompiledLlamaStep, compiled_step
 from rlstages.engines.rollout.decode import Picker, decode, picker
 from rlstages.engines.rollout.fast_step import FastLlamaStep, fast_step, rollout_compute_dtype, unsupported
 from rlstages.engines.rollout.multi_turn import build_runner, multi_turn_enabled
@@ -178,7 +179,13 @@ class HFRolloutEngine(StreamingMixin):
         decoder = SlotDecoder(min(self.batch_size, len(rows)), step, self.eos_ids, self._stop_check(sampling.stop))
         decoder.version = self.policy_version
         requests = [RowRequest(i, ids, sampling.max_new_tokens) for i, ids in enumerate(rows)]
-        done = run_rows(decoder, requests, self._picker(sampling))
+        # inference mode: no autograd bookkeeping on the loop's small ops (a greedy 64-prompt evaluation ~7 % faster on
+        # the AMX Xeon); the decoder and its step end with this call and what leaves it is Python lists. Not for the
+        # compiled step: its kernel outlives the call, and inference tensors would be other inputs to dynamo's guards
+        # than a streaming decoder's (a recompilation)
+        mode = contextlib.nullcontext() if isinstance(step, CompiledLlamaStep) else torch.inference_mode()
+        with mode:
+            done = run_rows(decoder, requests, self._picker(sampling))
         out = [done[i] for i in range(len(rows))]
         return [r.ids for r in out], [r.logprobs for r in out], [r.versions for r in out]
 

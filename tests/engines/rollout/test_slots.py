@@ -151,6 +151,39 @@ def test_the_fast_steps_prefill_in_parts_decodes_as_in_one(engine: HFRolloutEngi
         assert runs[2][i].logprobs == pytest.approx(runs[64][i].logprobs, abs=1e-5)
 
 
+def test_the_fast_step_computes_in_inference_mode_and_keeps_its_buffers_normal(
+    engine: HFRolloutEngine, monkeypatch
+) -> None:
+    """The fast step's prefill and decode run under `torch.inference_mode` (no autograd bookkeeping on their small
+    ops), while its cache buffers, grown and moved as rows join and leave, stay normal tensors: a streaming
+    decoder updates them in place outside that mode (a weight update's rewind, a row's departure)."""
+    from rlstages.engines.rollout import fast_step
+
+    modes: list[bool] = []
+    original = fast_step.prefill_distinct
+
+    def spy(m: torch.nn.Module, i: torch.Tensor, a: torch.Tensor) -> object:
+        modes.append(torch.is_inference_mode_enabled())
+        return original(m, i, a)
+
+    monkeypatch.setattr(fast_step, "prefill_distinct", spy)
+    step = FastLlamaStep(engine.model, 4, torch.float32, columns=4)  # too narrow: the first prefill grows it
+    prompts = _prompts(engine)
+    first = step.prefill(prompts[:2])
+    assert modes == [True]
+    for _ in range(3):
+        logits = step.forward(first.argmax(-1))
+        assert logits.is_inference() and not torch.is_inference_mode_enabled()
+    step.prefill(prompts[2:4])  # joins the live rows: columns shifted, buffers wider
+    assert step.columns > 4
+    buffers = (*step.keys, *step.values, step.valid, step.position)
+    assert not any(t.is_inference() for t in buffers)
+    step.rewind()  # in place, outside inference mode: an inference tensor here would raise
+    step.select([0, 2, 3])
+    assert step.n == 3 and not step.valid[:3, step.column].any()
+    assert torch.isfinite(step.forward(torch.tensor([1, 2, 3]))).all()
+
+
 def test_an_unsupported_model_falls_back_with_one_line(engine: HFRolloutEngine, caplog) -> None:
     from rlstages.engines.rollout.fast_step import fast_step
 
