@@ -14,6 +14,7 @@ from rlstages.engines.training.sr_adamw import (
     bias_corrections,
     hash32,
     round_to_bf16,
+    step_key,
 )
 
 
@@ -75,3 +76,34 @@ def test_the_optimizer_is_deterministic_by_seed() -> None:
 
     assert torch.equal(run(0), run(0))
     assert not torch.equal(run(0), run(1))
+
+
+def test_one_compiled_graph_serves_weights_and_norms_with_the_per_shape_bits(monkeypatch) -> None:
+    """Contiguous parameters go into the compiled step flat: a 2-D weight and a 1-D norm share one graph (each rank
+    was a compilation of its own), and the new weights are bit for bit those of the eager step on their own shapes
+    (the rounding's hash reads the flat element index either way)."""
+    graphs: list[object] = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(KERNELS, "backend", counting)
+    monkeypatch.setattr(KERNELS, "compiled", {})
+    torch.manual_seed(0)
+    shapes = ((48, 40), (40,))
+    params = [torch.nn.Parameter(torch.randn(s).to(torch.bfloat16)) for s in shapes]
+    grads = [(torch.randn(s) * 1e-3).to(torch.bfloat16) for s in shapes]
+    expected = [p.detach().clone() for p in params]
+    opt = BF16StochasticAdamW(params, lr=1e-3, weight_decay=0.01, seed=7)
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    opt.step()
+    assert len([g for g in graphs if "copy_" in str(g.code)]) == 1  # the AdamW step's graph (besides the corrections')
+    corrections = bias_corrections(torch.tensor(1.0), 0.9, 0.999)
+    for index, (w, g) in enumerate(zip(expected, grads, strict=True), start=1):
+        key = torch.tensor(step_key(7, 1, index), dtype=torch.int64)
+        rest = (*corrections, torch.tensor(1e-3), key, 0.9, 0.999, 1e-8, 0.01)
+        adamw_bf16_step(w, g, torch.zeros_like(w), torch.zeros_like(w), *rest)
+    for p, w in zip(params, expected, strict=True):
+        assert p.shape == w.shape and torch.equal(p.detach(), w)
