@@ -151,6 +151,9 @@ class CompiledLlamaStep(FastLlamaStep):
 
     kv: torch.Tensor  # [2, layers, slots, kv heads, width, head dim]: `keys` / `values` view it
     PACK = False  # inductor takes the weights as plain tensors (its own freezing packs what it compiles)
+    # its compiled kernel outlives the call: inference tensors would be other inputs to dynamo's guards than a
+    # streaming decoder's (a recompilation), so a generate call does not enter inference mode for it
+    CALL_SCOPED = False
 
     def __init__(self, model: Any, slots: int, dtype: torch.dtype, columns: int, kernel: CompiledDecode) -> None:
         self.kernel = kernel

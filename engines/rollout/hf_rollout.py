@@ -22,7 +22,7 @@ from rlstages.engines.models import eos_token_ids, load_causal_lm, load_tokenize
 from rlstages.engines.models.moe_layout import ExpertSlots
 from rlstages.engines.models.vision import is_vision_model, module_name, suppress, vision_token_ids
 from rlstages.engines.rollout.batching import build_rollout_batch, format_prompts, truncate_response
-from rlstages.engines.rollout.compiled_step import CompiledDecode, CompiledLlamaStep, compiled_step
+from rlstages.engines.rollout.compiled_step import CompiledDecode, compiled_step
 from rlstages.engines.rollout.decode import Picker, decode, picker
 from rlstages.engines.rollout.fast_step import FastLlamaStep, fast_step, rollout_compute_dtype, unsupported
 from rlstages.engines.rollout.multi_turn import build_runner, multi_turn_enabled
@@ -180,10 +180,8 @@ class HFRolloutEngine(StreamingMixin):
         decoder.version = self.policy_version
         requests = [RowRequest(i, ids, sampling.max_new_tokens) for i, ids in enumerate(rows)]
         # inference mode: no autograd bookkeeping on the loop's small ops (a greedy 64-prompt evaluation ~7 % faster on
-        # the AMX Xeon); the decoder and its step end with this call and what leaves it is Python lists. Not for the
-        # compiled step: its kernel outlives the call, and inference tensors would be other inputs to dynamo's guards
-        # than a streaming decoder's (a recompilation)
-        mode = contextlib.nullcontext() if isinstance(step, CompiledLlamaStep) else torch.inference_mode()
+        # the AMX Xeon); the decoder and a call-scoped step end with this call and what leaves it is Python lists
+        mode = torch.inference_mode() if step.CALL_SCOPED else contextlib.nullcontext()
         with mode:
             done = run_rows(decoder, requests, self._picker(sampling))
         out = [done[i] for i in range(len(rows))]

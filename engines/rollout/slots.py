@@ -53,7 +53,10 @@ class SlotRow:
 
 
 class DecodeStep(Protocol):
-    """The model side of a `SlotDecoder`: a KV cache over the live rows, in their order."""
+    """The model side of a `SlotDecoder`: a KV cache over the live rows, in their order. `CALL_SCOPED`: nothing of
+    it outlives the generate call that built it, so that call may run it under `torch.inference_mode`."""
+
+    CALL_SCOPED: bool
 
     def prefill(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
         """Append rows (token ids to feed) after the live ones; returns their next-token logits [k, V]."""
@@ -219,6 +222,8 @@ def run_rows(decoder: SlotDecoder, requests: Sequence[RowRequest], pick: Picker)
 class HFStep:
     """The eager decode step: the transformers model's own forward over a `DynamicCache` of the live rows
     (right-aligned, left padding masked), with explicit positions: every architecture's fallback."""
+
+    CALL_SCOPED = True
 
     def __init__(self, model: Any, device: torch.device | None = None) -> None:
         self.model = model

@@ -184,6 +184,47 @@ def test_the_fast_step_computes_in_inference_mode_and_keeps_its_buffers_normal(
     assert torch.isfinite(step.forward(torch.tensor([1, 2, 3]))).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_fast_steps_rotation_is_the_models_bit_for_bit(dtype: torch.dtype) -> None:
+    """The decode step's four-op rotation (`_signed_sin`, a roll) is `_rotate`, transformers' rotate_half form, bit
+    for bit: a sign moves from one factor to the other."""
+    from rlstages.engines.rollout.fast_step import _rotate, _signed_sin
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(16, 12, 64, generator=gen) * 3).to(dtype)
+    angles = torch.rand(16, 1, 64, generator=gen) * 40
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    assert torch.equal(x * cos + x.roll(32, -1) * _signed_sin(sin), _rotate(x, cos, sin))
+
+
+def test_only_a_call_scoped_step_decodes_in_inference_mode(engine: HFRolloutEngine, monkeypatch) -> None:
+    """A generate call runs its slot loop under inference mode for the eager and fast steps, not for the compiled
+    step, whose kernel outlives the call (`DecodeStep.CALL_SCOPED`)."""
+    from rlstages.engines.rollout import hf_rollout
+    from rlstages.engines.rollout.compiled_step import CompiledLlamaStep
+    from rlstages.engines.types import Prompt, SamplingParams
+
+    assert HFStep.CALL_SCOPED and FastLlamaStep.CALL_SCOPED and not CompiledLlamaStep.CALL_SCOPED
+    seen: list[bool] = []
+    original = hf_rollout.run_rows
+
+    def spy(*args: object) -> object:
+        seen.append(torch.is_inference_mode_enabled())
+        return original(*args)
+
+    def kept(slots: int, columns: int) -> FastLlamaStep:  # a step whose tensors outlive the call, as the compiled
+        step = FastLlamaStep(engine.model, slots, torch.float32, columns)
+        step.CALL_SCOPED = False
+        return step
+
+    monkeypatch.setattr(hf_rollout, "run_rows", spy)
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=2)
+    for fast in (lambda slots, columns: None, kept):  # the eager transformers step, then one not call-scoped
+        monkeypatch.setattr(engine, "_fast_step", fast)
+        engine.generate([Prompt("p0", TEXTS[0], "3")], greedy, seed=0)
+    assert seen == [True, False]
+
+
 def test_an_unsupported_model_falls_back_with_one_line(engine: HFRolloutEngine, caplog) -> None:
     from rlstages.engines.rollout.fast_step import fast_step
 
