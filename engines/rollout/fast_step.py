@@ -207,10 +207,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """The sines with rotate_half's minus moved onto their first half: `x * cos + x.roll(half, -1) * signed` is
-    `_rotate(x, cos, sin)` bit for bit (a sign moves from one factor to the other), in four ops instead of seven."""
+    """The sines with rotate_half's minus moved onto their first half, for `_rotate_rolled` (made once a step)."""
     half = sin.shape[-1] // 2
     return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+def _rotate_rolled(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`_rotate(x, cos, sin)` bit for bit given `_signed_sin(sin)` (a sign moves from one factor to the other), in
+    four ops instead of seven."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 def _decode(step: FastLlamaStep, ids: torch.Tensor, n: int) -> torch.Tensor:
@@ -222,7 +227,6 @@ def _decode(step: FastLlamaStep, ids: torch.Tensor, n: int) -> torch.Tensor:
     pos = step.position[:n]
     cos, sin = step.model.model.rotary_emb(x, pos[:, None])  # [n, 1, d]: the model's own RoPE (its scaling)
     cos, sin = cos.to(step.dtype), _signed_sin(sin.to(step.dtype))
-    half = d // 2
     step.valid[:n, col] = True
     # attention over the buffers' full width: a slice of its columns is not one dense batch of matrices, and
     # the batched products copied it (keys and values, every layer: ~10 % of a step); unused columns are masked
@@ -231,8 +235,7 @@ def _decode(step: FastLlamaStep, ids: torch.Tensor, n: int) -> torch.Tensor:
     for i, layer in enumerate(w.layers):
         a = _rms(x, layer["ln1"], w.eps)
         qkv = linear(a, *layer["qkv"])
-        qk = qkv[:, : (h + hk) * d].view(n, h + hk, d)
-        qk = qk * cos + qk.roll(half, -1) * sin  # queries and keys in one rotation (`_signed_sin`)
+        qk = _rotate_rolled(qkv[:, : (h + hk) * d].view(n, h + hk, d), cos, sin)  # queries and keys in one rotation
         q, k = qk[:, :h], qk[:, h:]
         v = qkv[:, (h + hk) * d :].view(n, hk, d)
         step.keys[i][:n, :, col] = k

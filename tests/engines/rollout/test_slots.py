@@ -186,15 +186,15 @@ def test_the_fast_step_computes_in_inference_mode_and_keeps_its_buffers_normal(
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_fast_steps_rotation_is_the_models_bit_for_bit(dtype: torch.dtype) -> None:
-    """The decode step's four-op rotation (`_signed_sin`, a roll) is `_rotate`, transformers' rotate_half form, bit
-    for bit: a sign moves from one factor to the other."""
-    from rlstages.engines.rollout.fast_step import _rotate, _signed_sin
+    """The decode step's four-op rotation (`_rotate_rolled` over `_signed_sin`) is `_rotate`, transformers'
+    rotate_half form, bit for bit: a sign moves from one factor to the other."""
+    from rlstages.engines.rollout.fast_step import _rotate, _rotate_rolled, _signed_sin
 
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(16, 12, 64, generator=gen) * 3).to(dtype)
     angles = torch.rand(16, 1, 64, generator=gen) * 40
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    assert torch.equal(x * cos + x.roll(32, -1) * _signed_sin(sin), _rotate(x, cos, sin))
+    assert torch.equal(_rotate_rolled(x, cos, _signed_sin(sin)), _rotate(x, cos, sin))
 
 
 def test_only_a_call_scoped_step_decodes_in_inference_mode(engine: HFRolloutEngine, monkeypatch) -> None:
