@@ -21,6 +21,10 @@ from rlstages.engines.training.grad_accumulation import (
 )
 from rlstages.engines.training.settings import TrainerSettings
 
+# at collection, not inside a test: pytest's assertion rewriter parses a test module when it is first imported, and
+# CPython 3.11.7's ast.parse mid-run failed once in CI with "AST constructor recursion depth mismatch" (gh-106905)
+from tests.engines.training.test_fp32_matmul import _graded_batch
+
 
 def _model(arch: str, tied: bool, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -119,7 +123,6 @@ def test_no_grad_and_other_dtypes_take_the_layers_own_path() -> None:
 def test_the_trainer_sums_in_place_as_configured_and_not_under_lora(tiny_model_dir: Path) -> None:
     """The torch trainer swaps its layers by default, keeps them plain with the option off or under LoRA, and
     one train step's loss and gradient norm match the plain trainer's."""
-    from tests.engines.training.test_fp32_matmul import _graded_batch
 
     batch = _graded_batch(tiny_model_dir)
 
@@ -159,7 +162,6 @@ def test_gradients_land_on_the_parameters_under_saved_tensor_hooks(monkeypatch: 
 def test_gradient_checkpointing_sums_the_same_gradient(tiny_model_dir: Path) -> None:
     """With activation checkpointing (its recomputation runs under saved-tensor hooks) one train step's gradient
     norm is the one without it: every layer's sum reaches its parameter."""
-    from tests.engines.training.test_fp32_matmul import _graded_batch
 
     batch = _graded_batch(tiny_model_dir)
     norms = []
