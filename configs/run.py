@@ -28,6 +28,12 @@ class CheckpointConfig(StrictModel):
     every: int = Field(default=0, ge=0, description="0 = only at the end.")
     keep: int = Field(default=2, ge=1)
     save_optimizer: bool = True
+    commit_in_background: bool = Field(
+        default=True,
+        description="A checkpoint's commit (fsync, SHA-256 of every file, manifest, pruning) runs beside the next "
+        "step once the engines have written their state; joined before the next checkpoint, a recovery and the "
+        "export. false: the step loop waits for it.",
+    )
     resume: Literal["auto", "fresh", "never"] = Field(
         default="auto",
         description="auto: an existing run directory continues from its last checkpoint; fresh: every flow run "

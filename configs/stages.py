@@ -24,6 +24,7 @@ StageName = Literal[
     "sync_weights",
     "evaluate",
     "checkpoint",
+    "commit_checkpoint",
 ]
 
 

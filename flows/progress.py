@@ -240,9 +240,13 @@ class RunProgress:
         self.log.info(line)
         self._say(line)
 
+    def written(self) -> None:
+        """A checkpoint's engines have written their state: what the step loop waited for (its commit may run
+        beside the next step)."""
+        self._timed("checkpoint")
+
     def committed(self, step: int, manifest: str) -> None:
         """Log a committed checkpoint."""
-        self._timed("checkpoint")
         self.log.info(f"checkpoint of step {step} committed: {manifest}")
 
     def recovering(self, step: int, lost: BaseException, attempt: int, limit: int) -> None:

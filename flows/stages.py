@@ -16,7 +16,8 @@ from prefect.futures import PrefectFuture
 from prefect.utilities.annotations import quote
 
 from rlstages.configs import RunConfig
-from rlstages.tasks import advantage, checkpoint, evaluate, logprobs, reward, rollout, run, update
+from rlstages.tasks import advantage, evaluate, logprobs, reward, rollout, run, update
+from rlstages.tasks import checkpoint as checkpoints
 from rlstages.tasks.advantage import AdvantageResult
 from rlstages.tasks.driver.context import RunHandle
 from rlstages.tasks.policies import with_policy
@@ -83,7 +84,10 @@ class Stages:
     update_actor: StepStage = Stage(update.update_actor)
     sync_weights: StepStage = Stage(rollout.sync_weights)
     evaluate: Stage[[RunConfig, RunHandle, int, str], Metrics] = Stage(evaluate.evaluate)
-    checkpoint: Stage[[RunConfig, RunHandle, int, dict[str, Any]], str] = Stage(checkpoint.save_checkpoint)
+    checkpoint: Stage[[RunConfig, RunHandle, int, dict[str, Any]], dict[str, Any] | None] = Stage(
+        checkpoints.write_checkpoint
+    )
+    commit_checkpoint: Stage[[RunConfig, RunHandle, int, dict[str, Any]], str] = Stage(checkpoints.commit_checkpoint)
     export_policy: Stage[[RunConfig, RunHandle, str], str] = Stage(run.export_policy)
     max_parallel: int = MAX_PARALLEL_STAGES
 

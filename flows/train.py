@@ -26,6 +26,7 @@ from rlstages.configs import RunConfig
 from rlstages.configs.evaluation import eval_due
 from rlstages.flows.async_partial import start_feed
 from rlstages.flows.async_train import AsyncFeed
+from rlstages.flows.commits import CheckpointCommits
 from rlstages.flows.console import machine_of
 from rlstages.flows.flow_guard import guarded_flow
 from rlstages.flows.interrupts import stop_on_signal
@@ -120,6 +121,7 @@ def rl_post_train(cfg: RunConfig) -> str:
     set_tags(cfg, mlflow_run_id, machine_of(cfg).tags())  # which machine (CPU, bf16, GEMM kernel) ran it
     total = cfg.trainer.total_steps
     feed: AsyncFeed | None = None
+    commits = CheckpointCommits(s, cfg, run)  # a checkpoint's commit runs beside the next step
     step, stop = 0, stop_on_signal(cfg)  # Ctrl-C / SIGTERM: stop at a safe point, say what was kept
     try:
         convert_for_training(cfg, run)  # HF -> Megatron-Core, cached; a no-op for other backends
@@ -153,8 +155,7 @@ def rl_post_train(cfg: RunConfig) -> str:
                         log_run_metrics(cfg, mlflow_run_id, step, {"time/eval_s": ui.evaluation_seconds()[-1]})
                     if _due(step, cfg.checkpoint.every, total) or stop.checkpoint_now():
                         ui.stage("checkpoint")
-                        state = driver_snapshot(cfg, step, result.kl_state, mlflow_run_id)
-                        ui.committed(step, s.checkpoint(cfg, run, step, state))
+                        commits.save(step, driver_snapshot(cfg, step, result.kl_state, mlflow_run_id), ui)
                 except WorkerLost as lost:
                     ahead = None  # the replay generates its first step again
                     recoveries += 1
@@ -163,6 +164,7 @@ def rl_post_train(cfg: RunConfig) -> str:
                     ui.recovering(step, lost, recoveries, cfg.prefect.max_worker_recoveries)
                     if feed is not None:
                         feed.close()
+                    commits.settle()  # a commit in flight may yet be the checkpoint to replay from
                     start = s.recover_workers(cfg, run)  # replay from the last committed checkpoint
                     step, kl_state = start.step + 1, start.kl_state
                     feed = start_feed(s, cfg, run, start.step)  # in flight or queued: generated again
@@ -170,11 +172,13 @@ def rl_post_train(cfg: RunConfig) -> str:
                 kl_state, ahead = result.kl_state, result.ahead
                 stop.at_boundary()  # with trainer.checkpoint_on_signal: after the step's checkpoint
                 step += 1
+            commits.wait()  # the last checkpoint committed before the export
         if feed is not None:
             feed.close()
         policy = s.export_policy(cfg, run, mlflow_run_id)
         log_run_metrics(cfg, mlflow_run_id, total, eval_share(ui.evaluation_seconds(), time.monotonic() - began))
     except BaseException as exc:
+        commits.settle()
         if feed is not None:
             feed.close(wait=False)
         stage = failed_stage(flow_run.id)

@@ -4,6 +4,10 @@ Commit order: every engine writes into `checkpoints/.step_N.tmp`, the driver sta
 KL controller, MLflow run id) follows, files are fsynced, the directory is renamed to `step_N`, and the
 manifest (with SHA-256 of every file) is written last. A checkpoint without a valid manifest does not
 exist for `latest_checkpoint`, so a crash at any point leaves the previous one loadable.
+
+Two stages: `write_checkpoint` (the engines' state to disk: what must end before an engine changes again) and
+`commit_checkpoint` (fsync, rename, checksums, manifest, pruning: it only reads the written files, so the flow
+may run it beside the next step, `checkpoint.commit_in_background`).
 """
 
 from __future__ import annotations
@@ -41,14 +45,19 @@ def _fsync_tree(root: Path) -> None:
         os.close(fd)
 
 
+def staging_dir(run: RunHandle, step: int) -> Path:
+    """Where step `step`'s checkpoint is written before its commit renames it."""
+    return run.checkpoints / f".step_{step:06d}.tmp"
+
+
 @task(name="checkpoint", cache_policy=NO_CACHE)
-def save_checkpoint(cfg: RunConfig, run: RunHandle, step: int, driver_state: dict[str, Any]) -> str:
-    """Commit a checkpoint of every trainable engine plus the driver state; returns the manifest path."""
+def write_checkpoint(cfg: RunConfig, run: RunHandle, step: int, driver_state: dict[str, Any]) -> dict[str, Any] | None:
+    """Write every trainable engine's state and the driver state into the step's staging directory; returns the
+    manifest's fields for `commit_checkpoint`, or None where this step's checkpoint is already committed."""
     maybe_fail(run, "checkpoint", step)
-    final = checkpoint_dir(run, step)
-    if read_manifest(final, verify=True) is not None:
-        return str(final / MANIFEST)  # idempotent: a retried task finds its work done (and intact)
-    tmp = run.checkpoints / f".step_{step:06d}.tmp"
+    if read_manifest(checkpoint_dir(run, step), verify=True) is not None:
+        return None  # idempotent: a retried task finds its work done (and intact)
+    tmp = staging_dir(run, step)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
@@ -61,18 +70,35 @@ def save_checkpoint(cfg: RunConfig, run: RunHandle, step: int, driver_state: dic
                 code, f"checkpoint step {step} not committed ({os.strerror(code)}); the previous one is intact"
             ) from exc
         raise
-    shutil.rmtree(final, ignore_errors=True)  # an uncommitted or corrupt leftover of a crashed attempt
-    os.replace(tmp, final)
-    maybe_fail(run, "checkpoint_commit", step)  # drills: a crash between the rename and the manifest
     # the steps up to this one reach MLflow first, unless it is away: the manifest says how many wait in the
-    # run's tracking journal (a resumed run sends them)
+    # run's tracking journal (a resumed run sends them); in the flow's thread, where the steps are logged
     unsent = tracking.flush(driver_state.get("mlflow_run_id"))
+    return {**driver_state, "tracking_unsent": unsent}
+
+
+@task(name="commit_checkpoint", cache_policy=NO_CACHE)
+def commit_checkpoint(cfg: RunConfig, run: RunHandle, step: int, fields: dict[str, Any]) -> str:
+    """Commit step `step`'s written checkpoint (fsync, rename, SHA-256 manifest, pruning); returns the manifest
+    path. It reads the written files only, so it may run while the next step uses the engines; a retry after the
+    rename finishes the manifest from the renamed directory."""
+    final, tmp = checkpoint_dir(run, step), staging_dir(run, step)
+    if tmp.is_dir():
+        _fsync_tree(tmp)
+        shutil.rmtree(final, ignore_errors=True)  # an uncommitted or corrupt leftover of a crashed attempt
+        os.replace(tmp, final)
+    elif (final / MANIFEST).exists():  # committed by an earlier attempt
+        if read_manifest(final, verify=True) is None:
+            raise RuntimeError(f"checkpoint step {step}: {final / MANIFEST} does not verify; not committed again")
+        return str(final / MANIFEST)
+    elif not final.is_dir():
+        raise FileNotFoundError(f"checkpoint step {step}: neither {tmp} nor {final} exists (was it written?)")
+    maybe_fail(run, "checkpoint_commit", step)  # drills: a crash between the rename and the manifest
     written = [p for p in sorted(final.rglob("*")) if p.is_file()]
     files = {str(p.relative_to(final)): digest for p, digest in zip(written, sha256_files(written), strict=True)}
-    manifest = {"step": step, "created": time.time(), "files": files, **driver_state, "tracking_unsent": unsent}
+    manifest = {"step": step, "created": time.time(), "files": files, **fields}
     atomic_write_text(final / MANIFEST, json.dumps(manifest, indent=2))
-    if driver_state.get("mlflow_run_id"):
-        tracking.log_file(cfg, driver_state["mlflow_run_id"], final / MANIFEST, f"checkpoints/step_{step:06d}")
+    if fields.get("mlflow_run_id"):
+        tracking.log_file(cfg, fields["mlflow_run_id"], final / MANIFEST, f"checkpoints/step_{step:06d}")
     prune(run, cfg.checkpoint.keep)
     return str(final / MANIFEST)
 
@@ -89,13 +115,12 @@ def _storage_errno(cause: BaseException) -> int | None:
 
 
 def _write(cfg: RunConfig, run: RunHandle, tmp: Path, step: int, driver_state: dict[str, Any]) -> None:
-    """Every engine's state and the driver state into `tmp`, fsynced."""
+    """Every engine's state and the driver state into `tmp` (the commit fsyncs them)."""
     w = stage_workers(cfg, run, "checkpoint")
     w.actor.save(tmp / "actor")
     if w.workers.critic is not None:
         w.trainer("critic").save(tmp / "critic")
     atomic_write_text(tmp / DRIVER_STATE, json.dumps({**driver_state, "step": step}, indent=2))
-    _fsync_tree(tmp)
 
 
 def prune(run: RunHandle, keep: int) -> None:

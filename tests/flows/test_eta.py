@@ -56,7 +56,7 @@ def test_the_eta_from_the_first_step_holds(
         if plan.checkpoints(step):
             ui.stage("checkpoint")
             clock.now += 3.0
-            ui.committed(step, "m")
+            ui.written()
         if step == 1:
             end_of_first = after_step
     took = clock.now - end_of_first
@@ -93,7 +93,7 @@ def _replay(
         if plan.checkpoints(step):
             ui.stage("checkpoint")
             clock.now += save_s if isinstance(save_s, float) else save_s[step]
-            ui.committed(step, "m")
+            ui.written()
     return said, ends, clock.now
 
 

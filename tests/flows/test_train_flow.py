@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -156,6 +157,58 @@ def test_crash_then_resume_is_bitwise_and_logs_each_step_once(
     assert [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")] == [1, 2]
     reference, resumed = final_weights(ref_cfg), final_weights(cfg)
     assert all(torch.equal(reference[k], resumed[k]) for k in reference)
+
+
+def _task_runs(flow_run_name: str) -> dict[str, Any]:
+    """The task runs of the flow run named so, by name, once the temporary server has recorded its export (task
+    runs arrive from their events in batches, at most ~1 s late) with every end time."""
+    import asyncio
+    import time
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    async def read() -> dict[str, Any]:
+        async with get_client() as client:
+            name = FlowRunFilterName(any_=[flow_run_name])
+            flows = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=name))
+            tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flows[0].id]}))
+            return {t.name: t for t in tasks}
+
+    deadline = time.monotonic() + 15
+    while True:
+        runs = asyncio.run(read())
+        done = "export_policy" in runs and all(t.end_time is not None for t in runs.values())
+        if done or time.monotonic() > deadline:
+            return runs
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_a_checkpoint_commits_beside_the_next_step(
+    base, tiny_model_dir: Path, faults, tmp_path: Path, background: bool
+) -> None:
+    """Step 1's commit, held ~1 s by a transient fault after its rename and then retried (the retry writes the
+    manifest from the renamed directory), runs while step 2 generates; with `commit_in_background=false` step 2
+    waits for it. Either way the run ends as the reference did, its last checkpoint committed and verified."""
+    _, ref_cfg, _ = base
+    name = "beside" if background else "waits"
+    cfg = tiny_cfg(tmp_path, tiny_model_dir, name, IN_DRIVER, f"checkpoint.commit_in_background={background}")
+    faults("checkpoint_commit@1:transient")
+    rl_post_train(cfg)
+    run_dir = cfg.trainer.output_dir / name
+    assert (run_dir / ".faults" / "checkpoint_commit@1-transient").exists()  # the retry after the rename ran
+    found = latest_checkpoint(RunHandle(name, str(run_dir)), verify=True)
+    assert found is not None and found[0] == 2
+    reference, saved = final_weights(ref_cfg), final_weights(cfg)
+    assert all(torch.equal(reference[k], saved[k]) for k in reference)
+    runs = _task_runs(name)
+    commit, generate = runs["commit_checkpoint[step=1]"], runs["generate[step=2]"]
+    assert commit.end_time is not None and generate.start_time is not None, sorted(runs)
+    if background:
+        assert generate.start_time < commit.end_time  # step 2 did not wait for step 1's commit
+    else:
+        assert commit.end_time <= generate.start_time
 
 
 def test_killed_worker_is_rebuilt_and_replayed(base, tiny_model_dir: Path, faults, tmp_path: Path) -> None:
