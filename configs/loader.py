@@ -10,8 +10,9 @@ from typing import Any, get_args
 import yaml
 from pydantic import ValidationError
 
+from rlstages.configs.megatron_training import MEGATRON_ONLY, MegatronTrainingConfig
 from rlstages.configs.run import RunConfig
-from rlstages.configs.training import MEGATRON_ONLY, MegatronTrainingConfig, TrainingConfig
+from rlstages.configs.training import TrainingConfig
 
 _TAGS = ("backend", "kind")
 

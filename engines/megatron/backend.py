@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from rlstages.configs.training import UNEVEN_VPP_NEEDS_MIDDLE, MegatronTrainingConfig
+from rlstages.configs.megatron_training import UNEVEN_VPP_NEEDS_MIDDLE, MegatronTrainingConfig
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
 from rlstages.engines.base import OnOutput, Readout

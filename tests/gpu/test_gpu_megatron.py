@@ -13,7 +13,7 @@ import pytest
 import torch
 from gpu_helpers import masked_max, sample_grpo_batch, snapshot
 
-from rlstages.configs.training import MoERouterConfig
+from rlstages.configs.megatron_training import MoERouterConfig
 from rlstages.engines import types as T
 from rlstages.engines.training.core import PPOTrainer
 

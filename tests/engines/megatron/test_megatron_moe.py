@@ -27,7 +27,8 @@ import pytest
 import torch
 from plan_check import check_group
 
-from rlstages.configs.training import MegatronTrainingConfig, MoERouterConfig, OptimConfig, TorchTrainingConfig
+from rlstages.configs.megatron_training import MegatronTrainingConfig, MoERouterConfig
+from rlstages.configs.training import OptimConfig, TorchTrainingConfig
 from rlstages.engines import algorithms as A
 from rlstages.engines import types as T
 from rlstages.engines.rollout.hf_rollout import HFRolloutEngine
