@@ -148,6 +148,7 @@ def rl_post_train(cfg: RunConfig) -> str:
                     result = rl_step(s, cfg, run, step, kl_state, ui, ahead, feed)
                     log_step(cfg, mlflow_run_id, step, result.metrics)  # a replayed step is not logged twice
                     ui.step_done(step, result.metrics)
+                    commits.poll()  # a checkpoint's commit that ended beside this step is said now
                     if eval_due(step, cfg.trainer.eval_every, cfg.trainer.eval_windows, total):
                         ui.stage("evaluate")
                         with feed.engines_free() if feed else nullcontext():
