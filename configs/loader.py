@@ -190,9 +190,10 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, str]:
 
 # Where a run lives and how it starts do not change what it computes: left out of the hash, so a run
 # resumed from another working directory (absolute paths) is recognised as the same run.
-_NOT_HASHED = {  # profile, step_cost_shape: observe only; checkpoint_on_signal: when a stopped run commits
+_NOT_HASHED = {  # profile, step_cost_shape: observe only; checkpoint_on_signal: when a stopped run commits;
+    # commit_in_background: when a checkpoint's commit runs, not what it holds
     "trainer": {"output_dir", "run_name", "profile", "checkpoint_on_signal", "step_cost_shape"},
-    "checkpoint": {"resume"},
+    "checkpoint": {"resume", "commit_in_background"},
 }
 
 
