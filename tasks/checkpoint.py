@@ -18,7 +18,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -63,13 +63,7 @@ def write_checkpoint(cfg: RunConfig, run: RunHandle, step: int, driver_state: di
     try:
         _write(cfg, run, tmp, step, driver_state)
     except Exception as exc:
-        shutil.rmtree(tmp, ignore_errors=True)  # the previous committed checkpoint stays the newest
-        code = _storage_errno(root_cause(exc))
-        if code is not None:  # e.g. the disk filled up inside a worker: say it in one line
-            raise OSError(
-                code, f"checkpoint step {step} not committed ({os.strerror(code)}); the previous one is intact"
-            ) from exc
-        raise
+        _not_committed(tmp, step, exc)
     # the steps up to this one reach MLflow first, unless it is away: the manifest says how many wait in the
     # run's tracking journal (a resumed run sends them); in the flow's thread, where the steps are logged
     unsent = tracking.flush(driver_state.get("mlflow_run_id"))
@@ -83,7 +77,10 @@ def commit_checkpoint(cfg: RunConfig, run: RunHandle, step: int, fields: dict[st
     rename finishes the manifest from the renamed directory."""
     final, tmp = checkpoint_dir(run, step), staging_dir(run, step)
     if tmp.is_dir():
-        _fsync_tree(tmp)
+        try:
+            _fsync_tree(tmp)  # where a full disk may first say so (delayed allocation)
+        except Exception as exc:
+            _not_committed(tmp, step, exc)
         shutil.rmtree(final, ignore_errors=True)  # an uncommitted or corrupt leftover of a crashed attempt
         os.replace(tmp, final)
     elif (final / MANIFEST).exists():  # committed by an earlier attempt
@@ -101,6 +98,18 @@ def commit_checkpoint(cfg: RunConfig, run: RunHandle, step: int, fields: dict[st
         tracking.log_file(cfg, fields["mlflow_run_id"], final / MANIFEST, f"checkpoints/step_{step:06d}")
     prune(run, cfg.checkpoint.keep)
     return str(final / MANIFEST)
+
+
+def _not_committed(tmp: Path, step: int, exc: Exception) -> NoReturn:
+    """Drop the staging directory (the previous committed checkpoint stays the newest) and raise: a storage failure
+    (a full disk inside a worker or at the fsync) as one line, anything else as it is."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    code = _storage_errno(root_cause(exc))
+    if code is not None:
+        raise OSError(
+            code, f"checkpoint step {step} not committed ({os.strerror(code)}); the previous one is intact"
+        ) from exc
+    raise exc
 
 
 def _storage_errno(cause: BaseException) -> int | None:
