@@ -179,10 +179,10 @@ def rl_post_train(cfg: RunConfig) -> str:
         policy = s.export_policy(cfg, run, mlflow_run_id)
         log_run_metrics(cfg, mlflow_run_id, total, eval_share(ui.evaluation_seconds(), time.monotonic() - began))
     except BaseException as exc:
+        stage = failed_stage(flow_run.id)  # read first: a commit failing while it settles must not relabel the run
         commits.settle()
         if feed is not None:
             feed.close(wait=False)
-        stage = failed_stage(flow_run.id)
         if (stopped := stop.stopped(exc, cfg, run, step)) is not None:
             close_run(cfg, run, mlflow_run_id, "KILLED", stopped.line(), stage)
             return stopped.state()  # type: ignore[return-value]  # the flow run is Cancelled; the caller gets RunStopped
