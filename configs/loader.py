@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 from pathlib import Path
 from typing import Any, get_args
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from rlstages.configs.megatron_training import MEGATRON_ONLY, MegatronTrainingConfig
 from rlstages.configs.run import RunConfig
@@ -117,7 +118,7 @@ def format_validation_error(exc: ValidationError, data: dict[str, Any]) -> str:
     if members:
         msg += "".join(f", or {m['msg'].removeprefix('Input should be ')}" for m in members[1:])
     if err["type"] == "extra_forbidden":
-        msg = _megatron_only(err["loc"], loc) or "unknown key (not in the schema)"
+        msg = _megatron_only(err["loc"], loc) or f"unknown key (not in the schema){_did_you_mean(err['loc'])}"
     elif err["type"] == "missing":
         msg = "required field is missing"
     elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
@@ -142,6 +143,38 @@ def _megatron_only(raw_loc: tuple[Any, ...], loc: list[Any]) -> str | None:
     what = MEGATRON_ONLY.get(key, f"{key}, a megatron option,")
     section = ".".join(str(p) for p in loc[:-1])
     return f"{what} needs {section}.backend=megatron (this section's backend is {raw_loc[-2]})"
+
+
+def _did_you_mean(raw_loc: tuple[Any, ...]) -> str:
+    """`; did you mean total_steps?` where an unknown key is a likely misspelling of one its section has."""
+    key = raw_loc[-1] if raw_loc else None
+    if not isinstance(key, str):
+        return ""
+    names = sorted({name for model in _models_at(raw_loc[:-1]) for name in model.model_fields})
+    close = difflib.get_close_matches(key, names, n=3, cutoff=0.72)
+    return f"; did you mean {' or '.join(close)}?" if close else ""
+
+
+def _models_at(loc: tuple[Any, ...]) -> list[type[BaseModel]]:
+    """The schema's model classes a pydantic error location points into (a union's members where it is one)."""
+    models: list[type[BaseModel]] = [RunConfig]
+    for part in loc:
+        if isinstance(part, int):  # a list's item: its models are the list's
+            continue
+        fields = [m.model_fields[part] for m in models if part in m.model_fields]
+        if fields:
+            models = [c for f in fields for c in _model_classes(f.annotation)]
+        else:  # a union member's tag (`torch`) or pydantic's own segment (`function-after[...]`)
+            tagged = [m for m in models if any(m.model_fields[t].default == part for t in _TAGS if t in m.model_fields)]
+            models = tagged or models
+    return models
+
+
+def _model_classes(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models in a field's annotation (through Optional, unions, lists, Annotated)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [c for arg in get_args(annotation) for c in _model_classes(arg)]
 
 
 def _union_members(errors: list[Any], loc: list[Any], data: Any) -> list[Any]:

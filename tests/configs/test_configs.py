@@ -57,7 +57,9 @@ def test_bf16_stochastic_rounding_is_the_torch_backends_option() -> None:
 @pytest.mark.parametrize(
     ("override", "needle"),
     [
-        ("actor.optim.lrr=1", "actor.optim.lrr: unknown key"),
+        ("actor.optim.lrr=1", "actor.optim.lrr: unknown key (not in the schema); did you mean lr?"),
+        ("trainer.totl_steps=3", "did you mean total_steps?"),  # a misspelling: the section's closest keys
+        ("reward.functions.0.nme=x", "did you mean name?"),  # inside a list's item
         ("actor.optim.lr=abc", "actor.optim.lr: Input should be a valid number"),
         ("actor.zero_stage=3", "actor.zero_stage: unknown key"),  # torch backend has no zero_stage
         ("rollout.backend=trt", "rollout"),
@@ -214,3 +216,9 @@ def test_config_reference_doc_is_current() -> None:
         [sys.executable, "-m", "rlstages.configs.reference"], capture_output=True, text=True, cwd=ROOT, check=True
     ).stdout
     assert generated == (ROOT / "docs" / "config-reference.md").read_text(), "run: python -m rlstages.configs.reference"
+
+
+def test_an_unknown_key_far_from_every_key_gets_no_guess() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(ROOT / "configs" / "tiny.yaml", ["actor.zero_stage=3"])  # torch's section: nothing near it
+    assert str(info.value).endswith("actor.zero_stage: unknown key (not in the schema)")
