@@ -25,6 +25,7 @@ from rlstages.tasks.profiling import due, profiled
 from rlstages.tasks.run import StartPoint
 
 MAX_PARALLEL_STAGES = 4  # the widest fan-out of a step: rewards, old/ref log-probs, critic values
+POOL_THREADS = MAX_PARALLEL_STAGES + 1  # the flow's task pool: that fan-out beside a checkpoint's commit in flight
 
 Metrics = dict[str, float]
 P = ParamSpec("P")

@@ -31,7 +31,7 @@ from rlstages.flows.console import machine_of
 from rlstages.flows.flow_guard import guarded_flow
 from rlstages.flows.interrupts import stop_on_signal
 from rlstages.flows.progress import Plan, RunProgress, configured_shape, eval_share, flow_run_name, run_progress
-from rlstages.flows.stages import MAX_PARALLEL_STAGES, Metrics, Stages
+from rlstages.flows.stages import POOL_THREADS, Metrics, Stages
 from rlstages.tasks.driver.context import RunHandle
 from rlstages.tasks.driver.tracking import earlier_step_seconds, log_run_metrics, log_step, set_tags
 from rlstages.tasks.policies import WorkerLost, failed_stage
@@ -108,7 +108,7 @@ def _due(step: int, every: int, last: int) -> bool:
 @guarded_flow(
     name="rl-post-train",
     flow_run_name=flow_run_name,
-    task_runner=ThreadPoolTaskRunner(max_workers=MAX_PARALLEL_STAGES),  # type: ignore[arg-type]  # prefect stub: infers Never
+    task_runner=ThreadPoolTaskRunner(max_workers=POOL_THREADS),  # type: ignore[arg-type]  # prefect stub: infers Never
     validate_parameters=True,
 )
 def rl_post_train(cfg: RunConfig) -> str:

@@ -16,6 +16,7 @@ import pytest
 from rlstages.configs import load_config
 from rlstages.flows.progress import step_line
 from rlstages.flows.stages import MAX_PARALLEL_STAGES, Stages
+from rlstages.flows.train import rl_post_train
 from rlstages.tasks.driver import tracking
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,6 +49,8 @@ def test_task_runs_are_named_by_stage_and_step_and_concurrency_is_configured() -
     assert stages.export_policy.task_run_name == "export_policy" and stages.prepare_run.task_run_name == "prepare_run"
     assert stages.max_parallel == 2
     assert Stages.configured(tiny("prefect.max_concurrent_stages=16")).max_parallel == MAX_PARALLEL_STAGES
+    # the widest fan-out still has its threads while a checkpoint's commit holds one of the flow's pool
+    assert rl_post_train.task_runner._max_workers == MAX_PARALLEL_STAGES + 1  # noqa: SLF001 - no public getter
     policy = tiny("prefect.stages.generate.retries=5").prefect.policy("generate")
     assert Stages.configured(tiny("prefect.stages.generate.retries=5")).generate.retries == policy.retries == 5
 
