@@ -72,7 +72,11 @@ def test_the_avx2_only_class_and_its_rollout_weights() -> None:
     assert zen3.tags()["machine.class"] == "avx2"
     assert rollout_choice(False, True, 2).startswith("bf16 weights") and rollout_choice(None, True, 2) == ""
     assert rollout_choice("auto", False, 2) == "fp32 weights (model in float32)"
-    assert set(doctor.DEMO_TIMES) == {"native-bf16", "avx512", "avx2"}
+    assert set(doctor.DEMO_TIMES) == {"native-bf16-amx", "native-bf16", "avx512", "avx2"}
+    amx = Machine("Intel Xeon", 2, ("avx512_bf16", "amx_bf16"), 2, "bf16 (AMX)", ("avx512f", "avx2"))
+    rows = [doctor.demo_class(m) for m in (amx, zen3, Machine("AMD EPYC", 2, ("avx512_bf16",), 2, "bf16"))]
+    assert rows == ["native-bf16-amx", "avx2", "native-bf16"]  # AMX said apart: its demo is its own
+    assert amx.cpu_class == "native-bf16"  # the class runs and presets are keyed by stays the same
 
 
 def test_doctor_prints_this_machines_class_and_its_demo_time() -> None:
@@ -80,6 +84,6 @@ def test_doctor_prints_this_machines_class_and_its_demo_time() -> None:
 
     rows = {c.name: c.detail for c in doctor.machine()}
     native = bool(bf16_flags())
-    assert rows["class"] == doctor.DEMO_TIMES[measure("auto", True, 2, "auto").cpu_class]
+    assert rows["class"] == doctor.DEMO_TIMES[doctor.demo_class(measure("auto", True, 2, "auto"))]
     assert rows["native bf16"].startswith("yes" if native else "no")
     assert re.search(r"(bf16|fp32 kernel).*\(2 threads", rows["bf16 GEMM"]), rows
