@@ -152,3 +152,33 @@ def test_engine_perf_metrics_are_named_per_role_and_memory_peaks_take_the_larges
     assert _name("actor", "perf/mfu") == "perf/mfu/actor" and _name("critic", "pg_loss") == "critic/pg_loss"
     assert _across_ranks("perf/max_memory_allocated_gb", [1.0, 3.0]) == 3.0
     assert _across_ranks("perf/throughput", [1.0, 3.0]) == 2.0 and _across_ranks("pg_loss", [1.0, 3.0]) == 2.0
+
+
+def test_a_storage_failure_at_the_commits_fsync_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    """A full disk that first says so at the commit's fsync (delayed allocation): the staged step is dropped, one
+    line says so, and the committed step before it stays the newest and verifies."""
+    from rlstages.tasks import checkpoint as C
+    from rlstages.tasks.driver.checkpoints import latest_checkpoint
+
+    cfg = config(tmp_path, "checkpoint.keep=2")
+    run = RunHandle("commits", str(tmp_path / "run"))
+
+    def stage(step: int) -> None:
+        tmp = C.staging_dir(run, step)
+        (tmp / "actor").mkdir(parents=True)
+        (tmp / "actor" / "model.safetensors").write_bytes(bytes([step]) * 64)
+
+    stage(1)
+    C.commit_checkpoint.fn(cfg, run, 1, {"kl_state": {}})
+    stage(2)
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(C.os, "fsync", full)
+    with pytest.raises(OSError, match=r"^\[Errno 28\] checkpoint step 2 not committed \(No space left on device\); "):
+        C.commit_checkpoint.fn(cfg, run, 2, {"kl_state": {}})
+    monkeypatch.undo()
+    assert not C.staging_dir(run, 2).exists() and not C.checkpoint_dir(run, 2).exists()
+    found = latest_checkpoint(run, verify=True)
+    assert found is not None and found[0] == 1
