@@ -13,6 +13,7 @@ the static-cache steps that decode there in `fast_step` and `compiled_step`.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -190,12 +191,13 @@ def prefill(
 
 
 def prefill_distinct(
-    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, heads: dict[tuple[int, ...], Any] | None = None
 ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`prefill` with the KV cache left one row per distinct prompt, and the index [B] of each row's prompt in it
     (None: the rows are distinct, in their own order): a caller that copies the cache into buffers of its own
     takes the rows one layer at a time instead of expanding the whole cache first (the demo's 8 x 8 rows: a
-    transient 116 MB fp32 cache at each generation's start)."""
+    transient 116 MB fp32 cache at each generation's start). `heads` keeps the shared prefixes' caches for the
+    caller's next calls on the same weights (its parts of one prefill): each prefix is forwarded once."""
     rows, width = input_ids.shape
     distinct, inverse = torch.unique(torch.cat([input_ids, attention_mask.long()], dim=1), dim=0, return_inverse=True)
     ids, mask = distinct[:, :width], distinct[:, width:].to(attention_mask.dtype)  # sorted rows
@@ -207,8 +209,7 @@ def prefill_distinct(
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
         step = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
     else:
-        head = model(input_ids=tokens[0][None, :shared], use_cache=True, logits_to_keep=1)
-        head_cache = output_cache(head)
+        head_cache = _prefix_cache(model, tokens[0][:shared], heads)
         head_cache.batch_repeat_interleave(len(tokens))
         suffix_ids, suffix_mask = left_pad([t[shared:] for t in tokens], mask.dtype)
         mask = torch.cat([mask.new_ones(len(tokens), shared), suffix_mask], dim=1)
@@ -224,6 +225,18 @@ def prefill_distinct(
     if len(tokens) < rows:  # each row takes its prompt's logits and mask
         return cache, logits[inverse], mask[inverse], inverse
     return cache, logits, mask, None
+
+
+def _prefix_cache(model: Any, prefix: torch.Tensor, heads: dict[tuple[int, ...], Any] | None) -> Any:
+    """The KV cache of one forward of `prefix` alone: a copy of the one in `heads` where an earlier call computed it
+    (the caller expands it in place), else computed (and a copy kept there). The same forward, so the same bits."""
+    key = tuple(prefix.tolist())
+    if heads is not None and key in heads:
+        return copy.deepcopy(heads[key])
+    cache = output_cache(model(input_ids=prefix[None], use_cache=True, logits_to_keep=1))
+    if heads is not None:
+        heads[key] = copy.deepcopy(cache)
+    return cache
 
 
 def prompt_chunks(input_ids: torch.Tensor, attention_mask: torch.Tensor, limit: int) -> list[torch.Tensor]:

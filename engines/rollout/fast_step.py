@@ -108,9 +108,10 @@ class FastLlamaStep:
         slots = torch.arange(self.n, self.n + k, device=self.device)
         self.valid[slots] = False
         logits: torch.Tensor | None = None
+        heads: dict[tuple[int, ...], Any] = {}  # the prefix all prompts share (a chat template's) forwarded once
         for part in prompt_chunks(ids, mask, PREFILL_PROMPTS):
             with self.weights.swapped(self.model), torch.inference_mode():  # the buffers below stay normal tensors
-                cache, part_logits, part_mask, inverse = prefill_distinct(self.model, ids[part], mask[part])
+                cache, part_logits, part_mask, inverse = prefill_distinct(self.model, ids[part], mask[part], heads)
             lo, at = hi - part_mask.shape[1], slots[part]  # a shared prefix may leave a part narrower: right-aligned
             for i, layer in enumerate(cache.layers):  # each row its prompt's cache
                 self.keys[i][at, :, lo:hi] = layer.keys if inverse is None else layer.keys[inverse]

@@ -217,6 +217,37 @@ def test_a_prefix_shared_by_all_prompts_goes_through_the_model_once(tiny_model_d
         assert shared.logprobs[row] == pytest.approx(ref.logprobs[0], abs=1e-5)
 
 
+def test_a_prefix_shared_across_calls_is_forwarded_once_and_gives_the_same_bits(tiny_model_dir: Path) -> None:
+    """The fast step prefills an evaluation's prompts in parts: with one `heads` memo across them the prefix all
+    prompts share is forwarded once, and each part's cache and logits are those of a part computed alone."""
+    from rlstages.engines.rollout.decode import prefill_distinct
+
+    engine = HFRolloutEngine(tiny_model_dir, dtype="float32", apply_chat_template=False)
+    head = "You are a calculator. Question: "
+    parts = [["1+2=", "what is 10 + 12?"], ["7 plus 8 is", "3 * 4 ="]]
+    seen: list[tuple[int, int]] = []
+    hook = engine.model.register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    heads: dict[tuple[int, ...], object] = {}
+    try:
+        with torch.no_grad():
+            for texts in parts:
+                enc = engine.tokenizer.pad(
+                    {"input_ids": [engine.tokenizer(head + t)["input_ids"] for t in texts]}, return_tensors="pt"
+                )
+                alone = prefill_distinct(engine.model, enc["input_ids"], enc["attention_mask"])
+                memo = prefill_distinct(engine.model, enc["input_ids"], enc["attention_mask"], heads)
+                assert torch.equal(alone[1], memo[1]) and torch.equal(alone[2], memo[2])
+                for a, b in zip(alone[0].layers, memo[0].layers, strict=True):
+                    assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    finally:
+        hook.remove()
+    prefix = len(engine.tokenizer(head)["input_ids"])
+    # each part alone forwards the prefix; with the memo only the first part does: 3 prefix forwards, not 4
+    assert [shape for shape in seen if shape[0] == 1] == [(1, prefix)] * 3 and len(heads) == 1
+
+
 def test_inverse_cdf_sampling_follows_the_distribution() -> None:
     from rlstages.engines.rollout.sampling import sample_rows
 

@@ -139,9 +139,9 @@ def test_the_fast_steps_prefill_in_parts_decodes_as_in_one(engine: HFRolloutEngi
         monkeypatch.setattr(fast_step, "PREFILL_PROMPTS", limit)
         parts: list[int] = []
 
-        def counted(m: torch.nn.Module, i: torch.Tensor, a: torch.Tensor, parts: list[int] = parts) -> object:
+        def counted(m: torch.nn.Module, i: torch.Tensor, a: torch.Tensor, heads=None, parts=parts) -> object:
             parts.append(len(i))
-            return original(m, i, a)
+            return original(m, i, a, heads)
 
         monkeypatch.setattr(fast_step, "prefill_distinct", counted)
         runs[limit] = run_rows(SlotDecoder(12, _step("fast", engine.model, 12), set()), requests, greedy)
@@ -162,9 +162,9 @@ def test_the_fast_step_computes_in_inference_mode_and_keeps_its_buffers_normal(
     modes: list[bool] = []
     original = fast_step.prefill_distinct
 
-    def spy(m: torch.nn.Module, i: torch.Tensor, a: torch.Tensor) -> object:
+    def spy(m: torch.nn.Module, i: torch.Tensor, a: torch.Tensor, heads=None) -> object:
         modes.append(torch.is_inference_mode_enabled())
-        return original(m, i, a)
+        return original(m, i, a, heads)
 
     monkeypatch.setattr(fast_step, "prefill_distinct", spy)
     step = FastLlamaStep(engine.model, 4, torch.float32, columns=4)  # too narrow: the first prefill grows it
