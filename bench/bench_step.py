@@ -118,7 +118,7 @@ def train_step_fraction(
     record(
         name,
         achieved / matmul_flops_s,
-        ">= 0.5" if name == "step_matmul_fraction" else None,
+        None,  # issue 53's goal (>= 0.7) is on `step_matmul_fraction_chosen_kernel`, the kernel the demo takes
         f"{str(next(model.parameters()).dtype)[6:]} weights: fwd+bwd {achieved / 1e9:.1f} GFLOP/s "
         f"(counted {flops / 1e9:.0f} GFLOP = "
         f"{flops / (6 * params * ROWS * (PROMPT + RESPONSE)):.2f} x 6NT) vs {matmul} matmul "

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlstages.engines.registry import BACKEND_PACKAGES, has_module
+from rlstages.flows.cli.demo_times import class_times
 
 if TYPE_CHECKING:
     from rlstages.engines.training.machine import Machine
@@ -263,25 +264,9 @@ def mlflow_endpoint(tracking_uri: str) -> list[Check]:
     return [Check("mlflow", "tracking", None, f"{tracking_uri}: not checked")]
 
 
-# `make demo`'s time per class of CPU, as measured from clean clones (README, docs/demo-measured.md); the class: the
-# CPU's bf16 flags (AMX apart), else its widest vector unit (`demo_class`)
-DEMO_TIMES = {
-    "native-bf16-amx": "native bf16 with AMX: `make demo` ~5-7 min, set-up 1 min 15-31 s + run 3.7-5.2 min, held-out "
-    ">= 0.8 at step 16, 2.1-2.9 min into the run (measured on an Intel Xeon with AMX-BF16, 2 cores)",
-    "native-bf16": "native bf16: `make demo` ~6.5 min, set-up ~3 min + run 3 min 37 s, held-out >= 0.8 at step 14, "
-    "2.05 min into the run (measured on an AMD EPYC Zen 5 with AVX512_BF16, 2 cores; a Zen 4, whose AVX512_BF16 runs "
-    "on 256-bit units: run 6 min 46 s)",
-    "avx512": "AVX-512 without bf16: `make demo` ~26.5 min, set-up 2 min 50 s + run 23 min 40 s, held-out >= 0.8 at "
-    "step 14 (measured on an Intel Xeon with AVX-512 but without AVX512_BF16, 2 cores, before the fast decode step)",
-    "avx2": "AVX2 only (no AVX-512, no native bf16): `make demo` ~15 min, set-up 2 min 37 s + run 12-13 min, held-out "
-    ">= 0.8 at step 24, ~10 min into the run (measured on an AMD EPYC Zen 3, 2 cores: the layers on the fp32 kernel, "
-    "the rollout on an fp32 copy of the weights)",
-}
-
-
 def demo_class(m: Machine) -> str:
-    """The `DEMO_TIMES` row of a machine: its `cpu_class`, with AMX told apart from AVX512_BF16 alone (~2x its
-    bf16 GEMM)."""
+    """The class of a machine's demo times (`demo_times.DEMO_ROWS`): its `cpu_class`, with AMX told apart from
+    AVX512_BF16 alone (~2x its bf16 GEMM)."""
     return "native-bf16-amx" if "amx_bf16" in m.bf16_flags else m.cpu_class
 
 
@@ -296,7 +281,7 @@ def machine() -> list[Check]:
         Check("machine", "vector unit", None, m.simd_text),
         Check("machine", "bf16 GEMM", None, f"{m.gemm} (2 threads, as the demo's worker)"),
         Check("machine", "rollout weights", None, m.rollout),
-        Check("machine", "class", None, DEMO_TIMES[demo_class(m)]),
+        Check("machine", "class", None, class_times(demo_class(m))),
     ]
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from rlstages.engines.rollout import vllm_rollout
+from rlstages.flows.cli import demo_times
 from rlstages.flows.cli import doctor_probes as doctor
 
 
@@ -72,7 +73,7 @@ def test_the_avx2_only_class_and_its_rollout_weights() -> None:
     assert zen3.tags()["machine.class"] == "avx2"
     assert rollout_choice(False, True, 2).startswith("bf16 weights") and rollout_choice(None, True, 2) == ""
     assert rollout_choice("auto", False, 2) == "fp32 weights (model in float32)"
-    assert set(doctor.DEMO_TIMES) == {"native-bf16-amx", "native-bf16", "avx512", "avx2"}
+    assert {row.key for row in demo_times.DEMO_ROWS} == {"native-bf16-amx", "native-bf16", "avx512", "avx2"}
     amx = Machine("Intel Xeon", 2, ("avx512_bf16", "amx_bf16"), 2, "bf16 (AMX)", ("avx512f", "avx2"))
     rows = [doctor.demo_class(m) for m in (amx, zen3, Machine("AMD EPYC", 2, ("avx512_bf16",), 2, "bf16"))]
     assert rows == ["native-bf16-amx", "avx2", "native-bf16"]  # AMX said apart: its demo is its own
@@ -84,6 +85,19 @@ def test_doctor_prints_this_machines_class_and_its_demo_time() -> None:
 
     rows = {c.name: c.detail for c in doctor.machine()}
     native = bool(bf16_flags())
-    assert rows["class"] == doctor.DEMO_TIMES[doctor.demo_class(measure("auto", True, 2, "auto"))]
+    assert rows["class"] == demo_times.class_times(doctor.demo_class(measure("auto", True, 2, "auto")))
+    assert "measured on" in rows["class"] and "**" not in rows["class"], rows["class"]
     assert rows["native bf16"].startswith("yes" if native else "no")
     assert re.search(r"(bf16|fp32 kernel).*\(2 threads", rows["bf16 GEMM"]), rows
+
+
+def test_the_readme_table_and_the_doctor_say_the_same_demo_times() -> None:
+    """The README's "What to expect" table is `demo_times.DEMO_ROWS` rendered: one place for each class's figures."""
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    assert demo_times.readme_table() in readme, (
+        "README.md: the demo-times table differs from flows/cli/demo_times.py's rows; paste the output of "
+        "`python -m rlstages.flows.cli.demo_times` over it"
+    )
+    native = demo_times.class_times("native-bf16")
+    assert "Zen 5" in native and "half-width" in native  # a class with two rows says both
+    assert demo_times.class_times("riscv") == "riscv: no clean-clone demo measured yet"
