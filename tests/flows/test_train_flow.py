@@ -1,6 +1,7 @@
 """The training flow end to end on a tiny random model with real Prefect (no server), real Ray and a
 real MLflow SQLite store: 2 steps learn and are recorded; a transient stage fault is retried; a crash is
-resumed bitwise into the same MLflow run; a killed worker is recovered from the last checkpoint. The retry and
+resumed bitwise into the same MLflow run; a killed worker is recovered from the last checkpoint, also while a
+checkpoint's commit fails beside it (as a failing stage's run is resumed: the commit never relabels it). The retry and
 resume runs put the engines in the driver (`cluster.mode=in_process`, `IN_DRIVER`) and still end bit for bit
 where the Ray run ends: the two modes run the same engines.
 CPU only, ~3 minutes: `pytest tests/flows/test_train_flow.py`."""
@@ -220,6 +221,60 @@ def test_killed_worker_is_rebuilt_and_replayed(base, tiny_model_dir: Path, fault
     assert all(torch.equal(reference[k], recovered[k]) for k in reference)
     client, run = mlflow_run(cfg)
     assert [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")] == [1, 2]
+
+
+def test_a_commit_failing_beside_a_lost_worker_replays_from_before_it(
+    base, tiny_model_dir: Path, faults, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Step 1's commit fails after its rename (no manifest) while step 2's update loses the actor: the recovery
+    joins the commit (its failure logged, not raised), finds no committed checkpoint, and replays from the start;
+    the run ends as the reference did, step 1's checkpoint committed again."""
+    _, ref_cfg, _ = base
+    cfg = tiny_cfg(tmp_path, tiny_model_dir, "commit-lost")
+    faults("checkpoint_commit@1:fatal,update_actor@2:kill-actor")
+    with caplog.at_level("WARNING", logger="rlstages.flows.commits"):
+        rl_post_train(cfg)
+    run_dir = cfg.trainer.output_dir / "commit-lost"
+    assert {p.name for p in (run_dir / ".faults").iterdir()} == {
+        "checkpoint_commit@1-fatal",
+        "update_actor@2-kill-actor",
+    }
+    assert any("a checkpoint's commit failed" in r.getMessage() for r in caplog.records), caplog.text
+    reference, recovered = final_weights(ref_cfg), final_weights(cfg)
+    assert all(torch.equal(reference[k], recovered[k]) for k in reference)
+    found = latest_checkpoint(RunHandle("commit-lost", str(run_dir)), verify=True)
+    assert found is not None and found[0] == 2
+    client, run = mlflow_run(cfg)
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")] == [1, 2]
+
+
+def test_a_commit_failing_beside_a_failing_stage_keeps_the_stages_error_and_resumes(
+    base, tiny_model_dir: Path, faults, tmp_path: Path
+) -> None:
+    """Step 1's commit fails after its rename while step 2's generation fails fatally: the run fails with the
+    stage's error and is labelled with that stage (not the commit's), nothing it committed is half-written, and
+    the same config resumes (from the start: step 1 was never committed) to the reference's weights."""
+    _, ref_cfg, _ = base
+    cfg = tiny_cfg(tmp_path, tiny_model_dir, "commit-stage", IN_DRIVER)
+    faults("checkpoint_commit@1:fatal,generate@2:fatal")
+    with pytest.raises(RuntimeError, match="injected fatal fault"):
+        rl_post_train(cfg)
+    run_dir = cfg.trainer.output_dir / "commit-stage"
+    handle = RunHandle("commit-stage", str(run_dir))
+    assert (run_dir / ".faults" / "checkpoint_commit@1-fatal").exists()
+    assert (run_dir / "checkpoints" / "step_000001").is_dir()  # renamed, then the commit failed: no manifest
+    assert latest_checkpoint(handle) is None  # so it does not exist for a resume
+    _, run = mlflow_run(cfg)
+    assert run.info.status == "FAILED" and run.data.tags["rlstages.failed_stage"] == "generate"
+    faults("")
+    rl_post_train(cfg)
+    found = latest_checkpoint(handle, verify=True)
+    assert found is not None and found[0] == 2
+    reference, resumed = final_weights(ref_cfg), final_weights(cfg)
+    assert all(torch.equal(reference[k], resumed[k]) for k in reference)
+    _, run = mlflow_run(cfg)
+    assert run.info.status == "FINISHED"
 
 
 def test_a_different_config_for_an_existing_run_is_refused(base, tiny_model_dir: Path) -> None:
