@@ -102,7 +102,8 @@ class DataConfig(StrictModel):
         default=None,
         ge=1,
         description="Prompt tokens (after the chat template) allowed; longer ones are handled as "
-        "`overlong_prompts` says. Prompts that do not fit the model's context minus rollout.max_new_tokens are "
+        "`overlong_prompts` says. Prompts that do not fit the model's context minus the response's budget "
+        "(rollout.max_new_tokens, or rollout.multi_turn.max_response_tokens) are "
         "handled the same way, whatever this is.",
     )
     image_min_pixels: int | None = Field(

@@ -18,7 +18,12 @@ class SamplingConfig(StrictModel):
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, description="0 disables top-k.")
-    max_new_tokens: int = Field(default=64, ge=1)
+    max_new_tokens: int = Field(
+        default=64,
+        ge=1,
+        description="Tokens of a response; with rollout.multi_turn the budget is multi_turn.max_response_tokens "
+        "(each turn multi_turn.per_turn_max_tokens).",
+    )
     stop: tuple[str, ...] = ()
 
 
@@ -81,6 +86,17 @@ class _RolloutCommon(SamplingConfig):
         default=None, description="Temperature for held-out evaluation; None = same as training."
     )
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
+
+    @property
+    def response_budget(self) -> int:
+        """The most response tokens a row can have: `max_new_tokens`, or with multi-turn rollouts the whole
+        trajectory's `multi_turn.max_response_tokens`; what every limit, penalty, check and plan reads."""
+        return self.multi_turn.max_response_tokens if self.multi_turn.enabled else self.max_new_tokens
+
+    @property
+    def response_budget_key(self) -> str:
+        """The setting `response_budget` reads, as errors name it."""
+        return "rollout.multi_turn.max_response_tokens" if self.multi_turn.enabled else "rollout.max_new_tokens"
 
     @property
     def tp_width(self) -> int:

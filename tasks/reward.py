@@ -47,11 +47,8 @@ def score_batch(cfg: RunConfig, w: StageWorkers, batch: TensorDict) -> tuple[tor
         rm_scores = torch.tensor(w.reward_model.score(prompts, responses), dtype=torch.float32)
         scores = scores + weight * rm_scores
         metrics["reward/model_mean"] = float(rm_scores.mean())
-    overlong = cfg.algorithm.overlong
-    if overlong.enable:
-        penalty = overlong_penalty(
-            batch[T.RESPONSE_MASK].sum(-1), cfg.rollout.max_new_tokens, overlong.buffer_len, overlong.penalty_factor
-        )
+    penalty = length_penalty(cfg, batch[T.RESPONSE_MASK].sum(-1))
+    if penalty is not None:
         scores = scores + penalty
         metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
     metrics.update(
@@ -71,3 +68,12 @@ def score_rewards(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]
     T.save_batch(TensorDict({T.SCORES: scores}, batch_size=[len(scores)]), run.batch(step, "scores"))
     metrics["timing/score_rewards_s"] = time.perf_counter() - start
     return metrics
+
+
+def length_penalty(cfg: RunConfig, lengths: torch.Tensor) -> torch.Tensor | None:
+    """DAPO's soft overlong penalty of each row's response length (`algorithm.overlong`), against the response's
+    budget (`rollout.response_budget`: a multi-turn trajectory's, not one turn's); None where it is off."""
+    overlong = cfg.algorithm.overlong
+    if not overlong.enable:
+        return None
+    return overlong_penalty(lengths, cfg.rollout.response_budget, overlong.buffer_len, overlong.penalty_factor)

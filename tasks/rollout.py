@@ -57,7 +57,7 @@ def generate(cfg: RunConfig, run: RunHandle, step: int) -> dict[str, float]:
     elapsed = time.perf_counter() - start
     lengths = batch[T.ATTENTION_MASK][:, batch[T.PROMPT_IDS].shape[1] :].sum(-1).float()  # policy + observations
     tokens = float(lengths.sum())
-    limit = cfg.rollout.multi_turn.max_response_tokens if cfg.rollout.multi_turn.enabled else cfg.rollout.max_new_tokens
+    limit = cfg.rollout.response_budget
     log_trajectories(cfg, run, step, batch)
     return rollout_metrics(batch) | {
         "response_length/mean": float(lengths.mean()),

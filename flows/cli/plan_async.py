@@ -38,7 +38,7 @@ def reference_of(
         source = f"verl's table: generation {generate:g} s of a {step:g} s step on {gpus} GPUs"
     else:
         generate, step = generate_s, step_s
-        length = response_length if response_length is not None else cfg.rollout.max_new_tokens / 2
+        length = response_length if response_length is not None else cfg.rollout.response_budget / 2
         source = f"given: generation {generate:g} s of a {step:g} s step on {gpus} GPUs"
     if gpus < 2 or cfg.rollout.num_workers < 2:
         raise ValueError(
@@ -47,7 +47,7 @@ def reference_of(
         )
     if not 0 < generate < step:
         raise ValueError(f"plan --async: --generate-s {generate:g} must be > 0 and below --step-s {step:g}")
-    lengths = LengthModel(float(length), cfg.rollout.max_new_tokens)
+    lengths = LengthModel(float(length), cfg.rollout.response_budget)
     ref = Reference(gpus, cfg.rollout.num_workers, cfg.data.prompts_per_step, cfg.rollout.n, lengths, generate,
                     step, sync_seconds(params))  # fmt: skip
     return ref, source

@@ -16,7 +16,7 @@ STEP_KEYS = ("timing/", "rollout/", "response_length/", "async/")
 def run_shape(cfg: RunConfig) -> RunShape:
     """A run's batch as the simulator sees it: groups per step, replies per group, the cap, rollout workers."""
     workers = cfg.rollout.num_workers if cfg.cluster.mode == "ray" else 1
-    return RunShape(cfg.data.prompts_per_step, cfg.rollout.n, cfg.rollout.max_new_tokens, max(1, workers))
+    return RunShape(cfg.data.prompts_per_step, cfg.rollout.n, cfg.rollout.response_budget, max(1, workers))
 
 
 def recorded_steps(cfg: RunConfig) -> list[dict[str, float]]:

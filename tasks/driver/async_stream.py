@@ -159,7 +159,7 @@ class Streams:
             "response_length/mean": float(lengths.float().mean()),
             "response_length/max": float(lengths.max()),
             "response_length/min": float(lengths.min()),
-            "response_length/clip_ratio": float((lengths >= self.cfg.rollout.max_new_tokens).float().mean()),
+            "response_length/clip_ratio": float((lengths >= self.cfg.rollout.response_budget).float().mean()),
             "rollout/tokens": float(lengths.sum()),
             "async/mixed_version_sequences": float(mixed_rows(versions, mask)),
             "timing/generate_s": elapsed,

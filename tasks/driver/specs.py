@@ -135,12 +135,6 @@ def _plain(value: Any) -> Any:
     return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
 
 
-def response_budget(cfg: RunConfig) -> int:
-    """The most response tokens a row can have: rollout.max_new_tokens, or the multi-turn trajectory budget."""
-    mt = cfg.rollout.multi_turn
-    return mt.max_response_tokens if mt.enabled else cfg.rollout.max_new_tokens
-
-
 def loss_params(cfg: RunConfig) -> PolicyLossParams:
     """The actor's loss knobs from the algorithm section."""
     a = cfg.algorithm
@@ -149,7 +143,7 @@ def loss_params(cfg: RunConfig) -> PolicyLossParams:
         clip_ratio_high=a.clip_ratio_high,
         clip_ratio_c=a.clip_ratio_c,
         loss_agg_mode=a.loss_agg_mode,
-        loss_scale_factor=a.loss_scale_factor or response_budget(cfg),
+        loss_scale_factor=a.loss_scale_factor or cfg.rollout.response_budget,
         entropy_coeff=a.entropy_coeff,
         use_kl_loss=a.use_kl_loss,
         kl_loss_coef=a.kl_loss_coef,

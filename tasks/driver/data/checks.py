@@ -1,5 +1,5 @@
 """Pre-flight checks of the data: JSONL files row by row, local dataset paths, every row of both splits, and
-prompts that do not fit the model's context with `rollout.max_new_tokens`."""
+prompts that do not fit the model's context with the response's budget (`rollout.response_budget`)."""
 
 from __future__ import annotations
 
@@ -88,16 +88,15 @@ def context_length(cfg: RunConfig) -> int | None:
 
 
 def check_prompt_lengths(cfg: RunConfig) -> list[str]:
-    """Prompts + rollout.max_new_tokens fit the context: refused (data.overlong_prompts=error) or reported."""
+    """Prompts + the response's budget (rollout.max_new_tokens, or the multi-turn trajectory's) fit the context:
+    refused (data.overlong_prompts=error) or reported."""
     context = context_length(cfg)
     if context is None:
         return []
-    limit = context - cfg.rollout.max_new_tokens
+    budget, key = cfg.rollout.response_budget, cfg.rollout.response_budget_key
+    limit = context - budget
     if limit <= 0:
-        raise PreflightError(
-            f"rollout.max_new_tokens: {cfg.rollout.max_new_tokens} leaves no room for a prompt in the model's "
-            f"context of {context} tokens"
-        )
+        raise PreflightError(f"{key}: {budget} leaves no room for a prompt in the model's context of {context} tokens")
     from rlstages.tasks.driver.data.loading import load_rows
 
     rows = [(split, i, row.text) for split in ("train", "eval") for i, row in enumerate(load_rows(cfg.data, split))]
@@ -111,7 +110,7 @@ def check_prompt_lengths(cfg: RunConfig) -> list[str]:
     if not long:
         return []
     split, i, n = long[0]
-    what = f"{len(long)} prompt(s) longer than {limit} tokens (context {context} - rollout.max_new_tokens)"
+    what = f"{len(long)} prompt(s) longer than {limit} tokens (context {context} - {key})"
     if cfg.data.overlong_prompts == "error":
         raise PreflightError(
             f"data.overlong_prompts: {what}, e.g. {split} row {i} with {n} tokens; shorten them or set "

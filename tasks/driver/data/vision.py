@@ -238,7 +238,8 @@ def planned_model_type(cfg: RunConfig) -> str | None:
 
 def _check_lengths(cfg: RunConfig, rows: list[Any], processor: Any, tokenizer: Any) -> None:
     """Text tokens + image tokens of each image prompt within data.max_prompt_length and the model's context
-    minus rollout.max_new_tokens: image tokens are never truncated, so a longer prompt is refused."""
+    minus the response's budget (`rollout.response_budget`): image tokens are never truncated, so a longer prompt
+    is refused."""
     from transformers import AutoConfig
 
     from rlstages.engines.rollout.batching import prompt_text
@@ -246,7 +247,7 @@ def _check_lengths(cfg: RunConfig, rows: list[Any], processor: Any, tokenizer: A
 
     model = AutoConfig.from_pretrained(str(cfg.model.path), local_files_only=True)
     context = getattr(model.get_text_config(), "max_position_embeddings", None)
-    limits = [n for n in (cfg.data.max_prompt_length, context and context - cfg.rollout.max_new_tokens) if n]
+    limits = [n for n in (cfg.data.max_prompt_length, context and context - cfg.rollout.response_budget) if n]
     if not limits:
         return
     limit = min(limits)
@@ -260,6 +261,6 @@ def _check_lengths(cfg: RunConfig, rows: list[Any], processor: Any, tokenizer: A
         if total > limit:
             raise ValueError(
                 f"{row.where or 'data'}: prompt of {total} tokens ({sum(counts)} of them image tokens) > the limit "
-                f"of {limit} (data.max_prompt_length, or the context minus rollout.max_new_tokens); image tokens are "
-                "never cut: shorten the text or lower data.image_max_pixels"
+                f"of {limit} (data.max_prompt_length, or the context minus {cfg.rollout.response_budget_key}); "
+                "image tokens are never cut: shorten the text or lower data.image_max_pixels"
             )

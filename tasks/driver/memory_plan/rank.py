@@ -36,10 +36,10 @@ def shares_prompts(train: Any, role: str) -> bool:
 
 
 def response_tokens(cfg: RunConfig, train: Any) -> int:
-    """Response tokens of one micro-batch under `share_prompt_forward`: the cap, else rows x max_new_tokens."""
+    """Response tokens of one micro-batch under `share_prompt_forward`: the cap, else rows x the response's budget."""
     if train.dynamic_batching:
         return train.max_tokens_per_micro_batch
-    return train.micro_batch_size * cfg.rollout.max_new_tokens
+    return train.micro_batch_size * cfg.rollout.response_budget
 
 
 def prompt_tokens(cfg: RunConfig) -> int:
@@ -49,7 +49,7 @@ def prompt_tokens(cfg: RunConfig) -> int:
 
 def sequence_tokens(cfg: RunConfig) -> int:
     """Prompt + response tokens of one row (prompt: data.max_prompt_length, else DEFAULT_PROMPT_TOKENS)."""
-    return prompt_tokens(cfg) + cfg.rollout.max_new_tokens
+    return prompt_tokens(cfg) + cfg.rollout.response_budget
 
 
 def state_bytes(train: Any, dtype: str) -> StateBytes:
@@ -84,7 +84,7 @@ def _logits(cfg: RunConfig, role: str, train: Any, dims: ModelDims, lay: Layout)
     else:
         tokens = micro_batch_tokens(cfg, train, role) / lay.cp
         if not training_memory(train).full_logits:
-            tokens = tokens * cfg.rollout.max_new_tokens / sequence_tokens(cfg)
+            tokens = tokens * cfg.rollout.response_budget / sequence_tokens(cfg)
     return tokens * dims.vocab / lay.tp * 4
 
 

@@ -11,6 +11,7 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from rlstages.configs import RunConfig, load_config
 from rlstages.configs.data import DataConfig
@@ -217,3 +218,43 @@ def test_hub_dataset_name_resolves_offline_from_a_temporary_hf_cache(tmp_path: P
     assert {r.data_source for r in held_out} == {"lighteval/MATH"} and train[3].ground_truth == "6"
     with pytest.raises(ValueError, match="acme/absent"):  # a name the cache does not hold: one line, named
         D.load_rows(data_cfg("acme/absent"), "train")
+
+
+def test_a_multi_turn_runs_response_budget_is_its_trajectorys(tmp_path: Path, tiny_model_dir) -> None:
+    """With multi-turn rollouts a row's response is the trajectory (`multi_turn.max_response_tokens`), and
+    rollout.max_new_tokens caps nothing: the context check, the overlong penalty and the memory plan read the
+    trajectory's budget (`rollout.response_budget`), and an error names the setting it came from."""
+    from rlstages.tasks.driver.checks import PreflightError
+    from rlstages.tasks.driver.data.checks import check_prompt_lengths
+    from rlstages.tasks.driver.memory_plan.rank import prompt_tokens, sequence_tokens
+    from rlstages.tasks.reward import length_penalty
+
+    path = write_parquet(tmp_path / "mt.parquet", verl_rows(3))
+    tools = ["rollout.multi_turn.enabled=true", "rollout.multi_turn.environment={tools: [{name: calculator}]}"]
+    single = run_cfg(tmp_path, tiny_model_dir, path, "rollout.max_new_tokens=600")
+    with pytest.raises(PreflightError, match=r"^rollout\.max_new_tokens: 600 leaves no room for a prompt"):
+        check_prompt_lengths(single)
+    budget = ["rollout.multi_turn.max_response_tokens=64", "rollout.multi_turn.per_turn_max_tokens=32"]
+    multi = run_cfg(tmp_path, tiny_model_dir, path, "rollout.max_new_tokens=600", *tools, *budget)
+    assert multi.rollout.response_budget == 64 and check_prompt_lengths(multi) == []
+    assert sequence_tokens(multi) == prompt_tokens(multi) + 64
+    long = run_cfg(tmp_path, tiny_model_dir, path, *tools, "rollout.multi_turn.max_response_tokens=600")
+    with pytest.raises(PreflightError, match=r"^rollout\.multi_turn\.max_response_tokens: 600 leaves no room"):
+        check_prompt_lengths(long)
+    penalised = ["algorithm.overlong.enable=true", "algorithm.overlong.buffer_len=16", "rollout.max_new_tokens=32"]
+    lengths = torch.tensor([8, 40, 56, 64])
+    one_turn = length_penalty(run_cfg(tmp_path, tiny_model_dir, path, *penalised), lengths)
+    trajectory = length_penalty(
+        run_cfg(
+            tmp_path,
+            tiny_model_dir,
+            path,
+            *penalised,
+            *tools,
+            "rollout.multi_turn.max_response_tokens=64",
+            "rollout.multi_turn.per_turn_max_tokens=8",
+        ),  # fmt: skip
+        lengths,
+    )
+    assert one_turn is not None and one_turn.tolist() == [0.0, -1.5, -2.5, -3.0]  # against max_new_tokens' 32
+    assert trajectory is not None and trajectory.tolist() == [0.0, 0.0, -0.5, -1.0]  # against the trajectory's 64
