@@ -53,7 +53,7 @@ DEMO_ROWS: tuple[DemoRow, ...] = (
         "native bf16 with AMX",
         "Intel Xeon with AMX-BF16 (Sapphire Rapids or later; bf16 GEMM ~1,130-1,450 GFLOP/s)",
         "1 min 15-31 s",
-        "**3.7-5.2 min** (2026-12-07, rounds 39-42, six runs of one curve; the VM's pace varies by the hour)",
+        "**3.7-5.2 min** (2026-12-07/08, rounds 39-43, seven runs of one curve; the VM's pace varies by the hour)",
         "step 16, **2.13-2.92 min** in",
         "0.86",
         "3.36-3.44 GB",
