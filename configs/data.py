@@ -116,5 +116,6 @@ class DataConfig(StrictModel):
     overlong_prompts: Literal["error", "drop", "truncate"] = Field(
         default="error",
         description="error: refuse the run before it starts, naming the row; drop: skip them and count them "
-        "(data/dropped_prompts); truncate: keep each such prompt's last tokens (context limit only).",
+        "(data/dropped_prompts); truncate: keep each such prompt's last tokens (context limit only; a multi-turn "
+        "run keeps the prompt whole and its trajectory stops at the context).",
     )

@@ -116,6 +116,8 @@ def check_prompt_lengths(cfg: RunConfig) -> list[str]:
             f"data.overlong_prompts: {what}, e.g. {split} row {i} with {n} tokens; shorten them or set "
             "data.overlong_prompts=truncate"
         )
+    if cfg.rollout.multi_turn.enabled:  # the multi-turn engine keeps a prompt whole; the window ends its trajectory
+        return [f"{what} are kept whole: their trajectories stop at the context (stop reason 'context')"]
     return [f"{what} are truncated to their last {limit} tokens (data.overlong_prompts=truncate)"]
 
 

@@ -238,6 +238,14 @@ def test_a_multi_turn_runs_response_budget_is_its_trajectorys(tmp_path: Path, ti
     multi = run_cfg(tmp_path, tiny_model_dir, path, "rollout.max_new_tokens=600", *tools, *budget)
     assert multi.rollout.response_budget == 64 and check_prompt_lengths(multi) == []
     assert sequence_tokens(multi) == prompt_tokens(multi) + 64
+    tight = ["rollout.multi_turn.max_response_tokens=500", "rollout.multi_turn.per_turn_max_tokens=32"]
+    kept = check_prompt_lengths(
+        run_cfg(tmp_path, tiny_model_dir, path, *tools, *tight, "data.overlong_prompts=truncate")
+    )
+    assert kept and "(context 512 - rollout.multi_turn.max_response_tokens) are kept whole" in kept[0], kept
+    cut = check_prompt_lengths(run_cfg(tmp_path, tiny_model_dir, path, "rollout.max_new_tokens=500",
+                                       "data.overlong_prompts=truncate"))  # fmt: skip
+    assert cut and "are truncated to their last 12 tokens" in cut[0], cut  # the single-turn engine cuts them
     long = run_cfg(tmp_path, tiny_model_dir, path, *tools, "rollout.multi_turn.max_response_tokens=600")
     with pytest.raises(PreflightError, match=r"^rollout\.multi_turn\.max_response_tokens: 600 leaves no room"):
         check_prompt_lengths(long)
