@@ -239,12 +239,10 @@ def test_a_multi_turn_runs_response_budget_is_its_trajectorys(tmp_path: Path, ti
     assert multi.rollout.response_budget == 64 and check_prompt_lengths(multi) == []
     assert sequence_tokens(multi) == prompt_tokens(multi) + 64
     tight = ["rollout.multi_turn.max_response_tokens=500", "rollout.multi_turn.per_turn_max_tokens=32"]
-    kept = check_prompt_lengths(
-        run_cfg(tmp_path, tiny_model_dir, path, *tools, *tight, "data.overlong_prompts=truncate")
-    )
+    truncate = "data.overlong_prompts=truncate"
+    kept = check_prompt_lengths(run_cfg(tmp_path, tiny_model_dir, path, *tools, *tight, truncate))
     assert kept and "(context 512 - rollout.multi_turn.max_response_tokens) are kept whole" in kept[0], kept
-    cut = check_prompt_lengths(run_cfg(tmp_path, tiny_model_dir, path, "rollout.max_new_tokens=500",
-                                       "data.overlong_prompts=truncate"))  # fmt: skip
+    cut = check_prompt_lengths(run_cfg(tmp_path, tiny_model_dir, path, "rollout.max_new_tokens=500", truncate))
     assert cut and "are truncated to their last 12 tokens" in cut[0], cut  # the single-turn engine cuts them
     long = run_cfg(tmp_path, tiny_model_dir, path, *tools, "rollout.multi_turn.max_response_tokens=600")
     with pytest.raises(PreflightError, match=r"^rollout\.multi_turn\.max_response_tokens: 600 leaves no room"):
@@ -252,17 +250,7 @@ def test_a_multi_turn_runs_response_budget_is_its_trajectorys(tmp_path: Path, ti
     penalised = ["algorithm.overlong.enable=true", "algorithm.overlong.buffer_len=16", "rollout.max_new_tokens=32"]
     lengths = torch.tensor([8, 40, 56, 64])
     one_turn = length_penalty(run_cfg(tmp_path, tiny_model_dir, path, *penalised), lengths)
-    trajectory = length_penalty(
-        run_cfg(
-            tmp_path,
-            tiny_model_dir,
-            path,
-            *penalised,
-            *tools,
-            "rollout.multi_turn.max_response_tokens=64",
-            "rollout.multi_turn.per_turn_max_tokens=8",
-        ),  # fmt: skip
-        lengths,
-    )
+    turns = ["rollout.multi_turn.max_response_tokens=64", "rollout.multi_turn.per_turn_max_tokens=8"]
+    trajectory = length_penalty(run_cfg(tmp_path, tiny_model_dir, path, *penalised, *tools, *turns), lengths)
     assert one_turn is not None and one_turn.tolist() == [0.0, -1.5, -2.5, -3.0]  # against max_new_tokens' 32
     assert trajectory is not None and trajectory.tolist() == [0.0, 0.0, -0.5, -1.0]  # against the trajectory's 64
